@@ -1,0 +1,211 @@
+//! The abort call: `POST /v1/abort`, its body and its answers (contract §3).
+
+use crate::id::{IdError, RequestId};
+use crate::reason::AbortReason;
+use core::fmt;
+use serde::{Deserialize, Serialize};
+
+/// Default path of the abort endpoint on the control service's admin listener.
+pub const ABORT_PATH: &str = "/v1/abort";
+
+/// Largest abort body the control service reads, in bytes.
+pub const MAX_ABORT_BODY: usize = 4096;
+
+/// The abort body. Unknown fields are ignored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AbortRequest {
+    /// The request to end (validated on parse).
+    pub request_id: String,
+    /// Why.
+    pub reason: AbortReason,
+    /// Age of the request at the sender when the abort was decided, in ms.
+    #[serde(default)]
+    pub age_ms: u64,
+    /// Data events the sender saw.
+    #[serde(default)]
+    pub tokens: u64,
+}
+
+/// Why an abort body was refused (answer 400).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BodyError {
+    /// Longer than [`MAX_ABORT_BODY`].
+    TooLarge(usize),
+    /// Not JSON of the contract's shape (serde's message).
+    Json(String),
+    /// `request_id` is not a valid id.
+    Id(IdError),
+}
+
+impl fmt::Display for BodyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BodyError::TooLarge(n) => {
+                write!(f, "abort body is {n} bytes, at most {MAX_ABORT_BODY}")
+            }
+            BodyError::Json(e) => write!(f, "abort body: {e}"),
+            BodyError::Id(e) => write!(f, "abort body: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for BodyError {}
+
+impl AbortRequest {
+    /// Builds a body for a validated id.
+    pub fn new(request_id: &RequestId, reason: AbortReason, age_ms: u64, tokens: u64) -> Self {
+        AbortRequest {
+            request_id: request_id.as_str().to_owned(),
+            reason,
+            age_ms,
+            tokens,
+        }
+    }
+
+    /// Serialises the body (compact JSON, field order as in the contract).
+    pub fn to_json(&self) -> Vec<u8> {
+        // Serialising plain strings and integers cannot fail.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Parses and validates a body; returns it with its validated id.
+    pub fn parse(body: &[u8]) -> Result<(AbortRequest, RequestId), BodyError> {
+        if body.len() > MAX_ABORT_BODY {
+            return Err(BodyError::TooLarge(body.len()));
+        }
+        let req: AbortRequest =
+            serde_json::from_slice(body).map_err(|e| BodyError::Json(e.to_string()))?;
+        let id = RequestId::try_new(req.request_id.as_bytes()).map_err(BodyError::Id)?;
+        Ok((req, id))
+    }
+}
+
+/// The JSON answer of the abort endpoint (200 and 404).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AbortAnswer {
+    /// Echo of the request id.
+    pub request_id: String,
+    /// Whether the request was in flight or tombstoned.
+    pub found: bool,
+    /// It was in flight and is now ended.
+    #[serde(default, skip_serializing_if = "core::ops::Not::not")]
+    pub aborted: bool,
+    /// It had ended earlier.
+    #[serde(default, skip_serializing_if = "core::ops::Not::not")]
+    pub already_aborted: bool,
+}
+
+/// What the sender does with an answer status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// 200: the request was in flight and is ended, or was ended earlier.
+    Done,
+    /// 404: not in flight; a tombstone now refuses it if it arrives later.
+    NotFound,
+    /// 400: malformed body or id. No retry.
+    BadRequest,
+    /// 401: missing, bad or stale signature. No retry; log loudly.
+    Unauthorized,
+    /// 409: replayed signature. No retry.
+    Replay,
+    /// 429, 5xx, timeout, reset: retry with backoff.
+    Transient,
+    /// Any other status: treated as a permanent failure.
+    Unexpected,
+}
+
+impl Disposition {
+    /// Classifies an HTTP status of the abort endpoint.
+    pub const fn of_status(status: u16) -> Disposition {
+        match status {
+            200 => Disposition::Done,
+            404 => Disposition::NotFound,
+            400 => Disposition::BadRequest,
+            401 => Disposition::Unauthorized,
+            409 => Disposition::Replay,
+            429 | 500..=599 => Disposition::Transient,
+            _ => Disposition::Unexpected,
+        }
+    }
+
+    /// Whether the sender should try again later.
+    pub const fn is_retryable(self) -> bool {
+        matches!(self, Disposition::Transient)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_round_trip_and_unknown_fields() {
+        let id = RequestId::try_new(b"r1").unwrap();
+        let req = AbortRequest::new(&id, AbortReason::Stalled, 5, 6);
+        let json = req.to_json();
+        assert_eq!(
+            json,
+            br#"{"request_id":"r1","reason":"stalled","age_ms":5,"tokens":6}"#
+        );
+        let (back, bid) = AbortRequest::parse(&json).unwrap();
+        assert_eq!((back, bid), (req, id));
+        let extra = br#"{"request_id":"r1","reason":"operator","future":[1,2]}"#;
+        assert_eq!(
+            AbortRequest::parse(extra).unwrap().0.reason,
+            AbortReason::Operator
+        );
+    }
+
+    #[test]
+    fn body_errors() {
+        assert!(matches!(AbortRequest::parse(b"{"), Err(BodyError::Json(_))));
+        assert!(matches!(
+            AbortRequest::parse(br#"{"request_id":"r1","reason":"bored"}"#),
+            Err(BodyError::Json(_))
+        ));
+        assert!(matches!(
+            AbortRequest::parse(br#"{"request_id":"a b","reason":"stalled"}"#),
+            Err(BodyError::Id(IdError::BadByte(1)))
+        ));
+        assert!(matches!(
+            AbortRequest::parse(&[b' '; 5000]),
+            Err(BodyError::TooLarge(5000))
+        ));
+    }
+
+    #[test]
+    fn answers_serialise_per_contract() {
+        let a = AbortAnswer {
+            request_id: "r".into(),
+            found: true,
+            aborted: true,
+            already_aborted: false,
+        };
+        assert_eq!(
+            serde_json::to_string(&a).unwrap(),
+            r#"{"request_id":"r","found":true,"aborted":true}"#
+        );
+        let n = AbortAnswer {
+            request_id: "r".into(),
+            found: false,
+            aborted: false,
+            already_aborted: false,
+        };
+        assert_eq!(
+            serde_json::to_string(&n).unwrap(),
+            r#"{"request_id":"r","found":false}"#
+        );
+    }
+
+    #[test]
+    fn dispositions() {
+        assert_eq!(Disposition::of_status(200), Disposition::Done);
+        assert_eq!(Disposition::of_status(404), Disposition::NotFound);
+        assert_eq!(Disposition::of_status(401), Disposition::Unauthorized);
+        assert_eq!(Disposition::of_status(409), Disposition::Replay);
+        assert!(Disposition::of_status(503).is_retryable());
+        assert!(Disposition::of_status(429).is_retryable());
+        assert!(!Disposition::of_status(400).is_retryable());
+        assert_eq!(Disposition::of_status(302), Disposition::Unexpected);
+    }
+}

@@ -1,0 +1,147 @@
+//! Request ids: the abort key (contract §1).
+
+use core::fmt;
+
+/// Longest accepted request id, in bytes.
+pub const MAX_ID_LEN: usize = 128;
+
+/// A validated request id: 1–128 bytes of `[A-Za-z0-9._:-]`.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(String);
+
+/// Why a byte string is not a request id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdError {
+    /// Zero bytes.
+    Empty,
+    /// More than [`MAX_ID_LEN`] bytes (the length is given).
+    TooLong(usize),
+    /// A byte outside `[A-Za-z0-9._:-]` (its offset is given).
+    BadByte(usize),
+}
+
+impl fmt::Display for IdError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            IdError::Empty => write!(f, "request id is empty"),
+            IdError::TooLong(n) => {
+                write!(f, "request id is {n} bytes, at most {MAX_ID_LEN} allowed")
+            }
+            IdError::BadByte(i) => {
+                write!(
+                    f,
+                    "request id has a byte outside [A-Za-z0-9._:-] at offset {i}"
+                )
+            }
+        }
+    }
+}
+
+impl std::error::Error for IdError {}
+
+/// Whether `b` may appear in a request id.
+#[inline]
+pub fn is_id_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-')
+}
+
+impl RequestId {
+    /// Validates raw header bytes as a request id.
+    pub fn try_new(bytes: &[u8]) -> Result<Self, IdError> {
+        if bytes.is_empty() {
+            return Err(IdError::Empty);
+        }
+        if bytes.len() > MAX_ID_LEN {
+            return Err(IdError::TooLong(bytes.len()));
+        }
+        if let Some(i) = bytes.iter().position(|b| !is_id_byte(*b)) {
+            return Err(IdError::BadByte(i));
+        }
+        // Every byte is ASCII, so this is valid UTF-8.
+        Ok(RequestId(bytes.iter().map(|b| char::from(*b)).collect()))
+    }
+
+    /// The id as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// vLLM's engine-side ids for this request: `cmpl-<id>` (completions) and
+    /// `chatcmpl-<id>` (chat).
+    pub fn vllm_engine_ids(&self) -> [String; 2] {
+        [format!("cmpl-{}", self.0), format!("chatcmpl-{}", self.0)]
+    }
+}
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RequestId({})", self.0)
+    }
+}
+
+impl core::str::FromStr for RequestId {
+    type Err = IdError;
+    fn from_str(s: &str) -> Result<Self, IdError> {
+        RequestId::try_new(s.as_bytes())
+    }
+}
+
+impl AsRef<str> for RequestId {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn accepts_uuid_and_edge_forms() {
+        for ok in [
+            "3f1c2a4e-9b7d-4c1e-8a2b-1234567890ab",
+            "a",
+            "fx-chat",
+            "x.y_z:1-2",
+        ] {
+            assert_eq!(RequestId::try_new(ok.as_bytes()).unwrap().as_str(), ok);
+        }
+        assert!(RequestId::try_new(&[b'a'; MAX_ID_LEN]).is_ok());
+    }
+
+    #[test]
+    fn refuses_bad_ids() {
+        assert_eq!(RequestId::try_new(b""), Err(IdError::Empty));
+        assert_eq!(RequestId::try_new(&[b'a'; 129]), Err(IdError::TooLong(129)));
+        assert_eq!(RequestId::try_new(b"ab\r\nc"), Err(IdError::BadByte(2)));
+        assert_eq!(RequestId::try_new(b"a b"), Err(IdError::BadByte(1)));
+        assert_eq!(RequestId::try_new(&[0xff, b'a']), Err(IdError::BadByte(0)));
+        assert_eq!(RequestId::try_new(b"a/b"), Err(IdError::BadByte(1)));
+    }
+
+    #[test]
+    fn engine_ids_follow_vllm() {
+        let id = RequestId::try_new(b"fx-chat").unwrap();
+        assert_eq!(
+            id.vllm_engine_ids(),
+            ["cmpl-fx-chat".to_string(), "chatcmpl-fx-chat".to_string()]
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn never_panics_and_valid_means_charset(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            match RequestId::try_new(&bytes) {
+                Ok(id) => prop_assert_eq!(id.as_str().as_bytes(), &bytes[..]),
+                Err(_) => prop_assert!(bytes.is_empty() || bytes.len() > MAX_ID_LEN || bytes.iter().any(|b| !is_id_byte(*b))),
+            }
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! Host-free logic of the kvguard filter (placeholder).

@@ -1,0 +1,1 @@
+//! kvguard proxy-wasm glue (placeholder).
