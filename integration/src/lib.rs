@@ -1,1 +1,28 @@
-//! Test harness (placeholder).
+//! kvguard's test instruments and end-to-end harness. **Not a product**: everything here
+//! exists to test the filter and kvguard-control against real processes.
+//!
+//! - [`paths`] finds the binaries and fixtures (Envoy, the wasm, kvguard-control).
+//! - [`proc`] runs child processes that are always killed, even when a test panics.
+//! - [`wait`] bounded polling.
+//! - [`sim`] the workspace's one engine simulator (vLLM-like OpenAI streaming API, paged
+//!   KV pool with admission control, vLLM metric names, abort APIs).
+//! - [`receiver`] a mock `POST /v1/abort` endpoint that verifies signatures per contract.
+//! - [`envoy`] runs a real Envoy with (or without) the kvguard filter.
+//! - [`client`] small HTTP/SSE client helpers, including disconnecting and silent clients.
+//! - [`lossy`] a reverse proxy that does not pass client disconnects on (the leak).
+//! - [`load`] the load generator behind the `kvguard-load` binary.
+
+pub mod cli;
+pub mod client;
+pub mod demo;
+pub mod envoy;
+pub mod load;
+pub mod lossy;
+pub mod paths;
+pub mod proc;
+pub mod receiver;
+pub mod sim;
+pub mod vllm;
+pub mod wait;
+
+mod http;

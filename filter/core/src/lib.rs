@@ -1,1 +1,25 @@
-//! Host-free logic of the kvguard filter (placeholder).
+//! Host-free logic of the kvguard proxy-wasm filter: configuration, the incremental
+//! SSE/NDJSON scanner, per-request clocks and decisions, the abort queue, metric
+//! definitions, and the per-VM [`engine::Engine`] that ties them together behind small
+//! traits ([`host::Clock`], [`host::Host`], [`metrics::Metrics`]).
+//!
+//! No proxy-wasm dependency: everything here is unit-tested natively and compiled to
+//! `wasm32-wasip1`. Nothing here panics on any input.
+#![forbid(unsafe_code)]
+
+pub mod aborts;
+pub mod cidr;
+pub mod config;
+pub mod engine;
+pub mod host;
+pub mod json;
+pub mod metrics;
+pub mod request;
+pub mod scan;
+
+#[cfg(test)]
+pub(crate) mod testing;
+
+pub use config::{Config, ConfigError, Limits, Mode};
+pub use engine::{Action, BodyNeed, Engine, Verdict};
+pub use request::OutcomeTag;

@@ -1,0 +1,609 @@
+//! Command line and environment configuration, validated into a typed [`Config`].
+//!
+//! Every flag can also be given as a `KVGUARD_<NAME>` environment variable (clap's `env`).
+//! The shared secret itself is read only from `--secret-file` or the `KVGUARD_SECRET`
+//! variable, never from the command line (where `ps` would show it).
+
+use clap::{Parser, ValueEnum};
+use http::Uri;
+use kvguard_contract::Key;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Exit status for bad flags (`EX_USAGE`).
+pub const EXIT_USAGE: i32 = 64;
+
+/// Name of the environment variable holding one shared secret.
+pub const SECRET_ENV: &str = "KVGUARD_SECRET";
+
+/// How an abort ends the engine-side sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AbortStrategy {
+    /// Close the engine-side connection (vLLM, TGI and llama.cpp abort on disconnect).
+    Connection,
+    /// Close the connection and call SGLang's `POST /abort_request {"rid": "<id>"}`.
+    Sglang,
+    /// Close the connection and call `POST /inference/v1/abort_requests`
+    /// (vLLM scale-out / production-stack abort API).
+    #[value(name = "vllm-scale-out")]
+    VllmScaleOut,
+}
+
+impl AbortStrategy {
+    /// The flag and log form.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            AbortStrategy::Connection => "connection",
+            AbortStrategy::Sglang => "sglang",
+            AbortStrategy::VllmScaleOut => "vllm-scale-out",
+        }
+    }
+}
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable text.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Raw flags, as clap parses them. Validate with [`Config::try_new`].
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "kvguard-control",
+    version,
+    about = "kvguard-control: proxies inference traffic to the engine, carries out signed aborts, \
+             reaps idle and over-age sequences, reports NVML and engine KV signals."
+)]
+pub struct Args {
+    /// Proxy listener (inference traffic in, HTTP/1.1 and h2c).
+    #[arg(long, env = "KVGUARD_LISTEN", default_value = "0.0.0.0:8001")]
+    pub listen: String,
+    /// Admin listener: POST /v1/abort, GET /v1/requests, /v1/gpu, /metrics, /healthz, /readyz.
+    #[arg(long, env = "KVGUARD_ADMIN_LISTEN", default_value = "0.0.0.0:9902")]
+    pub admin_listen: String,
+    /// The engine's base URL (http only).
+    #[arg(
+        long,
+        env = "KVGUARD_ENGINE_URL",
+        default_value = "http://127.0.0.1:8000"
+    )]
+    pub engine_url: String,
+    /// The engine's Prometheus metrics URL (default: <engine-url>/metrics).
+    #[arg(long, env = "KVGUARD_ENGINE_METRICS_URL")]
+    pub engine_metrics_url: Option<String>,
+    /// The engine's health URL used by /readyz when metrics do not answer (default: <engine-url>/health).
+    #[arg(long, env = "KVGUARD_ENGINE_HEALTH_URL")]
+    pub engine_health_url: Option<String>,
+    /// This replica's admin address as others reach it (IP literal and port); enables the
+    /// signed x-kvguard-control response stamp.
+    #[arg(long, env = "KVGUARD_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// File of shared secrets, one per line (all accepted; blank lines and `#` comments skipped).
+    #[arg(long, env = "KVGUARD_SECRET_FILE")]
+    pub secret_file: Option<PathBuf>,
+    /// How an abort ends the engine-side sequence.
+    #[arg(
+        long,
+        env = "KVGUARD_ABORT_STRATEGY",
+        value_enum,
+        default_value = "connection"
+    )]
+    pub abort_strategy: AbortStrategy,
+    /// Hard cap on a request's age (humantime, `off` or `0` disables).
+    #[arg(long, env = "KVGUARD_MAX_AGE", default_value = "15m")]
+    pub max_age: String,
+    /// Abort a stream with no data event for this long, counted from the first one.
+    #[arg(long, env = "KVGUARD_IDLE_TIMEOUT", default_value = "120s")]
+    pub idle_timeout: String,
+    /// Abort a request with no data event this long after it started.
+    #[arg(long, env = "KVGUARD_FIRST_TOKEN_TIMEOUT", default_value = "off")]
+    pub first_token_timeout: String,
+    /// Observe only: log and count what would be aborted, abort nothing.
+    #[arg(long, env = "KVGUARD_DRY_RUN", default_value_t = false)]
+    pub dry_run: bool,
+    /// Engine metrics, NVML and /proc sampling period.
+    #[arg(long, env = "KVGUARD_SAMPLE_INTERVAL", default_value = "5s")]
+    pub sample_interval: String,
+    /// How long an abort for an unknown id keeps refusing that id.
+    #[arg(long, env = "KVGUARD_TOMBSTONE_TTL", default_value = "60s")]
+    pub tombstone_ttl: String,
+    /// Most tombstones kept (the oldest are evicted first).
+    #[arg(long, env = "KVGUARD_MAX_TOMBSTONES", default_value_t = 100_000)]
+    pub max_tombstones: usize,
+    /// On SIGTERM/SIGINT: how long in-flight requests may finish before they are ended.
+    #[arg(long, env = "KVGUARD_DRAIN_TIMEOUT", default_value = "30s")]
+    pub drain_timeout: String,
+    /// A sample is a quiet checkpoint when at most this many requests are in flight.
+    #[arg(long, env = "KVGUARD_QUIET_MAX_INFLIGHT", default_value_t = 0)]
+    pub quiet_max_inflight: usize,
+    /// The engine's pid on this host: its open fds and RSS are exported.
+    #[arg(long, env = "KVGUARD_ENGINE_PID")]
+    pub engine_pid: Option<u32>,
+    /// Most requests in flight; more are answered 503.
+    #[arg(long, env = "KVGUARD_MAX_INFLIGHT", default_value_t = 4096)]
+    pub max_inflight: usize,
+    /// Largest request body proxied to the engine, in bytes.
+    #[arg(long, env = "KVGUARD_MAX_REQUEST_BODY", default_value_t = 16 * 1024 * 1024)]
+    pub max_request_body: usize,
+    /// Log format.
+    #[arg(long, env = "KVGUARD_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+    /// Log filter (tracing-subscriber EnvFilter syntax).
+    #[arg(long, env = "KVGUARD_LOG", default_value = "info")]
+    pub log: String,
+    /// Write the bound addresses as JSON `{"proxy":"ip:port","admin":"ip:port"}` here.
+    #[arg(long, env = "KVGUARD_ADDR_FILE")]
+    pub addr_file: Option<PathBuf>,
+    /// Tokio worker threads (default: the CPUs available, at most 4).
+    #[arg(long, env = "KVGUARD_WORKER_THREADS")]
+    pub worker_threads: Option<usize>,
+    /// Do not load NVML (machines where it must not be touched).
+    #[arg(long, env = "KVGUARD_NO_NVML", default_value_t = false)]
+    pub no_nvml: bool,
+}
+
+/// A flag that failed validation: exit 64 naming it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The flag, e.g. `--max-age`.
+    pub flag: &'static str,
+    /// What is wrong and what is allowed.
+    pub message: String,
+}
+
+impl ConfigError {
+    fn new(flag: &'static str, message: impl Into<String>) -> Self {
+        ConfigError {
+            flag,
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.flag, self.message)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// An `http://host:port` base (no path), as the proxy dials it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineUrl {
+    /// `host:port` (port defaulted to 80).
+    pub authority: String,
+    /// The base as text, no trailing slash.
+    pub base: String,
+}
+
+impl EngineUrl {
+    /// Validates an engine base URL: `http://`, a host, no path, query or user info.
+    pub fn try_new(flag: &'static str, s: &str) -> Result<Self, ConfigError> {
+        let uri: Uri = s
+            .parse()
+            .map_err(|e| ConfigError::new(flag, format!("{s:?} is not a URL: {e}")))?;
+        if uri.scheme_str() != Some("http") {
+            return Err(ConfigError::new(
+                flag,
+                format!("{s:?}: only http:// is supported (the engine is local)"),
+            ));
+        }
+        let auth = uri
+            .authority()
+            .ok_or_else(|| ConfigError::new(flag, format!("{s:?} has no host")))?;
+        if auth.as_str().contains('@') {
+            return Err(ConfigError::new(
+                flag,
+                format!("{s:?}: no user info allowed"),
+            ));
+        }
+        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+            return Err(ConfigError::new(
+                flag,
+                format!("{s:?}: give the base URL only, without a path or query"),
+            ));
+        }
+        let authority = match auth.port_u16() {
+            Some(_) => auth.as_str().to_owned(),
+            None => format!("{}:80", auth.host()),
+        };
+        Ok(EngineUrl {
+            base: format!("http://{}", auth.as_str()),
+            authority,
+        })
+    }
+}
+
+/// A full `http://` URL (metrics, health).
+fn http_url(flag: &'static str, s: &str) -> Result<Uri, ConfigError> {
+    let uri: Uri = s
+        .parse()
+        .map_err(|e| ConfigError::new(flag, format!("{s:?} is not a URL: {e}")))?;
+    if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+        return Err(ConfigError::new(
+            flag,
+            format!("{s:?}: an http:// URL with a host is required"),
+        ));
+    }
+    Ok(uri)
+}
+
+/// Parses a duration in humantime form; `off` or `0` means disabled (`None`).
+pub fn parse_optional_duration(
+    flag: &'static str,
+    s: &str,
+) -> Result<Option<Duration>, ConfigError> {
+    let t = s.trim();
+    if t.eq_ignore_ascii_case("off") || t == "0" {
+        return Ok(None);
+    }
+    let d = humantime::parse_duration(t).map_err(|e| {
+        ConfigError::new(
+            flag,
+            format!("{s:?} is not a duration ({e}); use e.g. 15m, 120s, 500ms, or off"),
+        )
+    })?;
+    Ok(if d.is_zero() { None } else { Some(d) })
+}
+
+fn parse_required_duration(flag: &'static str, s: &str) -> Result<Duration, ConfigError> {
+    parse_optional_duration(flag, s)?
+        .ok_or_else(|| ConfigError::new(flag, format!("{s:?}: must be a positive duration")))
+}
+
+fn parse_listen(flag: &'static str, s: &str) -> Result<SocketAddr, ConfigError> {
+    s.trim().parse().map_err(|_| {
+        ConfigError::new(
+            flag,
+            format!("{s:?} is not an IP:port (e.g. 0.0.0.0:8001, [::]:8001)"),
+        )
+    })
+}
+
+/// Validates `--advertise`: an IP literal and a non-zero port, not an unspecified address
+/// (Envoy's ORIGINAL_DST override accepts only an IP literal and port).
+pub fn parse_advertise(s: &str) -> Result<SocketAddr, ConfigError> {
+    const FLAG: &str = "--advertise";
+    let addr: SocketAddr = s.trim().parse().map_err(|_| {
+        ConfigError::new(
+            FLAG,
+            format!("{s:?} must be an IP literal and port, e.g. 10.0.0.7:9902 or [fd00::1]:9902"),
+        )
+    })?;
+    if addr.port() == 0 {
+        return Err(ConfigError::new(
+            FLAG,
+            format!("{s:?}: port 0 is not routable"),
+        ));
+    }
+    if addr.ip().is_unspecified() {
+        return Err(ConfigError::new(
+            FLAG,
+            format!("{s:?}: an unspecified address (0.0.0.0, ::) is not routable"),
+        ));
+    }
+    Ok(addr)
+}
+
+/// Parses a secret file: one key per line, blank lines and `#` comments skipped.
+pub fn parse_secret_file(text: &[u8]) -> Result<Vec<Key>, ConfigError> {
+    let mut keys = Vec::new();
+    for (i, line) in text.split(|b| *b == b'\n').enumerate() {
+        let l = line.trim_ascii();
+        if l.is_empty() || l.starts_with(b"#") {
+            continue;
+        }
+        let key = Key::try_new(l)
+            .map_err(|e| ConfigError::new("--secret-file", format!("line {}: {e}", i + 1)))?;
+        keys.push(key);
+    }
+    if keys.is_empty() {
+        return Err(ConfigError::new("--secret-file", "the file holds no key"));
+    }
+    Ok(keys)
+}
+
+/// The reaper's limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Limits {
+    /// From the request's start.
+    pub max_age: Option<Duration>,
+    /// From the last data event, once there was one.
+    pub idle_timeout: Option<Duration>,
+    /// From the request's start until the first data event.
+    pub first_token_timeout: Option<Duration>,
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Proxy listener.
+    pub listen: SocketAddr,
+    /// Admin listener.
+    pub admin_listen: SocketAddr,
+    /// Engine base.
+    pub engine: EngineUrl,
+    /// Engine metrics URL.
+    pub engine_metrics_url: Uri,
+    /// Engine health URL.
+    pub engine_health_url: Uri,
+    /// Stamp address, if any.
+    pub advertise: Option<SocketAddr>,
+    /// Accepted keys (the first one signs stamps). Empty: every abort call is refused (401).
+    pub keys: Vec<Key>,
+    /// Abort strategy.
+    pub abort_strategy: AbortStrategy,
+    /// Reaper limits.
+    pub limits: Limits,
+    /// Observe only.
+    pub dry_run: bool,
+    /// Sampling period.
+    pub sample_interval: Duration,
+    /// Tombstone TTL.
+    pub tombstone_ttl: Duration,
+    /// Tombstone bound.
+    pub max_tombstones: usize,
+    /// Drain time on shutdown.
+    pub drain_timeout: Duration,
+    /// Quiet checkpoint threshold.
+    pub quiet_max_inflight: usize,
+    /// Engine pid for /proc figures.
+    pub engine_pid: Option<u32>,
+    /// In-flight bound.
+    pub max_inflight: usize,
+    /// Request body bound.
+    pub max_request_body: usize,
+    /// Log format.
+    pub log_format: LogFormat,
+    /// Log filter.
+    pub log: String,
+    /// Address file.
+    pub addr_file: Option<PathBuf>,
+    /// Worker threads.
+    pub worker_threads: usize,
+    /// Skip NVML.
+    pub no_nvml: bool,
+}
+
+impl Config {
+    /// Validates flags. `secret_env` is the value of `KVGUARD_SECRET`, if set.
+    pub fn try_new(args: Args, secret_env: Option<Vec<u8>>) -> Result<Config, ConfigError> {
+        let listen = parse_listen("--listen", &args.listen)?;
+        let admin_listen = parse_listen("--admin-listen", &args.admin_listen)?;
+        if listen == admin_listen && listen.port() != 0 {
+            return Err(ConfigError::new(
+                "--admin-listen",
+                "must differ from --listen",
+            ));
+        }
+        let engine = EngineUrl::try_new("--engine-url", &args.engine_url)?;
+        let engine_metrics_url = match &args.engine_metrics_url {
+            Some(u) => http_url("--engine-metrics-url", u)?,
+            None => http_url("--engine-url", &format!("{}/metrics", engine.base))?,
+        };
+        let engine_health_url = match &args.engine_health_url {
+            Some(u) => http_url("--engine-health-url", u)?,
+            None => http_url("--engine-url", &format!("{}/health", engine.base))?,
+        };
+        let mut keys = Vec::new();
+        if let Some(path) = &args.secret_file {
+            let text = std::fs::read(path).map_err(|e| {
+                ConfigError::new(
+                    "--secret-file",
+                    format!("cannot read {}: {e}", path.display()),
+                )
+            })?;
+            keys.extend(parse_secret_file(&text)?);
+        }
+        if let Some(s) = secret_env {
+            keys.push(Key::try_new(&s).map_err(|e| ConfigError::new(SECRET_ENV, e.to_string()))?);
+        }
+        let advertise = match &args.advertise {
+            Some(a) => Some(parse_advertise(a)?),
+            None => None,
+        };
+        if advertise.is_some() && keys.is_empty() {
+            return Err(ConfigError::new(
+                "--advertise",
+                "the stamp is signed: give --secret-file or KVGUARD_SECRET too",
+            ));
+        }
+        let limits = Limits {
+            max_age: parse_optional_duration("--max-age", &args.max_age)?,
+            idle_timeout: parse_optional_duration("--idle-timeout", &args.idle_timeout)?,
+            first_token_timeout: parse_optional_duration(
+                "--first-token-timeout",
+                &args.first_token_timeout,
+            )?,
+        };
+        let sample_interval = parse_required_duration("--sample-interval", &args.sample_interval)?;
+        if sample_interval < Duration::from_millis(10) {
+            return Err(ConfigError::new("--sample-interval", "at least 10ms"));
+        }
+        let tombstone_ttl = parse_required_duration("--tombstone-ttl", &args.tombstone_ttl)?;
+        let drain_timeout =
+            parse_optional_duration("--drain-timeout", &args.drain_timeout)?.unwrap_or_default();
+        if args.max_tombstones == 0 {
+            return Err(ConfigError::new("--max-tombstones", "must be at least 1"));
+        }
+        if args.max_inflight == 0 {
+            return Err(ConfigError::new("--max-inflight", "must be at least 1"));
+        }
+        if args.max_request_body == 0 {
+            return Err(ConfigError::new("--max-request-body", "must be at least 1"));
+        }
+        tracing_subscriber::EnvFilter::try_new(&args.log)
+            .map_err(|e| ConfigError::new("--log", format!("{:?}: {e}", args.log)))?;
+        let worker_threads = match args.worker_threads {
+            Some(0) => return Err(ConfigError::new("--worker-threads", "must be at least 1")),
+            Some(n) => n,
+            None => std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+                .min(4),
+        };
+        Ok(Config {
+            listen,
+            admin_listen,
+            engine,
+            engine_metrics_url,
+            engine_health_url,
+            advertise,
+            keys,
+            abort_strategy: args.abort_strategy,
+            limits,
+            dry_run: args.dry_run,
+            sample_interval,
+            tombstone_ttl,
+            max_tombstones: args.max_tombstones,
+            drain_timeout,
+            quiet_max_inflight: args.quiet_max_inflight,
+            engine_pid: args.engine_pid,
+            max_inflight: args.max_inflight,
+            max_request_body: args.max_request_body,
+            log_format: args.log_format,
+            log: args.log,
+            addr_file: args.addr_file,
+            worker_threads,
+            no_nvml: args.no_nvml,
+        })
+    }
+
+    /// A configuration for tests: loopback port 0 listeners, the given engine, defaults
+    /// elsewhere, one key.
+    pub fn for_tests(engine_url: &str, keys: Vec<Key>) -> Result<Config, ConfigError> {
+        let args = Args::try_parse_from([
+            "kvguard-control",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--engine-url",
+            engine_url,
+            "--no-nvml",
+        ])
+        .map_err(|e| ConfigError::new("args", e.to_string()))?;
+        let mut c = Config::try_new(args, None)?;
+        c.keys = keys;
+        Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> Args {
+        let mut v = vec!["kvguard-control"];
+        v.extend_from_slice(extra);
+        Args::try_parse_from(v).unwrap()
+    }
+
+    #[test]
+    fn defaults() {
+        let c = Config::try_new(args(&[]), None).unwrap();
+        assert_eq!(c.listen.to_string(), "0.0.0.0:8001");
+        assert_eq!(c.admin_listen.to_string(), "0.0.0.0:9902");
+        assert_eq!(c.engine.authority, "127.0.0.1:8000");
+        assert_eq!(
+            c.engine_metrics_url.to_string(),
+            "http://127.0.0.1:8000/metrics"
+        );
+        assert_eq!(c.limits.max_age, Some(Duration::from_secs(900)));
+        assert_eq!(c.limits.idle_timeout, Some(Duration::from_secs(120)));
+        assert_eq!(c.limits.first_token_timeout, None);
+        assert_eq!(c.sample_interval, Duration::from_secs(5));
+        assert_eq!(c.tombstone_ttl, Duration::from_secs(60));
+        assert_eq!(c.drain_timeout, Duration::from_secs(30));
+        assert_eq!(c.abort_strategy, AbortStrategy::Connection);
+        assert!(c.keys.is_empty());
+        assert!(!c.dry_run);
+    }
+
+    #[test]
+    fn bad_flags_name_the_flag() {
+        let cases: &[(&[&str], &str)] = &[
+            (&["--max-age", "soon"], "--max-age"),
+            (&["--idle-timeout", "5 parsecs"], "--idle-timeout"),
+            (&["--listen", "localhost:80"], "--listen"),
+            (&["--engine-url", "https://x:1"], "--engine-url"),
+            (&["--engine-url", "http://x:1/v1"], "--engine-url"),
+            (
+                &["--engine-metrics-url", "ftp://x/metrics"],
+                "--engine-metrics-url",
+            ),
+            (&["--advertise", "pod.local:9902"], "--advertise"),
+            (&["--advertise", "0.0.0.0:9902"], "--advertise"),
+            (&["--sample-interval", "off"], "--sample-interval"),
+            (&["--tombstone-ttl", "0"], "--tombstone-ttl"),
+            (&["--max-inflight", "0"], "--max-inflight"),
+            (&["--secret-file", "/nonexistent/kvguard"], "--secret-file"),
+        ];
+        for (a, flag) in cases {
+            let e = Config::try_new(args(a), None).unwrap_err();
+            assert_eq!(e.flag, *flag, "{a:?}: {e}");
+        }
+        // --advertise needs a key.
+        let e = Config::try_new(args(&["--advertise", "10.0.0.7:9902"]), None).unwrap_err();
+        assert_eq!(e.flag, "--advertise");
+        let e = Config::try_new(args(&[]), Some(b"short".to_vec())).unwrap_err();
+        assert_eq!(e.flag, SECRET_ENV);
+    }
+
+    #[test]
+    fn durations_and_off() {
+        assert_eq!(parse_optional_duration("--x", "off").unwrap(), None);
+        assert_eq!(parse_optional_duration("--x", "0").unwrap(), None);
+        assert_eq!(parse_optional_duration("--x", "0s").unwrap(), None);
+        assert_eq!(
+            parse_optional_duration("--x", "15m").unwrap(),
+            Some(Duration::from_secs(900))
+        );
+        assert_eq!(
+            parse_optional_duration("--x", "250ms").unwrap(),
+            Some(Duration::from_millis(250))
+        );
+        let c = Config::try_new(
+            args(&["--first-token-timeout", "30s", "--max-age", "off"]),
+            None,
+        )
+        .unwrap();
+        assert_eq!(c.limits.first_token_timeout, Some(Duration::from_secs(30)));
+        assert_eq!(c.limits.max_age, None);
+    }
+
+    #[test]
+    fn secrets_and_advertise() {
+        let keys = parse_secret_file(
+            b"# rotation\nkvguard-new-key-0123456789\n\n  kvguard-old-key-0123456789  \n",
+        )
+        .unwrap();
+        assert_eq!(keys.len(), 2);
+        let e = parse_secret_file(b"kvguard-new-key-0123456789\nshort\n").unwrap_err();
+        assert!(e.message.contains("line 2"), "{e}");
+        assert!(parse_secret_file(b"\n# none\n").is_err());
+        let c = Config::try_new(
+            args(&["--advertise", "[fd00::1]:9902"]),
+            Some(b"kvguard-env-key-0123456789\n".to_vec()),
+        )
+        .unwrap();
+        assert_eq!(c.keys.len(), 1);
+        assert_eq!(c.advertise.unwrap().port(), 9902);
+        assert!(parse_advertise("10.0.0.1:0").is_err());
+    }
+
+    #[test]
+    fn env_vars_are_read() {
+        // clap's `env` is exercised through the real binary test; here just the strategy names.
+        let c = Config::try_new(args(&["--abort-strategy", "vllm-scale-out"]), None).unwrap();
+        assert_eq!(c.abort_strategy, AbortStrategy::VllmScaleOut);
+        assert_eq!(c.abort_strategy.as_str(), "vllm-scale-out");
+        assert!(Args::try_parse_from(["kvguard-control", "--abort-strategy", "nope"]).is_err());
+    }
+}

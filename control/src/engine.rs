@@ -1,0 +1,209 @@
+//! The engine, behind a trait: its metrics scrape, its health, and its own abort API
+//! (per `--abort-strategy`). Closing the engine-side connection is the proxy's part.
+
+use crate::config::{AbortStrategy, Config};
+use bytes::Bytes;
+use http::{Method, Request, Uri};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use kvguard_contract::RequestId;
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+/// A boxed future.
+pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Largest metrics text read from the engine.
+pub const MAX_SCRAPE_BYTES: usize = 16 * 1024 * 1024;
+
+/// Deadline of every call to the engine (scrape, health, abort).
+pub const ENGINE_CALL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What kvguard-control needs from the engine besides proxying.
+pub trait Engine: Send + Sync + 'static {
+    /// The metrics exposition text.
+    fn scrape(&self) -> BoxFut<'_, Result<String, String>>;
+    /// Whether its health endpoint answers 2xx.
+    fn health(&self) -> BoxFut<'_, Result<(), String>>;
+    /// Calls the engine's own abort for `id` (nothing for the `connection` strategy).
+    fn abort(&self, id: RequestId) -> BoxFut<'_, Result<(), String>>;
+}
+
+/// The engine over HTTP.
+pub struct HttpEngine {
+    client: Client<HttpConnector, Full<Bytes>>,
+    metrics_url: Uri,
+    health_url: Uri,
+    base: String,
+    strategy: AbortStrategy,
+}
+
+impl HttpEngine {
+    /// From the validated configuration.
+    pub fn new(cfg: &Config) -> HttpEngine {
+        let mut conn = HttpConnector::new();
+        conn.set_nodelay(true);
+        conn.set_connect_timeout(Some(ENGINE_CALL_TIMEOUT));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(2))
+            .pool_max_idle_per_host(2)
+            .build(conn);
+        HttpEngine {
+            client,
+            metrics_url: cfg.engine_metrics_url.clone(),
+            health_url: cfg.engine_health_url.clone(),
+            base: cfg.engine.base.clone(),
+            strategy: cfg.abort_strategy,
+        }
+    }
+
+    async fn call(
+        &self,
+        method: Method,
+        uri: Uri,
+        body: Option<Vec<u8>>,
+        limit: usize,
+    ) -> Result<(u16, Bytes), String> {
+        let mut b = Request::builder().method(method).uri(uri.clone());
+        if body.is_some() {
+            b = b.header(http::header::CONTENT_TYPE, "application/json");
+        }
+        let req = b
+            .body(Full::new(Bytes::from(body.unwrap_or_default())))
+            .map_err(|e| format!("{uri}: {e}"))?;
+        let fut = async {
+            let resp = self
+                .client
+                .request(req)
+                .await
+                .map_err(|e| format!("{uri}: {}", error_chain(&e)))?;
+            let status = resp.status().as_u16();
+            let bytes = Limited::new(resp.into_body(), limit)
+                .collect()
+                .await
+                .map_err(|e| format!("{uri}: reading body: {e}"))?
+                .to_bytes();
+            Ok::<_, String>((status, bytes))
+        };
+        tokio::time::timeout(ENGINE_CALL_TIMEOUT, fut)
+            .await
+            .map_err(|_| format!("{uri}: no answer within {ENGINE_CALL_TIMEOUT:?}"))?
+    }
+
+    fn abort_call(&self, id: &RequestId) -> Option<(Uri, Vec<u8>)> {
+        let (path, body) = match self.strategy {
+            AbortStrategy::Connection => return None,
+            AbortStrategy::Sglang => ("/abort_request", serde_json::json!({ "rid": id.as_str() })),
+            AbortStrategy::VllmScaleOut => (
+                "/inference/v1/abort_requests",
+                serde_json::json!({ "request_ids": id.vllm_engine_ids() }),
+            ),
+        };
+        let uri: Uri = format!("{}{path}", self.base).parse().ok()?;
+        Some((uri, serde_json::to_vec(&body).unwrap_or_default()))
+    }
+}
+
+impl Engine for HttpEngine {
+    fn scrape(&self) -> BoxFut<'_, Result<String, String>> {
+        Box::pin(async move {
+            let (status, body) = self
+                .call(
+                    Method::GET,
+                    self.metrics_url.clone(),
+                    None,
+                    MAX_SCRAPE_BYTES,
+                )
+                .await?;
+            if !(200..300).contains(&status) {
+                return Err(format!("{}: status {status}", self.metrics_url));
+            }
+            String::from_utf8(body.to_vec()).map_err(|_| "metrics text is not UTF-8".to_owned())
+        })
+    }
+
+    fn health(&self) -> BoxFut<'_, Result<(), String>> {
+        Box::pin(async move {
+            let (status, _) = self
+                .call(Method::GET, self.health_url.clone(), None, 64 * 1024)
+                .await?;
+            if (200..300).contains(&status) {
+                Ok(())
+            } else {
+                Err(format!("{}: status {status}", self.health_url))
+            }
+        })
+    }
+
+    fn abort(&self, id: RequestId) -> BoxFut<'_, Result<(), String>> {
+        Box::pin(async move {
+            let Some((uri, body)) = self.abort_call(&id) else {
+                return Ok(());
+            };
+            let (status, answer) = self
+                .call(Method::POST, uri.clone(), Some(body), 64 * 1024)
+                .await?;
+            if (200..300).contains(&status) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{uri}: status {status}: {}",
+                    String::from_utf8_lossy(&answer[..answer.len().min(200)])
+                ))
+            }
+        })
+    }
+}
+
+/// An error and its sources, `: `-separated (hyper's client errors hide the cause).
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        cur = c.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine(strategy: &str) -> HttpEngine {
+        let mut cfg = Config::for_tests("http://127.0.0.1:9", vec![]).unwrap();
+        cfg.abort_strategy = match strategy {
+            "sglang" => AbortStrategy::Sglang,
+            "vllm" => AbortStrategy::VllmScaleOut,
+            _ => AbortStrategy::Connection,
+        };
+        HttpEngine::new(&cfg)
+    }
+
+    #[tokio::test]
+    async fn abort_calls_per_strategy() {
+        let id = RequestId::try_new(b"abc").unwrap();
+        assert!(engine("connection").abort_call(&id).is_none());
+        let (u, b) = engine("sglang").abort_call(&id).unwrap();
+        assert_eq!(u.to_string(), "http://127.0.0.1:9/abort_request");
+        assert_eq!(b, br#"{"rid":"abc"}"#);
+        let (u, b) = engine("vllm").abort_call(&id).unwrap();
+        assert_eq!(
+            u.to_string(),
+            "http://127.0.0.1:9/inference/v1/abort_requests"
+        );
+        assert_eq!(b, br#"{"request_ids":["cmpl-abc","chatcmpl-abc"]}"#);
+        // The connection strategy never calls the engine.
+        assert!(engine("connection").abort(id.clone()).await.is_ok());
+        // Nothing listens on port 9 (discard): an error, not a hang or a panic.
+        assert!(engine("sglang").abort(id).await.is_err());
+        assert!(engine("x").scrape().await.is_err());
+    }
+}

@@ -1,0 +1,286 @@
+//! GPU memory through NVML, behind [`GpuProbe`] so that the logic is testable without a GPU.
+//!
+//! NVML (`libnvidia-ml.so`) is loaded at run time by `nvml-wrapper`, so the binary builds
+//! and runs everywhere; where it cannot be loaded (no driver, no GPU, a container without
+//! the library) kvguard-control says so once and reports `kvguard_control_nvml_available 0`.
+
+use serde::Serialize;
+
+/// One device's memory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeviceMemory {
+    /// NVML index.
+    pub index: u32,
+    /// Product name.
+    pub name: String,
+    /// Device UUID.
+    pub uuid: String,
+    /// Total framebuffer memory, bytes.
+    pub total_bytes: u64,
+    /// Used, bytes.
+    pub used_bytes: u64,
+    /// Free, bytes.
+    pub free_bytes: u64,
+    /// Processes holding memory on it.
+    pub processes: Vec<ProcessMemory>,
+}
+
+/// One process's memory on a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ProcessMemory {
+    /// Process id (in the host's pid namespace).
+    pub pid: u32,
+    /// Used bytes; `None` when the driver does not say (e.g. some containers).
+    pub used_bytes: Option<u64>,
+}
+
+/// A sample of every device.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
+pub struct GpuSnapshot {
+    /// The devices.
+    pub devices: Vec<DeviceMemory>,
+}
+
+impl GpuSnapshot {
+    /// Used memory summed over devices.
+    pub fn used_bytes(&self) -> u64 {
+        self.devices.iter().map(|d| d.used_bytes).sum()
+    }
+}
+
+/// Where GPU memory figures come from.
+pub trait GpuProbe: Send + Sync + 'static {
+    /// Samples every device. Blocking (NVML calls are synchronous): run it off the
+    /// async workers.
+    fn sample(&self) -> Result<GpuSnapshot, String>;
+}
+
+/// The real probe.
+pub struct NvmlProbe {
+    nvml: nvml_wrapper::Nvml,
+}
+
+impl NvmlProbe {
+    /// Loads and initialises NVML; the error says why it is unavailable.
+    pub fn init() -> Result<NvmlProbe, String> {
+        match nvml_wrapper::Nvml::init() {
+            Ok(nvml) => Ok(NvmlProbe { nvml }),
+            Err(e) => Err(format!("NVML init failed: {e}")),
+        }
+    }
+}
+
+impl GpuProbe for NvmlProbe {
+    fn sample(&self) -> Result<GpuSnapshot, String> {
+        use nvml_wrapper::enums::device::UsedGpuMemory;
+        let n = self
+            .nvml
+            .device_count()
+            .map_err(|e| format!("NVML device count: {e}"))?;
+        let mut devices = Vec::with_capacity(n as usize);
+        for index in 0..n {
+            let dev = self
+                .nvml
+                .device_by_index(index)
+                .map_err(|e| format!("NVML device {index}: {e}"))?;
+            let mem = dev
+                .memory_info()
+                .map_err(|e| format!("NVML device {index} memory: {e}"))?;
+            let mut processes: Vec<ProcessMemory> = Vec::new();
+            // Compute (CUDA) and graphics contexts; a process may appear in both.
+            let procs = dev
+                .running_compute_processes()
+                .unwrap_or_default()
+                .into_iter()
+                .chain(dev.running_graphics_processes().unwrap_or_default());
+            for p in procs {
+                let used = match p.used_gpu_memory {
+                    UsedGpuMemory::Used(b) => Some(b),
+                    UsedGpuMemory::Unavailable => None,
+                };
+                match processes.iter_mut().find(|q| q.pid == p.pid) {
+                    Some(q) => q.used_bytes = q.used_bytes.max(used),
+                    None => processes.push(ProcessMemory {
+                        pid: p.pid,
+                        used_bytes: used,
+                    }),
+                }
+            }
+            devices.push(DeviceMemory {
+                index,
+                name: dev.name().unwrap_or_default(),
+                uuid: dev.uuid().unwrap_or_default(),
+                total_bytes: mem.total,
+                used_bytes: mem.used,
+                free_bytes: mem.free,
+                processes,
+            });
+        }
+        Ok(GpuSnapshot { devices })
+    }
+}
+
+/// A probe returning canned answers (tests, and `--no-nvml`).
+#[derive(Debug, Default)]
+pub struct FakeProbe {
+    answers: std::sync::Mutex<Vec<Result<GpuSnapshot, String>>>,
+}
+
+impl FakeProbe {
+    /// Answers these, in order; the last one repeats.
+    pub fn new(answers: Vec<Result<GpuSnapshot, String>>) -> Self {
+        FakeProbe {
+            answers: std::sync::Mutex::new(answers),
+        }
+    }
+}
+
+impl GpuProbe for FakeProbe {
+    fn sample(&self) -> Result<GpuSnapshot, String> {
+        let mut a = self
+            .answers
+            .lock()
+            .map_err(|_| "fake probe poisoned".to_owned())?;
+        match a.len() {
+            0 => Err("no answer".to_owned()),
+            1 => a[0].clone(),
+            _ => a.remove(0),
+        }
+    }
+}
+
+/// What `/v1/gpu` shows and the metrics read.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct GpuStatus {
+    /// NVML loaded and the last sample succeeded.
+    pub nvml_available: bool,
+    /// Why not, when not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unavailable_reason: Option<String>,
+    /// Unix seconds of the last successful sample.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sampled_at_unix: Option<u64>,
+    /// The last successful sample's devices.
+    pub devices: Vec<DeviceMemory>,
+}
+
+/// Folds probe results into a status, logging the first failure and recoveries once
+/// (not every sample).
+#[derive(Debug, Default)]
+pub struct GpuTracker {
+    status: GpuStatus,
+    logged_failure: bool,
+    /// Label sets last exported per device (kept to remove stale ones).
+    pub exported_devices: std::collections::HashSet<Vec<(&'static str, String)>>,
+    /// Label sets last exported per process.
+    pub exported_processes: std::collections::HashSet<Vec<(&'static str, String)>>,
+}
+
+impl GpuTracker {
+    /// A tracker whose probe could not even be opened.
+    pub fn unavailable(reason: String) -> Self {
+        tracing::warn!(reason = %reason, "NVML is unavailable; GPU memory figures will not be reported (kvguard_control_nvml_available 0); everything else keeps working");
+        GpuTracker {
+            status: GpuStatus {
+                nvml_available: false,
+                unavailable_reason: Some(reason),
+                sampled_at_unix: None,
+                devices: Vec::new(),
+            },
+            logged_failure: true,
+            ..GpuTracker::default()
+        }
+    }
+
+    /// Records one probe result.
+    pub fn record(&mut self, result: Result<GpuSnapshot, String>, now_unix: u64) {
+        match result {
+            Ok(snap) => {
+                if !self.status.nvml_available && self.logged_failure {
+                    tracing::info!(devices = snap.devices.len(), "NVML is available again");
+                }
+                self.logged_failure = false;
+                self.status = GpuStatus {
+                    nvml_available: true,
+                    unavailable_reason: None,
+                    sampled_at_unix: Some(now_unix),
+                    devices: snap.devices,
+                };
+            }
+            Err(reason) => {
+                if !self.logged_failure {
+                    tracing::warn!(reason = %reason, "NVML sample failed; kvguard_control_nvml_available 0");
+                    self.logged_failure = true;
+                }
+                self.status.nvml_available = false;
+                self.status.unavailable_reason = Some(reason);
+                self.status.devices.clear();
+            }
+        }
+    }
+
+    /// The current status.
+    pub fn status(&self) -> &GpuStatus {
+        &self.status
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn snap(used: u64) -> GpuSnapshot {
+        GpuSnapshot {
+            devices: vec![DeviceMemory {
+                index: 0,
+                name: "NVIDIA H200".into(),
+                uuid: "GPU-1".into(),
+                total_bytes: 1000,
+                used_bytes: used,
+                free_bytes: 1000 - used,
+                processes: vec![ProcessMemory {
+                    pid: 42,
+                    used_bytes: Some(used),
+                }],
+            }],
+        }
+    }
+
+    #[test]
+    fn tracker_through_fake() {
+        let probe = FakeProbe::new(vec![Ok(snap(100)), Err("gone".into()), Ok(snap(300))]);
+        let mut t = GpuTracker::default();
+        t.record(probe.sample(), 1);
+        assert!(t.status().nvml_available);
+        assert_eq!(t.status().devices[0].used_bytes, 100);
+        t.record(probe.sample(), 2);
+        assert!(!t.status().nvml_available);
+        assert_eq!(t.status().unavailable_reason.as_deref(), Some("gone"));
+        assert!(t.status().devices.is_empty());
+        assert_eq!(t.status().sampled_at_unix, Some(1));
+        t.record(probe.sample(), 3);
+        assert!(t.status().nvml_available);
+        assert_eq!(t.status().sampled_at_unix, Some(3));
+        // The last answer repeats.
+        assert_eq!(probe.sample().unwrap().used_bytes(), 300);
+    }
+
+    #[test]
+    fn unavailable_from_start_serialises() {
+        let t = GpuTracker::unavailable("NVML init failed: LibloadingError".into());
+        let j = serde_json::to_value(t.status()).unwrap();
+        assert_eq!(j["nvml_available"], false);
+        assert!(j["unavailable_reason"].as_str().unwrap().contains("NVML"));
+    }
+
+    #[test]
+    fn real_nvml_init_never_panics() {
+        // On machines without a driver this is an Err with a reason; with one, Ok.
+        match NvmlProbe::init() {
+            Ok(p) => {
+                let _ = p.sample();
+            }
+            Err(reason) => assert!(reason.contains("NVML")),
+        }
+    }
+}

@@ -1,0 +1,405 @@
+//! Every Prometheus metric kvguard-control exports, registered in one place.
+//! Names are prefixed `kvguard_control_`; engine figures are `kvguard_control_engine_*`.
+//! (prometheus-client appends `_total` to counters.)
+
+use kvguard_contract::AbortReason;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+/// A float gauge.
+pub type FGauge = Gauge<f64, AtomicU64>;
+/// Static labels.
+pub type L1 = [(&'static str, &'static str); 1];
+/// Static labels.
+pub type L2 = [(&'static str, &'static str); 2];
+/// Dynamic labels (GPU devices, processes).
+pub type LDyn = Vec<(&'static str, String)>;
+
+/// Outcome label of an end carried out by kvguard (abort API or reaper).
+pub mod outcome {
+    /// The engine connection was closed (and the engine's abort called, per strategy).
+    pub const ABORTED: &str = "aborted";
+    /// The connection was closed but the engine's own abort call failed.
+    pub const ENGINE_CALL_FAILED: &str = "engine_call_failed";
+    /// `--dry-run`: counted and logged only.
+    pub const DRY_RUN: &str = "dry_run";
+}
+
+/// All metrics.
+#[derive(Debug, Clone, Default)]
+pub struct Metrics {
+    /// Proxied requests by how they were admitted: `tracked`, `refused_tombstone`,
+    /// `refused_full`, `refused_draining`, `bad_request_id` (the id was replaced by a
+    /// minted one; the request is still tracked), `body_too_large`.
+    pub requests: Family<L1, Counter>,
+    /// Request ends: `end` = `clean` | `unclean`; `cause` = `complete`, `client_gone`,
+    /// `aborted`, `upstream_error`, `engine_unreachable`.
+    pub request_ends: Family<L2, Counter>,
+    /// Requests in flight through kvguard.
+    pub inflight: Gauge,
+    /// Ends carried out by kvguard, by `reason` and `outcome`.
+    pub aborts: Family<L2, Counter>,
+    /// Abort API answers by `result`.
+    pub abort_api: Family<L1, Counter>,
+    /// Live tombstones.
+    pub tombstones: Gauge,
+    /// Tombstones evicted early (set full).
+    pub tombstones_evicted: Counter,
+    /// Requests that replaced an in-flight request with the same id (retries).
+    pub superseded: Counter,
+    /// Data events (SSE) / lines (NDJSON) proxied.
+    pub data_events: Counter,
+    /// Engine KV-cache usage, 0..1.
+    pub engine_kv_usage_ratio: FGauge,
+    /// Engine running sequences.
+    pub engine_requests_running: FGauge,
+    /// Engine waiting sequences.
+    pub engine_requests_waiting: FGauge,
+    /// Engine preemptions (a counter following the engine's own).
+    pub engine_preemptions: Counter<f64, AtomicU64>,
+    /// Failed scrapes.
+    pub engine_scrape_errors: Counter,
+    /// 1 when the last scrape succeeded.
+    pub engine_up: Gauge,
+    /// Engine running − kvguard in flight, floored at 0.
+    pub orphans: FGauge,
+    /// 1 when NVML answers.
+    pub nvml_available: Gauge,
+    /// Per device total memory.
+    pub gpu_memory_total: Family<LDyn, Gauge>,
+    /// Per device used memory.
+    pub gpu_memory_used: Family<LDyn, Gauge>,
+    /// Per device free memory.
+    pub gpu_memory_free: Family<LDyn, Gauge>,
+    /// Per process used GPU memory.
+    pub gpu_process_memory_used: Family<LDyn, Gauge>,
+    /// KV usage at the last quiet checkpoint.
+    pub quiet_kv_usage: FGauge,
+    /// GPU used memory (all devices) at the last quiet checkpoint.
+    pub quiet_gpu_memory_bytes: Gauge,
+    /// Unix time of the last quiet checkpoint.
+    pub quiet_checkpoint_timestamp: Gauge,
+    /// Quiet checkpoints taken.
+    pub quiet_checkpoints: Counter,
+    /// Engine process open file descriptors.
+    pub engine_process_open_fds: Gauge,
+    /// Engine process resident memory.
+    pub engine_process_resident_memory: Gauge,
+}
+
+impl Metrics {
+    /// Creates the metrics and registers them.
+    pub fn register(reg: &mut Registry) -> Metrics {
+        let m = Metrics::default();
+        // Registered clones share their atomics with the fields.
+        macro_rules! r {
+            ($reg:expr, $name:expr, $help:expr, $metric:expr) => {
+                $reg.register(concat!("kvguard_control_", $name), $help, $metric)
+            };
+        }
+        r!(
+            reg,
+            "requests",
+            "Proxied requests by admission result",
+            m.requests.clone()
+        );
+        r!(
+            reg,
+            "request_ends",
+            "Request ends: end=clean|unclean, and the cause",
+            m.request_ends.clone()
+        );
+        r!(
+            reg,
+            "inflight",
+            "Requests in flight through kvguard-control",
+            m.inflight.clone()
+        );
+        r!(
+            reg,
+            "aborts",
+            "Requests ended by kvguard-control (abort API, reaper, shutdown) by reason and outcome",
+            m.aborts.clone()
+        );
+        r!(
+            reg,
+            "abort_api_answers",
+            "Answers of POST /v1/abort by result",
+            m.abort_api.clone()
+        );
+        r!(
+            reg,
+            "tombstones",
+            "Live tombstones (aborted ids refused if they arrive)",
+            m.tombstones.clone()
+        );
+        r!(
+            reg,
+            "tombstones_evicted",
+            "Tombstones evicted before their TTL because the set was full",
+            m.tombstones_evicted.clone()
+        );
+        r!(
+            reg,
+            "superseded",
+            "In-flight requests ended because a request with the same id arrived (a retry)",
+            m.superseded.clone()
+        );
+        r!(
+            reg,
+            "data_events",
+            "SSE data events and NDJSON lines proxied",
+            m.data_events.clone()
+        );
+        r!(reg, "engine_kv_usage_ratio", "Engine KV-cache usage 0..1 (vllm:kv_cache_usage_perc, vllm:gpu_cache_usage_perc, sglang:token_usage)", m.engine_kv_usage_ratio.clone());
+        r!(
+            reg,
+            "engine_requests_running",
+            "Engine running sequences (vllm:num_requests_running, sglang:num_running_reqs)",
+            m.engine_requests_running.clone()
+        );
+        r!(
+            reg,
+            "engine_requests_waiting",
+            "Engine waiting sequences (vllm:num_requests_waiting, sglang:num_queue_reqs)",
+            m.engine_requests_waiting.clone()
+        );
+        r!(
+            reg,
+            "engine_preemptions",
+            "Engine preemptions (vllm:num_preemptions_total)",
+            m.engine_preemptions.clone()
+        );
+        r!(
+            reg,
+            "engine_scrape_errors",
+            "Failed scrapes of the engine's metrics",
+            m.engine_scrape_errors.clone()
+        );
+        r!(
+            reg,
+            "engine_up",
+            "1 when the last scrape of the engine's metrics succeeded",
+            m.engine_up.clone()
+        );
+        r!(
+            reg,
+            "orphans",
+            "Engine running sequences minus requests in flight through kvguard (floored at 0)",
+            m.orphans.clone()
+        );
+        r!(
+            reg,
+            "nvml_available",
+            "1 when NVML is loaded and answering",
+            m.nvml_available.clone()
+        );
+        r!(
+            reg,
+            "gpu_memory_total_bytes",
+            "GPU framebuffer memory, total",
+            m.gpu_memory_total.clone()
+        );
+        r!(
+            reg,
+            "gpu_memory_used_bytes",
+            "GPU framebuffer memory, used",
+            m.gpu_memory_used.clone()
+        );
+        r!(
+            reg,
+            "gpu_memory_free_bytes",
+            "GPU framebuffer memory, free",
+            m.gpu_memory_free.clone()
+        );
+        r!(
+            reg,
+            "gpu_process_memory_used_bytes",
+            "GPU memory used per process",
+            m.gpu_process_memory_used.clone()
+        );
+        r!(
+            reg,
+            "quiet_kv_usage",
+            "Engine KV usage at the last quiet checkpoint (in flight <= --quiet-max-inflight)",
+            m.quiet_kv_usage.clone()
+        );
+        r!(
+            reg,
+            "quiet_gpu_memory_bytes",
+            "GPU used memory (all devices) at the last quiet checkpoint",
+            m.quiet_gpu_memory_bytes.clone()
+        );
+        r!(
+            reg,
+            "quiet_checkpoint_timestamp_seconds",
+            "Unix time of the last quiet checkpoint",
+            m.quiet_checkpoint_timestamp.clone()
+        );
+        r!(
+            reg,
+            "quiet_checkpoints",
+            "Quiet checkpoints taken",
+            m.quiet_checkpoints.clone()
+        );
+        r!(
+            reg,
+            "engine_process_open_fds",
+            "Open file descriptors of --engine-pid",
+            m.engine_process_open_fds.clone()
+        );
+        r!(
+            reg,
+            "engine_process_resident_memory_bytes",
+            "Resident memory of --engine-pid",
+            m.engine_process_resident_memory.clone()
+        );
+        // Pre-create the closed label sets so dashboards see zeros, not gaps.
+        for reason in AbortReason::ALL {
+            for o in [
+                outcome::ABORTED,
+                outcome::ENGINE_CALL_FAILED,
+                outcome::DRY_RUN,
+            ] {
+                let _ = m
+                    .aborts
+                    .get_or_create(&[("reason", reason.as_str()), ("outcome", o)]);
+            }
+        }
+        for res in [
+            "tracked",
+            "refused_tombstone",
+            "refused_full",
+            "refused_draining",
+            "bad_request_id",
+            "body_too_large",
+        ] {
+            let _ = m.requests.get_or_create(&[("result", res)]);
+        }
+        for res in ABORT_API_RESULTS {
+            let _ = m.abort_api.get_or_create(&[("result", res)]);
+        }
+        for (end, cause) in [
+            ("clean", "complete"),
+            ("unclean", "client_gone"),
+            ("unclean", "aborted"),
+            ("unclean", "upstream_error"),
+            ("unclean", "engine_unreachable"),
+        ] {
+            let _ = m
+                .request_ends
+                .get_or_create(&[("end", end), ("cause", cause)]);
+        }
+        m
+    }
+
+    /// Counts a request end.
+    pub fn request_end(&self, cause: &'static str) {
+        let end = if cause == "complete" {
+            "clean"
+        } else {
+            "unclean"
+        };
+        self.request_ends
+            .get_or_create(&[("end", end), ("cause", cause)])
+            .inc();
+    }
+
+    /// Counts an end carried out by kvguard.
+    pub fn abort(&self, reason: AbortReason, outcome: &'static str) {
+        self.aborts
+            .get_or_create(&[("reason", reason.as_str()), ("outcome", outcome)])
+            .inc();
+    }
+
+    /// Counts an abort API answer.
+    pub fn abort_api(&self, result: &'static str) {
+        self.abort_api.get_or_create(&[("result", result)]).inc();
+    }
+
+    /// Counts a proxied request's admission.
+    pub fn request(&self, result: &'static str) {
+        self.requests.get_or_create(&[("result", result)]).inc();
+    }
+}
+
+/// The abort API's `result` label values.
+pub const ABORT_API_RESULTS: [&str; 7] = [
+    "dry_run",
+    "aborted",
+    "already_aborted",
+    "not_found",
+    "bad_request",
+    "unauthorized",
+    "replay",
+];
+
+/// Orphans: engine running − kvguard in flight, floored at 0.
+pub fn orphans(engine_running: f64, inflight: usize) -> f64 {
+    (engine_running - inflight as f64).max(0.0)
+}
+
+/// Encodes the registry in the OpenMetrics text format.
+pub fn encode(reg: &Registry) -> String {
+    let mut s = String::new();
+    if prometheus_client::encoding::text::encode(&mut s, reg).is_err() {
+        s.clear();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn orphan_gauge() {
+        assert_eq!(orphans(5.0, 3), 2.0);
+        assert_eq!(orphans(2.0, 3), 0.0);
+        assert_eq!(orphans(0.0, 0), 0.0);
+    }
+
+    #[test]
+    fn names_are_prefixed_and_encoded() {
+        let mut reg = Registry::default();
+        let m = Metrics::register(&mut reg);
+        m.abort(AbortReason::Stalled, outcome::ABORTED);
+        m.request_end("complete");
+        m.nvml_available.set(0);
+        let text = encode(&reg);
+        for line in text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+        {
+            assert!(line.starts_with("kvguard_control_"), "{line}");
+        }
+        assert!(
+            text.contains("kvguard_control_aborts_total{reason=\"stalled\",outcome=\"aborted\"} 1")
+        );
+        assert!(
+            text.contains("kvguard_control_request_ends_total{end=\"clean\",cause=\"complete\"} 1")
+        );
+        assert!(text.contains("kvguard_control_nvml_available 0"));
+        for name in [
+            "kvguard_control_engine_kv_usage_ratio",
+            "kvguard_control_engine_requests_running",
+            "kvguard_control_engine_requests_waiting",
+            "kvguard_control_engine_preemptions_total",
+            "kvguard_control_engine_scrape_errors_total",
+            "kvguard_control_engine_up",
+            "kvguard_control_orphans",
+            "kvguard_control_quiet_kv_usage",
+            "kvguard_control_quiet_gpu_memory_bytes",
+            "kvguard_control_quiet_checkpoint_timestamp_seconds",
+            "kvguard_control_inflight",
+            "kvguard_control_tombstones",
+            "kvguard_control_engine_process_open_fds",
+            "kvguard_control_engine_process_resident_memory_bytes",
+        ] {
+            assert!(text.contains(&format!("\n{name}")), "{name} missing");
+        }
+    }
+}

@@ -1,0 +1,507 @@
+//! The proxy listener: every request is tracked by its `x-request-id` and streamed to the
+//! engine and back without buffering. Each request gets its own engine connection, so
+//! that ending it closes exactly its TCP connection (vLLM, TGI and llama.cpp abort the
+//! sequence when the client connection closes).
+
+use crate::scan::{BodyKind, Scanner};
+use crate::state::{AppState, Refusal};
+use crate::table::Entry;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::response::{IntoResponse, Response};
+use axum::{BoxError, Router};
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{StatusCode, Version};
+use http_body::{Body as HttpBody, Frame};
+use http_body_util::Limited;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use kvguard_contract::{sse, stamp, AbortReason, RequestId, CONTROL_HEADER, REQUEST_ID_HEADER};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::net::TcpStream;
+use tokio_util::sync::WaitForCancellationFutureOwned;
+
+/// Deadline for connecting to the engine.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The proxy listener's router: every path goes to the engine.
+pub fn app(state: Arc<AppState>) -> Router {
+    Router::new().fallback(proxy).with_state(state)
+}
+
+/// A JSON error in the OpenAI shape: `{"error":{"message","type","code",...}}`.
+pub fn error_response(
+    status: StatusCode,
+    kind: &str,
+    message: String,
+    request_id: Option<&RequestId>,
+    reason: Option<AbortReason>,
+) -> Response {
+    let mut err = serde_json::json!({
+        "message": message,
+        "type": kind,
+        "code": status.as_u16(),
+    });
+    if let Some(id) = request_id {
+        err["request_id"] = id.as_str().into();
+    }
+    if let Some(r) = reason {
+        err["reason"] = r.as_str().into();
+    }
+    let mut resp = (status, axum::Json(serde_json::json!({ "error": err }))).into_response();
+    if let Some(id) = request_id {
+        if let Ok(v) = HeaderValue::from_str(id.as_str()) {
+            resp.headers_mut().insert(REQUEST_ID_HEADER, v);
+        }
+    }
+    resp
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) and those named by `Connection`, removed both ways.
+fn strip_hop_by_hop(h: &mut HeaderMap) {
+    let named: Vec<HeaderName> = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        h.remove(n);
+    }
+    for n in [
+        header::CONNECTION,
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+        header::PROXY_AUTHORIZATION,
+        header::PROXY_AUTHENTICATE,
+    ] {
+        h.remove(n);
+    }
+    h.remove("keep-alive");
+    h.remove("proxy-connection");
+}
+
+/// Ends tracking when dropped: removes the entry, closes the engine connection, counts
+/// the end (clean or not).
+struct Guard {
+    state: Arc<AppState>,
+    entry: Arc<Entry>,
+    cause: Option<&'static str>,
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        self.state.remove(&self.entry);
+        self.entry.close_engine_conn();
+        let cause = if self.entry.ended().is_some() && self.cause != Some("complete") {
+            "aborted"
+        } else {
+            self.cause.unwrap_or("client_gone")
+        };
+        let v = self.entry.view(self.state.clock.now());
+        tracing::debug!(
+            request_id = %self.entry.id,
+            path = %self.entry.path,
+            cause,
+            status = v.status,
+            events = v.events,
+            age_ms = v.age_ms,
+            "request ended"
+        );
+        self.state.metrics.request_end(cause);
+    }
+}
+
+async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let id = match parts.headers.get(REQUEST_ID_HEADER) {
+        Some(v) => match RequestId::try_new(v.as_bytes()) {
+            Ok(id) => Some(id),
+            Err(e) => {
+                // Refused as a key (contract §1): counted, replaced by a fresh id.
+                st.metrics.request("bad_request_id");
+                tracing::debug!(error = %e, "x-request-id refused as a key; minting a new one");
+                None
+            }
+        },
+        None => None,
+    };
+    let id = match id {
+        Some(id) => id,
+        None => match RequestId::try_new(uuid::Uuid::new_v4().to_string().as_bytes()) {
+            Ok(id) => id,
+            Err(e) => {
+                return error_response(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "kvguard_internal",
+                    format!("cannot mint a request id: {e}"),
+                    None,
+                    None,
+                )
+            }
+        },
+    };
+    let max_body = st.cfg.max_request_body;
+    if let Some(len) = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        if len > max_body as u64 {
+            st.metrics.request("body_too_large");
+            return error_response(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "kvguard_body_too_large",
+                format!("request body is {len} bytes, at most {max_body} are accepted"),
+                Some(&id),
+                None,
+            );
+        }
+    }
+    let entry = match st.admit(
+        id.clone(),
+        parts.method.to_string(),
+        parts.uri.path().to_owned(),
+    ) {
+        Ok(e) => e,
+        Err(Refusal::Tombstoned(t)) => {
+            st.metrics.request("refused_tombstone");
+            tracing::info!(request_id = %id, reason = %t.reason, "refused a request whose id was aborted before it arrived");
+            return error_response(
+                StatusCode::CONFLICT,
+                "kvguard_aborted",
+                "this request id was aborted (it is tombstoned): the abort overtook the request; \
+                 it is not sent to the engine. Retry with a new request id."
+                    .to_owned(),
+                Some(&id),
+                Some(t.reason),
+            );
+        }
+        Err(Refusal::Full(n)) => {
+            st.metrics.request("refused_full");
+            let mut r = error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "kvguard_overloaded",
+                format!("{n} requests are in flight (--max-inflight); retry later"),
+                Some(&id),
+                None,
+            );
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            return r;
+        }
+        Err(Refusal::Draining) => {
+            st.metrics.request("refused_draining");
+            let mut r = error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "kvguard_draining",
+                "kvguard-control is shutting down; retry on another replica".to_owned(),
+                Some(&id),
+                None,
+            );
+            r.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            return r;
+        }
+    };
+    st.metrics.request("tracked");
+    let mut guard = Guard {
+        state: st.clone(),
+        entry: entry.clone(),
+        cause: None,
+    };
+
+    // The engine request: origin-form URI, hop-by-hop headers removed, the id passed on.
+    let mut headers = parts.headers;
+    strip_hop_by_hop(&mut headers);
+    headers.remove(header::HOST);
+    if let Ok(v) = HeaderValue::from_str(&st.cfg.engine.authority) {
+        headers.insert(header::HOST, v);
+    }
+    if let Ok(v) = HeaderValue::from_str(id.as_str()) {
+        headers.insert(REQUEST_ID_HEADER, v);
+    }
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_owned();
+    let mut ureq = http::Request::new(Body::new(Limited::new(body, max_body)));
+    *ureq.method_mut() = parts.method;
+    *ureq.version_mut() = Version::HTTP_11;
+    *ureq.headers_mut() = headers;
+    match path.parse() {
+        Ok(u) => *ureq.uri_mut() = u,
+        Err(_) => {
+            guard.cause = Some("upstream_error");
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "kvguard_bad_request",
+                "bad path".into(),
+                Some(&id),
+                None,
+            );
+        }
+    }
+
+    let cancelled = entry.cancel_token().clone();
+    let aborted = |entry: &Entry| {
+        let reason = entry.ended().unwrap_or(AbortReason::Operator);
+        let status = match reason {
+            AbortReason::Operator | AbortReason::DownstreamReset | AbortReason::UpstreamReset => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            _ => StatusCode::GATEWAY_TIMEOUT,
+        };
+        error_response(
+            status,
+            "kvguard_aborted",
+            format!("kvguard-control ended this request before the engine answered ({reason})"),
+            Some(&entry.id),
+            Some(reason),
+        )
+    };
+    let engine_down = |e: String| {
+        tracing::warn!(request_id = %id, engine = %st.cfg.engine.base, error = %e, "engine unreachable");
+        error_response(
+            StatusCode::BAD_GATEWAY,
+            "kvguard_engine_unreachable",
+            format!(
+                "kvguard-control could not reach the engine at {}: {e}",
+                st.cfg.engine.base
+            ),
+            Some(&id),
+            None,
+        )
+    };
+
+    let tcp = tokio::select! {
+        biased;
+        _ = cancelled.cancelled() => { guard.cause = Some("aborted"); return aborted(&entry); }
+        r = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&st.cfg.engine.authority)) => r,
+    };
+    let tcp = match tcp {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => {
+            guard.cause = Some("engine_unreachable");
+            return engine_down(e.to_string());
+        }
+        Err(_) => {
+            guard.cause = Some("engine_unreachable");
+            return engine_down(format!("no connection within {CONNECT_TIMEOUT:?}"));
+        }
+    };
+    let _ = tcp.set_nodelay(true);
+    let (mut sender, conn) = match hyper::client::conn::http1::Builder::new()
+        .handshake::<_, Body>(TokioIo::new(tcp))
+        .await
+    {
+        Ok(x) => x,
+        Err(e) => {
+            guard.cause = Some("engine_unreachable");
+            return engine_down(e.to_string());
+        }
+    };
+    let conn_task = tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "engine connection ended with an error");
+        }
+    });
+    entry.set_conn(conn_task.abort_handle());
+
+    let resp = tokio::select! {
+        biased;
+        _ = cancelled.cancelled() => { guard.cause = Some("aborted"); return aborted(&entry); }
+        r = sender.send_request(ureq) => r,
+    };
+    drop(sender);
+    let resp = match resp {
+        Ok(r) => r,
+        Err(e) => {
+            if entry.ended().is_some() {
+                guard.cause = Some("aborted");
+                return aborted(&entry);
+            }
+            if is_length_limit(&e) {
+                guard.cause = Some("client_gone");
+                st.metrics.request("body_too_large");
+                return error_response(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "kvguard_body_too_large",
+                    format!("request body over {max_body} bytes"),
+                    Some(&id),
+                    None,
+                );
+            }
+            guard.cause = Some("upstream_error");
+            return error_response(
+                StatusCode::BAD_GATEWAY,
+                "kvguard_engine_error",
+                format!("the engine failed before answering: {e}"),
+                Some(&id),
+                None,
+            );
+        }
+    };
+    let (mut rparts, rbody) = resp.into_parts();
+    strip_hop_by_hop(&mut rparts.headers);
+    rparts.version = Version::default();
+    let kind = BodyKind::from_content_type(
+        rparts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .map(HeaderValue::as_bytes),
+    );
+    entry.record_response(rparts.status.as_u16(), kind, st.clock.now());
+    if let (Some(addr), Some(key)) = (st.cfg.advertise, st.cfg.keys.first()) {
+        let v = stamp::stamp(key, addr, &id, st.clock.unix_secs());
+        if let Ok(v) = HeaderValue::from_str(&v) {
+            rparts.headers.insert(CONTROL_HEADER, v);
+        }
+    }
+    if let Ok(v) = HeaderValue::from_str(id.as_str()) {
+        rparts.headers.insert(REQUEST_ID_HEADER, v);
+    }
+    let body = TrackedBody {
+        inner: Some(rbody),
+        scanner: Scanner::new(kind),
+        cancelled: Box::pin(cancelled.cancelled_owned()),
+        guard,
+        done: false,
+    };
+    Response::from_parts(rparts, Body::new(body))
+}
+
+/// Whether an error (or one of its sources) is the request body's size limit.
+fn is_length_limit(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if err.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
+/// The engine's response body on its way to the client: counts data events, and ends
+/// with the contract's final SSE event when kvguard ends the request.
+struct TrackedBody {
+    inner: Option<Incoming>,
+    scanner: Scanner,
+    cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
+    guard: Guard,
+    done: bool,
+}
+
+impl TrackedBody {
+    fn finish_aborted(&mut self) -> Option<Result<Frame<Bytes>, BoxError>> {
+        self.done = true;
+        self.inner = None;
+        self.guard.cause = Some("aborted");
+        self.guard.entry.close_engine_conn();
+        let reason = self.guard.entry.ended().unwrap_or(AbortReason::Operator);
+        if self.scanner.kind() == BodyKind::Sse {
+            let event = format!(
+                "{}{}",
+                self.scanner.event_boundary_prefix(),
+                sse::abort_event(reason)
+            );
+            Some(Ok(Frame::data(Bytes::from(event))))
+        } else {
+            Some(Err(
+                format!("kvguard-control ended the request ({reason})").into()
+            ))
+        }
+    }
+}
+
+impl HttpBody for TrackedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if this.cancelled.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(this.finish_aborted());
+        }
+        let Some(inner) = this.inner.as_mut() else {
+            this.done = true;
+            return Poll::Ready(None);
+        };
+        match Pin::new(inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    let n = this.scanner.feed(data);
+                    if n > 0 {
+                        this.guard
+                            .entry
+                            .record_events(n, this.guard.state.clock.now());
+                        this.guard.state.metrics.data_events.inc_by(n);
+                    }
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                if this.guard.entry.cancel_token().is_cancelled() {
+                    return Poll::Ready(this.finish_aborted());
+                }
+                this.done = true;
+                this.inner = None;
+                this.guard.cause = Some("upstream_error");
+                tracing::info!(request_id = %this.guard.entry.id, error = %e, "engine stream ended with an error");
+                Poll::Ready(Some(Err(Box::new(e))))
+            }
+            Poll::Ready(None) => {
+                this.done = true;
+                this.inner = None;
+                this.guard.cause = Some("complete");
+                Poll::Ready(None)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-secret-hop"),
+        );
+        h.insert("x-secret-hop", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        h.insert("x-request-id", HeaderValue::from_static("abc"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("x-request-id"));
+    }
+}

@@ -1,0 +1,146 @@
+//! GPU-side reaping, independent of any gateway: max age, idle (stalled) streams and
+//! first-token timeouts, judged on an injected clock.
+
+use crate::config::Limits;
+use crate::table::Times;
+use kvguard_contract::AbortReason;
+use std::time::{Duration, Instant};
+
+/// Whether a request is due to be ended at `now`, and why. Checked in order: max age
+/// (from the start), first-token timeout (from the start, until the first data event),
+/// idle (from the last data event, only after the first one).
+pub fn verdict(t: &Times, now: Instant, limits: &Limits) -> Option<AbortReason> {
+    let age = now.saturating_duration_since(t.started);
+    if limits.max_age.is_some_and(|m| age >= m) {
+        return Some(AbortReason::MaxAge);
+    }
+    match t.last_data {
+        None => {
+            if limits.first_token_timeout.is_some_and(|f| age >= f) {
+                return Some(AbortReason::FirstTokenTimeout);
+            }
+        }
+        Some(last) => {
+            if limits
+                .idle_timeout
+                .is_some_and(|i| now.saturating_duration_since(last) >= i)
+            {
+                return Some(AbortReason::Stalled);
+            }
+        }
+    }
+    None
+}
+
+/// How often the reaper looks: a quarter of the smallest limit, between 10 ms and 1 s.
+pub fn tick(limits: &Limits) -> Duration {
+    [
+        limits.max_age,
+        limits.idle_timeout,
+        limits.first_token_timeout,
+    ]
+    .into_iter()
+    .flatten()
+    .min()
+    .map_or(Duration::from_secs(1), |d| d / 4)
+    .clamp(Duration::from_millis(10), Duration::from_secs(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::{Clock, ManualClock};
+
+    fn limits(max_age: u64, idle: u64, first: Option<u64>) -> Limits {
+        Limits {
+            max_age: Some(Duration::from_secs(max_age)),
+            idle_timeout: Some(Duration::from_secs(idle)),
+            first_token_timeout: first.map(Duration::from_secs),
+        }
+    }
+
+    #[test]
+    fn idle_runs_from_last_data_event_only_after_the_first() {
+        let c = ManualClock::new(0);
+        let l = limits(900, 120, None);
+        let mut t = Times {
+            started: c.now(),
+            first_data: None,
+            last_data: None,
+        };
+        // Queued / prefill for a long time: not stalled (first-token timeout is off).
+        c.advance(Duration::from_secs(300));
+        assert_eq!(verdict(&t, c.now(), &l), None);
+        t.first_data = Some(c.now());
+        t.last_data = Some(c.now());
+        c.advance(Duration::from_secs(119));
+        assert_eq!(verdict(&t, c.now(), &l), None);
+        c.advance(Duration::from_secs(1));
+        assert_eq!(verdict(&t, c.now(), &l), Some(AbortReason::Stalled));
+        // Progress resets the idle clock.
+        t.last_data = Some(c.now());
+        assert_eq!(verdict(&t, c.now(), &l), None);
+    }
+
+    #[test]
+    fn first_token_timeout() {
+        let c = ManualClock::new(0);
+        let l = limits(900, 120, Some(30));
+        let mut t = Times {
+            started: c.now(),
+            first_data: None,
+            last_data: None,
+        };
+        c.advance(Duration::from_secs(29));
+        assert_eq!(verdict(&t, c.now(), &l), None);
+        c.advance(Duration::from_secs(1));
+        assert_eq!(
+            verdict(&t, c.now(), &l),
+            Some(AbortReason::FirstTokenTimeout)
+        );
+        t.first_data = Some(c.now());
+        t.last_data = Some(c.now());
+        assert_eq!(verdict(&t, c.now(), &l), None);
+    }
+
+    #[test]
+    fn max_age_whatever_the_progress_and_first() {
+        let c = ManualClock::new(0);
+        let l = limits(60, 10, Some(5));
+        let mut t = Times {
+            started: c.now(),
+            first_data: Some(c.now()),
+            last_data: Some(c.now()),
+        };
+        for _ in 0..59 {
+            c.advance(Duration::from_secs(1));
+            t.last_data = Some(c.now());
+            assert_eq!(verdict(&t, c.now(), &l), None);
+        }
+        c.advance(Duration::from_secs(1));
+        t.last_data = Some(c.now());
+        assert_eq!(verdict(&t, c.now(), &l), Some(AbortReason::MaxAge));
+        // Max age wins over stalled when both are due.
+        c.advance(Duration::from_secs(100));
+        assert_eq!(verdict(&t, c.now(), &l), Some(AbortReason::MaxAge));
+    }
+
+    #[test]
+    fn everything_off() {
+        let c = ManualClock::new(0);
+        let t = Times {
+            started: c.now(),
+            first_data: None,
+            last_data: None,
+        };
+        c.advance(Duration::from_secs(1_000_000));
+        assert_eq!(verdict(&t, c.now(), &Limits::default()), None);
+        assert_eq!(tick(&Limits::default()), Duration::from_secs(1));
+        assert_eq!(tick(&limits(900, 120, None)), Duration::from_secs(1));
+        let short = Limits {
+            idle_timeout: Some(Duration::from_millis(200)),
+            ..Limits::default()
+        };
+        assert_eq!(tick(&short), Duration::from_millis(50));
+    }
+}

@@ -1,0 +1,316 @@
+//! Listeners, background tasks and graceful shutdown.
+
+use crate::admin;
+use crate::clock::{Clock, SystemClock};
+use crate::config::Config;
+use crate::engine::{Engine, HttpEngine};
+use crate::gpu::{GpuProbe, GpuTracker, NvmlProbe};
+use crate::proxy;
+use crate::reaper;
+use crate::sampler;
+use crate::state::AppState;
+use axum::Router;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use kvguard_contract::AbortReason;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// Largest request head (request line + headers) accepted on either listener.
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
+/// Most header fields in a request.
+pub const MAX_HEADERS: usize = 100;
+/// Deadline for a client to send its request head.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// Open connections on the admin listener at most.
+pub const MAX_ADMIN_CONNECTIONS: usize = 256;
+/// Open connections on the proxy listener at most: `2 × --max-inflight`, at least this.
+pub const MIN_PROXY_CONNECTIONS: usize = 1024;
+/// After the drain timeout, how long the final SSE events get to reach clients.
+pub const FINAL_FLUSH: Duration = Duration::from_secs(2);
+
+/// What the service runs on: clock, engine, GPU probe.
+pub struct Deps {
+    /// Time.
+    pub clock: Arc<dyn Clock>,
+    /// The engine's metrics, health and abort API.
+    pub engine: Arc<dyn Engine>,
+    /// NVML (or a fake); `None` when unavailable.
+    pub gpu_probe: Option<Arc<dyn GpuProbe>>,
+    /// The GPU status to start from.
+    pub gpu: GpuTracker,
+}
+
+impl Deps {
+    /// The real clock, the engine over HTTP and NVML (unless `--no-nvml`).
+    pub fn real(cfg: &Config) -> Deps {
+        let (gpu_probe, gpu) = if cfg.no_nvml {
+            (
+                None,
+                GpuTracker::unavailable("disabled by --no-nvml".to_owned()),
+            )
+        } else {
+            match NvmlProbe::init() {
+                Ok(p) => {
+                    tracing::info!("NVML loaded");
+                    (
+                        Some(Arc::new(p) as Arc<dyn GpuProbe>),
+                        GpuTracker::default(),
+                    )
+                }
+                Err(why) => (None, GpuTracker::unavailable(why)),
+            }
+        };
+        Deps {
+            clock: Arc::new(SystemClock),
+            engine: Arc::new(HttpEngine::new(cfg)),
+            gpu_probe,
+            gpu,
+        }
+    }
+}
+
+/// A running service.
+pub struct Server {
+    /// Bound proxy address.
+    pub proxy_addr: SocketAddr,
+    /// Bound admin address.
+    pub admin_addr: SocketAddr,
+    /// Shared state (tests inspect it).
+    pub state: Arc<AppState>,
+    shutdown: CancellationToken,
+    done: JoinHandle<()>,
+}
+
+impl Server {
+    /// Binds both listeners and starts serving, reaping and sampling.
+    pub async fn start(cfg: Config, deps: Deps) -> Result<Server, String> {
+        let proxy_l = TcpListener::bind(cfg.listen)
+            .await
+            .map_err(|e| format!("--listen {}: {e}", cfg.listen))?;
+        let admin_l = TcpListener::bind(cfg.admin_listen)
+            .await
+            .map_err(|e| format!("--admin-listen {}: {e}", cfg.admin_listen))?;
+        let proxy_addr = proxy_l.local_addr().map_err(|e| format!("--listen: {e}"))?;
+        let admin_addr = admin_l
+            .local_addr()
+            .map_err(|e| format!("--admin-listen: {e}"))?;
+        let addr_file = cfg.addr_file.clone();
+        let st = AppState::new(cfg, deps.clock, deps.engine, deps.gpu);
+        tracing::info!(
+            engine = %st.cfg.engine.base,
+            strategy = st.cfg.abort_strategy.as_str(),
+            dry_run = st.cfg.dry_run,
+            keys = st.cfg.keys.len(),
+            "kvguard-control listening proxy={proxy_addr} admin={admin_addr}"
+        );
+        if st.cfg.keys.is_empty() {
+            tracing::warn!("no key configured (--secret-file, KVGUARD_SECRET): every abort call will be refused with 401; the reaper still works");
+        }
+        if let Some(path) = addr_file {
+            let json = serde_json::json!({ "proxy": proxy_addr.to_string(), "admin": admin_addr.to_string() });
+            // Written whole then renamed, so a reader never sees half a file.
+            let tmp = path.with_extension("tmp");
+            std::fs::write(&tmp, json.to_string())
+                .and_then(|()| std::fs::rename(&tmp, &path))
+                .map_err(|e| format!("--addr-file {}: {e}", path.display()))?;
+        }
+
+        let background = CancellationToken::new();
+        spawn_reaper(st.clone(), background.clone());
+        spawn_sampler(st.clone(), deps.gpu_probe, background.clone());
+
+        let proxy_stop = CancellationToken::new();
+        let admin_stop = CancellationToken::new();
+        let max_conns = st
+            .cfg
+            .max_inflight
+            .saturating_mul(2)
+            .max(MIN_PROXY_CONNECTIONS);
+        let proxy_task = tokio::spawn(accept_loop(
+            proxy_l,
+            proxy::app(st.clone()),
+            proxy_stop.clone(),
+            max_conns,
+        ));
+        let admin_task = tokio::spawn(accept_loop(
+            admin_l,
+            admin::app(st.clone()),
+            admin_stop.clone(),
+            MAX_ADMIN_CONNECTIONS,
+        ));
+        let shutdown = CancellationToken::new();
+        let sd = shutdown.clone();
+        let st2 = st.clone();
+        let done = tokio::spawn(async move {
+            sd.cancelled().await;
+            let drain = st2.cfg.drain_timeout;
+            tracing::info!(inflight = st2.inflight(), drain_timeout = ?drain, "shutting down: no new connections, draining");
+            st2.start_draining();
+            proxy_stop.cancel();
+            if let Ok(graceful) = proxy_task.await {
+                let shut = graceful.shutdown();
+                tokio::pin!(shut);
+                if tokio::time::timeout(drain, &mut shut).await.is_err() {
+                    let rest = st2.entries();
+                    tracing::warn!(
+                        remaining = rest.len(),
+                        "drain timeout reached: ending the remaining requests"
+                    );
+                    for e in rest {
+                        st2.end_request(&e, AbortReason::Operator, "shutdown");
+                    }
+                    if tokio::time::timeout(FINAL_FLUSH, &mut shut).await.is_err() {
+                        tracing::warn!("some proxy connections did not close; exiting anyway");
+                    }
+                }
+            }
+            admin_stop.cancel();
+            if let Ok(graceful) = admin_task.await {
+                let _ = tokio::time::timeout(Duration::from_secs(1), graceful.shutdown()).await;
+            }
+            background.cancel();
+            tracing::info!("kvguard-control stopped");
+        });
+        Ok(Server {
+            proxy_addr,
+            admin_addr,
+            state: st,
+            shutdown,
+            done,
+        })
+    }
+
+    /// Begins the graceful shutdown.
+    pub fn shutdown(&self) {
+        self.shutdown.cancel();
+    }
+
+    /// Waits until the shutdown has finished.
+    pub async fn wait(self) {
+        let _ = self.done.await;
+    }
+
+    /// Shuts down and waits.
+    pub async fn stop(self) {
+        self.shutdown();
+        self.wait().await;
+    }
+}
+
+fn builder() -> auto::Builder<TokioExecutor> {
+    let mut b = auto::Builder::new(TokioExecutor::new());
+    b.http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_buf_size(MAX_HEADER_BYTES)
+        .max_headers(MAX_HEADERS);
+    b.http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(MAX_HEADER_BYTES as u32)
+        .max_concurrent_streams(1024)
+        .keep_alive_interval(Duration::from_secs(30));
+    b
+}
+
+/// Accepts connections (HTTP/1.1 and h2c) until `stop`; returns the graceful-shutdown
+/// handle of the connections it started.
+///
+/// At most `max_conns` connections are open at once: at the bound, accepting pauses (the
+/// kernel backlog holds the rest) instead of running out of file descriptors.
+async fn accept_loop(
+    listener: TcpListener,
+    app: Router,
+    stop: CancellationToken,
+    max_conns: usize,
+) -> GracefulShutdown {
+    let graceful = GracefulShutdown::new();
+    let builder = builder();
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_conns));
+    loop {
+        let permit = tokio::select! {
+            _ = stop.cancelled() => break,
+            p = slots.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+        };
+        let accepted = tokio::select! {
+            _ = stop.cancelled() => break,
+            r = listener.accept() => r,
+        };
+        let stream = match accepted {
+            Ok((s, _peer)) => s,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let svc = TowerToHyperService::new(app.clone());
+        let conn = builder
+            .serve_connection_with_upgrades(TokioIo::new(stream), svc)
+            .into_owned();
+        let fut = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = fut.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    graceful
+}
+
+fn spawn_reaper(st: Arc<AppState>, stop: CancellationToken) {
+    let tick = reaper::tick(&st.cfg.limits);
+    tokio::spawn(async move {
+        let mut iv = tokio::time::interval(tick);
+        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = iv.tick() => {}
+            }
+            reap_once(&st);
+        }
+    });
+}
+
+/// One reaper pass over the in-flight table.
+pub fn reap_once(st: &Arc<AppState>) {
+    let now = st.clock.now();
+    let limits = st.cfg.limits;
+    for e in st.entries() {
+        if e.ended().is_some() {
+            continue;
+        }
+        if let Some(reason) = reaper::verdict(&e.times(), now, &limits) {
+            st.end_request(&e, reason, "reaper");
+        }
+    }
+    st.purge_tombstones();
+}
+
+fn spawn_sampler(st: Arc<AppState>, probe: Option<Arc<dyn GpuProbe>>, stop: CancellationToken) {
+    tokio::spawn(async move {
+        let mut iv = tokio::time::interval(st.cfg.sample_interval);
+        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = iv.tick() => {}
+            }
+            sampler::sample_once(&st, probe.as_ref()).await;
+        }
+    });
+}

@@ -1,0 +1,274 @@
+//! The in-flight table: every proxied request keyed by its request id, with its clocks,
+//! its progress and the handles that end it.
+
+use crate::scan::BodyKind;
+use kvguard_contract::{AbortReason, RequestId};
+use serde::Serialize;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+use tokio::task::AbortHandle;
+use tokio_util::sync::CancellationToken;
+
+/// Progress clocks of one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Times {
+    /// When its request headers arrived.
+    pub started: Instant,
+    /// First data event.
+    pub first_data: Option<Instant>,
+    /// Last data event.
+    pub last_data: Option<Instant>,
+}
+
+#[derive(Debug)]
+struct Progress {
+    first_data: Option<Instant>,
+    last_data: Option<Instant>,
+    events: u64,
+    kind: Option<BodyKind>,
+    status: Option<u16>,
+}
+
+/// One request in flight.
+#[derive(Debug)]
+pub struct Entry {
+    /// Its id.
+    pub id: RequestId,
+    /// A number unique to this entry (two requests may share an id over time).
+    pub seq: u64,
+    /// Method.
+    pub method: String,
+    /// Path (no query: queries may carry data that does not belong in logs).
+    pub path: String,
+    /// Unix seconds at start.
+    pub started_unix: u64,
+    started: Instant,
+    progress: Mutex<Progress>,
+    ended: Mutex<Option<AbortReason>>,
+    observed: AtomicBool,
+    cancel: CancellationToken,
+    conn: Mutex<Option<AbortHandle>>,
+}
+
+/// The JSON row of `GET /v1/requests`.
+#[derive(Debug, Clone, Serialize)]
+pub struct EntryView {
+    /// Request id.
+    pub request_id: String,
+    /// Method.
+    pub method: String,
+    /// Path.
+    pub path: String,
+    /// Unix seconds at start.
+    pub started_unix: u64,
+    /// Age, ms.
+    pub age_ms: u64,
+    /// Time to first data event, ms.
+    pub first_data_ms: Option<u64>,
+    /// Since the last data event, ms.
+    pub idle_ms: Option<u64>,
+    /// Data events (SSE) or lines (NDJSON).
+    pub events: u64,
+    /// `sse`, `ndjson`, `other`, or null before the response headers.
+    pub body: Option<&'static str>,
+    /// Engine response status, once known.
+    pub status: Option<u16>,
+    /// The reason it is being ended, if it is.
+    pub ending: Option<AbortReason>,
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+impl Entry {
+    /// A new entry started at `now`.
+    pub fn new(
+        id: RequestId,
+        seq: u64,
+        method: String,
+        path: String,
+        now: Instant,
+        now_unix: u64,
+    ) -> Entry {
+        Entry {
+            id,
+            seq,
+            method,
+            path,
+            started_unix: now_unix,
+            started: now,
+            progress: Mutex::new(Progress {
+                first_data: None,
+                last_data: None,
+                events: 0,
+                kind: None,
+                status: None,
+            }),
+            ended: Mutex::new(None),
+            observed: AtomicBool::new(false),
+            cancel: CancellationToken::new(),
+            conn: Mutex::new(None),
+        }
+    }
+
+    /// The clocks.
+    pub fn times(&self) -> Times {
+        let p = self.progress.lock();
+        let (first_data, last_data) = p.map(|p| (p.first_data, p.last_data)).unwrap_or_default();
+        Times {
+            started: self.started,
+            first_data,
+            last_data,
+        }
+    }
+
+    /// Data events so far.
+    pub fn events(&self) -> u64 {
+        self.progress.lock().map(|p| p.events).unwrap_or(0)
+    }
+
+    /// Records `n` data events at `now`.
+    pub fn record_events(&self, n: u64, now: Instant) {
+        if n == 0 {
+            return;
+        }
+        if let Ok(mut p) = self.progress.lock() {
+            p.events += n;
+            p.first_data.get_or_insert(now);
+            p.last_data = Some(now);
+        }
+    }
+
+    /// Records the engine's response head at `now`. A body that is neither SSE nor
+    /// NDJSON (a non-streaming JSON answer, an error) comes only once the engine is done
+    /// generating, so its head counts as progress: the first-token timeout no longer
+    /// applies to it.
+    pub fn record_response(&self, status: u16, kind: BodyKind, now: Instant) {
+        if let Ok(mut p) = self.progress.lock() {
+            p.status = Some(status);
+            p.kind = Some(kind);
+            if kind == BodyKind::Other {
+                p.first_data.get_or_insert(now);
+                p.last_data = Some(now);
+            }
+        }
+    }
+
+    /// Marks the request as being ended for `reason`; `false` if it already was (the
+    /// first reason wins).
+    pub fn mark_ended(&self, reason: AbortReason) -> bool {
+        match self.ended.lock() {
+            Ok(mut e) if e.is_none() => {
+                *e = Some(reason);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Marks the request as observed (dry run); `false` if it already was.
+    pub fn mark_observed(&self) -> bool {
+        !self.observed.swap(true, Ordering::AcqRel)
+    }
+
+    /// Why it is being ended, if it is.
+    pub fn ended(&self) -> Option<AbortReason> {
+        self.ended.lock().ok().and_then(|e| *e)
+    }
+
+    /// The token cancelled when the request is ended.
+    pub fn cancel_token(&self) -> &CancellationToken {
+        &self.cancel
+    }
+
+    /// Attaches the engine connection's task; if the request was already ended, the
+    /// connection is closed at once.
+    pub fn set_conn(&self, handle: AbortHandle) {
+        if let Ok(mut c) = self.conn.lock() {
+            if self.cancel.is_cancelled() {
+                handle.abort();
+            }
+            *c = Some(handle);
+        }
+    }
+
+    /// Closes the engine-side connection (dropping the TCP socket): vLLM, TGI and
+    /// llama.cpp abort the sequence on disconnect.
+    pub fn close_engine_conn(&self) {
+        if let Ok(c) = self.conn.lock() {
+            if let Some(h) = c.as_ref() {
+                h.abort();
+            }
+        }
+    }
+
+    /// Ends it: cancels the token (the proxy sends the SSE event and ends the stream) and
+    /// closes the engine connection.
+    pub fn end(&self) {
+        self.cancel.cancel();
+        self.close_engine_conn();
+    }
+
+    /// The JSON view at `now`.
+    pub fn view(&self, now: Instant) -> EntryView {
+        let (first, last, events, kind, status) = self
+            .progress
+            .lock()
+            .map(|p| (p.first_data, p.last_data, p.events, p.kind, p.status))
+            .unwrap_or((None, None, 0, None, None));
+        EntryView {
+            request_id: self.id.as_str().to_owned(),
+            method: self.method.clone(),
+            path: self.path.clone(),
+            started_unix: self.started_unix,
+            age_ms: ms(now.saturating_duration_since(self.started)),
+            first_data_ms: first.map(|f| ms(f.saturating_duration_since(self.started))),
+            idle_ms: last.map(|l| ms(now.saturating_duration_since(l))),
+            events,
+            body: kind.map(|k| match k {
+                BodyKind::Sse => "sse",
+                BodyKind::Ndjson => "ndjson",
+                BodyKind::Other => "other",
+            }),
+            status,
+            ending: self.ended(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_reason_wins_and_progress() {
+        let t0 = Instant::now();
+        let e = Entry::new(
+            RequestId::try_new(b"r").unwrap(),
+            1,
+            "POST".into(),
+            "/v1/completions".into(),
+            t0,
+            100,
+        );
+        assert!(e.mark_ended(AbortReason::Stalled));
+        assert!(!e.mark_ended(AbortReason::MaxAge));
+        assert_eq!(e.ended(), Some(AbortReason::Stalled));
+        e.record_response(200, BodyKind::Sse, t0);
+        assert_eq!(e.times().first_data, None);
+        e.record_events(2, t0 + Duration::from_secs(1));
+        e.record_events(1, t0 + Duration::from_secs(3));
+        let t = e.times();
+        assert_eq!(t.first_data, Some(t0 + Duration::from_secs(1)));
+        assert_eq!(t.last_data, Some(t0 + Duration::from_secs(3)));
+        let v = e.view(t0 + Duration::from_secs(4));
+        assert_eq!(v.events, 3);
+        assert_eq!(v.age_ms, 4000);
+        assert_eq!(v.idle_ms, Some(1000));
+        assert_eq!(v.first_data_ms, Some(1000));
+        assert!(e.mark_observed());
+        assert!(!e.mark_observed());
+    }
+}

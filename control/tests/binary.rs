@@ -1,0 +1,174 @@
+//! The real `kvguard-control` binary: bad flags exit 64 naming the flag; the bound ports
+//! are read back from its log line and its `--addr-file`; SIGTERM drains; idle RSS bound.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use common::*;
+use kvguard_integration::client;
+use kvguard_integration::proc::ChildGuard;
+use kvguard_integration::wait::{bounded, poll_until_async};
+use std::net::SocketAddr;
+use std::process::Command;
+use std::time::Duration;
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvguard-control");
+
+/// Idle RSS budget of the service (issue: < 30 MB).
+const IDLE_RSS_LIMIT: u64 = 30 * 1024 * 1024;
+
+fn run_bad(args: &[&str], envs: &[(&str, &str)]) -> (i32, String) {
+    let mut c = Command::new(BIN);
+    // Should a bad flag be accepted, the service must not take a real port.
+    c.args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for (k, v) in envs {
+        c.env(k, v);
+    }
+    let mut child = c.spawn().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{args:?} {envs:?}: still running after 10 s (flag accepted?)");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    (out.status.code().unwrap_or(-1), text)
+}
+
+#[test]
+fn bad_flags_exit_64_naming_the_flag() {
+    for (args, envs, flag) in [
+        (&["--max-age", "soon"][..], &[][..], "--max-age"),
+        (&["--advertise", "pod.local:9902"], &[], "--advertise"),
+        (&["--engine-url", "https://x"], &[], "--engine-url"),
+        (&["--abort-strategy", "magic"], &[], "--abort-strategy"),
+        (&["--no-such-flag"], &[], "--no-such-flag"),
+        (&[], &[("KVGUARD_IDLE_TIMEOUT", "nope")], "--idle-timeout"),
+        (&[], &[("KVGUARD_SECRET", "short")], "KVGUARD_SECRET"),
+    ] {
+        let (code, err) = run_bad(args, envs);
+        assert_eq!(code, 64, "{args:?} {envs:?}: {err}");
+        assert!(err.contains(flag), "{args:?} {envs:?}: {err}");
+    }
+    let (code, out) = run_bad(&["--help"], &[]);
+    assert_eq!(code, 0, "{out}");
+}
+
+fn parse_listening(log: &str) -> (SocketAddr, SocketAddr) {
+    let line = log
+        .lines()
+        .find(|l| l.contains("kvguard-control listening"))
+        .unwrap();
+    let field = |k: &str| -> SocketAddr {
+        let start = line.find(&format!("{k}=")).unwrap() + k.len() + 1;
+        line[start..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    (field("proxy"), field("admin"))
+}
+
+fn vmrss(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    kvguard_control::procfs::parse_vmrss(&s).unwrap()
+}
+
+#[tokio::test]
+async fn real_binary_serves_reports_idle_rss_and_drains_on_sigterm() {
+    bounded("test", Duration::from_secs(60), async {
+        let sim = sim(slow_sim()).await;
+        let dir = tempfile_dir();
+        let addr_file = dir.join("addrs.json");
+        let mut cmd = Command::new(BIN);
+        cmd.args([
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--engine-url",
+            &sim.url(),
+            "--sample-interval",
+            "200ms",
+            "--drain-timeout",
+            "10s",
+            "--addr-file",
+            addr_file.to_str().unwrap(),
+        ])
+        .env("KVGUARD_SECRET", std::str::from_utf8(KEY).unwrap())
+        .env("KVGUARD_LOG_FORMAT", "text");
+        let mut child = ChildGuard::spawn("kvguard-control", cmd).unwrap();
+        let log = child
+            .wait_for_log("kvguard-control listening", Duration::from_secs(10))
+            .await
+            .unwrap();
+        let (proxy, admin) = parse_listening(&log);
+        let j: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&addr_file).unwrap()).unwrap();
+        assert_eq!(j["proxy"], proxy.to_string());
+        assert_eq!(j["admin"], admin.to_string());
+        poll_until_async("readyz", T, Duration::from_millis(50), || async {
+            (client::get(admin, "/readyz").await.ok()?.status == 200).then_some(())
+        })
+        .await
+        .unwrap();
+        // Idle RSS after start-up and a few samples: a memory bound, not a timing one.
+        let rss = vmrss(child.pid());
+        eprintln!("kvguard-control idle VmRSS: {} KiB", rss / 1024);
+        assert!(
+            rss < IDLE_RSS_LIMIT,
+            "idle RSS {} KiB over the budget",
+            rss / 1024
+        );
+        // A signed abort with the key from KVGUARD_SECRET works against the binary.
+        let (status, _) = abort(admin, "bin-unknown", "operator").await;
+        assert_eq!(status, 404);
+        // SIGTERM while a stream runs: it finishes (drain), then the process exits 0.
+        let mut s = client::stream_sse(
+            proxy,
+            "/v1/completions",
+            &completion(20),
+            &[("x-request-id", "bin-drain")],
+            false,
+        )
+        .await
+        .unwrap();
+        s.next_data(Duration::from_secs(5)).await.unwrap().unwrap();
+        child.signal(libc_sigterm()).unwrap();
+        let ev = s.collect(Duration::from_secs(10)).await.unwrap();
+        assert!(
+            ev.last().unwrap().is_done(),
+            "the stream finished during the drain: {ev:?}"
+        );
+        let status = child
+            .wait_exit_async(Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert!(status.success(), "{status}; log:\n{}", child.log_tail(40));
+        assert!(child.log().contains("kvguard-control stopped"));
+    })
+    .await
+    .unwrap();
+}
+
+fn libc_sigterm() -> i32 {
+    15
+}
+
+fn tempfile_dir() -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("kvguard-control-test-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}

@@ -1,0 +1,572 @@
+//! The abort queue: bounded, bounded concurrency, retries with exponential backoff and
+//! jitter for transient answers only, a per-call timeout and an overall deadline.
+
+use crate::config::Config;
+use crate::host::{Call, DispatchError, Host};
+use crate::metrics::{Metric, Metrics, Outcome, Route};
+use kvguard_contract::{signature, AbortReason, AbortRequest, Disposition, RequestId};
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+
+/// Most abort calls in flight per VM.
+pub const MAX_IN_FLIGHT: usize = 32;
+/// First retry delay, ms (doubles each retry).
+pub const BACKOFF_BASE_MS: u64 = 200;
+/// Longest retry delay, ms.
+pub const BACKOFF_MAX_MS: u64 = 5_000;
+/// An abort not settled this long after it was queued is given up (`failed`), ms.
+pub const DEADLINE_MS: u64 = 30_000;
+
+/// The header naming the replica for an ORIGINAL_DST cluster.
+pub const ORIGINAL_DST_HEADER: &str = "x-envoy-original-dst-host";
+
+/// One abort to deliver.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Job {
+    /// The request to end.
+    pub id: RequestId,
+    /// Why.
+    pub reason: AbortReason,
+    /// Its age when decided.
+    pub age_ms: u64,
+    /// Data events seen.
+    pub tokens: u64,
+    /// The stamped replica, when verified.
+    pub target: Option<SocketAddr>,
+    /// Calls made so far.
+    pub attempts: u32,
+    queued_ms: u64,
+    next_ms: u64,
+}
+
+impl Job {
+    /// A new job decided at `now_ms`.
+    pub fn new(
+        id: RequestId,
+        reason: AbortReason,
+        age_ms: u64,
+        tokens: u64,
+        target: Option<SocketAddr>,
+        now_ms: u64,
+    ) -> Self {
+        Job {
+            id,
+            reason,
+            age_ms,
+            tokens,
+            target,
+            attempts: 0,
+            queued_ms: now_ms,
+            next_ms: now_ms,
+        }
+    }
+}
+
+/// An abort that reached its final outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finished {
+    /// The job.
+    pub job: Job,
+    /// How it ended.
+    pub outcome: Outcome,
+    /// The last HTTP status, if any.
+    pub status: Option<u16>,
+}
+
+/// The per-VM abort queue.
+#[derive(Debug)]
+pub struct AbortQueue {
+    ready: VecDeque<Job>,
+    backoff: Vec<Job>,
+    in_flight: hashbrown::HashMap<u32, Job>,
+    max_pending: usize,
+    rng: u64,
+}
+
+impl AbortQueue {
+    /// An empty queue bounded at `max_pending`; `seed` drives the jitter.
+    pub fn new(max_pending: usize, seed: u64) -> Self {
+        AbortQueue {
+            ready: VecDeque::new(),
+            backoff: Vec::new(),
+            in_flight: hashbrown::HashMap::new(),
+            max_pending,
+            rng: seed | 1,
+        }
+    }
+
+    /// Jobs queued, backing off or in flight.
+    pub fn pending(&self) -> usize {
+        self.ready.len() + self.backoff.len() + self.in_flight.len()
+    }
+
+    /// Calls in flight.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Whether a pump now would send something.
+    pub fn has_ready(&self, now_ms: u64) -> bool {
+        self.in_flight.len() < MAX_IN_FLIGHT
+            && (!self.ready.is_empty() || self.backoff.iter().any(|j| j.next_ms <= now_ms))
+    }
+
+    /// Queues a job; a full queue hands it back (`dropped`).
+    pub fn push<M: Metrics + ?Sized>(&mut self, job: Job, metrics: &mut M) -> Result<(), Job> {
+        if self.pending() >= self.max_pending {
+            return Err(job);
+        }
+        self.ready.push_back(job);
+        metrics.add(Metric::PendingAborts, 1);
+        Ok(())
+    }
+
+    fn next_rand(&mut self) -> u64 {
+        // xorshift64*: jitter only, not security.
+        let mut x = self.rng;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.rng = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// The delay before retry number `attempts` (1 = first retry): exponential, capped,
+    /// with jitter in `[d/2, d]`.
+    pub fn backoff_ms(&mut self, attempts: u32) -> u64 {
+        let exp = attempts.saturating_sub(1).min(16);
+        let d = BACKOFF_BASE_MS.saturating_mul(1 << exp).min(BACKOFF_MAX_MS);
+        let half = d / 2;
+        half + self.next_rand() % (d - half + 1)
+    }
+
+    /// Builds the signed call for a job.
+    pub fn call<'c>(cfg: &'c Config, job: &Job, unix_secs: u64) -> (Call<'c>, Route) {
+        let body = AbortRequest::new(&job.id, job.reason, job.age_ms, job.tokens).to_json();
+        let sig = signature::sign(&cfg.key, unix_secs, &body);
+        let mut headers: Vec<(&'static str, String)> = vec![
+            (":method", "POST".to_owned()),
+            (":path", cfg.abort_path.clone()),
+            (":authority", cfg.control_authority.clone()),
+            ("content-type", "application/json".to_owned()),
+            (signature::SIGNATURE_HEADER, sig),
+        ];
+        let (cluster, route) = match (&cfg.target, job.target) {
+            (Some(t), Some(addr)) => {
+                headers.push((ORIGINAL_DST_HEADER, addr.to_string()));
+                (t.cluster.as_str(), Route::Replica)
+            }
+            _ => (cfg.control_cluster.as_str(), Route::Fallback),
+        };
+        (
+            Call {
+                cluster,
+                headers,
+                body,
+                timeout_ms: cfg.abort_timeout_ms,
+            },
+            route,
+        )
+    }
+
+    /// Sends what is due, within the concurrency bound. Jobs past their deadline end
+    /// as `failed`; calls the host refuses end as `dispatch_error` (unknown cluster) or
+    /// are retried (any other refusal).
+    pub fn pump<H: Host + Metrics + ?Sized>(
+        &mut self,
+        cfg: &Config,
+        now_ms: u64,
+        unix_secs: u64,
+        host: &mut H,
+        finished: &mut Vec<Finished>,
+    ) {
+        // Due retries go first: they have waited longest.
+        let mut i = 0;
+        while i < self.backoff.len() {
+            if self.backoff[i].next_ms <= now_ms {
+                let job = self.backoff.swap_remove(i);
+                self.ready.push_front(job);
+            } else {
+                i += 1;
+            }
+        }
+        while self.in_flight.len() < MAX_IN_FLIGHT {
+            let Some(mut job) = self.ready.pop_front() else {
+                break;
+            };
+            if now_ms.saturating_sub(job.queued_ms) > DEADLINE_MS {
+                self.finish(job, Outcome::Failed, None, host, finished);
+                continue;
+            }
+            let (call, route) = Self::call(cfg, &job, unix_secs);
+            job.attempts += 1;
+            host.add(Metric::AbortAttempts, 1);
+            if job.attempts == 1 {
+                host.add(Metric::AbortRoutes(route), 1);
+            }
+            match host.dispatch(&call) {
+                Ok(token) => {
+                    if let Some(old) = self.in_flight.insert(token, job) {
+                        // A token reused while in flight: the host's bug; keep the newer
+                        // job and settle the older one as failed.
+                        self.finish(old, Outcome::Failed, None, host, finished);
+                    }
+                }
+                Err(DispatchError::BadArgument) => {
+                    self.finish(job, Outcome::DispatchError, None, host, finished);
+                }
+                Err(DispatchError::Other) => {
+                    self.retry_or_fail(cfg, job, None, now_ms, host, finished);
+                }
+            }
+        }
+    }
+
+    fn retry_or_fail<M: Metrics + ?Sized>(
+        &mut self,
+        cfg: &Config,
+        mut job: Job,
+        status: Option<u16>,
+        now_ms: u64,
+        metrics: &mut M,
+        finished: &mut Vec<Finished>,
+    ) {
+        if job.attempts > cfg.abort_retries {
+            self.finish(job, Outcome::Failed, status, metrics, finished);
+            return;
+        }
+        let next = now_ms.saturating_add(self.backoff_ms(job.attempts));
+        if next.saturating_sub(job.queued_ms) > DEADLINE_MS {
+            self.finish(job, Outcome::Failed, status, metrics, finished);
+            return;
+        }
+        job.next_ms = next;
+        self.backoff.push(job);
+    }
+
+    fn finish<M: Metrics + ?Sized>(
+        &mut self,
+        job: Job,
+        outcome: Outcome,
+        status: Option<u16>,
+        metrics: &mut M,
+        finished: &mut Vec<Finished>,
+    ) {
+        metrics.add(Metric::PendingAborts, -1);
+        metrics.add(Metric::Aborts(job.reason, outcome), 1);
+        finished.push(Finished {
+            job,
+            outcome,
+            status,
+        });
+    }
+
+    /// An answer arrived for `token`: `status` is `None` for a timeout or reset.
+    /// Unknown tokens are ignored.
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_answer<M: Metrics + ?Sized>(
+        &mut self,
+        cfg: &Config,
+        token: u32,
+        status: Option<u16>,
+        body: &[u8],
+        now_ms: u64,
+        metrics: &mut M,
+        finished: &mut Vec<Finished>,
+    ) {
+        let Some(job) = self.in_flight.remove(&token) else {
+            return;
+        };
+        let Some(code) = status else {
+            self.retry_or_fail(cfg, job, None, now_ms, metrics, finished);
+            return;
+        };
+        let outcome = match Disposition::of_status(code) {
+            Disposition::Done => {
+                if memchr::memmem::find(body, b"\"already_aborted\":true").is_some() {
+                    Outcome::AlreadyAborted
+                } else {
+                    Outcome::Aborted
+                }
+            }
+            Disposition::NotFound => Outcome::NotFound,
+            Disposition::BadRequest => Outcome::BadRequest,
+            Disposition::Unauthorized => Outcome::Unauthorized,
+            Disposition::Replay => Outcome::Replay,
+            Disposition::Unexpected => Outcome::Unexpected,
+            Disposition::Transient => {
+                self.retry_or_fail(cfg, job, Some(code), now_ms, metrics, finished);
+                return;
+            }
+        };
+        self.finish(job, outcome, Some(code), metrics, finished);
+    }
+
+    /// The earliest time a backing-off job is due, if any.
+    pub fn next_due_ms(&self) -> Option<u64> {
+        self.backoff.iter().map(|j| j.next_ms).min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{config, MockHost};
+    use kvguard_contract::signature::verify;
+
+    fn job(id: &str, now: u64) -> Job {
+        Job::new(
+            RequestId::try_new(id.as_bytes()).unwrap(),
+            AbortReason::Stalled,
+            5,
+            6,
+            None,
+            now,
+        )
+    }
+
+    #[test]
+    fn signed_call_per_contract() {
+        let cfg = config("");
+        let (call, route) = AbortQueue::call(&cfg, &job("r1", 0), 1_700_000_000);
+        assert_eq!(route, Route::Fallback);
+        assert_eq!(call.cluster, "kvguard");
+        assert_eq!(call.timeout_ms, 1000);
+        assert_eq!(
+            call.body,
+            br#"{"request_id":"r1","reason":"stalled","age_ms":5,"tokens":6}"#
+        );
+        let h = |k: &str| {
+            call.headers
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.clone())
+        };
+        assert_eq!(h(":method").unwrap(), "POST");
+        assert_eq!(h(":path").unwrap(), "/v1/abort");
+        assert_eq!(h(":authority").unwrap(), "kvguard");
+        let sig = h("x-kvguard-signature").unwrap();
+        assert!(verify(
+            std::slice::from_ref(&cfg.key),
+            Some(sig.as_bytes()),
+            &call.body,
+            1_700_000_000
+        )
+        .is_ok());
+        assert!(h(ORIGINAL_DST_HEADER).is_none());
+    }
+
+    #[test]
+    fn each_attempt_is_signed_when_sent() {
+        let cfg = config(r#","abort_retries":1"#);
+        let mut q = AbortQueue::new(10, 1);
+        let mut h = MockHost::default();
+        let mut fin = Vec::new();
+        q.push(job("r", 0), &mut h).unwrap();
+        q.pump(&cfg, 0, 1_000, &mut h, &mut fin);
+        let t = h.calls[0].0;
+        q.on_answer(&cfg, t, Some(503), b"", 0, &mut h, &mut fin);
+        let due = q.next_due_ms().unwrap();
+        q.pump(&cfg, due, 1_007, &mut h, &mut fin);
+        let sig = |i: usize| {
+            h.calls[i]
+                .2
+                .iter()
+                .find(|(k, _)| *k == "x-kvguard-signature")
+                .map(|(_, v)| v.clone())
+                .unwrap()
+        };
+        assert!(sig(0).starts_with("t=1000,v1="));
+        assert!(sig(1).starts_with("t=1007,v1="));
+        assert_eq!(h.calls[0].3, h.calls[1].3);
+    }
+
+    #[test]
+    fn replica_route_needs_target_and_config() {
+        let cfg = config(r#","control_target_cluster":"t","control_target_cidrs":["10.0.0.0/8"]"#);
+        let mut j = job("r", 0);
+        j.target = Some("10.1.2.3:9902".parse().unwrap());
+        let (call, route) = AbortQueue::call(&cfg, &j, 1);
+        assert_eq!((call.cluster, route), ("t", Route::Replica));
+        assert!(call
+            .headers
+            .contains(&(ORIGINAL_DST_HEADER, "10.1.2.3:9902".to_owned())));
+        // Without a target-route config the stamp is not used.
+        let plain = config("");
+        let (call, route) = AbortQueue::call(&plain, &j, 1);
+        assert_eq!((call.cluster, route), ("kvguard", Route::Fallback));
+    }
+
+    #[test]
+    fn bounded_queue_drops() {
+        let cfg = config(r#","max_pending_aborts":2"#);
+        let mut q = AbortQueue::new(cfg.max_pending_aborts, 7);
+        let mut h = MockHost::default();
+        assert!(q.push(job("a", 0), &mut h).is_ok());
+        assert!(q.push(job("b", 0), &mut h).is_ok());
+        assert!(q.push(job("c", 0), &mut h).is_err());
+        assert_eq!(h.metric(Metric::PendingAborts), 2);
+    }
+
+    #[test]
+    fn concurrency_is_bounded() {
+        let cfg = config("");
+        let mut q = AbortQueue::new(1000, 7);
+        let mut h = MockHost::default();
+        for i in 0..(MAX_IN_FLIGHT + 5) {
+            q.push(job(&format!("r{i}"), 0), &mut h).unwrap();
+        }
+        let mut fin = Vec::new();
+        let mut m = MockHost::default();
+        q.pump(&cfg, 0, 1, &mut h, &mut fin);
+        assert_eq!(h.calls.len(), MAX_IN_FLIGHT);
+        assert_eq!(q.in_flight(), MAX_IN_FLIGHT);
+        assert!(!q.has_ready(0));
+        // One answer frees one slot.
+        let token = h.calls[0].0;
+        q.on_answer(
+            &cfg,
+            token,
+            Some(200),
+            br#"{"aborted":true}"#,
+            1,
+            &mut m,
+            &mut fin,
+        );
+        assert_eq!(fin.len(), 1);
+        assert_eq!(fin[0].outcome, Outcome::Aborted);
+        assert!(q.has_ready(1));
+        q.pump(&cfg, 1, 1, &mut h, &mut fin);
+        assert_eq!(h.calls.len(), MAX_IN_FLIGHT + 1);
+    }
+
+    #[test]
+    fn answers_map_to_outcomes_without_retry() {
+        let cfg = config("");
+        for (status, body, outcome) in [
+            (
+                200,
+                &br#"{"request_id":"r","found":true,"aborted":true}"#[..],
+                Outcome::Aborted,
+            ),
+            (
+                200,
+                br#"{"request_id":"r","found":true,"already_aborted":true}"#,
+                Outcome::AlreadyAborted,
+            ),
+            (
+                404,
+                br#"{"request_id":"r","found":false}"#,
+                Outcome::NotFound,
+            ),
+            (400, b"", Outcome::BadRequest),
+            (401, b"", Outcome::Unauthorized),
+            (409, b"", Outcome::Replay),
+            (302, b"", Outcome::Unexpected),
+        ] {
+            let mut q = AbortQueue::new(10, 1);
+            let mut h = MockHost::default();
+            let mut fin = Vec::new();
+            q.push(job("r", 0), &mut h).unwrap();
+            q.pump(&cfg, 0, 1, &mut h, &mut fin);
+            let token = *q.in_flight.keys().next().unwrap();
+            q.on_answer(&cfg, token, Some(status), body, 10, &mut h, &mut fin);
+            assert_eq!(fin.len(), 1, "{status}");
+            assert_eq!(fin[0].outcome, outcome, "{status}");
+            assert_eq!(q.pending(), 0);
+            assert_eq!(h.metric(Metric::PendingAborts), 0);
+            assert_eq!(h.metric(Metric::Aborts(AbortReason::Stalled, outcome)), 1);
+        }
+    }
+
+    #[test]
+    fn transient_answers_retry_with_backoff_then_fail() {
+        let cfg = config(r#","abort_retries":2"#);
+        let mut q = AbortQueue::new(10, 99);
+        let mut h = MockHost::default();
+        let mut fin = Vec::new();
+        q.push(job("r", 0), &mut h).unwrap();
+        let mut now = 0;
+        let mut sent = 0;
+        for (status, _) in [(Some(503), 0), (None, 1), (Some(429), 2)] {
+            q.pump(&cfg, now, 1, &mut h, &mut fin);
+            sent += 1;
+            assert_eq!(h.calls.len(), sent);
+            let token = h.calls[sent - 1].0;
+            q.on_answer(&cfg, token, status, b"", now, &mut h, &mut fin);
+            if sent <= 2 {
+                assert!(fin.is_empty());
+                let due = q.next_due_ms().unwrap();
+                let delay = due - now;
+                let nominal = BACKOFF_BASE_MS << (sent - 1);
+                assert!(
+                    delay >= nominal / 2 && delay <= nominal,
+                    "{delay} vs {nominal}"
+                );
+                // Not before it is due.
+                q.pump(&cfg, due - 1, 1, &mut h, &mut fin);
+                assert_eq!(h.calls.len(), sent);
+                now = due;
+            }
+        }
+        assert_eq!(fin.len(), 1);
+        assert_eq!(fin[0].outcome, Outcome::Failed);
+        assert_eq!(fin[0].status, Some(429));
+        assert_eq!(fin[0].job.attempts, 3);
+        assert_eq!(q.pending(), 0);
+    }
+
+    #[test]
+    fn deadline_and_dispatch_errors() {
+        let cfg = config(r#","abort_retries":10"#);
+        let mut q = AbortQueue::new(10, 3);
+        let mut h = MockHost::default();
+        let mut fin = Vec::new();
+        q.push(job("r", 0), &mut h).unwrap();
+        // Queued long ago: given up before sending.
+        q.pump(&cfg, DEADLINE_MS + 1, 1, &mut h, &mut fin);
+        assert_eq!(fin[0].outcome, Outcome::Failed);
+        assert!(h.calls.is_empty());
+        // Unknown cluster: permanent.
+        let mut h = MockHost {
+            refuse: Some(DispatchError::BadArgument),
+            ..MockHost::default()
+        };
+        q.push(job("r", 0), &mut h).unwrap();
+        q.pump(&cfg, 0, 1, &mut h, &mut fin);
+        assert_eq!(fin[1].outcome, Outcome::DispatchError);
+        // Other refusals retry.
+        let mut h = MockHost {
+            refuse: Some(DispatchError::Other),
+            ..MockHost::default()
+        };
+        q.push(job("r", 0), &mut h).unwrap();
+        q.pump(&cfg, 0, 1, &mut h, &mut fin);
+        assert_eq!(fin.len(), 2);
+        assert_eq!(q.pending(), 1);
+        assert!(q.next_due_ms().is_some());
+        // Retries stop at the deadline even with retries left.
+        let mut now = 0;
+        while fin.len() == 2 {
+            now = q.next_due_ms().unwrap();
+            q.pump(&cfg, now, 1, &mut h, &mut fin);
+        }
+        assert_eq!(fin[2].outcome, Outcome::Failed);
+        assert!(now <= DEADLINE_MS);
+        // Unknown tokens are ignored.
+        q.on_answer(&cfg, 12345, Some(200), b"", 0, &mut h, &mut fin);
+        assert_eq!(fin.len(), 3);
+    }
+
+    #[test]
+    fn backoff_is_capped_and_jittered() {
+        let mut q = AbortQueue::new(1, 42);
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..50 {
+            let d = q.backoff_ms(30);
+            assert!((BACKOFF_MAX_MS / 2..=BACKOFF_MAX_MS).contains(&d));
+            seen.insert(d);
+        }
+        assert!(seen.len() > 10, "jitter varies");
+    }
+}

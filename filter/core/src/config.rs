@@ -1,0 +1,667 @@
+//! The JSON plugin configuration (contract §5): parsed with serde (unknown keys refused),
+//! then validated and compiled into a typed [`Config`]. Every error names the field and
+//! what is allowed.
+
+use crate::cidr::Cidr;
+use core::fmt;
+use kvguard_contract::{Key, ABORT_PATH};
+use serde_json::Value;
+
+/// Largest timeout accepted, in ms (24 h).
+pub const MAX_TIMEOUT_MS: u64 = 86_400_000;
+
+/// A configuration error (the text names the field).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError(pub String);
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
+    Err(ConfigError(msg.into()))
+}
+
+/// What the filter does with a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Send aborts and close streams.
+    Enforce,
+    /// Count and log what would be aborted; send and close nothing.
+    Observe,
+}
+
+/// The three clocks of a request, in ms (0 = off).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// From the last data event, after the first one.
+    pub idle_timeout_ms: u64,
+    /// From the request until the first data event.
+    pub first_token_timeout_ms: u64,
+    /// From the request.
+    pub max_age_ms: u64,
+}
+
+/// A `routes` entry: overrides for a path prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    /// The prefix.
+    pub path_prefix: String,
+    /// The resolved limits (unset fields inherit the global ones).
+    pub limits: Limits,
+}
+
+/// The per-replica route (contract §4).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TargetRoute {
+    /// The ORIGINAL_DST cluster.
+    pub cluster: String,
+    /// Networks a stamped address must be inside.
+    pub cidrs: Vec<Cidr>,
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Cluster of the control service's admin listener.
+    pub control_cluster: String,
+    /// `:authority` of abort calls.
+    pub control_authority: String,
+    /// The per-replica route, when configured.
+    pub target: Option<TargetRoute>,
+    /// Path of the abort endpoint.
+    pub abort_path: String,
+    /// The signing key.
+    pub key: Key,
+    /// Enforce or observe.
+    pub mode: Mode,
+    /// Global limits.
+    pub limits: Limits,
+    /// Tick period, ms.
+    pub tick_ms: u64,
+    /// Tracked path prefixes.
+    pub paths: Vec<String>,
+    /// Overrides, longest prefix first.
+    pub routes: Vec<Route>,
+    /// Per-call timeout of an abort, ms.
+    pub abort_timeout_ms: u64,
+    /// Retries after the first attempt (transient answers only).
+    pub abort_retries: u32,
+    /// Bound of the abort queue (queued + in flight + backing off).
+    pub max_pending_aborts: usize,
+    /// Largest event inspected, bytes.
+    pub max_event_bytes: usize,
+}
+
+/// The top-level keys (contract §5).
+const KEYS: [&str; 18] = [
+    "control_cluster",
+    "control_authority",
+    "control_target_cluster",
+    "control_target_cidrs",
+    "abort_path",
+    "secret",
+    "secret_env",
+    "mode",
+    "idle_timeout_ms",
+    "first_token_timeout_ms",
+    "max_age_ms",
+    "tick_ms",
+    "paths",
+    "routes",
+    "abort_timeout_ms",
+    "abort_retries",
+    "max_pending_aborts",
+    "max_event_bytes",
+];
+
+/// The keys of a `routes` entry.
+const ROUTE_KEYS: [&str; 4] = [
+    "path_prefix",
+    "idle_timeout_ms",
+    "first_token_timeout_ms",
+    "max_age_ms",
+];
+
+/// The members of an object, refusing unknown keys (serde's `deny_unknown_fields`,
+/// by hand: the derived deserializer costs the wasm module ~30 KB).
+fn members<'a>(
+    what: &str,
+    v: &'a Value,
+    allowed: &[&str],
+) -> Result<&'a serde_json::Map<String, Value>, ConfigError> {
+    let Value::Object(m) = v else {
+        return err(format!("{what}: expected a JSON object, got {}", shown(v)));
+    };
+    if let Some(k) = m.keys().find(|k| !allowed.contains(&k.as_str())) {
+        let expected: Vec<String> = allowed.iter().map(|a| format!("`{a}`")).collect();
+        return err(format!(
+            "{what}: unknown field `{k}`, expected one of {}",
+            expected.join(", ")
+        ));
+    }
+    Ok(m)
+}
+
+/// The default tracked prefixes.
+pub const DEFAULT_PATHS: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/responses"];
+
+/// A short description of a JSON value for error messages (no float formatting: it
+/// costs the wasm module ~15 KB).
+fn shown(v: &Value) -> String {
+    match v {
+        Value::Null => "null".to_owned(),
+        Value::Bool(b) => b.to_string(),
+        Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+            (Some(u), _) => u.to_string(),
+            (None, Some(i)) => i.to_string(),
+            _ => "a number with a fraction".to_owned(),
+        },
+        Value::String(s) => {
+            let mut cut = s.len().min(57);
+            while !s.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            if cut < s.len() {
+                format!("{:?}...", &s[..cut])
+            } else {
+                format!("{s:?}")
+            }
+        }
+        Value::Array(_) => "a list".to_owned(),
+        Value::Object(_) => "an object".to_owned(),
+    }
+}
+
+fn int(
+    field: &str,
+    v: Option<&Value>,
+    min: u64,
+    max: u64,
+    default: u64,
+    what: &str,
+) -> Result<u64, ConfigError> {
+    match v {
+        None => Ok(default),
+        Some(v) => match v.as_u64() {
+            Some(n) if (min..=max).contains(&n) => Ok(n),
+            _ => err(format!(
+                "{field}: expected an integer {min}..={max}{what}, got {}",
+                shown(v)
+            )),
+        },
+    }
+}
+
+fn timeout(field: &str, v: Option<&Value>, default: u64) -> Result<u64, ConfigError> {
+    int(field, v, 0, MAX_TIMEOUT_MS, default, " (0 = off)")
+}
+
+fn string(field: &str, v: Option<&Value>, what: &str) -> Result<Option<String>, ConfigError> {
+    match v {
+        None => Ok(None),
+        Some(Value::String(s)) if !s.is_empty() => Ok(Some(s.clone())),
+        Some(v) => err(format!("{field}: expected {what}, got {}", shown(v))),
+    }
+}
+
+fn path_prefix(field: &str, v: &Value) -> Result<String, ConfigError> {
+    match v {
+        Value::String(s) if s.starts_with('/') && s.len() <= 1024 => Ok(s.clone()),
+        v => err(format!(
+            "{field}: expected a path prefix starting with \"/\", got {}",
+            shown(v)
+        )),
+    }
+}
+
+impl Config {
+    /// Parses and validates the plugin configuration. `env` looks up VM environment
+    /// variables (for `secret_env`).
+    pub fn parse(json: &[u8], env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        if json.trim_ascii().is_empty() {
+            return err("configuration is empty: expected a JSON object with at least \"control_cluster\" and \"secret\" or \"secret_env\"");
+        }
+        if json.trim_ascii().first() != Some(&b'{') {
+            return err("configuration must be a JSON object");
+        }
+        let value: Value =
+            serde_json::from_slice(json).map_err(|e| ConfigError(format!("configuration: {e}")))?;
+        let raw = members("configuration", &value, &KEYS)?;
+        let control_cluster = string(
+            "control_cluster",
+            raw.get("control_cluster"),
+            "a non-empty cluster name",
+        )?
+        .map_or_else(
+            || err("control_cluster: required (the cluster of kvguard-control's admin listener)"),
+            Ok,
+        )?;
+        let control_authority = string(
+            "control_authority",
+            raw.get("control_authority"),
+            "a non-empty authority",
+        )?
+        .unwrap_or_else(|| control_cluster.clone());
+        let target_cluster = string(
+            "control_target_cluster",
+            raw.get("control_target_cluster"),
+            "a non-empty cluster name",
+        )?;
+        let cidrs = match raw.get("control_target_cidrs") {
+            None => None,
+            Some(Value::Array(items)) if !items.is_empty() => {
+                let mut out = Vec::with_capacity(items.len());
+                for (i, item) in items.iter().enumerate() {
+                    match item {
+                        Value::String(s) => out.push(Cidr::parse(s).map_err(|e| {
+                            ConfigError(format!("control_target_cidrs[{i}]: {e}"))
+                        })?),
+                        v => {
+                            return err(format!(
+                                "control_target_cidrs[{i}]: expected a CIDR string like \"10.0.0.0/8\", got {}",
+                                shown(v)
+                            ))
+                        }
+                    }
+                }
+                Some(out)
+            }
+            Some(v) => {
+                return err(format!(
+                    "control_target_cidrs: expected a non-empty list of CIDR strings, got {}",
+                    shown(v)
+                ))
+            }
+        };
+        let target = match (target_cluster, cidrs) {
+            (Some(cluster), Some(cidrs)) => Some(TargetRoute { cluster, cidrs }),
+            (None, None) => None,
+            (Some(_), None) => {
+                return err("control_target_cidrs: required with control_target_cluster (the networks stamped control addresses must be in)")
+            }
+            (None, Some(_)) => {
+                return err("control_target_cluster: required with control_target_cidrs (an ORIGINAL_DST cluster)")
+            }
+        };
+        let abort_path = match raw.get("abort_path") {
+            None => ABORT_PATH.to_owned(),
+            Some(v) => path_prefix("abort_path", v)?,
+        };
+        let key = match (raw.get("secret"), raw.get("secret_env")) {
+            (Some(_), Some(_)) => {
+                return err("secret, secret_env: set exactly one of them, not both")
+            }
+            (None, None) => return err(
+                "secret: required, or secret_env (name of a VM environment variable holding it)",
+            ),
+            (Some(Value::String(s)), None) => {
+                Key::try_new(s.as_bytes()).map_err(|e| ConfigError(format!("secret: {e}")))?
+            }
+            (Some(v), None) => {
+                let kind = match v {
+                    Value::Null => "null",
+                    Value::Bool(_) => "a boolean",
+                    Value::Number(_) => "a number",
+                    Value::Array(_) => "a list",
+                    Value::Object(_) => "an object",
+                    Value::String(_) => "a string",
+                };
+                return err(format!(
+                    "secret: expected a string of at least 16 bytes, got {kind}"
+                ));
+            }
+            (None, Some(v)) => {
+                let name = string("secret_env", Some(v), "the name of an environment variable")?
+                    .unwrap_or_default();
+                match env(&name) {
+                    None => {
+                        return err(format!(
+                            "secret_env: environment variable {name:?} is not set in the VM (Envoy: vm_config.environment_variables; Istio: WasmPlugin vmConfig.env)"
+                        ))
+                    }
+                    Some(value) => Key::try_new(value.as_bytes()).map_err(|e| {
+                        ConfigError(format!("secret_env: variable {name:?}: {e}"))
+                    })?,
+                }
+            }
+        };
+        let mode = match raw.get("mode") {
+            None => Mode::Enforce,
+            Some(Value::String(s)) if s == "enforce" => Mode::Enforce,
+            Some(Value::String(s)) if s == "observe" => Mode::Observe,
+            Some(v) => {
+                return err(format!(
+                    "mode: expected \"enforce\" or \"observe\", got {}",
+                    shown(v)
+                ))
+            }
+        };
+        let limits = Limits {
+            idle_timeout_ms: timeout("idle_timeout_ms", raw.get("idle_timeout_ms"), 60_000)?,
+            first_token_timeout_ms: timeout(
+                "first_token_timeout_ms",
+                raw.get("first_token_timeout_ms"),
+                0,
+            )?,
+            max_age_ms: timeout("max_age_ms", raw.get("max_age_ms"), 600_000)?,
+        };
+        let tick_ms = int("tick_ms", raw.get("tick_ms"), 10, 60_000, 250, "")?;
+        let paths = match raw.get("paths") {
+            None => DEFAULT_PATHS.iter().map(|s| (*s).to_owned()).collect(),
+            Some(Value::Array(items)) if !items.is_empty() && items.len() <= 256 => {
+                let mut out = Vec::with_capacity(items.len());
+                for (i, item) in items.iter().enumerate() {
+                    out.push(path_prefix(&format!("paths[{i}]"), item)?);
+                }
+                out
+            }
+            Some(v) => {
+                return err(format!(
+                    "paths: expected a list of 1..=256 path prefixes, got {}",
+                    shown(v)
+                ))
+            }
+        };
+        let mut routes = Vec::new();
+        match raw.get("routes") {
+            None => {}
+            Some(Value::Array(items)) if items.len() <= 256 => {
+                for (i, item) in items.iter().enumerate() {
+                    let f = format!("routes[{i}]");
+                    let r = match item {
+                        Value::Object(_) => members(&f, item, &ROUTE_KEYS)?,
+                        _ => {
+                            return err(format!(
+                                "{f}: expected an object {{path_prefix, idle_timeout_ms?, first_token_timeout_ms?, max_age_ms?}}, got {}",
+                                shown(item)
+                            ))
+                        }
+                    };
+                    let prefix = match r.get("path_prefix") {
+                        Some(v) => path_prefix(&format!("{f}.path_prefix"), v)?,
+                        None => return err(format!("{f}.path_prefix: required")),
+                    };
+                    let limits = Limits {
+                        idle_timeout_ms: timeout(
+                            &format!("{f}.idle_timeout_ms"),
+                            r.get("idle_timeout_ms"),
+                            limits.idle_timeout_ms,
+                        )?,
+                        first_token_timeout_ms: timeout(
+                            &format!("{f}.first_token_timeout_ms"),
+                            r.get("first_token_timeout_ms"),
+                            limits.first_token_timeout_ms,
+                        )?,
+                        max_age_ms: timeout(
+                            &format!("{f}.max_age_ms"),
+                            r.get("max_age_ms"),
+                            limits.max_age_ms,
+                        )?,
+                    };
+                    if routes.iter().any(|x: &Route| x.path_prefix == prefix) {
+                        return err(format!("{f}.path_prefix: {prefix:?} appears twice"));
+                    }
+                    routes.push(Route {
+                        path_prefix: prefix,
+                        limits,
+                    });
+                }
+            }
+            Some(v) => {
+                return err(format!(
+                    "routes: expected a list of at most 256 objects, got {}",
+                    shown(v)
+                ))
+            }
+        }
+        routes.sort_by_key(|r| core::cmp::Reverse(r.path_prefix.len()));
+        Ok(Config {
+            control_cluster,
+            control_authority,
+            target,
+            abort_path,
+            key,
+            mode,
+            limits,
+            tick_ms,
+            paths,
+            routes,
+            abort_timeout_ms: int(
+                "abort_timeout_ms",
+                raw.get("abort_timeout_ms"),
+                1,
+                60_000,
+                1000,
+                "",
+            )?,
+            abort_retries: u32::try_from(int(
+                "abort_retries",
+                raw.get("abort_retries"),
+                0,
+                10,
+                3,
+                "",
+            )?)
+            .unwrap_or(3),
+            max_pending_aborts: usize::try_from(int(
+                "max_pending_aborts",
+                raw.get("max_pending_aborts"),
+                1,
+                1_000_000,
+                10_000,
+                "",
+            )?)
+            .unwrap_or(10_000),
+            max_event_bytes: usize::try_from(int(
+                "max_event_bytes",
+                raw.get("max_event_bytes"),
+                256,
+                16 * 1024 * 1024,
+                65_536,
+                "",
+            )?)
+            .unwrap_or(65_536),
+        })
+    }
+
+    /// The limits for a request path, or `None` when the path is not tracked. A path is
+    /// tracked when it starts with one of `paths` or with a `routes` prefix; the longest
+    /// matching route prefix gives its limits.
+    pub fn limits_for(&self, path: &[u8]) -> Option<Limits> {
+        if let Some(r) = self
+            .routes
+            .iter()
+            .find(|r| path.starts_with(r.path_prefix.as_bytes()))
+        {
+            return Some(r.limits);
+        }
+        if self.paths.iter().any(|p| path.starts_with(p.as_bytes())) {
+            return Some(self.limits);
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECRET: &str = "0123456789abcdef0123";
+
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    fn parse(json: &str) -> Result<Config, ConfigError> {
+        Config::parse(json.as_bytes(), &no_env)
+    }
+
+    fn msg(json: &str) -> String {
+        parse(json).unwrap_err().0
+    }
+
+    #[test]
+    fn minimal_and_defaults() {
+        let c = parse(&format!(
+            r#"{{"control_cluster":"kvguard","secret":"{SECRET}"}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.control_authority, "kvguard");
+        assert_eq!(c.abort_path, "/v1/abort");
+        assert_eq!(c.mode, Mode::Enforce);
+        assert_eq!(
+            c.limits,
+            Limits {
+                idle_timeout_ms: 60_000,
+                first_token_timeout_ms: 0,
+                max_age_ms: 600_000
+            }
+        );
+        assert_eq!(c.tick_ms, 250);
+        assert_eq!(c.paths, DEFAULT_PATHS.to_vec());
+        assert_eq!(c.abort_timeout_ms, 1000);
+        assert_eq!(c.abort_retries, 3);
+        assert_eq!(c.max_pending_aborts, 10_000);
+        assert_eq!(c.max_event_bytes, 65_536);
+        assert!(c.target.is_none());
+        assert!(c.limits_for(b"/v1/chat/completions").is_some());
+        assert!(c.limits_for(b"/v1/completions?x=1").is_some());
+        assert!(c.limits_for(b"/v1/models").is_none());
+        assert!(c.limits_for(b"/healthz").is_none());
+    }
+
+    #[test]
+    fn full() {
+        let c = parse(&format!(
+            r#"{{"control_cluster":"c","control_authority":"kvguard-control","control_target_cluster":"t",
+            "control_target_cidrs":["10.0.0.0/8","fd00::/8"],"abort_path":"/x/abort","secret":"{SECRET}",
+            "mode":"observe","idle_timeout_ms":0,"first_token_timeout_ms":5000,"max_age_ms":86400000,"tick_ms":10,
+            "paths":["/a"],"routes":[{{"path_prefix":"/a"}},{{"path_prefix":"/a/long","idle_timeout_ms":7}},{{"path_prefix":"/b","max_age_ms":1}}],
+            "abort_timeout_ms":60000,"abort_retries":0,"max_pending_aborts":1,"max_event_bytes":256}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.mode, Mode::Observe);
+        assert_eq!(c.target.as_ref().unwrap().cidrs.len(), 2);
+        let l = c.limits_for(b"/a/long/x").unwrap();
+        assert_eq!(l.idle_timeout_ms, 7);
+        assert_eq!(l.first_token_timeout_ms, 5000);
+        assert_eq!(c.limits_for(b"/a/other").unwrap().idle_timeout_ms, 0);
+        // A route prefix is tracked even outside `paths`.
+        assert_eq!(c.limits_for(b"/b").unwrap().max_age_ms, 1);
+        assert!(c.limits_for(b"/c").is_none());
+    }
+
+    #[test]
+    fn secret_env() {
+        let env = |n: &str| (n == "KVGUARD_SECRET").then(|| format!("{SECRET}\n"));
+        let c = Config::parse(
+            br#"{"control_cluster":"c","secret_env":"KVGUARD_SECRET"}"#,
+            &env,
+        )
+        .unwrap();
+        assert_eq!(c.key, Key::try_new(SECRET.as_bytes()).unwrap());
+        let e = Config::parse(br#"{"control_cluster":"c","secret_env":"NOPE"}"#, &env).unwrap_err();
+        assert!(
+            e.0.starts_with("secret_env: environment variable \"NOPE\""),
+            "{e}"
+        );
+        let short = |_: &str| Some("short".to_string());
+        let e = Config::parse(br#"{"control_cluster":"c","secret_env":"X"}"#, &short).unwrap_err();
+        assert!(e.0.contains("at least 16"), "{e}");
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let base = format!(r#""control_cluster":"c","secret":"{SECRET}""#);
+        assert_eq!(
+            msg(&format!(r#"{{{base},"idle_timeout_ms":"abc"}}"#)),
+            "idle_timeout_ms: expected an integer 0..=86400000 (0 = off), got \"abc\""
+        );
+        assert!(msg(&format!(r#"{{{base},"max_age_ms":-1}}"#)).starts_with("max_age_ms: expected"));
+        assert!(msg(&format!(r#"{{{base},"first_token_timeout_ms":1.5}}"#))
+            .starts_with("first_token_timeout_ms:"));
+        assert!(msg(&format!(r#"{{{base},"tick_ms":5}}"#))
+            .starts_with("tick_ms: expected an integer 10..=60000"));
+        assert!(msg(&format!(r#"{{{base},"abort_retries":11}}"#)).starts_with("abort_retries:"));
+        assert!(
+            msg(&format!(r#"{{{base},"abort_timeout_ms":0}}"#)).starts_with("abort_timeout_ms:")
+        );
+        assert!(msg(&format!(r#"{{{base},"max_pending_aborts":0}}"#))
+            .starts_with("max_pending_aborts:"));
+        assert!(msg(&format!(r#"{{{base},"max_event_bytes":10}}"#)).starts_with("max_event_bytes:"));
+        let m = msg(&format!(r#"{{{base},"idle_timeout":5}}"#));
+        assert!(
+            m.contains("unknown field `idle_timeout`") && m.contains("idle_timeout_ms"),
+            "{m}"
+        );
+        assert!(msg(&format!(r#"{{{base},"mode":"enforcing"}}"#))
+            .starts_with("mode: expected \"enforce\" or \"observe\""));
+        assert!(msg(&format!(r#"{{{base},"paths":[]}}"#)).starts_with("paths:"));
+        assert!(msg(&format!(r#"{{{base},"paths":["v1"]}}"#)).starts_with("paths[0]:"));
+        assert!(msg(&format!(r#"{{{base},"abort_path":"abort"}}"#)).starts_with("abort_path:"));
+        assert!(
+            msg(&format!(r#"{{{base},"routes":[{{"idle_timeout_ms":1}}]}}"#))
+                .starts_with("routes[0].path_prefix: required")
+        );
+        assert!(msg(&format!(
+            r#"{{{base},"routes":[{{"path_prefix":"/a","idle":1}}]}}"#
+        ))
+        .starts_with("routes[0]: unknown field `idle`"));
+        assert!(msg(&format!(
+            r#"{{{base},"routes":[{{"path_prefix":"/a","max_age_ms":"x"}}]}}"#
+        ))
+        .starts_with("routes[0].max_age_ms:"));
+        assert!(msg(&format!(
+            r#"{{{base},"routes":[{{"path_prefix":"/a"}},{{"path_prefix":"/a"}}]}}"#
+        ))
+        .contains("twice"));
+        assert!(msg(&format!(r#"{{{base},"routes":[1]}}"#))
+            .starts_with("routes[0]: expected an object"));
+        assert!(msg(&format!(r#"{{{base},"control_target_cluster":"t"}}"#))
+            .starts_with("control_target_cidrs: required"));
+        assert!(msg(&format!(
+            r#"{{{base},"control_target_cidrs":["10.0.0.0/8"]}}"#
+        ))
+        .starts_with("control_target_cluster: required"));
+        assert!(msg(&format!(
+            r#"{{{base},"control_target_cluster":"t","control_target_cidrs":["10.0.0.1/8"]}}"#
+        ))
+        .starts_with("control_target_cidrs[0]:"));
+        assert!(msg(&format!(
+            r#"{{{base},"control_target_cluster":"t","control_target_cidrs":[]}}"#
+        ))
+        .starts_with("control_target_cidrs:"));
+        assert!(
+            msg(&format!(r#"{{{base},"control_authority":""}}"#)).starts_with("control_authority:")
+        );
+        assert!(
+            msg(&format!(r#"{{"secret":"{SECRET}"}}"#)).starts_with("control_cluster: required")
+        );
+        assert!(msg(r#"{"control_cluster":"c"}"#).starts_with("secret: required"));
+        assert!(msg(r#"{"control_cluster":"c","secret":"short"}"#)
+            .starts_with("secret: secret is 5 bytes"));
+        assert!(
+            msg(r#"{"control_cluster":"c","secret":12}"#).starts_with("secret: expected a string")
+        );
+        assert!(msg(&format!(r#"{{{base},"secret_env":"X"}}"#)).contains("exactly one"));
+        assert!(msg("[1]").starts_with("configuration must be a JSON object"));
+        assert!(msg("").starts_with("configuration is empty"));
+        assert!(msg("{").starts_with("configuration:"));
+        // Secrets are never echoed.
+        assert!(!msg(r#"{"control_cluster":"c","secret":"tooshort"}"#).contains("tooshort"));
+    }
+
+    #[test]
+    fn long_values_are_shortened_in_errors() {
+        let long = "x".repeat(500);
+        let m = msg(&format!(
+            r#"{{"control_cluster":"c","secret":"{SECRET}","mode":"{long}"}}"#
+        ));
+        assert!(m.len() < 140, "{m}");
+    }
+}

@@ -1,0 +1,958 @@
+//! The per-VM brain: the request table (one per worker, no locking), decisions, the
+//! abort queue and the tick. The glue calls it from the proxy-wasm callbacks; it never
+//! calls back into a stream (closing streams and writing filter state are returned as
+//! [`Action`]s for the glue to perform with no borrow held).
+
+use crate::aborts::{AbortQueue, Finished, Job};
+use crate::config::{Config, Mode};
+use crate::host::{Level, Platform};
+use crate::metrics::{Anomaly, Metric, Outcome, StampRejected, Untracked};
+use crate::request::{classify_end, End, OutcomeTag, Request};
+use crate::scan::Framing;
+use kvguard_contract::{stamp, AbortReason, RequestId};
+
+/// Most requests tracked per VM; beyond, requests are not tracked (fail open).
+pub const MAX_TRACKED: usize = 100_000;
+
+/// What the filter makes of a request's headers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// The path is not tracked.
+    NotMatching,
+    /// The path is tracked but the request cannot be (no / bad id, table full).
+    Untracked(Option<Untracked>),
+    /// Tracked.
+    Tracked,
+}
+
+/// What the glue must read of the response body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyNeed {
+    /// Nothing: untracked, complete or decided.
+    Nothing,
+    /// Only the chunk length and end of stream (opaque body).
+    Length,
+    /// The bytes (SSE / NDJSON).
+    Bytes,
+}
+
+/// Something the glue must do on a stream after a tick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Write the outcome to the stream's filter state, then close the stream.
+    Close {
+        /// Stream context id.
+        ctx: u32,
+        /// Its outcome.
+        tag: OutcomeTag,
+    },
+    /// Observe mode: write the outcome to the stream's filter state only.
+    Mark {
+        /// Stream context id.
+        ctx: u32,
+        /// Its outcome.
+        tag: OutcomeTag,
+    },
+}
+
+/// The per-VM state.
+#[derive(Debug)]
+pub struct Engine {
+    /// The configuration.
+    pub cfg: Config,
+    table: hashbrown::HashMap<u32, Request>,
+    queue: AbortQueue,
+    tick_on: bool,
+    memory_reported: u64,
+    finished: Vec<Finished>,
+}
+
+fn decide<P: Platform + ?Sized>(
+    cfg: &Config,
+    queue: &mut AbortQueue,
+    p: &mut P,
+    req: &mut Request,
+    reason: AbortReason,
+    now_ms: u64,
+    finished: &mut Vec<Finished>,
+) -> Option<OutcomeTag> {
+    let observed = cfg.mode == Mode::Observe;
+    if !req.decide(reason, observed) {
+        return None;
+    }
+    let age = req.age_ms(now_ms);
+    if observed {
+        p.add(Metric::WouldAbort(reason), 1);
+        p.log(
+            Level::Info,
+            &format!(
+                "kvguard: would abort request_id={} reason={} age_ms={age} tokens={} (observe mode)",
+                req.id,
+                reason.as_str(),
+                req.events
+            ),
+        );
+        return Some(OutcomeTag::Observed(reason));
+    }
+    let job = Job::new(req.id.clone(), reason, age, req.events, req.target, now_ms);
+    if let Err(job) = queue.push(job, p) {
+        p.add(Metric::Aborts(reason, Outcome::Dropped), 1);
+        finished.push(Finished {
+            job,
+            outcome: Outcome::Dropped,
+            status: None,
+        });
+    }
+    Some(OutcomeTag::Aborted(reason))
+}
+
+impl Engine {
+    /// A new engine; `seed` drives retry jitter.
+    pub fn new(cfg: Config, seed: u64) -> Self {
+        let queue = AbortQueue::new(cfg.max_pending_aborts, seed);
+        Engine {
+            cfg,
+            table: hashbrown::HashMap::new(),
+            queue,
+            tick_on: false,
+            memory_reported: 0,
+            finished: Vec::new(),
+        }
+    }
+
+    /// Requests tracked now.
+    pub fn tracked(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Aborts queued, backing off or in flight.
+    pub fn pending_aborts(&self) -> usize {
+        self.queue.pending()
+    }
+
+    /// The tracked request of a stream.
+    pub fn request(&self, ctx: u32) -> Option<&Request> {
+        self.table.get(&ctx)
+    }
+
+    /// Request headers: decides whether to track.
+    pub fn on_request_headers<P: Platform + ?Sized>(
+        &mut self,
+        p: &mut P,
+        ctx: u32,
+        path: Option<&[u8]>,
+        request_id: Option<&[u8]>,
+    ) -> Verdict {
+        let Some(limits) = path.and_then(|path| self.cfg.limits_for(path)) else {
+            return Verdict::NotMatching;
+        };
+        let id = match request_id.map(RequestId::try_new) {
+            None => {
+                p.add(Metric::RequestsUntracked(Untracked::NoRequestId), 1);
+                return Verdict::Untracked(Some(Untracked::NoRequestId));
+            }
+            Some(Err(e)) => {
+                p.add(Metric::RequestsUntracked(Untracked::BadRequestId), 1);
+                p.log(Level::Debug, &format!("kvguard: request not tracked: {e}"));
+                return Verdict::Untracked(Some(Untracked::BadRequestId));
+            }
+            Some(Ok(id)) => id,
+        };
+        if self.table.len() >= MAX_TRACKED {
+            p.add(Metric::HostErrors, 1);
+            p.log(
+                Level::Warn,
+                &format!(
+                    "kvguard: {MAX_TRACKED} requests tracked on this worker; not tracking {id}"
+                ),
+            );
+            return Verdict::Untracked(None);
+        }
+        let req = Request::new(id, limits, p.now_ms());
+        if let Some(old) = self.table.insert(ctx, req) {
+            // A context id reused without on_log: drop the stale entry.
+            p.log(
+                Level::Warn,
+                &format!(
+                    "kvguard: context {ctx} reused; dropping stale request {}",
+                    old.id
+                ),
+            );
+            p.add(Metric::ActiveRequests, -1);
+        }
+        p.add(Metric::RequestsTracked, 1);
+        p.add(Metric::ActiveRequests, 1);
+        Verdict::Tracked
+    }
+
+    /// Response headers: picks the body framing, checks the control stamp.
+    pub fn on_response_headers<P: Platform + ?Sized>(
+        &mut self,
+        p: &mut P,
+        ctx: u32,
+        content_type: Option<&[u8]>,
+        content_encoding: Option<&[u8]>,
+        stamp_value: Option<&[u8]>,
+        end_of_stream: bool,
+    ) -> BodyNeed {
+        let max_event_bytes = self.cfg.max_event_bytes;
+        let Some(req) = self.table.get_mut(&ctx) else {
+            return BodyNeed::Nothing;
+        };
+        let (framing, compressed) = Framing::of(content_type, content_encoding);
+        if compressed {
+            p.add(Metric::ParseAnomalies(Anomaly::Compressed), 1);
+        } else if framing == Framing::Opaque && !end_of_stream {
+            p.add(Metric::ParseAnomalies(Anomaly::OpaqueBody), 1);
+        }
+        req.on_response_headers(framing, max_event_bytes);
+        if let (Some(target), Some(value)) = (self.cfg.target.as_ref(), stamp_value) {
+            match stamp::verify(core::slice::from_ref(&self.cfg.key), value, &req.id) {
+                Ok(s) if target.cidrs.iter().any(|c| c.contains(s.addr.ip())) => {
+                    req.target = Some(s.addr);
+                }
+                Ok(s) => {
+                    p.add(Metric::StampRejected(StampRejected::OutsideCidrs), 1);
+                    p.log(
+                        Level::Warn,
+                        &format!(
+                            "kvguard: x-kvguard-control address {} is outside control_target_cidrs (request_id={})",
+                            s.addr, req.id
+                        ),
+                    );
+                }
+                Err(e) => {
+                    let cause = match e {
+                        stamp::StampError::Malformed => StampRejected::Malformed,
+                        stamp::StampError::Mismatch => StampRejected::Mismatch,
+                    };
+                    p.add(Metric::StampRejected(cause), 1);
+                    p.log(
+                        Level::Warn,
+                        &format!("kvguard: {e} (request_id={})", req.id),
+                    );
+                }
+            }
+        }
+        if end_of_stream {
+            req.end_of_stream = true;
+        }
+        Self::need(req)
+    }
+
+    fn need(req: &Request) -> BodyNeed {
+        if req.settled() {
+            return BodyNeed::Nothing;
+        }
+        match req.scanner.as_ref().map(|s| s.framing()) {
+            None => BodyNeed::Nothing,
+            Some(Framing::Opaque) => BodyNeed::Length,
+            Some(_) => BodyNeed::Bytes,
+        }
+    }
+
+    /// What the glue must read of the next body chunk of a stream.
+    pub fn body_need(&self, ctx: u32) -> BodyNeed {
+        self.table.get(&ctx).map_or(BodyNeed::Nothing, Self::need)
+    }
+
+    /// A response body chunk (`chunk` empty when only `len` was read). Returns
+    /// `Completed` when the body completed the response just now.
+    pub fn on_response_body<P: Platform + ?Sized>(
+        &mut self,
+        p: &mut P,
+        ctx: u32,
+        chunk: &[u8],
+        len: usize,
+        end_of_stream: bool,
+    ) -> Option<OutcomeTag> {
+        let now = p.now_ms();
+        let req = self.table.get_mut(&ctx)?;
+        let was_complete = req.content_complete;
+        if req.decision.is_some() {
+            if end_of_stream {
+                req.end_of_stream = true;
+            }
+            return None;
+        }
+        let fed = req.on_body(chunk, len, end_of_stream, now);
+        if fed.oversized > 0 {
+            p.add(
+                Metric::ParseAnomalies(Anomaly::OversizedEvent),
+                i64::from(fed.oversized),
+            );
+        }
+        if fed.malformed > 0 {
+            p.add(
+                Metric::ParseAnomalies(Anomaly::MalformedJson),
+                i64::from(fed.malformed),
+            );
+        }
+        (!was_complete && req.content_complete).then_some(OutcomeTag::Completed)
+    }
+
+    /// The stream ended (access-log time): settles the request. Returns its outcome
+    /// (`None` when it was not tracked).
+    pub fn on_log<P: Platform + ?Sized>(
+        &mut self,
+        p: &mut P,
+        ctx: u32,
+        details: &[u8],
+        flags: u64,
+    ) -> Option<OutcomeTag> {
+        let mut req = self.table.remove(&ctx)?;
+        p.add(Metric::ActiveRequests, -1);
+        if let Some(d) = req.decision {
+            return Some(d.into());
+        }
+        let now = p.now_ms();
+        match classify_end(&req, details, flags) {
+            End::Completed => {
+                p.add(Metric::RequestsCompleted, 1);
+                Some(OutcomeTag::Completed)
+            }
+            End::Abort(reason) => {
+                p.log(
+                    Level::Debug,
+                    &format!(
+                        "kvguard: request_id={} ended early (code_details={}, flags={flags:#x})",
+                        req.id,
+                        String::from_utf8_lossy(details)
+                    ),
+                );
+                let tag = decide(
+                    &self.cfg,
+                    &mut self.queue,
+                    p,
+                    &mut req,
+                    reason,
+                    now,
+                    &mut self.finished,
+                );
+                self.report_finished(p);
+                tag
+            }
+        }
+    }
+
+    /// The stream's context went away without `on_log` (safety net).
+    pub fn forget<P: Platform + ?Sized>(&mut self, p: &mut P, ctx: u32) {
+        if self.table.remove(&ctx).is_some() {
+            p.add(Metric::ActiveRequests, -1);
+        }
+    }
+
+    /// The tick: decides stalled / over-age streams, pumps the abort queue, and returns
+    /// what to do to streams.
+    pub fn tick<P: Platform + ?Sized>(&mut self, p: &mut P) -> Vec<Action> {
+        let now = p.now_ms();
+        let mut actions = Vec::new();
+        let cfg = &self.cfg;
+        for (ctx, req) in self.table.iter_mut() {
+            let Some(reason) = req.due(now) else {
+                continue;
+            };
+            if let Some(tag) = decide(
+                cfg,
+                &mut self.queue,
+                p,
+                req,
+                reason,
+                now,
+                &mut self.finished,
+            ) {
+                actions.push(match tag {
+                    OutcomeTag::Observed(_) => Action::Mark { ctx: *ctx, tag },
+                    _ => Action::Close { ctx: *ctx, tag },
+                });
+            }
+        }
+        self.pump(p);
+        actions
+    }
+
+    /// Sends what is due.
+    pub fn pump<P: Platform + ?Sized>(&mut self, p: &mut P) {
+        let (now, unix) = (p.now_ms(), p.unix_secs());
+        let mut finished = core::mem::take(&mut self.finished);
+        self.queue.pump(&self.cfg, now, unix, p, &mut finished);
+        self.finished = finished;
+        self.report_finished(p);
+    }
+
+    /// Whether the queue has something to send now.
+    pub fn has_ready_aborts(&self, now_ms: u64) -> bool {
+        self.queue.has_ready(now_ms)
+    }
+
+    /// An abort call's answer (`status` `None` on timeout / reset).
+    pub fn on_abort_answer<P: Platform + ?Sized>(
+        &mut self,
+        p: &mut P,
+        token: u32,
+        status: Option<u16>,
+        body: &[u8],
+    ) {
+        let now = p.now_ms();
+        let mut finished = core::mem::take(&mut self.finished);
+        self.queue
+            .on_answer(&self.cfg, token, status, body, now, p, &mut finished);
+        self.finished = finished;
+        self.report_finished(p);
+        self.pump(p);
+    }
+
+    fn report_finished<P: Platform + ?Sized>(&mut self, p: &mut P) {
+        for f in self.finished.drain(..) {
+            let level = match f.outcome {
+                Outcome::Aborted | Outcome::AlreadyAborted | Outcome::NotFound => Level::Info,
+                Outcome::Unauthorized | Outcome::DispatchError => Level::Error,
+                _ => Level::Warn,
+            };
+            let status = f
+                .status
+                .map_or_else(|| "none".to_owned(), |s| s.to_string());
+            let hint = match f.outcome {
+                Outcome::Unauthorized => " (kvguard-control refused the signature: check that the filter's secret is one of its keys and that clocks agree within 30 s)",
+                Outcome::DispatchError => " (the host refused the call: check control_cluster / control_target_cluster)",
+                Outcome::Dropped => " (max_pending_aborts reached)",
+                _ => "",
+            };
+            p.log(
+                level,
+                &format!(
+                    "kvguard: abort request_id={} reason={} outcome={} status={status} attempts={}{hint}",
+                    f.job.id,
+                    f.job.reason.as_str(),
+                    f.outcome.as_str(),
+                    f.job.attempts
+                ),
+            );
+        }
+    }
+
+    /// Whether the tick should run: requests tracked, or aborts pending.
+    pub fn tick_wanted(&self) -> bool {
+        !self.table.is_empty() || self.queue.pending() > 0
+    }
+
+    /// If the tick must change, records it and returns the new period in ms (0 = off).
+    pub fn tick_change(&mut self) -> Option<u64> {
+        let want = self.tick_wanted();
+        if want == self.tick_on {
+            return None;
+        }
+        self.tick_on = want;
+        Some(if want { self.cfg.tick_ms } else { 0 })
+    }
+
+    /// Forces the recorded tick state (after the host refused a change).
+    pub fn set_tick_state(&mut self, on: bool) {
+        self.tick_on = on;
+    }
+
+    /// Moves the shared VM-memory gauge to `bytes` for this VM (by increments).
+    pub fn report_memory<P: Platform + ?Sized>(&mut self, p: &mut P, bytes: u64) {
+        if bytes != self.memory_reported {
+            let delta = i128::from(bytes) - i128::from(self.memory_reported);
+            p.add(Metric::VmMemoryBytes, i64::try_from(delta).unwrap_or(0));
+            self.memory_reported = bytes;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::flags;
+    use crate::testing::{config, MockHost, SECRET};
+    use kvguard_contract::{Key, RequestId};
+
+    fn engine(extra: &str) -> (Engine, MockHost) {
+        let h = MockHost {
+            now: 1_000,
+            unix: 1_700_000_000,
+            ..MockHost::default()
+        };
+        (Engine::new(config(extra), 5), h)
+    }
+
+    fn track(e: &mut Engine, h: &mut MockHost, ctx: u32, id: &str) {
+        assert_eq!(
+            e.on_request_headers(h, ctx, Some(b"/v1/chat/completions"), Some(id.as_bytes())),
+            Verdict::Tracked
+        );
+    }
+
+    fn sse(e: &mut Engine, h: &mut MockHost, ctx: u32) {
+        assert_eq!(
+            e.on_response_headers(h, ctx, Some(b"text/event-stream"), None, None, false),
+            BodyNeed::Bytes
+        );
+    }
+
+    fn body(h: &MockHost, i: usize) -> String {
+        String::from_utf8(h.calls[i].3.clone()).unwrap()
+    }
+
+    #[test]
+    fn tracking_rules() {
+        let (mut e, mut h) = engine("");
+        assert_eq!(
+            e.on_request_headers(&mut h, 1, Some(b"/v1/models"), Some(b"a")),
+            Verdict::NotMatching
+        );
+        assert_eq!(
+            e.on_request_headers(&mut h, 1, None, Some(b"a")),
+            Verdict::NotMatching
+        );
+        assert_eq!(
+            e.on_request_headers(&mut h, 1, Some(b"/v1/completions"), None),
+            Verdict::Untracked(Some(Untracked::NoRequestId))
+        );
+        assert_eq!(
+            e.on_request_headers(&mut h, 1, Some(b"/v1/completions"), Some(&[0xff, 0xfe])),
+            Verdict::Untracked(Some(Untracked::BadRequestId))
+        );
+        assert_eq!(
+            h.metric(Metric::RequestsUntracked(Untracked::NoRequestId)),
+            1
+        );
+        assert_eq!(
+            h.metric(Metric::RequestsUntracked(Untracked::BadRequestId)),
+            1
+        );
+        assert_eq!(e.tracked(), 0);
+        assert_eq!(e.tick_change(), None);
+        track(&mut e, &mut h, 2, "r2");
+        assert_eq!(h.metric(Metric::RequestsTracked), 1);
+        assert_eq!(h.metric(Metric::ActiveRequests), 1);
+        assert_eq!(e.tick_change(), Some(250));
+        assert_eq!(e.tick_change(), None);
+        // Untracked contexts are ignored everywhere.
+        assert_eq!(
+            e.on_response_headers(&mut h, 9, Some(b"text/event-stream"), None, None, false),
+            BodyNeed::Nothing
+        );
+        assert_eq!(
+            e.on_response_body(&mut h, 9, b"data: [DONE]\n\n", 14, true),
+            None
+        );
+        assert_eq!(e.on_log(&mut h, 9, b"", 0), None);
+    }
+
+    #[test]
+    fn normal_completion_sends_nothing() {
+        let (mut e, mut h) = engine("");
+        track(&mut e, &mut h, 1, "r1");
+        sse(&mut e, &mut h, 1);
+        assert_eq!(
+            e.on_response_body(
+                &mut h,
+                1,
+                b"data: {\"choices\":[{\"index\":0,\"finish_reason\":null}]}\n\n",
+                0,
+                false
+            ),
+            None
+        );
+        assert_eq!(
+            e.on_response_body(&mut h, 1, b"data: [DONE]\n\n", 0, false),
+            Some(OutcomeTag::Completed)
+        );
+        assert_eq!(e.body_need(1), BodyNeed::Nothing);
+        // Even if the client goes away now, a completed request is not aborted.
+        assert_eq!(
+            e.on_log(&mut h, 1, b"downstream_remote_disconnect", flags::DC),
+            Some(OutcomeTag::Completed)
+        );
+        e.pump(&mut h);
+        assert!(h.calls.is_empty());
+        assert_eq!(h.metric(Metric::RequestsCompleted), 1);
+        assert_eq!(h.metric(Metric::ActiveRequests), 0);
+        assert_eq!(e.tick_change(), None); // never turned on in this test
+    }
+
+    #[test]
+    fn disconnect_queues_one_abort_and_dispatches() {
+        let (mut e, mut h) = engine("");
+        track(&mut e, &mut h, 1, "r1");
+        sse(&mut e, &mut h, 1);
+        e.on_response_body(&mut h, 1, b"data: {}\n\ndata: {}\n\n", 0, false);
+        h.now += 700;
+        assert_eq!(
+            e.on_log(&mut h, 1, b"downstream_remote_disconnect", flags::DC),
+            Some(OutcomeTag::Aborted(AbortReason::DownstreamReset))
+        );
+        assert_eq!(e.pending_aborts(), 1);
+        assert!(e.has_ready_aborts(h.now));
+        assert_eq!(e.tick_change(), Some(250));
+        e.pump(&mut h);
+        assert_eq!(h.calls.len(), 1);
+        assert_eq!(h.calls[0].1, "kvguard");
+        assert_eq!(
+            body(&h, 0),
+            r#"{"request_id":"r1","reason":"downstream_reset","age_ms":700,"tokens":2}"#
+        );
+        let token = h.calls[0].0;
+        e.on_abort_answer(
+            &mut h,
+            token,
+            Some(200),
+            br#"{"request_id":"r1","found":true,"aborted":true}"#,
+        );
+        assert_eq!(e.pending_aborts(), 0);
+        assert_eq!(
+            h.metric(Metric::Aborts(
+                AbortReason::DownstreamReset,
+                Outcome::Aborted
+            )),
+            1
+        );
+        let info = h
+            .logs
+            .iter()
+            .find(|(_, m)| m.contains("outcome=aborted"))
+            .unwrap();
+        assert_eq!(info.0, Level::Info);
+        assert!(info.1.contains("request_id=r1") && info.1.contains("reason=downstream_reset"));
+        assert_eq!(e.tick_change(), Some(0)); // nothing left: the tick goes off
+    }
+
+    #[test]
+    fn disconnect_while_queued_before_response_headers() {
+        let (mut e, mut h) = engine("");
+        track(&mut e, &mut h, 1, "q1");
+        assert_eq!(
+            e.on_log(&mut h, 1, b"downstream_remote_disconnect", flags::DC),
+            Some(OutcomeTag::Aborted(AbortReason::DownstreamReset))
+        );
+        e.pump(&mut h);
+        assert!(body(&h, 0).contains(r#""tokens":0"#));
+    }
+
+    #[test]
+    fn tick_reaps_stalled_and_closes_once() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        track(&mut e, &mut h, 1, "s1");
+        track(&mut e, &mut h, 2, "s2");
+        sse(&mut e, &mut h, 1);
+        sse(&mut e, &mut h, 2);
+        e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
+        e.on_response_body(&mut h, 2, b"data: {}\n\n", 0, false);
+        h.now += 50;
+        e.on_response_body(&mut h, 2, b": keep-alive\n\n", 0, false);
+        e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
+        h.now += 60;
+        // Stream 2 only sent keep-alives for 110 ms: stalled. Stream 1 progressed.
+        let actions = e.tick(&mut h);
+        assert_eq!(
+            actions,
+            vec![Action::Close {
+                ctx: 2,
+                tag: OutcomeTag::Aborted(AbortReason::Stalled)
+            }]
+        );
+        assert_eq!(h.calls.len(), 1);
+        assert!(body(&h, 0).contains(r#""reason":"stalled""#));
+        // No second decision on the next tick, nor at on_log.
+        h.now += 1000;
+        let actions = e.tick(&mut h);
+        assert_eq!(actions.len(), 1); // stream 1 now stalls too
+        assert_eq!(
+            e.on_log(&mut h, 2, b"wasm_fail_stream", flags::LR),
+            Some(OutcomeTag::Aborted(AbortReason::Stalled))
+        );
+        e.pump(&mut h);
+        assert_eq!(h.calls.len(), 2);
+    }
+
+    #[test]
+    fn first_token_timeout_and_max_age_with_routes() {
+        let (mut e, mut h) = engine(
+            r#","first_token_timeout_ms":200,"routes":[{"path_prefix":"/v1/completions","max_age_ms":300,"first_token_timeout_ms":0}]"#,
+        );
+        track(&mut e, &mut h, 1, "f1");
+        assert_eq!(
+            e.on_request_headers(&mut h, 2, Some(b"/v1/completions"), Some(b"m2")),
+            Verdict::Tracked
+        );
+        h.now += 200;
+        let a = e.tick(&mut h);
+        assert_eq!(
+            a,
+            vec![Action::Close {
+                ctx: 1,
+                tag: OutcomeTag::Aborted(AbortReason::FirstTokenTimeout)
+            }]
+        );
+        h.now += 100;
+        let a = e.tick(&mut h);
+        assert_eq!(
+            a,
+            vec![Action::Close {
+                ctx: 2,
+                tag: OutcomeTag::Aborted(AbortReason::MaxAge)
+            }]
+        );
+    }
+
+    #[test]
+    fn observe_mode_sends_and_closes_nothing() {
+        let (mut e, mut h) = engine(r#","mode":"observe","idle_timeout_ms":100"#);
+        track(&mut e, &mut h, 1, "o1");
+        sse(&mut e, &mut h, 1);
+        e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
+        h.now += 100;
+        let a = e.tick(&mut h);
+        assert_eq!(
+            a,
+            vec![Action::Mark {
+                ctx: 1,
+                tag: OutcomeTag::Observed(AbortReason::Stalled)
+            }]
+        );
+        assert_eq!(h.metric(Metric::WouldAbort(AbortReason::Stalled)), 1);
+        assert!(h
+            .logs
+            .iter()
+            .any(|(l, m)| *l == Level::Info
+                && m.contains("would abort request_id=o1 reason=stalled")));
+        // The stream goes on; a disconnect later does not count again.
+        assert_eq!(
+            e.on_log(&mut h, 1, b"downstream_remote_disconnect", flags::DC),
+            Some(OutcomeTag::Observed(AbortReason::Stalled))
+        );
+        track(&mut e, &mut h, 2, "o2");
+        assert_eq!(
+            e.on_log(&mut h, 2, b"downstream_remote_disconnect", flags::DC),
+            Some(OutcomeTag::Observed(AbortReason::DownstreamReset))
+        );
+        e.pump(&mut h);
+        assert!(h.calls.is_empty());
+        assert_eq!(e.pending_aborts(), 0);
+    }
+
+    fn stamp_for(id: &str, addr: &str, key: &str) -> String {
+        kvguard_contract::stamp::stamp(
+            &Key::try_new(key.as_bytes()).unwrap(),
+            addr.parse().unwrap(),
+            &RequestId::try_new(id.as_bytes()).unwrap(),
+            1,
+        )
+    }
+
+    #[test]
+    fn per_replica_routing_and_rejected_stamps() {
+        let extra = r#","control_target_cluster":"kvguard_replica","control_target_cidrs":["10.0.0.0/8","127.0.0.1"]"#;
+        let (mut e, mut h) = engine(extra);
+        let good = stamp_for("p1", "10.1.2.3:9902", SECRET);
+        track(&mut e, &mut h, 1, "p1");
+        e.on_response_headers(
+            &mut h,
+            1,
+            Some(b"text/event-stream"),
+            None,
+            Some(good.as_bytes()),
+            false,
+        );
+        e.on_log(&mut h, 1, b"downstream_remote_disconnect", flags::DC);
+        e.pump(&mut h);
+        assert_eq!(h.calls[0].1, "kvguard_replica");
+        assert!(h.calls[0]
+            .2
+            .contains(&("x-envoy-original-dst-host", "10.1.2.3:9902".to_owned())));
+        assert_eq!(
+            h.metric(Metric::AbortRoutes(crate::metrics::Route::Replica)),
+            1
+        );
+
+        // Forged (other key), stamped for another id, outside the CIDRs, malformed.
+        let cases = [
+            (
+                stamp_for("p2", "10.1.2.3:9902", "another-secret-0123456789"),
+                StampRejected::Mismatch,
+            ),
+            (
+                stamp_for("other", "10.1.2.3:9902", SECRET),
+                StampRejected::Mismatch,
+            ),
+            (
+                stamp_for("p2", "192.168.1.1:9902", SECRET),
+                StampRejected::OutsideCidrs,
+            ),
+            ("garbage".to_owned(), StampRejected::Malformed),
+        ];
+        for (i, (value, cause)) in cases.iter().enumerate() {
+            let ctx = 10 + i as u32;
+            track(&mut e, &mut h, ctx, "p2");
+            e.on_response_headers(
+                &mut h,
+                ctx,
+                Some(b"text/event-stream"),
+                None,
+                Some(value.as_bytes()),
+                false,
+            );
+            assert_eq!(e.request(ctx).unwrap().target, None);
+            assert!(h.metric(Metric::StampRejected(*cause)) >= 1);
+            e.on_log(&mut h, ctx, b"downstream_remote_disconnect", flags::DC);
+        }
+        e.pump(&mut h);
+        assert_eq!(h.calls.len(), 5);
+        assert!(h.calls[1..].iter().all(
+            |c| c.1 == "kvguard" && !c.2.iter().any(|(k, _)| *k == "x-envoy-original-dst-host")
+        ));
+        assert_eq!(
+            h.metric(Metric::AbortRoutes(crate::metrics::Route::Fallback)),
+            4
+        );
+    }
+
+    #[test]
+    fn stamp_ignored_without_target_route() {
+        let (mut e, mut h) = engine("");
+        track(&mut e, &mut h, 1, "p1");
+        let good = stamp_for("p1", "10.1.2.3:9902", SECRET);
+        e.on_response_headers(
+            &mut h,
+            1,
+            Some(b"text/event-stream"),
+            None,
+            Some(good.as_bytes()),
+            false,
+        );
+        assert_eq!(e.request(1).unwrap().target, None);
+    }
+
+    #[test]
+    fn anomalies_and_opaque_bodies() {
+        let (mut e, mut h) = engine(r#","max_event_bytes":256,"first_token_timeout_ms":100"#);
+        track(&mut e, &mut h, 1, "a1");
+        assert_eq!(
+            e.on_response_headers(
+                &mut h,
+                1,
+                Some(b"text/event-stream"),
+                Some(b"gzip"),
+                None,
+                false
+            ),
+            BodyNeed::Length
+        );
+        assert_eq!(h.metric(Metric::ParseAnomalies(Anomaly::Compressed)), 1);
+        e.on_response_body(&mut h, 1, &[], 10, false);
+        h.now += 150;
+        // Bytes of an opaque body are progress: no first-token timeout.
+        assert!(e.tick(&mut h).is_empty());
+        e.on_response_body(&mut h, 1, &[], 0, true);
+        assert_eq!(
+            e.on_log(&mut h, 1, b"via_upstream", 0),
+            Some(OutcomeTag::Completed)
+        );
+
+        track(&mut e, &mut h, 2, "a2");
+        sse(&mut e, &mut h, 2);
+        let big = format!("data: {}\n\ndata: {{\n\n", "x".repeat(300));
+        e.on_response_body(&mut h, 2, big.as_bytes(), 0, false);
+        assert_eq!(h.metric(Metric::ParseAnomalies(Anomaly::OversizedEvent)), 1);
+        assert_eq!(h.metric(Metric::ParseAnomalies(Anomaly::MalformedJson)), 1);
+        assert_eq!(e.request(2).unwrap().events, 2);
+
+        track(&mut e, &mut h, 3, "a3");
+        assert_eq!(
+            e.on_response_headers(&mut h, 3, Some(b"application/json"), None, None, true),
+            BodyNeed::Nothing
+        );
+        assert_eq!(
+            e.on_log(&mut h, 3, b"via_upstream", 0),
+            Some(OutcomeTag::Completed)
+        );
+        assert_eq!(h.metric(Metric::ParseAnomalies(Anomaly::OpaqueBody)), 0);
+    }
+
+    #[test]
+    fn full_queue_drops_and_logs() {
+        let (mut e, mut h) = engine(r#","max_pending_aborts":1"#);
+        for ctx in 1..=2 {
+            track(&mut e, &mut h, ctx, &format!("d{ctx}"));
+            e.on_log(&mut h, ctx, b"downstream_remote_disconnect", flags::DC);
+        }
+        assert_eq!(e.pending_aborts(), 1);
+        assert_eq!(
+            h.metric(Metric::Aborts(
+                AbortReason::DownstreamReset,
+                Outcome::Dropped
+            )),
+            1
+        );
+        assert!(h
+            .logs
+            .iter()
+            .any(|(l, m)| *l == Level::Warn && m.contains("outcome=dropped")));
+    }
+
+    #[test]
+    fn unauthorized_is_loud_and_not_retried() {
+        let (mut e, mut h) = engine("");
+        track(&mut e, &mut h, 1, "u1");
+        e.on_log(&mut h, 1, b"downstream_remote_disconnect", flags::DC);
+        e.pump(&mut h);
+        let t = h.calls[0].0;
+        e.on_abort_answer(&mut h, t, Some(401), b"");
+        assert_eq!(h.calls.len(), 1);
+        assert!(h
+            .logs
+            .iter()
+            .any(|(l, m)| *l == Level::Error && m.contains("outcome=unauthorized")));
+        assert_eq!(e.pending_aborts(), 0);
+    }
+
+    #[test]
+    fn transient_failure_retries_from_tick() {
+        let (mut e, mut h) = engine(r#","abort_retries":1"#);
+        track(&mut e, &mut h, 1, "t1");
+        e.on_log(&mut h, 1, b"downstream_remote_disconnect", flags::DC);
+        e.pump(&mut h);
+        let t = h.calls[0].0;
+        e.on_abort_answer(&mut h, t, None, b"");
+        assert_eq!(e.pending_aborts(), 1);
+        assert!(e.tick_wanted());
+        h.now += 1000;
+        e.tick(&mut h);
+        assert_eq!(h.calls.len(), 2);
+        let t = h.calls[1].0;
+        e.on_abort_answer(&mut h, t, Some(503), b"");
+        assert_eq!(e.pending_aborts(), 0);
+        assert_eq!(
+            h.metric(Metric::Aborts(
+                AbortReason::DownstreamReset,
+                Outcome::Failed
+            )),
+            1
+        );
+        assert_eq!(h.metric(Metric::AbortAttempts), 2);
+        assert!(!e.tick_wanted());
+    }
+
+    #[test]
+    fn memory_gauge_moves_by_deltas() {
+        let (mut e, mut h) = engine("");
+        e.report_memory(&mut h, 1000);
+        e.report_memory(&mut h, 1500);
+        e.report_memory(&mut h, 1200);
+        assert_eq!(h.metric(Metric::VmMemoryBytes), 1200);
+        e.report_memory(&mut h, 0);
+        assert_eq!(h.metric(Metric::VmMemoryBytes), 0);
+    }
+
+    #[test]
+    fn forget_is_a_safety_net() {
+        let (mut e, mut h) = engine("");
+        track(&mut e, &mut h, 1, "g1");
+        e.forget(&mut h, 1);
+        e.forget(&mut h, 1);
+        assert_eq!(h.metric(Metric::ActiveRequests), 0);
+        assert_eq!(e.on_log(&mut h, 1, b"", 0), None);
+    }
+}

@@ -1,0 +1,62 @@
+//! The small traits the core needs from its host (Envoy through proxy-wasm, or mocks).
+
+use crate::metrics::Metrics;
+
+/// Log levels (proxy-wasm's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    /// Debug.
+    Debug,
+    /// Info.
+    Info,
+    /// Warning.
+    Warn,
+    /// Error.
+    Error,
+    /// Critical.
+    Critical,
+}
+
+/// Time.
+pub trait Clock {
+    /// Milliseconds on the host clock (wall clock; only differences are used, and
+    /// they saturate at zero if it steps back).
+    fn now_ms(&self) -> u64;
+    /// Unix seconds, for signatures.
+    fn unix_secs(&self) -> u64;
+}
+
+/// An HTTP call to dispatch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Call<'a> {
+    /// Upstream cluster.
+    pub cluster: &'a str,
+    /// Headers, pseudo-headers first.
+    pub headers: Vec<(&'static str, String)>,
+    /// Body.
+    pub body: Vec<u8>,
+    /// Per-call timeout, ms.
+    pub timeout_ms: u64,
+}
+
+/// Why the host refused a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DispatchError {
+    /// Bad argument (unknown cluster, bad headers): permanent.
+    BadArgument,
+    /// Anything else (e.g. the call failed inline): retried.
+    Other,
+}
+
+/// Host calls.
+pub trait Host {
+    /// Dispatches an HTTP call; returns its token.
+    fn dispatch(&mut self, call: &Call<'_>) -> Result<u32, DispatchError>;
+    /// Logs a line.
+    fn log(&mut self, level: Level, msg: &str);
+}
+
+/// Everything the engine needs from the host.
+pub trait Platform: Clock + Host + Metrics {}
+
+impl<T: Clock + Host + Metrics> Platform for T {}

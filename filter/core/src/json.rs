@@ -1,0 +1,360 @@
+//! A light, allocation-free look into one JSON event: just enough structure to find
+//! whether it ends the stream, without building a value tree.
+//!
+//! It tracks nesting and strings (escapes included), and reports:
+//! - top-level `"type"` equal to a Responses API terminal event (`response.completed`,
+//!   `response.failed`, `response.incomplete`);
+//! - top-level `"done": true` (NDJSON streams such as Ollama's);
+//! - for each element of the top-level `"choices"` array, its `"index"` (default 0) and
+//!   whether its `"finish_reason"` is set (anything but `null` / `""`).
+//!
+//! Keys nested deeper (`delta.tool_calls[].index`, a `finish_reason` text inside a
+//! string...) are never confused with these: only the exact positions count.
+
+use memchr::memchr2;
+
+/// Most choices recorded per event (more are ignored; completion then relies on
+/// `[DONE]` or the end of stream).
+pub const MAX_CHOICES: usize = 16;
+
+/// Deepest nesting followed; deeper JSON is reported malformed (and ignored).
+const MAX_DEPTH: usize = 48;
+
+/// What one event says about completion.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Look {
+    /// A Responses API terminal `type`.
+    pub terminal_type: bool,
+    /// `"done": true` at the top level.
+    pub done: bool,
+    /// `(index, finished)` for each `choices[]` element, in order.
+    pub choices: Vec<(u32, bool)>,
+    /// More than [`MAX_CHOICES`] choices were present.
+    pub choices_truncated: bool,
+    /// The text is not a JSON object this look could follow (it is then ignored).
+    pub malformed: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Top,
+    Choices,
+    Choice,
+    Other,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum KeyId {
+    None,
+    Type,
+    Done,
+    Choices,
+    Index,
+    FinishReason,
+    Other,
+}
+
+#[derive(Clone, Copy)]
+struct Frame {
+    is_obj: bool,
+    role: Role,
+    /// In an object: the next token must be a key.
+    expect_key: bool,
+    key: KeyId,
+}
+
+fn key_id(role: Role, raw: &[u8]) -> KeyId {
+    match (role, raw) {
+        (Role::Top, b"type") => KeyId::Type,
+        (Role::Top, b"done") => KeyId::Done,
+        (Role::Top, b"choices") => KeyId::Choices,
+        (Role::Choice, b"index") => KeyId::Index,
+        (Role::Choice, b"finish_reason") => KeyId::FinishReason,
+        _ => KeyId::Other,
+    }
+}
+
+fn is_terminal_type(s: &[u8]) -> bool {
+    matches!(
+        s,
+        b"response.completed" | b"response.failed" | b"response.incomplete"
+    )
+}
+
+/// Scans a string starting after its opening quote; returns (content, index after the
+/// closing quote).
+fn scan_string(json: &[u8], mut i: usize) -> Option<(&[u8], usize)> {
+    let start = i;
+    loop {
+        let rest = json.get(i..)?;
+        let off = memchr2(b'"', b'\\', rest)?;
+        let at = i + off;
+        if json[at] == b'"' {
+            return Some((&json[start..at], at + 1));
+        }
+        // A backslash escapes the next byte (for `\uXXXX` the rest are plain hex).
+        i = at + 2;
+    }
+}
+
+fn scan_literal(json: &[u8], i: usize) -> (&[u8], usize) {
+    let mut j = i;
+    while j < json.len() && !matches!(json[j], b',' | b'}' | b']' | b' ' | b'\t' | b'\r' | b'\n') {
+        j += 1;
+    }
+    (&json[i..j], j)
+}
+
+fn parse_index(lit: &[u8]) -> Option<u32> {
+    if lit.is_empty() || lit.len() > 9 || !lit.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(
+        lit.iter()
+            .fold(0u32, |acc, d| acc * 10 + u32::from(d - b'0')),
+    )
+}
+
+/// Looks into `json` (one event's data). Never panics; a malformed or truncated text
+/// yields `malformed: true`.
+pub fn look(json: &[u8]) -> Look {
+    let mut out = Look::default();
+    if walk(json, &mut out).is_none() {
+        out = Look {
+            malformed: true,
+            ..Look::default()
+        };
+    }
+    out
+}
+
+fn walk(json: &[u8], out: &mut Look) -> Option<()> {
+    let mut stack: Vec<Frame> = Vec::with_capacity(8);
+    // Current choice record: (index, finished).
+    let mut choice: (u32, bool) = (0, false);
+    let mut i = 0usize;
+    let mut seen_root = false;
+    while i < json.len() {
+        let b = json[i];
+        match b {
+            b' ' | b'\t' | b'\r' | b'\n' => {
+                i += 1;
+                continue;
+            }
+            _ => {}
+        }
+        let Some(top) = stack.last_mut() else {
+            if seen_root {
+                return None; // trailing garbage
+            }
+            if b != b'{' {
+                return None; // only objects carry what we look for
+            }
+            seen_root = true;
+            stack.push(Frame {
+                is_obj: true,
+                role: Role::Top,
+                expect_key: true,
+                key: KeyId::None,
+            });
+            i += 1;
+            continue;
+        };
+        if top.is_obj && top.expect_key {
+            match b {
+                b'"' => {
+                    let (raw, next) = scan_string(json, i + 1)?;
+                    top.key = key_id(top.role, raw);
+                    top.expect_key = false;
+                    i = next;
+                    // The colon.
+                    while i < json.len() && matches!(json[i], b' ' | b'\t' | b'\r' | b'\n') {
+                        i += 1;
+                    }
+                    if json.get(i) != Some(&b':') {
+                        return None;
+                    }
+                    i += 1;
+                }
+                b'}' => {
+                    close(&mut stack, &mut choice, out);
+                    i += 1;
+                }
+                b',' => i += 1,
+                _ => return None,
+            }
+            continue;
+        }
+        // A value, or a separator / closer after one.
+        let (role, key, is_obj) = (top.role, top.key, top.is_obj);
+        match b {
+            b',' => {
+                if is_obj {
+                    top.expect_key = true;
+                    top.key = KeyId::None;
+                }
+                i += 1;
+            }
+            b'}' | b']' => {
+                close(&mut stack, &mut choice, out);
+                i += 1;
+            }
+            b'{' | b'[' => {
+                let child_role = match (role, key, b) {
+                    (Role::Top, KeyId::Choices, b'[') => Role::Choices,
+                    (Role::Choices, _, b'{') => {
+                        choice = (0, false);
+                        Role::Choice
+                    }
+                    _ => Role::Other,
+                };
+                if stack.len() >= MAX_DEPTH {
+                    return None;
+                }
+                stack.push(Frame {
+                    is_obj: b == b'{',
+                    role: child_role,
+                    expect_key: b == b'{',
+                    key: KeyId::None,
+                });
+                i += 1;
+            }
+            b'"' => {
+                let (raw, next) = scan_string(json, i + 1)?;
+                if is_obj {
+                    match key {
+                        KeyId::Type if is_terminal_type(raw) => out.terminal_type = true,
+                        KeyId::FinishReason if !raw.is_empty() => choice.1 = true,
+                        _ => {}
+                    }
+                }
+                i = next;
+            }
+            _ => {
+                let (lit, next) = scan_literal(json, i);
+                if lit.is_empty() {
+                    return None;
+                }
+                if is_obj {
+                    match key {
+                        KeyId::Done if lit == b"true" => out.done = true,
+                        KeyId::Index => choice.0 = parse_index(lit).unwrap_or(0),
+                        KeyId::FinishReason if lit != b"null" => choice.1 = true,
+                        _ => {}
+                    }
+                }
+                i = next;
+            }
+        }
+    }
+    if stack.is_empty() && seen_root {
+        Some(())
+    } else {
+        None
+    }
+}
+
+fn close(stack: &mut Vec<Frame>, choice: &mut (u32, bool), out: &mut Look) {
+    if let Some(f) = stack.pop() {
+        if f.role == Role::Choice {
+            if out.choices.len() < MAX_CHOICES {
+                out.choices.push(*choice);
+            } else {
+                out.choices_truncated = true;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_choices_and_finish() {
+        let l = look(
+            br#"{"id":"x","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}"#,
+        );
+        assert_eq!(l.choices, vec![(0, false)]);
+        assert!(!l.malformed);
+        let l = look(
+            br#"{"choices":[{"index":1,"finish_reason":"stop"},{"index":0,"finish_reason":null}]}"#,
+        );
+        assert_eq!(l.choices, vec![(1, true), (0, false)]);
+        let l = look(br#"{"choices":[{"finish_reason":"length","index":3}]}"#);
+        assert_eq!(l.choices, vec![(3, true)]);
+        let l = look(br#"{"choices":[],"usage":{"prompt_tokens":1}}"#);
+        assert!(l.choices.is_empty() && !l.malformed);
+    }
+
+    #[test]
+    fn ignores_nested_and_quoted_lookalikes() {
+        // tool_calls[].index and a finish_reason inside a string are not the choice's.
+        let l = look(
+            br#"{"choices":[{"index":2,"delta":{"tool_calls":[{"index":7,"finish_reason":"x"}],"content":"\"finish_reason\":\"stop\" \\"},"finish_reason":null}]}"#,
+        );
+        assert_eq!(l.choices, vec![(2, false)]);
+        let l = look(
+            br#"{"x":{"choices":[{"index":0,"finish_reason":"stop"}]},"type":"response.created"}"#,
+        );
+        assert!(l.choices.is_empty() && !l.terminal_type);
+        let l = look(br#"{"item":{"type":"response.completed"}}"#);
+        assert!(!l.terminal_type);
+    }
+
+    #[test]
+    fn responses_api_and_ndjson() {
+        assert!(look(br#"{"type":"response.completed","response":{}}"#).terminal_type);
+        assert!(look(br#"{"type":"response.failed"}"#).terminal_type);
+        assert!(look(br#"{"type":"response.incomplete"}"#).terminal_type);
+        assert!(!look(br#"{"type":"response.output_text.delta"}"#).terminal_type);
+        assert!(look(br#"{"model":"m","done": true}"#).done);
+        assert!(!look(br#"{"model":"m","done":false}"#).done);
+        assert!(!look(br#"{"message":{"done":true}}"#).done);
+    }
+
+    #[test]
+    fn malformed_inputs() {
+        for bad in [
+            &b""[..],
+            b"[DONE]",
+            b"{",
+            b"{\"a\"}",
+            b"{\"a\":1}}",
+            b"{\"a\":\"unterminated",
+            b"{\"a\":1} x",
+            b"[1,2]",
+        ] {
+            assert!(look(bad).malformed, "{:?}", String::from_utf8_lossy(bad));
+        }
+        let deep = format!("{{\"a\":{}1{}}}", "[".repeat(100), "]".repeat(100));
+        assert!(look(deep.as_bytes()).malformed);
+    }
+
+    #[test]
+    fn many_choices_truncate() {
+        let mut s = String::from("{\"choices\":[");
+        for i in 0..20 {
+            if i > 0 {
+                s.push(',');
+            }
+            s.push_str(&format!("{{\"index\":{i},\"finish_reason\":\"stop\"}}"));
+        }
+        s.push_str("]}");
+        let l = look(s.as_bytes());
+        assert_eq!(l.choices.len(), MAX_CHOICES);
+        assert!(l.choices_truncated);
+    }
+
+    #[cfg(not(target_family = "wasm"))]
+    mod props {
+        use super::super::*;
+        use proptest::prelude::*;
+        proptest! {
+            #[test]
+            fn never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
+                let _ = look(&bytes);
+            }
+        }
+    }
+}

@@ -1,0 +1,346 @@
+//! Metric definitions (contract §7). Labelled families use Istio's tag style
+//! (`<name>_<label>=.=<value>;.;`) so Envoy's `stats_tags` can turn them into Prometheus
+//! labels; see `filter/README.md` for the `stats_tags` block.
+
+use kvguard_contract::AbortReason;
+
+/// Prefix of every filter metric.
+pub const PREFIX: &str = "kvguard_filter_";
+
+/// Counter or gauge. Gauges are shared by all worker VMs: move them by increments only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Only goes up.
+    Counter,
+    /// Goes up and down (by `increment(±n)`, never `record`).
+    Gauge,
+}
+
+/// Why a matching request was not tracked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Untracked {
+    /// No `x-request-id` header.
+    NoRequestId,
+    /// The header is not a valid id (contract §1).
+    BadRequestId,
+}
+
+impl Untracked {
+    const ALL: [Untracked; 2] = [Untracked::NoRequestId, Untracked::BadRequestId];
+    /// Label value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Untracked::NoRequestId => "no_request_id",
+            Untracked::BadRequestId => "bad_request_id",
+        }
+    }
+}
+
+/// How an abort ended (label `outcome`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// 200, it was in flight and is now ended.
+    Aborted,
+    /// 200, it had ended earlier.
+    AlreadyAborted,
+    /// 404, not in flight (tombstoned).
+    NotFound,
+    /// 400.
+    BadRequest,
+    /// 401.
+    Unauthorized,
+    /// 409.
+    Replay,
+    /// Any other status.
+    Unexpected,
+    /// Transient answers until retries or the deadline ran out.
+    Failed,
+    /// The abort queue was full.
+    Dropped,
+    /// The host refused the call (e.g. unknown cluster).
+    DispatchError,
+}
+
+impl Outcome {
+    /// Every outcome.
+    pub const ALL: [Outcome; 10] = [
+        Outcome::Aborted,
+        Outcome::AlreadyAborted,
+        Outcome::NotFound,
+        Outcome::BadRequest,
+        Outcome::Unauthorized,
+        Outcome::Replay,
+        Outcome::Unexpected,
+        Outcome::Failed,
+        Outcome::Dropped,
+        Outcome::DispatchError,
+    ];
+    /// Label value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Aborted => "aborted",
+            Outcome::AlreadyAborted => "already_aborted",
+            Outcome::NotFound => "not_found",
+            Outcome::BadRequest => "bad_request",
+            Outcome::Unauthorized => "unauthorized",
+            Outcome::Replay => "replay",
+            Outcome::Unexpected => "unexpected",
+            Outcome::Failed => "failed",
+            Outcome::Dropped => "dropped",
+            Outcome::DispatchError => "dispatch_error",
+        }
+    }
+    const fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Where an abort was sent (label `route`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// To the stamped replica through `control_target_cluster`.
+    Replica,
+    /// To `control_cluster`.
+    Fallback,
+}
+
+impl Route {
+    const ALL: [Route; 2] = [Route::Replica, Route::Fallback];
+    /// Label value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Route::Replica => "replica",
+            Route::Fallback => "fallback",
+        }
+    }
+}
+
+/// Why an `x-kvguard-control` stamp was not used (label `cause`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StampRejected {
+    /// Not `<ip>:<port>;t=..;sig=..`.
+    Malformed,
+    /// The signature does not verify for this request id.
+    Mismatch,
+    /// The address is outside `control_target_cidrs`.
+    OutsideCidrs,
+}
+
+impl StampRejected {
+    const ALL: [StampRejected; 3] = [
+        StampRejected::Malformed,
+        StampRejected::Mismatch,
+        StampRejected::OutsideCidrs,
+    ];
+    /// Label value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            StampRejected::Malformed => "malformed",
+            StampRejected::Mismatch => "mismatch",
+            StampRejected::OutsideCidrs => "outside_cidrs",
+        }
+    }
+}
+
+/// Something unusual in a response body (label `kind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Anomaly {
+    /// An event over `max_event_bytes` (skipped, still progress).
+    OversizedEvent,
+    /// An event whose JSON could not be followed.
+    MalformedJson,
+    /// A compressed (content-encoding) stream: end of stream only.
+    Compressed,
+    /// A body that is neither SSE nor NDJSON: end of stream only.
+    OpaqueBody,
+}
+
+impl Anomaly {
+    const ALL: [Anomaly; 4] = [
+        Anomaly::OversizedEvent,
+        Anomaly::MalformedJson,
+        Anomaly::Compressed,
+        Anomaly::OpaqueBody,
+    ];
+    /// Label value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Anomaly::OversizedEvent => "oversized_event",
+            Anomaly::MalformedJson => "malformed_json",
+            Anomaly::Compressed => "compressed",
+            Anomaly::OpaqueBody => "opaque_body",
+        }
+    }
+}
+
+/// Every metric the filter defines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Metric {
+    /// Requests tracked.
+    RequestsTracked,
+    /// Matching requests not tracked, by cause.
+    RequestsUntracked(Untracked),
+    /// Tracked requests that completed.
+    RequestsCompleted,
+    /// Tracked requests in flight (gauge).
+    ActiveRequests,
+    /// Abort decisions that ended, by reason and outcome.
+    Aborts(AbortReason, Outcome),
+    /// Aborts queued, in flight or backing off (gauge).
+    PendingAborts,
+    /// Abort calls sent (first tries and retries).
+    AbortAttempts,
+    /// Aborts sent per route (counted once per abort).
+    AbortRoutes(Route),
+    /// Stamps not used, by cause.
+    StampRejected(StampRejected),
+    /// Body anomalies, by kind.
+    ParseAnomalies(Anomaly),
+    /// Observe mode: what would have been aborted, by reason.
+    WouldAbort(AbortReason),
+    /// Streams the tick closed.
+    StreamsClosed,
+    /// Linear memory of the VMs (gauge, summed over workers).
+    VmMemoryBytes,
+    /// Host calls that failed unexpectedly (the filter failed open).
+    HostErrors,
+}
+
+const R: usize = AbortReason::ALL.len();
+const O: usize = Outcome::ALL.len();
+const BASE_UNTRACKED: usize = 1;
+const BASE_COMPLETED: usize = BASE_UNTRACKED + Untracked::ALL.len();
+const BASE_ACTIVE: usize = BASE_COMPLETED + 1;
+const BASE_ABORTS: usize = BASE_ACTIVE + 1;
+const BASE_PENDING: usize = BASE_ABORTS + R * O;
+const BASE_ATTEMPTS: usize = BASE_PENDING + 1;
+const BASE_ROUTES: usize = BASE_ATTEMPTS + 1;
+const BASE_STAMP: usize = BASE_ROUTES + Route::ALL.len();
+const BASE_ANOMALY: usize = BASE_STAMP + StampRejected::ALL.len();
+const BASE_WOULD: usize = BASE_ANOMALY + Anomaly::ALL.len();
+const BASE_CLOSED: usize = BASE_WOULD + R;
+const BASE_MEMORY: usize = BASE_CLOSED + 1;
+const BASE_HOST: usize = BASE_MEMORY + 1;
+
+impl Metric {
+    /// How many distinct metrics exist (for id caches).
+    pub const COUNT: usize = BASE_HOST + 1;
+
+    /// A dense index in `0..COUNT`.
+    pub fn index(self) -> usize {
+        match self {
+            Metric::RequestsTracked => 0,
+            Metric::RequestsUntracked(c) => BASE_UNTRACKED + c as usize,
+            Metric::RequestsCompleted => BASE_COMPLETED,
+            Metric::ActiveRequests => BASE_ACTIVE,
+            Metric::Aborts(r, o) => BASE_ABORTS + r.index() * O + o.index(),
+            Metric::PendingAborts => BASE_PENDING,
+            Metric::AbortAttempts => BASE_ATTEMPTS,
+            Metric::AbortRoutes(r) => BASE_ROUTES + r as usize,
+            Metric::StampRejected(c) => BASE_STAMP + c as usize,
+            Metric::ParseAnomalies(a) => BASE_ANOMALY + a as usize,
+            Metric::WouldAbort(r) => BASE_WOULD + r.index(),
+            Metric::StreamsClosed => BASE_CLOSED,
+            Metric::VmMemoryBytes => BASE_MEMORY,
+            Metric::HostErrors => BASE_HOST,
+        }
+    }
+
+    /// Counter or gauge.
+    pub fn kind(self) -> Kind {
+        match self {
+            Metric::ActiveRequests | Metric::PendingAborts | Metric::VmMemoryBytes => Kind::Gauge,
+            _ => Kind::Counter,
+        }
+    }
+
+    /// The full stat name, e.g.
+    /// `kvguard_filter_aborts_total_reason=.=stalled;.;_outcome=.=aborted;.;`.
+    pub fn name(self) -> String {
+        fn tag(name: &str, label: &str, value: &str) -> String {
+            format!("{PREFIX}{name}_{label}=.={value};.;")
+        }
+        match self {
+            Metric::RequestsTracked => format!("{PREFIX}requests_tracked_total"),
+            Metric::RequestsUntracked(c) => tag("requests_untracked_total", "cause", c.as_str()),
+            Metric::RequestsCompleted => format!("{PREFIX}requests_completed_total"),
+            Metric::ActiveRequests => format!("{PREFIX}active_requests"),
+            Metric::Aborts(r, o) => format!(
+                "{PREFIX}aborts_total_reason=.={};.;_outcome=.={};.;",
+                r.as_str(),
+                o.as_str()
+            ),
+            Metric::PendingAborts => format!("{PREFIX}pending_aborts"),
+            Metric::AbortAttempts => format!("{PREFIX}abort_attempts_total"),
+            Metric::AbortRoutes(r) => tag("abort_routes_total", "route", r.as_str()),
+            Metric::StampRejected(c) => tag("stamp_rejected_total", "cause", c.as_str()),
+            Metric::ParseAnomalies(a) => tag("parse_anomalies_total", "kind", a.as_str()),
+            Metric::WouldAbort(r) => tag("would_abort_total", "reason", r.as_str()),
+            Metric::StreamsClosed => format!("{PREFIX}streams_closed_total"),
+            Metric::VmMemoryBytes => format!("{PREFIX}vm_memory_bytes"),
+            Metric::HostErrors => format!("{PREFIX}host_errors_total"),
+        }
+    }
+
+    /// Every metric, in index order.
+    pub fn all() -> Vec<Metric> {
+        let mut v = vec![Metric::RequestsTracked];
+        v.extend(Untracked::ALL.map(Metric::RequestsUntracked));
+        v.push(Metric::RequestsCompleted);
+        v.push(Metric::ActiveRequests);
+        for r in AbortReason::ALL {
+            for o in Outcome::ALL {
+                v.push(Metric::Aborts(r, o));
+            }
+        }
+        v.push(Metric::PendingAborts);
+        v.push(Metric::AbortAttempts);
+        v.extend(Route::ALL.map(Metric::AbortRoutes));
+        v.extend(StampRejected::ALL.map(Metric::StampRejected));
+        v.extend(Anomaly::ALL.map(Metric::ParseAnomalies));
+        v.extend(AbortReason::ALL.map(Metric::WouldAbort));
+        v.push(Metric::StreamsClosed);
+        v.push(Metric::VmMemoryBytes);
+        v.push(Metric::HostErrors);
+        v
+    }
+}
+
+/// Where metric updates go.
+pub trait Metrics {
+    /// Adds `delta` (negative only for gauges).
+    fn add(&mut self, m: Metric, delta: i64);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn indexes_are_dense_and_names_unique() {
+        let all = Metric::all();
+        assert_eq!(all.len(), Metric::COUNT);
+        for (i, m) in all.iter().enumerate() {
+            assert_eq!(m.index(), i, "{m:?}");
+            assert!(m.name().starts_with(PREFIX));
+        }
+        let mut names: Vec<String> = all.iter().map(|m| m.name()).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), Metric::COUNT);
+    }
+
+    #[test]
+    fn tag_style_names() {
+        assert_eq!(
+            Metric::Aborts(AbortReason::Stalled, Outcome::Aborted).name(),
+            "kvguard_filter_aborts_total_reason=.=stalled;.;_outcome=.=aborted;.;"
+        );
+        assert_eq!(
+            Metric::WouldAbort(AbortReason::MaxAge).name(),
+            "kvguard_filter_would_abort_total_reason=.=max_age;.;"
+        );
+        assert_eq!(Metric::ActiveRequests.kind(), Kind::Gauge);
+        assert_eq!(Metric::StreamsClosed.kind(), Kind::Counter);
+    }
+}

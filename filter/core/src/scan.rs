@@ -1,0 +1,742 @@
+//! Incremental scanner for streamed response bodies (SSE and NDJSON).
+//!
+//! Bytes are fed in chunks split anywhere (inside a line ending, a field name, a UTF-8
+//! sequence...). The scanner keeps only the current event's data (bounded by
+//! `max_event_bytes`) and a few bytes of state; it never holds the body.
+//!
+//! SSE rules (WHATWG): lines end in LF, CRLF or CR; `:` starts a comment; `field:value`
+//! with one optional space after the colon; several `data:` lines join with LF; a blank
+//! line dispatches the event. An event with no data line (or only whitespace data) is
+//! not progress. NDJSON: every non-blank line is an event.
+
+use crate::json;
+use memchr::{memchr2, memchr3};
+
+/// How a response body is framed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// `text/event-stream`.
+    Sse,
+    /// `application/x-ndjson`, `application/jsonl`, ...
+    Ndjson,
+    /// Anything else (JSON, compressed, unknown): tracked by end of stream only.
+    Opaque,
+}
+
+impl Framing {
+    /// Chooses the framing from the response `content-type` and `content-encoding`.
+    /// Returns the framing and, for an opaque body that would otherwise be scanned,
+    /// the anomaly to count (`compressed`).
+    pub fn of(content_type: Option<&[u8]>, content_encoding: Option<&[u8]>) -> (Framing, bool) {
+        let ct = content_type.unwrap_or_default();
+        let media = ct
+            .split(|b| *b == b';')
+            .next()
+            .unwrap_or_default()
+            .trim_ascii();
+        let framing = if media.eq_ignore_ascii_case(b"text/event-stream") {
+            Framing::Sse
+        } else if media.eq_ignore_ascii_case(b"application/x-ndjson")
+            || media.eq_ignore_ascii_case(b"application/ndjson")
+            || media.eq_ignore_ascii_case(b"application/jsonl")
+            || media.eq_ignore_ascii_case(b"application/x-jsonlines")
+            || media.eq_ignore_ascii_case(b"application/jsonlines")
+        {
+            Framing::Ndjson
+        } else {
+            Framing::Opaque
+        };
+        let encoded = content_encoding
+            .map(|e| {
+                let e = e.trim_ascii();
+                !e.is_empty() && !e.eq_ignore_ascii_case(b"identity")
+            })
+            .unwrap_or(false);
+        if encoded && framing != Framing::Opaque {
+            (Framing::Opaque, true)
+        } else {
+            (framing, false)
+        }
+    }
+}
+
+/// What happened to one dispatched event (for tests and tracing).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event<'a> {
+    /// A data event, its data (LF-joined lines), and whether it completed the stream.
+    Data(&'a [u8], bool),
+    /// A data event larger than `max_event_bytes`: skipped, still progress.
+    Oversized,
+}
+
+/// What one `feed` call found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Fed {
+    /// Data events dispatched (progress).
+    pub events: u32,
+    /// Of those, skipped for size.
+    pub oversized: u32,
+    /// Events whose JSON could not be followed.
+    pub malformed: u32,
+    /// The stream became complete during this call.
+    pub completed: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Field {
+    Data,
+    Event,
+    Other,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Line {
+    /// At the start of a line.
+    Start,
+    /// Reading a field name.
+    Name,
+    /// Reading a value.
+    Value(Field),
+    /// Skipping to the end of the line (comment or unknown field).
+    Skip,
+}
+
+/// Tracks `choices[].index` completion across events.
+#[derive(Debug, Clone, Default)]
+struct Choices {
+    seen: Vec<(u32, bool)>,
+    overflow: bool,
+}
+
+impl Choices {
+    /// Records an event's choices; returns whether every choice seen has finished.
+    fn record(&mut self, look: &json::Look) -> bool {
+        if look.choices_truncated {
+            self.overflow = true;
+        }
+        let mut touched = false;
+        for &(idx, fin) in &look.choices {
+            touched = true;
+            if let Some(entry) = self.seen.iter_mut().find(|(i, _)| *i == idx) {
+                entry.1 |= fin;
+            } else if self.seen.len() < json::MAX_CHOICES {
+                self.seen.push((idx, fin));
+            } else {
+                self.overflow = true;
+            }
+        }
+        touched && !self.overflow && self.seen.iter().all(|(_, f)| *f)
+    }
+}
+
+/// The incremental scanner of one response body.
+#[derive(Debug, Clone)]
+pub struct Scanner {
+    framing: Framing,
+    max_event_bytes: usize,
+    line: Line,
+    /// The previous chunk ended in CR: a leading LF belongs to it.
+    skip_lf: bool,
+    /// A value's optional leading space is still to be skipped.
+    skip_space: bool,
+    name: [u8; 8],
+    name_len: usize,
+    name_overflow: bool,
+    data: Vec<u8>,
+    data_lines: u32,
+    oversized: bool,
+    event_name: [u8; 24],
+    event_len: usize,
+    event_overflow: bool,
+    choices: Choices,
+    completed: bool,
+    /// Data events seen so far.
+    pub events: u64,
+}
+
+/// Shrink the event buffer back after an unusually large event.
+const KEEP_CAPACITY: usize = 16 * 1024;
+
+impl Scanner {
+    /// A scanner for a body of `framing`, bounding events at `max_event_bytes`.
+    pub fn new(framing: Framing, max_event_bytes: usize) -> Self {
+        Scanner {
+            framing,
+            max_event_bytes,
+            line: Line::Start,
+            skip_lf: false,
+            skip_space: false,
+            name: [0; 8],
+            name_len: 0,
+            name_overflow: false,
+            data: Vec::new(),
+            data_lines: 0,
+            oversized: false,
+            event_name: [0; 24],
+            event_len: 0,
+            event_overflow: false,
+            choices: Choices::default(),
+            completed: false,
+            events: 0,
+        }
+    }
+
+    /// The framing this scanner reads.
+    pub fn framing(&self) -> Framing {
+        self.framing
+    }
+
+    /// Whether the body has said it is complete.
+    pub fn completed(&self) -> bool {
+        self.completed
+    }
+
+    /// Feeds a chunk.
+    pub fn feed(&mut self, chunk: &[u8]) -> Fed {
+        self.feed_with(chunk, &mut |_| {})
+    }
+
+    /// Feeds a chunk, calling `on_event` for each dispatched data event.
+    pub fn feed_with(&mut self, chunk: &[u8], on_event: &mut dyn FnMut(Event<'_>)) -> Fed {
+        let mut fed = Fed::default();
+        match self.framing {
+            Framing::Opaque => {}
+            Framing::Sse | Framing::Ndjson => self.scan(chunk, &mut fed, on_event),
+        }
+        fed
+    }
+
+    /// The body ended: an NDJSON last line without a newline still counts. (An SSE
+    /// event not closed by a blank line is discarded, as the SSE spec says.)
+    pub fn finish(&mut self, on_event: &mut dyn FnMut(Event<'_>)) -> Fed {
+        let mut fed = Fed::default();
+        if self.framing == Framing::Ndjson && matches!(self.line, Line::Value(_)) {
+            self.end_line(&mut fed, on_event);
+        }
+        fed
+    }
+
+    fn scan(&mut self, chunk: &[u8], fed: &mut Fed, on_event: &mut dyn FnMut(Event<'_>)) {
+        let mut i = 0usize;
+        let len = chunk.len();
+        while i < len {
+            if self.skip_lf {
+                self.skip_lf = false;
+                if chunk[i] == b'\n' {
+                    i += 1;
+                    continue;
+                }
+            }
+            match self.line {
+                Line::Start => {
+                    let b = chunk[i];
+                    if b == b'\n' || b == b'\r' {
+                        self.skip_lf = b == b'\r';
+                        i += 1;
+                        self.blank_line(fed, on_event);
+                        continue;
+                    }
+                    if self.framing == Framing::Ndjson {
+                        self.line = Line::Value(Field::Data);
+                        self.start_data_value();
+                        continue;
+                    }
+                    if b == b':' {
+                        self.line = Line::Skip;
+                        i += 1;
+                        continue;
+                    }
+                    self.line = Line::Name;
+                    self.name_len = 0;
+                    self.name_overflow = false;
+                }
+                Line::Name => {
+                    let rest = &chunk[i..];
+                    let found = memchr3(b':', b'\n', b'\r', rest);
+                    let end = found.unwrap_or(rest.len());
+                    self.push_name(&rest[..end]);
+                    match found {
+                        None => i = len,
+                        Some(off) => {
+                            let delim = rest[off];
+                            i += off + 1;
+                            let field = self.field_kind();
+                            if delim == b':' {
+                                self.line = Line::Value(field);
+                                self.skip_space = true;
+                                self.start_value(field);
+                            } else {
+                                // A field with no colon: the whole line is the name and
+                                // the value is empty.
+                                self.skip_lf = delim == b'\r';
+                                self.start_value(field);
+                                self.line = Line::Value(field);
+                                self.end_line(fed, on_event);
+                            }
+                        }
+                    }
+                }
+                Line::Value(field) => {
+                    if self.skip_space {
+                        self.skip_space = false;
+                        if chunk[i] == b' ' {
+                            i += 1;
+                            continue;
+                        }
+                    }
+                    let rest = &chunk[i..];
+                    let found = memchr2(b'\n', b'\r', rest);
+                    let end = found.unwrap_or(rest.len());
+                    self.push_value(field, &rest[..end]);
+                    match found {
+                        None => i = len,
+                        Some(off) => {
+                            self.skip_lf = rest[off] == b'\r';
+                            i += off + 1;
+                            self.end_line(fed, on_event);
+                        }
+                    }
+                }
+                Line::Skip => {
+                    let rest = &chunk[i..];
+                    match memchr2(b'\n', b'\r', rest) {
+                        None => i = len,
+                        Some(off) => {
+                            self.skip_lf = rest[off] == b'\r';
+                            i += off + 1;
+                            self.line = Line::Start;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn push_name(&mut self, bytes: &[u8]) {
+        let room = self.name.len() - self.name_len;
+        if bytes.len() > room {
+            self.name_overflow = true;
+        }
+        let n = bytes.len().min(room);
+        self.name[self.name_len..self.name_len + n].copy_from_slice(&bytes[..n]);
+        self.name_len += n;
+    }
+
+    fn field_kind(&self) -> Field {
+        if self.name_overflow {
+            return Field::Other;
+        }
+        match &self.name[..self.name_len] {
+            b"data" => Field::Data,
+            b"event" => Field::Event,
+            _ => Field::Other,
+        }
+    }
+
+    fn start_value(&mut self, field: Field) {
+        match field {
+            Field::Data => self.start_data_value(),
+            Field::Event => {
+                self.event_len = 0;
+                self.event_overflow = false;
+            }
+            Field::Other => {}
+        }
+    }
+
+    fn start_data_value(&mut self) {
+        if self.data_lines > 0 && self.framing == Framing::Sse {
+            self.push_data(b"\n");
+        }
+        self.data_lines += 1;
+    }
+
+    fn push_data(&mut self, bytes: &[u8]) {
+        if self.oversized {
+            return;
+        }
+        if self.data.len() + bytes.len() > self.max_event_bytes {
+            self.oversized = true;
+            self.data.clear();
+            return;
+        }
+        self.data.extend_from_slice(bytes);
+    }
+
+    fn push_value(&mut self, field: Field, bytes: &[u8]) {
+        match field {
+            Field::Data => self.push_data(bytes),
+            Field::Event => {
+                let room = self.event_name.len() - self.event_len;
+                if bytes.len() > room {
+                    self.event_overflow = true;
+                }
+                let n = bytes.len().min(room);
+                self.event_name[self.event_len..self.event_len + n].copy_from_slice(&bytes[..n]);
+                self.event_len += n;
+            }
+            Field::Other => {}
+        }
+    }
+
+    fn end_line(&mut self, fed: &mut Fed, on_event: &mut dyn FnMut(Event<'_>)) {
+        self.line = Line::Start;
+        if self.framing == Framing::Ndjson {
+            // Every line is its own event.
+            self.dispatch(fed, on_event);
+        }
+    }
+
+    fn blank_line(&mut self, fed: &mut Fed, on_event: &mut dyn FnMut(Event<'_>)) {
+        if self.framing == Framing::Sse {
+            self.dispatch(fed, on_event);
+        }
+    }
+
+    fn dispatch(&mut self, fed: &mut Fed, on_event: &mut dyn FnMut(Event<'_>)) {
+        let had_data = self.data_lines > 0;
+        let oversized = self.oversized;
+        let terminal_name = !self.event_overflow
+            && matches!(
+                &self.event_name[..self.event_len],
+                b"response.completed" | b"response.failed" | b"response.incomplete"
+            );
+        self.data_lines = 0;
+        self.oversized = false;
+        self.event_len = 0;
+        self.event_overflow = false;
+        if !had_data {
+            return;
+        }
+        if oversized {
+            self.events += 1;
+            fed.events += 1;
+            fed.oversized += 1;
+            on_event(Event::Oversized);
+            self.reset_data();
+            return;
+        }
+        let data = self.data.trim_ascii();
+        if data.is_empty() {
+            self.reset_data();
+            return;
+        }
+        self.events += 1;
+        fed.events += 1;
+        let mut completes = false;
+        if !self.completed {
+            let done = if data == b"[DONE]" || terminal_name {
+                true
+            } else if data.first() == Some(&b'{') {
+                let look = json::look(data);
+                if look.malformed {
+                    fed.malformed += 1;
+                    false
+                } else {
+                    look.terminal_type || look.done || self.choices.record(&look)
+                }
+            } else {
+                false
+            };
+            if done {
+                self.completed = true;
+                fed.completed = true;
+                completes = true;
+            }
+        }
+        on_event(Event::Data(data, completes));
+        self.reset_data();
+    }
+
+    fn reset_data(&mut self) {
+        if self.data.capacity() > KEEP_CAPACITY {
+            self.data = Vec::new();
+        } else {
+            self.data.clear();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHAT: &[u8] = include_bytes!("../../../../shared/fixtures/sse/vllm-0.32-chat-usage.sse");
+    const COMPL: &[u8] =
+        include_bytes!("../../../../shared/fixtures/sse/vllm-0.32-completions.sse");
+
+    /// Events (as owned data, `None` for oversized) and the event index at which the
+    /// stream completed.
+    pub(crate) fn run(
+        framing: Framing,
+        max: usize,
+        chunks: &[&[u8]],
+    ) -> (Vec<Option<Vec<u8>>>, Option<usize>, u32) {
+        let mut s = Scanner::new(framing, max);
+        let mut events = Vec::new();
+        let mut completed_at = None;
+        let mut malformed = 0;
+        let mut record = |e: Event<'_>| match e {
+            Event::Data(d, completes) => {
+                events.push(Some(d.to_vec()));
+                if completes {
+                    assert!(completed_at.is_none(), "completes once");
+                    completed_at = Some(events.len());
+                }
+            }
+            Event::Oversized => events.push(None),
+        };
+        for c in chunks {
+            let fed = s.feed_with(c, &mut record);
+            malformed += fed.malformed;
+        }
+        let fed = s.finish(&mut record);
+        malformed += fed.malformed;
+        assert_eq!(s.events, events.len() as u64);
+        (events, completed_at, malformed)
+    }
+
+    fn whole(framing: Framing, body: &[u8]) -> (Vec<Option<Vec<u8>>>, Option<usize>, u32) {
+        run(framing, 65536, &[body])
+    }
+
+    #[test]
+    fn fixtures_complete_at_the_right_event() {
+        let (ev, done, bad) = whole(Framing::Sse, CHAT);
+        // role chunk + 12 content chunks... then usage, [DONE].
+        assert_eq!(ev.last().unwrap().as_deref(), Some(&b"[DONE]"[..]));
+        // Completion comes with the finish_reason chunk, before the usage chunk.
+        assert_eq!(done, Some(ev.len() - 2));
+        assert_eq!(bad, 0);
+        let (ev, done, bad) = whole(Framing::Sse, COMPL);
+        assert!(done.is_some());
+        assert!(done.unwrap() <= ev.len());
+        assert_eq!(bad, 0);
+    }
+
+    #[test]
+    fn fixtures_split_at_every_byte() {
+        for body in [CHAT, COMPL] {
+            let reference = whole(Framing::Sse, body);
+            for cut in 0..=body.len() {
+                assert_eq!(
+                    run(Framing::Sse, 65536, &[&body[..cut], &body[cut..]]),
+                    reference,
+                    "cut at {cut}"
+                );
+            }
+            // And one byte at a time.
+            let bytes: Vec<&[u8]> = body.chunks(1).collect();
+            assert_eq!(run(Framing::Sse, 65536, &bytes), reference);
+        }
+    }
+
+    #[test]
+    fn line_endings_are_equivalent() {
+        let lf = b"data: {\"a\":1}\n\n: ka\n\ndata: x\ndata: y\n\ndata: [DONE]\n\n".to_vec();
+        let crlf: Vec<u8> = String::from_utf8(lf.clone())
+            .unwrap()
+            .replace('\n', "\r\n")
+            .into_bytes();
+        let cr: Vec<u8> = String::from_utf8(lf.clone())
+            .unwrap()
+            .replace('\n', "\r")
+            .into_bytes();
+        let a = whole(Framing::Sse, &lf);
+        assert_eq!(a.0.len(), 3);
+        assert_eq!(a.0[1].as_deref(), Some(&b"x\ny"[..]));
+        assert_eq!(a.1, Some(3));
+        assert_eq!(whole(Framing::Sse, &crlf), a);
+        assert_eq!(whole(Framing::Sse, &cr), a);
+        // CRLF split between CR and LF is one line ending, not two.
+        let parts: Vec<&[u8]> = vec![b"data: a\r", b"\n\r", b"\ndata: b\r\n\r\n"];
+        let (ev, _, _) = run(Framing::Sse, 1024, &parts);
+        assert_eq!(ev, vec![Some(b"a".to_vec()), Some(b"b".to_vec())]);
+    }
+
+    #[test]
+    fn comments_and_empty_events_are_not_progress() {
+        let body =
+            b": keep-alive\n\n:\n\nevent: ping\n\ndata:\n\ndata:   \n\nretry: 5\n\nid: 3\n\n";
+        let (ev, done, _) = whole(Framing::Sse, body);
+        assert!(ev.is_empty());
+        assert_eq!(done, None);
+    }
+
+    #[test]
+    fn field_forms() {
+        // No space after the colon, a field without colon, an unknown long field name.
+        let body = b"data:{\"x\":1}\n\ndata\n\nverylongfieldname: 1\ndata: z\n\n";
+        let (ev, _, _) = whole(Framing::Sse, body);
+        assert_eq!(ev, vec![Some(b"{\"x\":1}".to_vec()), Some(b"z".to_vec())]);
+        // "data" prefix of a longer field is not data.
+        let (ev, _, _) = whole(Framing::Sse, b"dataset: 1\n\n");
+        assert!(ev.is_empty());
+    }
+
+    #[test]
+    fn n_greater_than_one() {
+        let body = concat!(
+            "data: {\"choices\":[{\"index\":0,\"finish_reason\":null}]}\n\n",
+            "data: {\"choices\":[{\"index\":1,\"finish_reason\":null}]}\n\n",
+            "data: {\"choices\":[{\"index\":0,\"finish_reason\":\"stop\"}]}\n\n",
+            "data: {\"choices\":[{\"index\":1,\"finish_reason\":null}]}\n\n",
+            "data: {\"choices\":[{\"index\":1,\"finish_reason\":\"length\"}]}\n\n",
+        );
+        let (ev, done, _) = whole(Framing::Sse, body.as_bytes());
+        assert_eq!(ev.len(), 5);
+        assert_eq!(done, Some(5));
+    }
+
+    #[test]
+    fn responses_api_terminal_events() {
+        let body = concat!(
+            "event: response.created\ndata: {\"type\":\"response.created\"}\n\n",
+            "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"hi\"}\n\n",
+            "event: response.completed\ndata: {\"type\":\"response.completed\"}\n\n",
+        );
+        let (ev, done, _) = whole(Framing::Sse, body.as_bytes());
+        assert_eq!((ev.len(), done), (3, Some(3)));
+        // The event name alone is enough (data that is not JSON).
+        let (_, done, _) = whole(Framing::Sse, b"event: response.failed\ndata: x\n\n");
+        assert_eq!(done, Some(1));
+        let (_, done, _) = whole(Framing::Sse, b"event: response.incomplete\ndata: {}\n\n");
+        assert_eq!(done, Some(1));
+    }
+
+    #[test]
+    fn oversized_events_are_skipped_counted_and_progress() {
+        let big = format!(
+            "data: {{\"choices\":[{{\"index\":0,\"finish_reason\":\"stop\",\"t\":\"{}\"}}]}}\n\n",
+            "x".repeat(300)
+        );
+        let body = format!("{big}data: small\n\n");
+        let (ev, done, _) = run(Framing::Sse, 256, &[body.as_bytes()]);
+        assert_eq!(ev, vec![None, Some(b"small".to_vec())]);
+        // The oversized event was not inspected, so it did not complete the stream.
+        assert_eq!(done, None);
+        let mut s = Scanner::new(Framing::Sse, 256);
+        let fed = s.feed(body.as_bytes());
+        assert_eq!((fed.events, fed.oversized), (2, 1));
+    }
+
+    #[test]
+    fn ndjson_lines() {
+        let body = b"{\"model\":\"m\",\"done\":false}\n\n  \n{\"model\":\"m\",\"done\":false}\r\n{\"done\":true}";
+        let (ev, done, _) = whole(Framing::Ndjson, body);
+        assert_eq!(ev.len(), 3);
+        assert_eq!(done, Some(3));
+        // Comment-like lines are data in NDJSON (counted, JSON malformed).
+        let (ev, _, bad) = whole(Framing::Ndjson, b": x\n");
+        assert_eq!((ev.len(), bad), (1, 0));
+    }
+
+    #[test]
+    fn malformed_json_counts_but_does_not_complete() {
+        let (ev, done, bad) = whole(Framing::Sse, b"data: {\"choices\":[\n\n");
+        assert_eq!((ev.len(), done, bad), (1, None, 1));
+    }
+
+    #[test]
+    fn opaque_counts_nothing() {
+        let mut s = Scanner::new(Framing::Opaque, 1024);
+        assert_eq!(s.feed(b"data: x\n\n"), Fed::default());
+        assert!(!s.completed());
+    }
+
+    #[test]
+    fn framing_selection() {
+        assert_eq!(
+            Framing::of(Some(b"text/event-stream; charset=utf-8"), None),
+            (Framing::Sse, false)
+        );
+        assert_eq!(
+            Framing::of(Some(b"Text/Event-Stream"), Some(b"identity")),
+            (Framing::Sse, false)
+        );
+        assert_eq!(
+            Framing::of(Some(b"text/event-stream"), Some(b"gzip")),
+            (Framing::Opaque, true)
+        );
+        assert_eq!(
+            Framing::of(Some(b"application/x-ndjson"), None),
+            (Framing::Ndjson, false)
+        );
+        assert_eq!(
+            Framing::of(Some(b"application/json"), Some(b"br")),
+            (Framing::Opaque, false)
+        );
+        assert_eq!(Framing::of(None, None), (Framing::Opaque, false));
+    }
+
+    #[cfg(not(target_family = "wasm"))]
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn split_points(len: usize, cuts: &[usize]) -> Vec<usize> {
+            let mut p: Vec<usize> = cuts.iter().map(|c| c % (len + 1)).collect();
+            p.sort_unstable();
+            p
+        }
+
+        fn chunks<'a>(body: &'a [u8], points: &[usize]) -> Vec<&'a [u8]> {
+            let mut out = Vec::new();
+            let mut prev = 0;
+            for &p in points {
+                out.push(&body[prev..p]);
+                prev = p;
+            }
+            out.push(&body[prev..]);
+            out
+        }
+
+        fn piece() -> impl Strategy<Value = String> {
+            prop_oneof![
+                Just("data: {\"choices\":[{\"index\":0,\"finish_reason\":null}]}\n".to_string()),
+                Just(
+                    "data: {\"choices\":[{\"index\":1,\"finish_reason\":\"stop\"}]}\n".to_string()
+                ),
+                Just("data: [DONE]\n".to_string()),
+                Just(": keep-alive\n".to_string()),
+                Just("event: response.completed\n".to_string()),
+                Just("\n".to_string()),
+                Just("\r\n".to_string()),
+                Just("\r".to_string()),
+                Just("data:x".to_string()),
+                Just("data: {\"done\": true}\n".to_string()),
+                "[a-z:{} \"]{0,12}",
+            ]
+        }
+
+        proptest! {
+            #[test]
+            fn fixtures_random_chunks(cuts in proptest::collection::vec(any::<usize>(), 0..40), which in 0usize..2) {
+                let body = if which == 0 { CHAT } else { COMPL };
+                let reference = run(Framing::Sse, 65536, &[body]);
+                let pts = split_points(body.len(), &cuts);
+                prop_assert_eq!(run(Framing::Sse, 65536, &chunks(body, &pts)), reference);
+            }
+
+            #[test]
+            fn any_body_any_split(pieces in proptest::collection::vec(piece(), 0..30),
+                                  cuts in proptest::collection::vec(any::<usize>(), 0..20),
+                                  max in 8usize..200,
+                                  ndjson in any::<bool>()) {
+                let body: Vec<u8> = pieces.concat().into_bytes();
+                let framing = if ndjson { Framing::Ndjson } else { Framing::Sse };
+                let reference = run(framing, max, &[&body]);
+                let pts = split_points(body.len(), &cuts);
+                prop_assert_eq!(run(framing, max, &chunks(&body, &pts)), reference);
+            }
+
+            #[test]
+            fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..600),
+                                           cuts in proptest::collection::vec(any::<usize>(), 0..10)) {
+                let pts = split_points(body.len(), &cuts);
+                let _ = run(Framing::Sse, 64, &chunks(&body, &pts));
+                let _ = run(Framing::Ndjson, 64, &chunks(&body, &pts));
+            }
+        }
+    }
+}

@@ -1,0 +1,75 @@
+//! Mocks for the core's traits (tests only).
+
+use crate::config::Config;
+use crate::host::{Call, Clock, DispatchError, Host, Level};
+use crate::metrics::{Metric, Metrics};
+
+pub(crate) const SECRET: &str = "kvguard-test-secret-0123456789";
+
+/// A config with `control_cluster: "kvguard"`, a secret, and `extra` JSON members
+/// (starting with a comma).
+pub(crate) fn config(extra: &str) -> Config {
+    let json = format!(r#"{{"control_cluster":"kvguard","secret":"{SECRET}"{extra}}}"#);
+    match Config::parse(json.as_bytes(), &|_| None) {
+        Ok(c) => c,
+        Err(e) => panic!("test config: {e}"),
+    }
+}
+
+/// A recorded call: token, cluster, headers, body.
+pub(crate) type Recorded = (u32, String, Vec<(&'static str, String)>, Vec<u8>);
+
+/// Records calls, logs and metrics; time is settable.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct MockHost {
+    pub now: u64,
+    pub unix: u64,
+    pub next_token: u32,
+    pub calls: Vec<Recorded>,
+    pub logs: Vec<(Level, String)>,
+    pub metrics: Vec<i64>,
+    pub refuse: Option<DispatchError>,
+}
+
+impl MockHost {
+    pub fn metric(&self, m: Metric) -> i64 {
+        self.metrics.get(m.index()).copied().unwrap_or(0)
+    }
+}
+
+impl Clock for MockHost {
+    fn now_ms(&self) -> u64 {
+        self.now
+    }
+    fn unix_secs(&self) -> u64 {
+        self.unix
+    }
+}
+
+impl Host for MockHost {
+    fn dispatch(&mut self, call: &Call<'_>) -> Result<u32, DispatchError> {
+        if let Some(e) = self.refuse {
+            return Err(e);
+        }
+        self.next_token += 1;
+        self.calls.push((
+            self.next_token,
+            call.cluster.to_owned(),
+            call.headers.clone(),
+            call.body.clone(),
+        ));
+        Ok(self.next_token)
+    }
+    fn log(&mut self, level: Level, msg: &str) {
+        self.logs.push((level, msg.to_owned()));
+    }
+}
+
+impl Metrics for MockHost {
+    fn add(&mut self, m: Metric, delta: i64) {
+        if self.metrics.len() < Metric::COUNT {
+            self.metrics.resize(Metric::COUNT, 0);
+        }
+        self.metrics[m.index()] += delta;
+    }
+}

@@ -1,0 +1,164 @@
+//! `kvguard-demo`: the KV-leak reproduction, without and with kvguard, side by side
+//! (README command 1 runs it through `scripts/demo`). Also `--serve-vllm`: holds a real
+//! vLLM for `scripts/vllm-server` (one per e2e suite run).
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use kvguard_integration::demo::{self, DemoConfig, EngineKind, Mode};
+use kvguard_integration::vllm::{self, Vllm, VllmOptions};
+use std::path::PathBuf;
+
+/// The KV-leak reproduction: the same seeded load through the same stack, without kvguard
+/// and with it; prints both runs side by side and writes results JSON.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// Engine: `sim` (the workspace's simulator, default) or `vllm` (real vLLM on CPU).
+    #[arg(long, default_value = "sim")]
+    engine: String,
+    /// Use this running vLLM (http://ip:port) instead of starting one (default:
+    /// `KVGUARD_VLLM_URL`).
+    #[arg(long)]
+    vllm_url: Option<String>,
+    /// Only this run: `leak` or `kvguard` (default: both).
+    #[arg(long)]
+    only: Option<String>,
+    /// Seconds of arrivals per run.
+    #[arg(long)]
+    arrival_s: Option<f64>,
+    /// Seconds observed after the last arrival.
+    #[arg(long)]
+    drain_s: Option<f64>,
+    /// Arrivals per second.
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Share of clients that disconnect at a random point.
+    #[arg(long)]
+    disconnect_share: Option<f64>,
+    /// Share of stalled streams.
+    #[arg(long)]
+    stall_share: Option<f64>,
+    /// RNG seed.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Output directory (results.json, table.txt).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Hold a real vLLM until SIGTERM and write its URL to this file once ready
+    /// (what `scripts/vllm-server start` runs).
+    #[arg(long)]
+    serve_vllm: Option<PathBuf>,
+}
+
+async fn serve_vllm(url_file: PathBuf) -> Result<()> {
+    let mut v = Vllm::start(VllmOptions::default()).await?;
+    if let Some(g) = v.guard() {
+        // Its process group, so that `scripts/vllm-server stop` can end it even if this
+        // holder was killed.
+        vllm::write_atomic(&url_file.with_extension("pgid"), &g.pid().to_string())?;
+        vllm::write_atomic(&url_file.with_extension("log"), &g.log_path().display().to_string())?;
+    }
+    vllm::write_atomic(&url_file, &v.url())?;
+    println!("vLLM ready at {}", v.url());
+    kvguard_integration::cli::wait_for_signal().await;
+    drop(v);
+    Ok(())
+}
+
+async fn demo(a: Args) -> Result<()> {
+    let engine = match a.engine.as_str() {
+        "sim" => EngineKind::Sim,
+        "vllm" => EngineKind::Vllm,
+        other => bail!("--engine {other:?}: expected sim or vllm"),
+    };
+    let mut cfg = DemoConfig::new(engine);
+    if let Some(x) = a.arrival_s {
+        cfg.arrival_s = x;
+    }
+    if let Some(x) = a.drain_s {
+        cfg.drain_s = x;
+    }
+    if let Some(x) = a.rate {
+        cfg.rate = x;
+    }
+    if let Some(x) = a.disconnect_share {
+        cfg.disconnect_share = x;
+    }
+    if let Some(x) = a.stall_share {
+        cfg.stall_share = x;
+    }
+    if let Some(x) = a.seed {
+        cfg.seed = x;
+    }
+    let modes: Vec<Mode> = match a.only.as_deref() {
+        None => vec![Mode::Leak, Mode::Kvguard],
+        Some("leak") => vec![Mode::Leak],
+        Some("kvguard") => vec![Mode::Kvguard],
+        Some(o) => bail!("--only {o:?}: expected leak or kvguard"),
+    };
+    let out = match a.out {
+        Some(o) => o,
+        None => demo::stack::default_out_dir()?,
+    };
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let mut own_vllm = None;
+    let url = a
+        .vllm_url
+        .clone()
+        .or_else(|| std::env::var(vllm::URL_ENV).ok());
+    let vllm_addr = match (engine, &url) {
+        (EngineKind::Sim, _) => None,
+        (EngineKind::Vllm, Some(u)) => Some(Vllm::connect(u).await?.addr()),
+        (EngineKind::Vllm, None) => {
+            eprintln!("starting real vLLM (tiny random Llama, CPU; about a minute)...");
+            let v = Vllm::start(VllmOptions::default()).await?;
+            let addr = v.addr();
+            own_vllm = Some(v);
+            Some(addr)
+        }
+    };
+    let plan = demo::plan(&cfg);
+    eprintln!(
+        "workload: {} streams over {:.0}s ({} disconnect at a random point, {} stall), seed {}, engine {:?}",
+        plan.len(),
+        cfg.arrival_s,
+        plan.iter().filter(|p| matches!(p.kind, demo::Kind::Disconnect(_))).count(),
+        plan.iter().filter(|p| matches!(p.kind, demo::Kind::Stall(_))).count(),
+        cfg.seed,
+        engine
+    );
+    let progress = |s: String| eprintln!("{s}");
+    let res = demo::run_demo(&cfg, &modes, vllm_addr, &progress).await?;
+    drop(own_vllm);
+    let series = demo::series_table(&res, 5.0);
+    let table = demo::table(&res);
+    let text = format!(
+        "engine KV usage and running / waiting requests over time (t = seconds since the first arrival; arrivals stop at {:.0}s)\n\n{series}\n{table}",
+        cfg.arrival_s
+    );
+    println!("\n{text}");
+    std::fs::write(out.join("table.txt"), &text)?;
+    let json = serde_json::to_string_pretty(&res)?;
+    std::fs::write(out.join("results.json"), json)?;
+    println!("results: {}", out.join("results.json").display());
+    let fa = res.leak.as_ref().map(|r| r.false_aborts).unwrap_or(0)
+        + res.kvguard.as_ref().map(|r| r.false_aborts).unwrap_or(0);
+    if fa > 0 {
+        bail!("{fa} false aborts (streams that should have completed did not)");
+    }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let a = Args::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        match a.serve_vllm.clone() {
+            Some(f) => serve_vllm(f).await,
+            None => demo(a).await,
+        }
+    })
+}

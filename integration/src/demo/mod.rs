@@ -1,0 +1,658 @@
+//! The leak reproduction behind `scripts/demo` (README command 1) and the stack the
+//! end-to-end suites share. A test/demo instrument, not a product.
+//!
+//! One run = one stack (client → Envoy [+ filter] → lossy hop → kvguard-control → engine)
+//! under a seeded workload: steady streaming arrivals, a share of clients that disconnect
+//! at a random point, a few stalls. The demo runs it twice, without kvguard and with it,
+//! with the same plan, and compares what the engine went through.
+//!
+//! - "without kvguard" (`Mode::Leak`): the same topology, Envoy without the filter and
+//!   kvguard-control with its own reaping off (`--idle-timeout off --max-age off`), so it
+//!   only proxies: nothing tells the engine that a client left.
+//! - "with kvguard" (`Mode::Kvguard`): the filter at the edge (idle timeout) and
+//!   kvguard-control's reaper as the backstop.
+//!
+//! Measures (see [`RunResult`]): engine KV usage, running and waiting over time (engine
+//! `/metrics`, simulator and vLLM alike), orphan-seconds (time a request stayed in flight
+//! at the engine after its client had gone: kvguard-control's `/v1/requests` table, which
+//! holds exactly the requests with an open engine connection, sampled), requests whose
+//! first token took longer than [`WAIT_THRESHOLD`] (they queued), aborts by reason
+//! (kvguard-control's `kvguard_control_aborts_total`), false aborts (a client that meant to
+//! read to the end and did not get `[DONE]`).
+
+pub mod stack;
+mod workload;
+
+pub use workload::{plan, Kind, Planned};
+
+use crate::load::Percentiles;
+use crate::sim::{self, SimConfig};
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use stack::{Stack, StackOptions};
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A first token later than this means the request queued.
+pub const WAIT_THRESHOLD: Duration = Duration::from_secs(1);
+
+/// Which engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineKind {
+    /// The workspace's engine simulator, in process.
+    Sim,
+    /// Real vLLM (CPU).
+    Vllm,
+}
+
+/// Without or with kvguard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// No filter, kvguard-control's reaping off: the leak.
+    Leak,
+    /// Filter + kvguard-control reaping.
+    Kvguard,
+}
+
+impl Mode {
+    /// Label in tables.
+    pub fn label(self) -> &'static str {
+        match self {
+            Mode::Leak => "without kvguard",
+            Mode::Kvguard => "with kvguard",
+        }
+    }
+}
+
+/// The demo's settings (the `kvguard-demo` flags).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DemoConfig {
+    /// Engine.
+    pub engine: EngineKind,
+    /// Seconds of arrivals.
+    pub arrival_s: f64,
+    /// Seconds of observation after the last arrival.
+    pub drain_s: f64,
+    /// Arrivals per second.
+    pub rate: f64,
+    /// Share of clients that disconnect at a random point.
+    pub disconnect_share: f64,
+    /// Share of streams that stall (simulator: the engine stops producing tokens; vLLM:
+    /// the client stops reading).
+    pub stall_share: f64,
+    /// Generation length range (tokens, `max_tokens` of each request).
+    pub min_tokens: u32,
+    /// Upper end of the range.
+    pub max_tokens: u32,
+    /// A client with no data event for this long gives up (disconnects).
+    pub patience_s: f64,
+    /// Sampling period.
+    pub sample_ms: u64,
+    /// RNG seed.
+    pub seed: u64,
+    /// Filter idle timeout (ms) in the kvguard run.
+    pub filter_idle_ms: u64,
+    /// kvguard-control `--idle-timeout` in the kvguard run.
+    pub control_idle: String,
+    /// Simulator: KV blocks.
+    pub sim_kv_blocks: u32,
+    /// Simulator: tokens per second per stream.
+    pub sim_token_rate: f64,
+}
+
+impl DemoConfig {
+    /// The default demo on `engine` (~2 minutes in all on the simulator).
+    pub fn new(engine: EngineKind) -> Self {
+        match engine {
+            EngineKind::Sim => DemoConfig {
+                engine,
+                arrival_s: 40.0,
+                drain_s: 15.0,
+                rate: 5.0,
+                disconnect_share: 0.15,
+                stall_share: 0.05,
+                min_tokens: 100,
+                max_tokens: 500,
+                patience_s: 8.0,
+                sample_ms: 500,
+                seed: 42,
+                filter_idle_ms: 3000,
+                control_idle: "6s".into(),
+                sim_kv_blocks: 1000,
+                sim_token_rate: 40.0,
+            },
+            EngineKind::Vllm => DemoConfig {
+                engine,
+                arrival_s: 60.0,
+                drain_s: 15.0,
+                rate: 2.0,
+                disconnect_share: 0.15,
+                stall_share: 0.04,
+                min_tokens: 1000,
+                max_tokens: 4000,
+                patience_s: 8.0,
+                sample_ms: 500,
+                seed: 42,
+                filter_idle_ms: 3000,
+                control_idle: "6s".into(),
+                sim_kv_blocks: 0,
+                sim_token_rate: 0.0,
+            },
+        }
+    }
+
+    /// The simulator's configuration for this demo.
+    pub fn sim_config(&self) -> SimConfig {
+        SimConfig {
+            kv_blocks: self.sim_kv_blocks,
+            block_size: 16,
+            token_rate: self.sim_token_rate,
+            max_running: 256,
+            max_model_len: 8192,
+            stall_keepalive_ms: 1000,
+            ..SimConfig::default()
+        }
+    }
+}
+
+/// One sample of the series.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct Sample {
+    /// Seconds since the run's first arrival.
+    pub t: f64,
+    /// Engine KV usage (0..1).
+    pub kv: f64,
+    /// Engine running.
+    pub running: f64,
+    /// Engine waiting.
+    pub waiting: f64,
+    /// Clients connected and reading.
+    pub clients: usize,
+    /// Requests in flight at kvguard-control (open engine connections).
+    pub inflight: usize,
+}
+
+/// What happened to one request, as its client saw it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ClientRecord {
+    /// Index in the plan.
+    pub index: usize,
+    /// The plan: `complete`, `disconnect`, `stall`.
+    pub plan: String,
+    /// The `x-request-id` the response carried (minted by Envoy).
+    pub request_id: Option<String>,
+    /// Seconds since the run's start when it was sent.
+    pub sent_s: f64,
+    /// Time to the first data event (s).
+    pub ttft_s: Option<f64>,
+    /// Data events read.
+    pub events: u64,
+    /// `done` (read `[DONE]`), `disconnected` (left on purpose), `gave_up` (stalled
+    /// past its patience, then left), `kvguard_error` (got kvguard's error event),
+    /// `closed` (ended without `[DONE]`), `error`.
+    pub outcome: String,
+    /// Seconds since the run's start when the client left (disconnected or gave up).
+    pub gone_s: Option<f64>,
+    /// Error text, if any.
+    pub error: Option<String>,
+}
+
+/// One run's results.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct RunResult {
+    /// `leak` or `kvguard`.
+    pub mode: String,
+    /// The series.
+    pub series: Vec<Sample>,
+    /// Requests sent.
+    pub requests: usize,
+    /// Read to `[DONE]`.
+    pub completed: usize,
+    /// Clients that left on purpose.
+    pub disconnected: usize,
+    /// Streams planned to stall.
+    pub stalled: usize,
+    /// Clients planned to complete that did not get `[DONE]` (must be 0).
+    pub false_aborts: usize,
+    /// Their ids and outcomes.
+    pub false_abort_samples: Vec<String>,
+    /// Requests whose first token took longer than [`WAIT_THRESHOLD`].
+    pub waited: usize,
+    /// Time to first token.
+    pub ttft_ms: Percentiles,
+    /// Engine time on requests whose client had gone (s).
+    pub orphan_seconds: f64,
+    /// Requests still in flight at the engine at the end whose client had gone.
+    pub orphans_at_end: usize,
+    /// KV usage: mean over the arrival phase, peak, at the end.
+    pub kv_mean: f64,
+    /// Peak KV usage.
+    pub kv_peak: f64,
+    /// KV usage at the last sample.
+    pub kv_end: f64,
+    /// KV usage before the first arrival.
+    pub kv_baseline: f64,
+    /// Peak waiting.
+    pub waiting_peak: f64,
+    /// kvguard-control's aborts by reason.
+    pub aborts_by_reason: BTreeMap<String, f64>,
+    /// The filter's stats (name → value).
+    pub filter_stats: BTreeMap<String, f64>,
+    /// The lossy hop: clients gone / bytes read after the client had gone.
+    pub hop_clients_gone: u64,
+    /// Bytes the hop kept reading for gone clients.
+    pub hop_bytes_after_gone: u64,
+    /// Per-client records.
+    pub clients: Vec<ClientRecord>,
+    /// Wall time of the run (s).
+    pub wall_s: f64,
+}
+
+/// Both runs and the settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DemoResults {
+    /// Settings.
+    pub config: DemoConfig,
+    /// Without kvguard.
+    pub leak: Option<RunResult>,
+    /// With kvguard.
+    pub kvguard: Option<RunResult>,
+}
+
+/// Live progress shared with the sampler.
+#[derive(Default)]
+struct Live {
+    clients: AtomicUsize,
+    sent: AtomicUsize,
+    done: AtomicUsize,
+}
+
+/// Runs one mode against `engine` (must be idle). `progress` gets one line every ~5 s.
+pub async fn run_once(
+    cfg: &DemoConfig,
+    mode: Mode,
+    engine: SocketAddr,
+    progress: &(dyn Fn(String) + Sync),
+) -> Result<RunResult> {
+    let started = Instant::now();
+    let filter = match mode {
+        Mode::Leak => None,
+        Mode::Kvguard => Some(stack::filter_config(cfg.filter_idle_ms, 0)),
+    };
+    let mut opts = StackOptions::new(engine, filter);
+    opts.control_args = match mode {
+        Mode::Leak => vec![
+            "--idle-timeout".into(),
+            "off".into(),
+            "--max-age".into(),
+            "off".into(),
+        ],
+        Mode::Kvguard => vec!["--idle-timeout".into(), cfg.control_idle.clone()],
+    };
+    opts.control_args
+        .extend(["--sample-interval".into(), "1s".into()]);
+    let st = Stack::start(opts).await.context("starting the stack")?;
+    let baseline = crate::vllm::engine_figures(engine)
+        .await
+        .unwrap_or_default();
+    let plan = workload::plan(cfg);
+    let live = Arc::new(Live::default());
+    let records = Arc::new(Mutex::new(Vec::<ClientRecord>::new()));
+    let t0 = Instant::now();
+    let entry = st.entry();
+
+    // The load: one task per planned request, at its arrival time.
+    let load = {
+        let (live, records, cfg2) = (live.clone(), records.clone(), cfg.clone());
+        let plan = plan.clone();
+        tokio::spawn(async move {
+            let mut tasks = tokio::task::JoinSet::new();
+            for p in plan {
+                tokio::time::sleep_until(tokio::time::Instant::from_std(t0 + p.at)).await;
+                let (live, records, cfg) = (live.clone(), records.clone(), cfg2.clone());
+                tasks.spawn(async move {
+                    live.sent.fetch_add(1, Ordering::Relaxed);
+                    let r = workload::client(&cfg, entry, &p, t0, &live.clients).await;
+                    live.done.fetch_add(1, Ordering::Relaxed);
+                    if let Ok(mut g) = records.lock() {
+                        g.push(r);
+                    }
+                });
+                while tasks.try_join_next().is_some() {}
+            }
+            while tasks.join_next().await.is_some() {}
+        })
+    };
+
+    // The sampler, until the end of the drain phase.
+    let end = t0 + Duration::from_secs_f64(cfg.arrival_s + cfg.drain_s);
+    let mut series = Vec::new();
+    let mut last_seen: HashMap<String, f64> = HashMap::new();
+    let mut next_progress = t0;
+    let period = Duration::from_millis(cfg.sample_ms);
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    while Instant::now() < end {
+        tick.tick().await;
+        let t = t0.elapsed().as_secs_f64();
+        let f = crate::vllm::engine_figures(engine)
+            .await
+            .unwrap_or_default();
+        let ids = st.control.inflight_ids().await.unwrap_or_default();
+        for id in &ids {
+            last_seen.insert(id.clone(), t);
+        }
+        let s = Sample {
+            t,
+            kv: f.kv_usage,
+            running: f.running,
+            waiting: f.waiting,
+            clients: live.clients.load(Ordering::Relaxed),
+            inflight: ids.len(),
+        };
+        series.push(s);
+        if Instant::now() >= next_progress {
+            next_progress += Duration::from_secs(5);
+            progress(format!(
+                "[{:<15} {:>5.1}s] sent {:>3}  clients {:>3}  engine: kv {:>5.1}%  running {:>3}  waiting {:>3}",
+                mode.label(),
+                t,
+                live.sent.load(Ordering::Relaxed),
+                s.clients,
+                s.kv * 100.0,
+                s.running,
+                s.waiting
+            ));
+        }
+    }
+    // Every client task is bounded (patience, per-stream bound); wait for them.
+    let _ = tokio::time::timeout(Duration::from_secs(60), load).await;
+    let end_t = t0.elapsed().as_secs_f64();
+    let final_ids = st.control.inflight_ids().await.unwrap_or_default();
+    let mut clients = records.lock().map(|g| g.clone()).unwrap_or_default();
+    clients.sort_by_key(|c| c.index);
+
+    let mut r = RunResult {
+        mode: match mode {
+            Mode::Leak => "leak".into(),
+            Mode::Kvguard => "kvguard".into(),
+        },
+        requests: clients.len(),
+        kv_baseline: baseline.kv_usage,
+        ..RunResult::default()
+    };
+    let mut ttft = Vec::new();
+    for c in &clients {
+        match c.outcome.as_str() {
+            "done" => r.completed += 1,
+            "disconnected" => r.disconnected += 1,
+            _ => {}
+        }
+        if c.plan == "stall" {
+            r.stalled += 1;
+        }
+        if c.plan == "complete" && c.outcome != "done" {
+            r.false_aborts += 1;
+            if r.false_abort_samples.len() < 10 {
+                r.false_abort_samples.push(format!(
+                    "#{} {:?}: {} {}",
+                    c.index,
+                    c.request_id,
+                    c.outcome,
+                    c.error.clone().unwrap_or_default()
+                ));
+            }
+        }
+        if let Some(t) = c.ttft_s {
+            ttft.push(t * 1000.0);
+            if t > WAIT_THRESHOLD.as_secs_f64() {
+                r.waited += 1;
+            }
+        }
+        if let (Some(gone), Some(id)) = (c.gone_s, &c.request_id) {
+            let still = final_ids.contains(id);
+            let seen = if still {
+                Some(end_t)
+            } else {
+                last_seen.get(id).copied()
+            };
+            if let Some(seen) = seen {
+                r.orphan_seconds += (seen - gone).max(0.0);
+            }
+            if still {
+                r.orphans_at_end += 1;
+            }
+        }
+    }
+    r.ttft_ms = Percentiles::of(ttft);
+    let arrival: Vec<&Sample> = series.iter().filter(|s| s.t <= cfg.arrival_s).collect();
+    r.kv_mean = if arrival.is_empty() {
+        0.0
+    } else {
+        arrival.iter().map(|s| s.kv).sum::<f64>() / arrival.len() as f64
+    };
+    r.kv_peak = series.iter().map(|s| s.kv).fold(0.0, f64::max);
+    r.waiting_peak = series.iter().map(|s| s.waiting).fold(0.0, f64::max);
+    r.kv_end = series.last().map(|s| s.kv).unwrap_or_default();
+    r.aborts_by_reason = st.control.aborts_by_reason().await.unwrap_or_default();
+    r.filter_stats = st.filter_stats().await;
+    if let Some(h) = &st.hop {
+        let s = h.stats();
+        r.hop_clients_gone = s.clients_gone;
+        r.hop_bytes_after_gone = s.bytes_after_client_gone;
+    }
+    r.series = series;
+    r.clients = clients;
+    r.wall_s = started.elapsed().as_secs_f64();
+    drop(st);
+    Ok(r)
+}
+
+/// Starts the engine for a run: a fresh simulator (returned, keep it alive), or the
+/// given vLLM address (waited idle first).
+pub async fn engine_for_run(
+    cfg: &DemoConfig,
+    vllm: Option<SocketAddr>,
+) -> Result<(SocketAddr, Option<sim::SimHandle>)> {
+    match (cfg.engine, vllm) {
+        (EngineKind::Sim, _) => {
+            let h = sim::spawn(cfg.sim_config()).await?;
+            Ok((h.addr(), Some(h)))
+        }
+        (EngineKind::Vllm, Some(a)) => {
+            crate::vllm::wait_figures(a, "vLLM idle", Duration::from_secs(180), |f| {
+                f.running == 0.0 && f.waiting == 0.0
+            })
+            .await?;
+            Ok((a, None))
+        }
+        (EngineKind::Vllm, None) => anyhow::bail!("--engine vllm needs a vLLM address"),
+    }
+}
+
+/// Runs both modes (leak first), each on a fresh engine (simulator) or the idle vLLM.
+pub async fn run_demo(
+    cfg: &DemoConfig,
+    modes: &[Mode],
+    vllm: Option<SocketAddr>,
+    progress: &(dyn Fn(String) + Sync),
+) -> Result<DemoResults> {
+    let mut out = DemoResults {
+        config: cfg.clone(),
+        leak: None,
+        kvguard: None,
+    };
+    for &m in modes {
+        let (engine, sim) = engine_for_run(cfg, vllm).await?;
+        progress(format!("== run: {} (engine {engine}) ==", m.label()));
+        let r = run_once(cfg, m, engine, progress).await?;
+        drop(sim);
+        match m {
+            Mode::Leak => out.leak = Some(r),
+            Mode::Kvguard => out.kvguard = Some(r),
+        }
+    }
+    Ok(out)
+}
+
+fn pct(x: f64) -> String {
+    format!("{:.1}%", x * 100.0)
+}
+
+/// The side-by-side table (text).
+pub fn table(res: &DemoResults) -> String {
+    let empty = RunResult::default();
+    let a = res.leak.as_ref().unwrap_or(&empty);
+    let b = res.kvguard.as_ref().unwrap_or(&empty);
+    let mut rows: Vec<(String, String, String)> = vec![
+        (
+            "requests sent".into(),
+            a.requests.to_string(),
+            b.requests.to_string(),
+        ),
+        (
+            "read to [DONE]".into(),
+            a.completed.to_string(),
+            b.completed.to_string(),
+        ),
+        (
+            "clients that disconnected".into(),
+            a.disconnected.to_string(),
+            b.disconnected.to_string(),
+        ),
+        (
+            "stalled streams".into(),
+            a.stalled.to_string(),
+            b.stalled.to_string(),
+        ),
+        (
+            "orphan-seconds (engine time, client gone)".into(),
+            format!("{:.1}", a.orphan_seconds),
+            format!("{:.1}", b.orphan_seconds),
+        ),
+        (
+            "orphans still in the engine at the end".into(),
+            a.orphans_at_end.to_string(),
+            b.orphans_at_end.to_string(),
+        ),
+        (
+            "KV usage: mean while loaded".into(),
+            pct(a.kv_mean),
+            pct(b.kv_mean),
+        ),
+        ("KV usage: peak".into(), pct(a.kv_peak), pct(b.kv_peak)),
+        (
+            "KV usage: at the end (baseline)".into(),
+            format!("{} ({})", pct(a.kv_end), pct(a.kv_baseline)),
+            format!("{} ({})", pct(b.kv_end), pct(b.kv_baseline)),
+        ),
+        (
+            "waiting requests: peak".into(),
+            a.waiting_peak.to_string(),
+            b.waiting_peak.to_string(),
+        ),
+        (
+            format!(
+                "requests that waited (TTFT > {}s)",
+                WAIT_THRESHOLD.as_secs()
+            ),
+            a.waited.to_string(),
+            b.waited.to_string(),
+        ),
+        (
+            "TTFT p50 / p99 (ms)".into(),
+            format!("{:.0} / {:.0}", a.ttft_ms.p50, a.ttft_ms.p99),
+            format!("{:.0} / {:.0}", b.ttft_ms.p50, b.ttft_ms.p99),
+        ),
+    ];
+    let mut reasons: Vec<&String> = a
+        .aborts_by_reason
+        .keys()
+        .chain(b.aborts_by_reason.keys())
+        .collect();
+    reasons.sort();
+    reasons.dedup();
+    if reasons.is_empty() {
+        rows.push(("aborts".into(), "0".into(), "0".into()));
+    }
+    for k in reasons {
+        let g = |r: &RunResult| {
+            r.aborts_by_reason
+                .get(k)
+                .copied()
+                .unwrap_or(0.0)
+                .to_string()
+        };
+        rows.push((format!("aborts: {k}"), g(a), g(b)));
+    }
+    rows.push((
+        "false aborts (must be 0)".into(),
+        a.false_aborts.to_string(),
+        b.false_aborts.to_string(),
+    ));
+    let w0 = rows.iter().map(|r| r.0.len()).max().unwrap_or(10);
+    let w1 = rows
+        .iter()
+        .map(|r| r.1.len())
+        .max()
+        .unwrap_or(10)
+        .max(Mode::Leak.label().len());
+    let mut s = format!(
+        "{:<w0$}  {:>w1$}  {}\n",
+        "",
+        Mode::Leak.label(),
+        Mode::Kvguard.label()
+    );
+    for (k, x, y) in rows {
+        s.push_str(&format!("{k:<w0$}  {x:>w1$}  {y}\n"));
+    }
+    s
+}
+
+/// KV usage and running/waiting over time, both runs, one row per `step_s`.
+pub fn series_table(res: &DemoResults, step_s: f64) -> String {
+    let empty = RunResult::default();
+    let a = res.leak.as_ref().unwrap_or(&empty);
+    let b = res.kvguard.as_ref().unwrap_or(&empty);
+    let at = |r: &RunResult, t: f64| -> Option<Sample> {
+        r.series
+            .iter()
+            .filter(|s| s.t <= t + 1e-6)
+            .next_back()
+            .copied()
+    };
+    let horizon = a
+        .series
+        .last()
+        .map(|s| s.t)
+        .unwrap_or(0.0)
+        .max(b.series.last().map(|s| s.t).unwrap_or(0.0));
+    let mut s = format!(
+        "{:>5}  {:^26}  {:^26}\n{:>5}  {:>7} {:>8} {:>8}  {:>7} {:>8} {:>8}\n",
+        "",
+        Mode::Leak.label(),
+        Mode::Kvguard.label(),
+        "t(s)",
+        "kv",
+        "running",
+        "waiting",
+        "kv",
+        "running",
+        "waiting"
+    );
+    let mut t = step_s;
+    while t <= horizon + 1e-6 {
+        let fmt = |o: Option<Sample>| match o {
+            Some(x) => format!("{:>7} {:>8} {:>8}", pct(x.kv), x.running, x.waiting),
+            None => format!("{:>7} {:>8} {:>8}", "-", "-", "-"),
+        };
+        s.push_str(&format!("{t:>5.0}  {}  {}\n", fmt(at(a, t)), fmt(at(b, t))));
+        t += step_s;
+    }
+    s
+}

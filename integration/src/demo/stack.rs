@@ -1,0 +1,333 @@
+//! The end-to-end stack of the demo and the e2e suites, assembled from the harness:
+//! client → Envoy [+ kvguard filter] → lossy hop → kvguard-control → engine.
+//!
+//! Every piece is a real process or the workspace's own instrument: Envoy
+//! ([`crate::envoy::Envoy`]), the lossy hop ([`crate::lossy`], in process), kvguard-control
+//! (the built binary, in a [`ChildGuard`]), and an engine given by address (the simulator
+//! or real vLLM, started by the caller).
+
+use crate::envoy::{Envoy, EnvoyOptions};
+use crate::lossy::{self, LossyConfig, LossyHandle};
+use crate::proc::ChildGuard;
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// The shared secret the demo and tests use (filter and control).
+pub const SECRET: &str = "kvguard-demo-secret-0123456789abcdef";
+
+/// A filter configuration: aborts to [`crate::envoy::CONTROL_CLUSTER`], the secret from
+/// the VM environment, the given idle timeout and max age (ms, 0 = off).
+pub fn filter_config(idle_timeout_ms: u64, max_age_ms: u64) -> Value {
+    json!({
+        "control_cluster": crate::envoy::CONTROL_CLUSTER,
+        "secret_env": "KVGUARD_SECRET",
+        "idle_timeout_ms": idle_timeout_ms,
+        "max_age_ms": max_age_ms,
+        "tick_ms": 250
+    })
+}
+
+/// kvguard-control run as a process.
+pub struct Control {
+    guard: ChildGuard,
+    /// Proxy listener (inference traffic).
+    pub proxy: SocketAddr,
+    /// Admin listener (`/v1/abort`, `/metrics`, `/v1/requests`).
+    pub admin: SocketAddr,
+    engine: SocketAddr,
+    args: Vec<String>,
+}
+
+impl Control {
+    /// Starts kvguard-control in front of `engine` on `listen`/`admin_listen` (port 0 for
+    /// any), with extra flags `args` (e.g. `--idle-timeout off`). Waits for its address
+    /// file and `/healthz`.
+    pub async fn start(
+        engine: SocketAddr,
+        listen: SocketAddr,
+        admin_listen: SocketAddr,
+        args: &[String],
+    ) -> Result<Control> {
+        let bin = crate::paths::control_bin()?;
+        let dir = tempfile::Builder::new()
+            .prefix("kvguard-control-addr-")
+            .tempdir()?;
+        let addr_file = dir.path().join("addr.json");
+        let mut cmd = std::process::Command::new(&bin);
+        cmd.arg("--listen")
+            .arg(listen.to_string())
+            .arg("--admin-listen")
+            .arg(admin_listen.to_string())
+            .arg("--engine-url")
+            .arg(format!("http://{engine}"))
+            .arg("--addr-file")
+            .arg(&addr_file)
+            .arg("--no-nvml")
+            .arg("--worker-threads")
+            .arg("2")
+            .args(args)
+            .env("KVGUARD_SECRET", SECRET);
+        let mut guard = ChildGuard::spawn("kvguard-control", cmd)?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let (proxy, admin) = loop {
+            if let Ok(t) = std::fs::read_to_string(&addr_file) {
+                if let Ok(v) = serde_json::from_str::<Value>(&t) {
+                    let p = v["proxy"].as_str().and_then(|s| s.parse().ok());
+                    let a = v["admin"].as_str().and_then(|s| s.parse().ok());
+                    if let (Some(p), Some(a)) = (p, a) {
+                        break (p, a);
+                    }
+                }
+            }
+            guard.ensure_running()?;
+            if Instant::now() >= deadline {
+                bail!(
+                    "kvguard-control did not write {} within 30 s:\n{}",
+                    addr_file.display(),
+                    guard.log_tail(60)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        crate::wait::poll_until_async(
+            "kvguard-control /healthz",
+            Duration::from_secs(20),
+            Duration::from_millis(50),
+            || async move {
+                crate::client::get(admin, "/healthz")
+                    .await
+                    .ok()
+                    .filter(|r| r.status == 200)
+            },
+        )
+        .await
+        .with_context(|| guard.log_tail(60))?;
+        Ok(Control {
+            guard,
+            proxy,
+            admin,
+            engine,
+            args: args.to_vec(),
+        })
+    }
+
+    /// Kills it at once (SIGKILL: a crash).
+    pub fn kill(&mut self) -> Result<()> {
+        self.guard.kill()?;
+        Ok(())
+    }
+
+    /// Starts it again on the same ports, with the same flags.
+    pub async fn restart(&mut self) -> Result<()> {
+        let _ = self.guard.kill();
+        let fresh = Control::start(self.engine, self.proxy, self.admin, &self.args).await?;
+        *self = fresh;
+        Ok(())
+    }
+
+    /// The process guard.
+    pub fn guard(&mut self) -> &mut ChildGuard {
+        &mut self.guard
+    }
+
+    /// Its log so far.
+    pub fn log(&self) -> String {
+        self.guard.log()
+    }
+
+    /// `/metrics` text.
+    pub async fn metrics_text(&self) -> Result<String> {
+        Ok(crate::client::get(self.admin, "/metrics").await?.text())
+    }
+
+    /// `kvguard_control_aborts_total` by reason (outcome summed), from `/metrics`.
+    pub async fn aborts_by_reason(&self) -> Result<BTreeMap<String, f64>> {
+        Ok(labelled(
+            &self.metrics_text().await?,
+            "kvguard_control_aborts_total",
+            "reason",
+        ))
+    }
+
+    /// Request ids in flight (`GET /v1/requests`).
+    pub async fn inflight_ids(&self) -> Result<Vec<String>> {
+        let v = crate::client::get_json(self.admin, "/v1/requests").await?;
+        Ok(v["requests"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|r| r["request_id"].as_str().map(str::to_string))
+            .collect())
+    }
+}
+
+/// Samples of metric `name` summed by the value of label `label`.
+pub fn labelled(text: &str, name: &str, label: &str) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    let pat = format!("{label}=\"");
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        let Some(labels) = rest.strip_prefix('{') else {
+            continue;
+        };
+        let Some((labels, value)) = labels.rsplit_once('}') else {
+            continue;
+        };
+        let Some(i) = labels.find(&pat) else { continue };
+        let v = &labels[i + pat.len()..];
+        let Some(end) = v.find('"') else { continue };
+        if let Ok(x) = value.trim().parse::<f64>() {
+            *out.entry(v[..end].to_string()).or_insert(0.0) += x;
+        }
+    }
+    out
+}
+
+/// What stack to run.
+#[derive(Clone)]
+pub struct StackOptions {
+    /// The engine (simulator or vLLM).
+    pub engine: SocketAddr,
+    /// The kvguard filter's configuration; `None` = Envoy without the filter.
+    pub filter: Option<Value>,
+    /// Extra kvguard-control flags (e.g. `--idle-timeout off --max-age off`).
+    pub control_args: Vec<String>,
+    /// Put the lossy hop between Envoy and kvguard-control (the leak); else Envoy talks to
+    /// kvguard-control directly.
+    pub lossy: bool,
+    /// Envoy `per_connection_buffer_limit_bytes` and the listener's `SO_SNDBUF` (small:
+    /// a silent client back-pressures the stream, so the filter stops seeing tokens).
+    pub buffer_limit: Option<u32>,
+    /// Send the filter's aborts here instead of kvguard-control's admin listener (e.g. a
+    /// closed port: the abort endpoint unreachable).
+    pub abort_target: Option<SocketAddr>,
+    /// Envoy `--concurrency`.
+    pub envoy_concurrency: u32,
+}
+
+impl StackOptions {
+    /// The leak topology with `filter` (None = no kvguard at the edge).
+    pub fn new(engine: SocketAddr, filter: Option<Value>) -> Self {
+        StackOptions {
+            engine,
+            filter,
+            control_args: Vec::new(),
+            lossy: true,
+            buffer_limit: Some(16 * 1024),
+            abort_target: None,
+            envoy_concurrency: 1,
+        }
+    }
+}
+
+/// A running stack; dropping it stops every piece.
+pub struct Stack {
+    /// Envoy (the client's entry point: [`Stack::entry`]).
+    pub envoy: Envoy,
+    /// The lossy hop, when in the path.
+    pub hop: Option<LossyHandle>,
+    /// kvguard-control.
+    pub control: Control,
+    /// The options it was started with.
+    pub opts: StackOptions,
+}
+
+impl Stack {
+    /// Starts kvguard-control, the lossy hop and Envoy, in that order.
+    pub async fn start(opts: StackOptions) -> Result<Stack> {
+        let any: SocketAddr = SocketAddr::from(([127, 0, 0, 1], 0));
+        let control = Control::start(opts.engine, any, any, &opts.control_args).await?;
+        let (hop, upstream) = if opts.lossy {
+            let h = lossy::spawn(LossyConfig {
+                listen: None,
+                upstream: control.proxy,
+                upstream_http2: false,
+            })
+            .await?;
+            let a = h.addr();
+            (Some(h), a)
+        } else {
+            (None, control.proxy)
+        };
+        let abort_to = opts.abort_target.unwrap_or(control.admin);
+        let mut eo = match &opts.filter {
+            Some(cfg) => EnvoyOptions::with_filter(upstream, abort_to, cfg.clone())
+                .vm_env("KVGUARD_SECRET", SECRET),
+            None => EnvoyOptions::new(upstream),
+        };
+        eo.per_connection_buffer_limit_bytes = opts.buffer_limit;
+        eo.downstream_sndbuf = opts.buffer_limit;
+        eo.concurrency = opts.envoy_concurrency;
+        eo.component_log_level = Some("wasm:info".into());
+        let envoy = Envoy::start(eo).await?;
+        Ok(Stack {
+            envoy,
+            hop,
+            control,
+            opts,
+        })
+    }
+
+    /// Where clients connect (Envoy's listener).
+    pub fn entry(&self) -> SocketAddr {
+        self.envoy.listener_addr()
+    }
+
+    /// Envoy's and kvguard-control's log tails (for failure messages).
+    pub fn logs(&self, n: usize) -> String {
+        let tail = |s: String| {
+            let l: Vec<&str> = s.lines().collect();
+            l[l.len().saturating_sub(n)..].join("\n")
+        };
+        format!(
+            "----- envoy -----\n{}\n----- kvguard-control -----\n{}",
+            tail(self.envoy.log()),
+            tail(self.control.log())
+        )
+    }
+
+    /// The filter's stats whose name contains `kvguard_filter` (counters and gauges).
+    pub async fn filter_stats(&self) -> BTreeMap<String, f64> {
+        self.envoy
+            .stats_matching("kvguard_filter")
+            .await
+            .unwrap_or_default()
+    }
+}
+
+/// A local address nothing listens on (bound, read back, released).
+pub async fn closed_port() -> Result<SocketAddr> {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let a = l.local_addr()?;
+    drop(l);
+    Ok(a)
+}
+
+/// Where the demo writes by default: `<repo>/target/demo` is avoided (the cargo target
+/// dir lives outside); `$KVGUARD_CACHE/demo`.
+pub fn default_out_dir() -> Result<PathBuf> {
+    Ok(crate::vllm::cache_dir()?.join("demo"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labelled_sums_by_label() {
+        let t = "kvguard_control_aborts_total{reason=\"stalled\",outcome=\"aborted\"} 2\n\
+                 kvguard_control_aborts_total{reason=\"stalled\",outcome=\"dry_run\"} 1\n\
+                 kvguard_control_aborts_total{reason=\"downstream_reset\",outcome=\"aborted\"} 5\n\
+                 # HELP x\n";
+        let m = labelled(t, "kvguard_control_aborts_total", "reason");
+        assert_eq!(m.get("stalled"), Some(&3.0));
+        assert_eq!(m.get("downstream_reset"), Some(&5.0));
+    }
+}

@@ -1,0 +1,217 @@
+//! The demo's seeded workload: the plan (the same for both runs) and the client of one
+//! planned request, built on [`crate::client`]. It records per request what the
+//! aggregate load generator (`kvguard-load`) does not: the request id, when the client
+//! left, and how the stream ended.
+
+use super::{ClientRecord, DemoConfig, EngineKind};
+use crate::client;
+use crate::load::Rng;
+use serde_json::json;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// What a client does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Reads to the end.
+    Complete,
+    /// Disconnects after this many data events.
+    Disconnect(u32),
+    /// The stream stalls after this many tokens (simulator: `x-sim-stall-after`; vLLM:
+    /// the client stops reading); the client gives up after its patience.
+    Stall(u32),
+}
+
+/// One planned request.
+#[derive(Debug, Clone)]
+pub struct Planned {
+    /// Index.
+    pub index: usize,
+    /// Arrival, from the run's start.
+    pub at: Duration,
+    /// `max_tokens` (and, with `ignore_eos`, the length).
+    pub tokens: u32,
+    /// Chat or completions.
+    pub chat: bool,
+    /// What the client does.
+    pub kind: Kind,
+}
+
+/// The plan for `cfg` (deterministic in `cfg.seed`): steady arrivals at `cfg.rate`.
+pub fn plan(cfg: &DemoConfig) -> Vec<Planned> {
+    let mut rng = Rng::new(cfg.seed);
+    let n = (cfg.arrival_s * cfg.rate).floor() as usize;
+    let span = u64::from(cfg.max_tokens.saturating_sub(cfg.min_tokens)) + 1;
+    (0..n)
+        .map(|i| {
+            let tokens = cfg.min_tokens + rng.below(span) as u32;
+            let r = rng.unit();
+            let kind = if r < cfg.stall_share {
+                Kind::Stall(1 + rng.below(u64::from(tokens / 2).max(1)) as u32)
+            } else if r < cfg.stall_share + cfg.disconnect_share {
+                Kind::Disconnect(1 + rng.below(u64::from(tokens - 1).max(1)) as u32)
+            } else {
+                Kind::Complete
+            };
+            Planned {
+                index: i,
+                at: Duration::from_secs_f64(i as f64 / cfg.rate),
+                tokens,
+                chat: i % 2 == 0,
+                kind,
+            }
+        })
+        .collect()
+}
+
+fn body(p: &Planned) -> serde_json::Value {
+    if p.chat {
+        json!({"model": "tiny", "messages": [{"role": "user", "content": format!("demo request {}", p.index)}],
+               "stream": true, "max_tokens": p.tokens, "ignore_eos": true})
+    } else {
+        json!({"model": "tiny", "prompt": format!("demo request {}", p.index), "stream": true,
+               "max_tokens": p.tokens, "ignore_eos": true})
+    }
+}
+
+struct Connected<'a>(&'a AtomicUsize);
+
+impl<'a> Connected<'a> {
+    fn new(c: &'a AtomicUsize) -> Self {
+        c.fetch_add(1, Ordering::Relaxed);
+        Connected(c)
+    }
+}
+
+impl Drop for Connected<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Runs one planned request through `entry`; every wait is bounded.
+pub async fn client(
+    cfg: &DemoConfig,
+    entry: SocketAddr,
+    p: &Planned,
+    t0: Instant,
+    connected: &AtomicUsize,
+) -> ClientRecord {
+    let since = |t: Instant| (t - t0).as_secs_f64();
+    let sent = Instant::now();
+    let mut rec = ClientRecord {
+        index: p.index,
+        plan: match p.kind {
+            Kind::Complete => "complete",
+            Kind::Disconnect(_) => "disconnect",
+            Kind::Stall(_) => "stall",
+        }
+        .into(),
+        sent_s: since(sent),
+        ..ClientRecord::default()
+    };
+    let path = if p.chat {
+        "/v1/chat/completions"
+    } else {
+        "/v1/completions"
+    };
+    let patience = Duration::from_secs_f64(cfg.patience_s);
+    let _live = Connected::new(connected);
+    // vLLM cannot be told to stall: its stalled streams are clients that stop reading.
+    if let (Kind::Stall(_), EngineKind::Vllm) = (p.kind, cfg.engine) {
+        match client::silent_client(entry, path, &body(p), &[], 4096, true).await {
+            Ok(mut c) => {
+                rec.request_id = c.head().and_then(|h| {
+                    h.lines().find_map(|l| {
+                        let (k, v) = l.split_once(':')?;
+                        k.eq_ignore_ascii_case("x-request-id")
+                            .then(|| v.trim().to_string())
+                    })
+                });
+                // Reads nothing more for its patience, then leaves (unless kvguard
+                // closed it first: then the read below ends early).
+                let closed = c.read_to_close(patience).await.is_ok();
+                rec.outcome = if closed { "closed" } else { "gave_up" }.into();
+                rec.gone_s = Some(since(Instant::now()));
+                c.close();
+            }
+            Err(e) => {
+                rec.outcome = "error".into();
+                rec.error = Some(format!("{e:#}"));
+            }
+        }
+        return rec;
+    }
+    let mut headers: Vec<(&str, String)> = Vec::new();
+    if let Kind::Stall(k) = p.kind {
+        headers.push(("x-sim-stall-after", k.to_string()));
+    }
+    let hdrs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let mut s = match client::stream_sse(entry, path, &body(p), &hdrs, false).await {
+        Ok(s) => s,
+        Err(e) => {
+            rec.outcome = "error".into();
+            rec.error = Some(format!("{e:#}"));
+            return rec;
+        }
+    };
+    rec.request_id = s.header("x-request-id").map(str::to_string);
+    if s.status != 200 {
+        rec.outcome = "error".into();
+        rec.error = Some(format!("status {}", s.status));
+        return rec;
+    }
+    // A generous bound on the whole stream: queueing plus generation.
+    let bound = Duration::from_secs(120);
+    let deadline = tokio::time::Instant::now() + bound;
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let wait = if matches!(p.kind, Kind::Stall(_)) && rec.events > 0 {
+            patience.min(left)
+        } else {
+            left
+        };
+        match s.next_data(wait).await {
+            Ok(Some(ev)) => {
+                if ev.event.as_deref() == Some("error") {
+                    rec.outcome = "kvguard_error".into();
+                    rec.error = ev.data.clone();
+                    return rec;
+                }
+                if rec.events == 0 {
+                    rec.ttft_s = Some(sent.elapsed().as_secs_f64());
+                }
+                if ev.is_done() {
+                    rec.outcome = "done".into();
+                    return rec;
+                }
+                rec.events += 1;
+                if let Kind::Disconnect(k) = p.kind {
+                    if rec.events >= u64::from(k) {
+                        rec.outcome = "disconnected".into();
+                        rec.gone_s = Some(since(Instant::now()));
+                        s.disconnect();
+                        return rec;
+                    }
+                }
+            }
+            Ok(None) => {
+                rec.outcome = "closed".into();
+                return rec;
+            }
+            Err(e) => {
+                let timed_out = e.to_string().contains("no stream bytes within");
+                if timed_out && matches!(p.kind, Kind::Stall(_)) {
+                    rec.outcome = "gave_up".into();
+                    rec.gone_s = Some(since(Instant::now()));
+                    s.disconnect();
+                } else {
+                    rec.outcome = if timed_out { "error" } else { "closed" }.into();
+                    rec.error = Some(format!("{e:#}"));
+                }
+                return rec;
+            }
+        }
+    }
+}

@@ -1,0 +1,382 @@
+//! The simulator's engine: KV pool, FIFO admission, records, counters.
+
+use super::{AbortApiCall, EndKind, RequestRecord, SeqState, SimConfig, SimState};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+use tokio::sync::{oneshot, watch};
+
+/// Control handles of a live (waiting or running) sequence.
+struct Live {
+    admit: Option<oneshot::Sender<()>>,
+    stop: watch::Sender<Option<EndKind>>,
+}
+
+struct Inner {
+    blocks_used: u32,
+    running: Vec<u64>,
+    waiting: VecDeque<u64>,
+    live: HashMap<u64, Live>,
+    records: BTreeMap<u64, RequestRecord>,
+    delivered: HashMap<u64, Arc<AtomicU64>>,
+    ended_order: VecDeque<u64>,
+    next_seq: u64,
+    finished: u64,
+    aborted: u64,
+    disconnected: u64,
+    clients_gone: u64,
+    resets: u64,
+    success: BTreeMap<&'static str, u64>,
+    abort_calls: Vec<AbortApiCall>,
+    shut_down: bool,
+}
+
+/// The shared simulator engine (behind [`super::SimHandle`]).
+pub struct Sim {
+    pub(crate) cfg: SimConfig,
+    started: Instant,
+    inner: Mutex<Inner>,
+}
+
+/// What a new sequence gets back from [`Sim::enqueue`].
+pub(crate) struct Ticket {
+    pub(crate) seq: u64,
+    pub(crate) admitted: oneshot::Receiver<()>,
+    pub(crate) stop: watch::Receiver<Option<EndKind>>,
+}
+
+impl Sim {
+    pub(crate) fn new(cfg: SimConfig) -> Self {
+        Sim {
+            cfg,
+            started: Instant::now(),
+            inner: Mutex::new(Inner {
+                blocks_used: 0,
+                running: Vec::new(),
+                waiting: VecDeque::new(),
+                live: HashMap::new(),
+                records: BTreeMap::new(),
+                delivered: HashMap::new(),
+                ended_order: VecDeque::new(),
+                next_seq: 0,
+                finished: 0,
+                aborted: 0,
+                disconnected: 0,
+                clients_gone: 0,
+                resets: 0,
+                success: BTreeMap::new(),
+                abort_calls: Vec::new(),
+                shut_down: false,
+            }),
+        }
+    }
+
+    /// The configuration it runs with.
+    pub fn config(&self) -> &SimConfig {
+        &self.cfg
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        match self.inner.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    pub(crate) fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Queues a sequence (FIFO) and admits what fits.
+    pub(crate) fn enqueue(&self, mut rec: RequestRecord) -> Ticket {
+        let (admit_tx, admitted) = oneshot::channel();
+        let (stop_tx, stop) = watch::channel(None);
+        let mut g = self.lock();
+        let seq = g.next_seq;
+        g.next_seq += 1;
+        rec.arrived_ms = self.now_ms();
+        rec.state = SeqState::Waiting;
+        if g.shut_down {
+            let _ = stop_tx.send(Some(EndKind::Shutdown));
+        }
+        g.records.insert(seq, rec);
+        g.live.insert(
+            seq,
+            Live {
+                admit: Some(admit_tx),
+                stop: stop_tx,
+            },
+        );
+        g.waiting.push_back(seq);
+        self.schedule(&mut g);
+        Ticket {
+            seq,
+            admitted,
+            stop,
+        }
+    }
+
+    /// Admits waiting sequences from the head while blocks and slots allow (FCFS: the
+    /// head blocks the queue, like vLLM's default scheduler).
+    fn schedule(&self, g: &mut Inner) {
+        while let Some(&seq) = g.waiting.front() {
+            let need = g.records.get(&seq).map(|r| r.blocks).unwrap_or(0);
+            let slots = g.running.len() < self.cfg.max_running as usize;
+            if !slots || g.blocks_used + need > self.cfg.kv_blocks {
+                break;
+            }
+            g.waiting.pop_front();
+            let sent = g
+                .live
+                .get_mut(&seq)
+                .and_then(|l| l.admit.take())
+                .map(|tx| tx.send(()).is_ok())
+                .unwrap_or(false);
+            if !sent {
+                continue;
+            }
+            g.blocks_used += need;
+            g.running.push(seq);
+            let now = self.now_ms();
+            if let Some(r) = g.records.get_mut(&seq) {
+                r.state = SeqState::Running;
+                r.started_ms = Some(now);
+            }
+        }
+    }
+
+    /// The counter of bytes delivered for `seq` (see `RequestRecord::bytes_delivered`).
+    pub(crate) fn delivered_counter(&self, seq: u64) -> Arc<AtomicU64> {
+        self.lock().delivered.entry(seq).or_default().clone()
+    }
+
+    /// Updates a live sequence's record.
+    pub(crate) fn update(&self, seq: u64, f: impl FnOnce(&mut RequestRecord)) {
+        let mut g = self.lock();
+        if let Some(r) = g.records.get_mut(&seq) {
+            f(r);
+        }
+    }
+
+    /// Notes that the client of `seq` went away (counted once).
+    pub(crate) fn client_gone(&self, seq: u64) {
+        let mut g = self.lock();
+        let first = match g.records.get_mut(&seq) {
+            Some(r) if !r.client_gone => {
+                r.client_gone = true;
+                true
+            }
+            _ => false,
+        };
+        if first {
+            g.clients_gone += 1;
+        }
+    }
+
+    /// Ends `seq` (idempotent): frees its blocks, records how, admits waiting ones.
+    pub(crate) fn finish(&self, seq: u64, how: EndKind) {
+        let mut g = self.lock();
+        self.finish_locked(&mut g, seq, how, None);
+    }
+
+    fn finish_locked(&self, g: &mut Inner, seq: u64, how: EndKind, by: Option<&str>) -> bool {
+        let Some(live) = g.live.remove(&seq) else {
+            return false;
+        };
+        let _ = live.stop.send(Some(how));
+        let blocks = g.records.get(&seq).map(|r| r.blocks).unwrap_or(0);
+        if let Some(pos) = g.running.iter().position(|s| *s == seq) {
+            g.running.remove(pos);
+            g.blocks_used = g.blocks_used.saturating_sub(blocks);
+        } else if let Some(pos) = g.waiting.iter().position(|s| *s == seq) {
+            g.waiting.remove(pos);
+        }
+        let now = self.now_ms();
+        if let Some(r) = g.records.get_mut(&seq) {
+            r.state = SeqState::Ended;
+            r.ended = Some(how);
+            r.ended_ms = Some(now);
+            r.aborted_by = by.map(str::to_string);
+        }
+        let label = match how {
+            EndKind::Stop => {
+                g.finished += 1;
+                "stop"
+            }
+            EndKind::Length => {
+                g.finished += 1;
+                "length"
+            }
+            EndKind::Disconnected => {
+                g.disconnected += 1;
+                "abort"
+            }
+            EndKind::Aborted => {
+                g.aborted += 1;
+                "abort"
+            }
+            EndKind::Shutdown => "abort",
+            EndKind::Reset => {
+                g.resets += 1;
+                "error"
+            }
+        };
+        *g.success.entry(label).or_insert(0) += 1;
+        g.ended_order.push_back(seq);
+        while g.records.len() > self.cfg.record_limit.max(1) {
+            match g.ended_order.pop_front() {
+                Some(old) => {
+                    g.records.remove(&old);
+                    g.delivered.remove(&old);
+                }
+                None => break,
+            }
+        }
+        self.schedule(g);
+        true
+    }
+
+    /// Ends the live sequences whose request id or engine id is in `ids`; records the call.
+    /// Returns the request ids ended.
+    pub fn abort_ids(&self, api: &str, ids: &[String]) -> Vec<String> {
+        let mut g = self.lock();
+        let matches: Vec<u64> = g
+            .live
+            .keys()
+            .copied()
+            .filter(|seq| {
+                g.records.get(seq).is_some_and(|r| {
+                    ids.iter()
+                        .any(|id| *id == r.request_id || *id == r.engine_id)
+                })
+            })
+            .collect();
+        let mut ended = Vec::new();
+        for seq in matches {
+            let rid = g.records.get(&seq).map(|r| r.request_id.clone());
+            if self.finish_locked(&mut g, seq, EndKind::Aborted, Some(api)) {
+                ended.extend(rid);
+            }
+        }
+        let at_ms = self.now_ms();
+        g.abort_calls.push(AbortApiCall {
+            api: api.to_string(),
+            ids: ids.to_vec(),
+            ended: ended.clone(),
+            at_ms,
+        });
+        ended
+    }
+
+    /// Ends every live sequence and refuses new ones.
+    pub fn shutdown(&self) {
+        let mut g = self.lock();
+        g.shut_down = true;
+        let live: Vec<u64> = g.live.keys().copied().collect();
+        for seq in live {
+            self.finish_locked(&mut g, seq, EndKind::Shutdown, None);
+        }
+    }
+
+    /// A snapshot.
+    pub fn state(&self) -> SimState {
+        let g = self.lock();
+        let ids = |seqs: &mut dyn Iterator<Item = &u64>| -> Vec<String> {
+            seqs.filter_map(|s| g.records.get(s).map(|r| r.request_id.clone()))
+                .collect()
+        };
+        SimState {
+            running: ids(&mut g.running.iter()),
+            waiting: ids(&mut g.waiting.iter()),
+            blocks_used: g.blocks_used,
+            blocks_total: self.cfg.kv_blocks,
+            finished: g.finished,
+            aborted: g.aborted,
+            disconnected: g.disconnected,
+            clients_gone: g.clients_gone,
+            resets: g.resets,
+            preemptions: 0,
+            requests: g
+                .records
+                .iter()
+                .map(|(seq, r)| {
+                    let mut r = r.clone();
+                    if let Some(d) = g.delivered.get(seq) {
+                        r.bytes_delivered = d.load(Ordering::Relaxed);
+                    }
+                    r
+                })
+                .collect(),
+            abort_calls: g.abort_calls.clone(),
+        }
+    }
+
+    /// Prometheus exposition text with vLLM 0.32's metric names and labels.
+    pub fn metrics_text(&self) -> String {
+        let g = self.lock();
+        let m = &self.cfg.model;
+        let usage = if self.cfg.kv_blocks == 0 {
+            0.0
+        } else {
+            f64::from(g.blocks_used) / f64::from(self.cfg.kv_blocks)
+        };
+        let mut out = String::new();
+        let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} gauge");
+            let _ = writeln!(out, "{name}{{engine=\"0\",model_name=\"{m}\"}} {v:?}");
+        };
+        gauge(
+            &mut out,
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            g.running.len() as f64,
+        );
+        gauge(
+            &mut out,
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            g.waiting.len() as f64,
+        );
+        gauge(
+            &mut out,
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            usage,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine."
+        );
+        let _ = writeln!(out, "# TYPE vllm:num_preemptions_total counter");
+        let _ = writeln!(
+            out,
+            "vllm:num_preemptions_total{{engine=\"0\",model_name=\"{m}\"}} 0.0"
+        );
+        let _ = writeln!(
+            out,
+            "# HELP vllm:request_success_total Count of successfully processed requests."
+        );
+        let _ = writeln!(out, "# TYPE vllm:request_success_total counter");
+        for reason in ["stop", "length", "abort", "error", "repetition"] {
+            let v = g.success.get(reason).copied().unwrap_or(0) as f64;
+            let _ = writeln!(
+                out,
+                "vllm:request_success_total{{engine=\"0\",finished_reason=\"{reason}\",model_name=\"{m}\"}} {v:?}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig"
+        );
+        let _ = writeln!(out, "# TYPE vllm:cache_config_info gauge");
+        let _ = writeln!(
+            out,
+            "vllm:cache_config_info{{block_size=\"{}\",engine=\"0\",num_gpu_blocks=\"{}\"}} 1.0",
+            self.cfg.block_size, self.cfg.kv_blocks
+        );
+        out
+    }
+}

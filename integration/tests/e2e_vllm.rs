@@ -1,0 +1,353 @@
+//! End to end on real vLLM (CPU, tiny random Llama): client → Envoy + kvguard filter →
+//! lossy hop → kvguard-control → vLLM. The suite shares one vLLM: `scripts/test` starts
+//! it with `scripts/vllm-server start` and passes `KVGUARD_VLLM_URL` (and
+//! `KVGUARD_VLLM_LOG`); without it each test starts its own (a developer running one test).
+//! `KVGUARD_SKIP_VLLM=1` skips every test here with a line saying so. nextest runs this
+//! binary's tests one at a time (test group `vllm`); each waits for vLLM to be idle first.
+//!
+//! vLLM is observed only from the outside: `/metrics` (`vllm:num_requests_running`,
+//! `..._waiting`, `vllm:kv_cache_usage_perc`) and its request log ("Aborted request(s)").
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use kvguard_integration::client;
+use kvguard_integration::demo::stack::{self, Stack, StackOptions};
+use kvguard_integration::vllm::{EngineFigures, Vllm};
+use kvguard_integration::wait::{bounded, poll_until_async};
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+/// Bound of each test (vLLM start-up, when a test starts its own, included).
+const T: Duration = Duration::from_secs(400);
+/// Bound of single waits.
+const W: Duration = Duration::from_secs(30);
+/// Tokens of a long request: ~10 s at ~600 tok/s on one CPU, so it is still generating
+/// whenever a test looks.
+const LONG: u32 = 6000;
+
+async fn vllm(test: &str) -> Option<Vllm> {
+    let v = Vllm::shared(test).await.unwrap()?;
+    v.wait_idle(Duration::from_secs(120)).await.unwrap();
+    Some(v)
+}
+
+fn completion(max_tokens: u32) -> Value {
+    json!({"model": "tiny", "prompt": "kvguard e2e", "stream": true, "max_tokens": max_tokens, "ignore_eos": true})
+}
+
+fn chat(max_tokens: u32) -> Value {
+    json!({"model": "tiny", "messages": [{"role": "user", "content": "kvguard e2e"}], "stream": true,
+           "max_tokens": max_tokens, "ignore_eos": true})
+}
+
+/// The leak topology without kvguard: no filter, kvguard-control only proxies.
+fn leak_opts(engine: SocketAddr) -> StackOptions {
+    let mut o = StackOptions::new(engine, None);
+    o.control_args = ["--idle-timeout", "off", "--max-age", "off"]
+        .map(String::from)
+        .to_vec();
+    o
+}
+
+/// The filter (idle timeout `idle_ms`) and kvguard-control with its reaper off, so that
+/// what ends a stream is the filter's abort.
+fn filter_opts(engine: SocketAddr, idle_ms: u64) -> StackOptions {
+    let mut o = StackOptions::new(engine, Some(stack::filter_config(idle_ms, 0)));
+    o.control_args = ["--idle-timeout", "off", "--max-age", "off"]
+        .map(String::from)
+        .to_vec();
+    o
+}
+
+/// Asserts that `pred` holds on every `/metrics` sample for `span` (sampled every 200 ms).
+async fn holds_for(v: &Vllm, what: &str, span: Duration, pred: impl Fn(&EngineFigures) -> bool) {
+    let end = Instant::now() + span;
+    while Instant::now() < end {
+        let f = v.figures().await.unwrap();
+        assert!(pred(&f), "{what}: {f:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn control_aborts(st: &Stack, reason: &str) -> f64 {
+    st.control
+        .aborts_by_reason()
+        .await
+        .unwrap()
+        .get(reason)
+        .copied()
+        .unwrap_or(0.0)
+}
+
+async fn wait_control_aborts(st: &Stack, reason: &str, n: f64) {
+    poll_until_async(
+        &format!("kvguard-control counts {n} {reason} abort(s)"),
+        W,
+        Duration::from_millis(50),
+        || async move { (control_aborts(st, reason).await >= n).then_some(()) },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+}
+
+/// Waits until vLLM's request log says it aborted `engine_id` (when the log is known).
+async fn wait_vllm_aborted(v: &Vllm, engine_id: &str) {
+    if !v.has_log() {
+        eprintln!("vLLM log unknown (set KVGUARD_VLLM_LOG): not checking it for {engine_id}");
+        return;
+    }
+    poll_until_async(
+        &format!("vLLM logs the abort of {engine_id}"),
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || async move {
+            v.log()
+                .lines()
+                .any(|l| l.contains("Aborted request") && l.contains(engine_id))
+                .then_some(())
+        },
+    )
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disconnect_mid_stream_is_aborted_within_2s_and_leaks_without_the_filter() {
+    bounded("disconnect", T, async {
+        let Some(v) = vllm("disconnect_mid_stream").await else {
+            return;
+        };
+        // Without kvguard: the hop keeps the request alive after the client left.
+        let st = Stack::start(leak_opts(v.addr())).await.unwrap();
+        let mut s = client::stream_sse(st.entry(), "/v1/completions", &completion(LONG), &[], false)
+            .await
+            .unwrap();
+        assert_eq!(s.status, 200);
+        s.read_events(5, W).await.unwrap();
+        v.wait_figures("one running", W, |f| f.running == 1.0).await.unwrap();
+        s.disconnect();
+        let hop = st.hop.as_ref().unwrap();
+        poll_until_async("the hop sees the client go", W, Duration::from_millis(20), || async {
+            (hop.stats().clients_gone == 1).then_some(())
+        })
+        .await
+        .unwrap();
+        holds_for(&v, "without the filter the request keeps running", Duration::from_secs(3), |f| {
+            f.running == 1.0
+        })
+        .await;
+        eprintln!("without the filter: still running 3 s after the client left");
+        // End it: stopping the stack closes vLLM's connection, and vLLM aborts on that.
+        drop(st);
+        v.wait_idle(W).await.unwrap();
+
+        // With the filter: vLLM frees the sequence within 2 s of the disconnect.
+        let st = Stack::start(filter_opts(v.addr(), 30_000)).await.unwrap();
+        let mut s = client::stream_sse(st.entry(), "/v1/completions", &completion(LONG), &[], false)
+            .await
+            .unwrap();
+        let rid = s.header("x-request-id").expect("x-request-id on the response").to_owned();
+        let first = s.next_data(W).await.unwrap().unwrap();
+        // The engine's id is cmpl-<the id Envoy minted>: that is the key of the abort.
+        let engine_id = format!("cmpl-{rid}");
+        assert_eq!(first.json().unwrap()["id"], engine_id.as_str());
+        s.read_events(4, W).await.unwrap();
+        v.wait_figures("one running", W, |f| f.running == 1.0).await.unwrap();
+        s.disconnect();
+        let dropped = Instant::now();
+        v.wait_figures("vLLM frees it within 2 s", Duration::from_secs(2), |f| f.running == 0.0)
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+        eprintln!("with the filter: freed {:?} after the disconnect", dropped.elapsed());
+        wait_control_aborts(&st, "downstream_reset", 1.0).await;
+        assert_eq!(control_aborts(&st, "downstream_reset").await, 1.0);
+        // kvguard-control ended exactly that request, and vLLM aborted cmpl-<id>.
+        assert!(
+            st.control.log().contains(&rid),
+            "kvguard-control's log does not name {rid}:\n{}",
+            st.control.log()
+        );
+        wait_vllm_aborted(&v, &engine_id).await;
+        v.wait_idle(W).await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_client_is_reaped_as_stalled_within_idle_timeout_plus_2s() {
+    bounded("silent client", T, async {
+        let Some(v) = vllm("silent_client").await else {
+            return;
+        };
+        let idle = Duration::from_secs(3);
+        let st = Stack::start(filter_opts(v.addr(), idle.as_millis() as u64)).await.unwrap();
+        let sent = Instant::now();
+        let mut c = client::silent_client(st.entry(), "/v1/completions", &completion(LONG), &[], 4096, false)
+            .await
+            .unwrap();
+        v.wait_figures("one running", W, |f| f.running == 1.0).await.unwrap();
+        // The client reads nothing: Envoy's buffers fill within a few tens of KB (well under
+        // a second at this token rate), then no token reaches the filter; the idle clock
+        // runs from the last one. Until then vLLM keeps generating.
+        holds_for(&v, "running until the idle timeout", idle - Duration::from_millis(500), |f| f.running == 1.0).await;
+        let bound = idle + Duration::from_secs(2) + Duration::from_secs(1);
+        let left = bound.saturating_sub(sent.elapsed());
+        v.wait_figures("vLLM frees the stalled sequence", left, |f| f.running == 0.0)
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+        let took = sent.elapsed();
+        eprintln!("stalled stream freed {took:?} after it was sent (idle timeout {idle:?}; {LONG} tokens would take ~10 s)");
+        wait_control_aborts(&st, "stalled", 1.0).await;
+        // The filter closed the client's connection too.
+        c.read_to_close(W).await.unwrap();
+        v.wait_idle(W).await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn normal_streams_complete_untouched_chat_and_completions_h1_and_h2() {
+    bounded("normal streams", T, async {
+        let Some(v) = vllm("normal_streams").await else {
+            return;
+        };
+        // A short idle timeout: normal token gaps are far below it.
+        let st = Stack::start(filter_opts(v.addr(), 3000)).await.unwrap();
+        let n = 300u32;
+        for http2 in [false, true] {
+            for (path, body) in [("/v1/completions", completion(n)), ("/v1/chat/completions", chat(n))] {
+                let mut s = client::stream_sse(st.entry(), path, &body, &[], http2).await.unwrap();
+                assert_eq!(s.status, 200, "{path} h2={http2}");
+                let rid = s.header("x-request-id").unwrap().to_owned();
+                let evs = s.collect(W).await.unwrap();
+                assert!(evs.last().unwrap().is_done(), "{path} h2={http2}: no [DONE]");
+                assert!(evs.iter().all(|e| e.event.as_deref() != Some("error")), "{path}: error event");
+                let data: Vec<Value> = evs.iter().filter_map(|e| e.json()).collect();
+                let prefix = if path.contains("chat") { "chatcmpl-" } else { "cmpl-" };
+                assert_eq!(data[0]["id"], format!("{prefix}{rid}"));
+                let finish: Vec<&Value> = data.iter().filter_map(|d| d["choices"][0].get("finish_reason")).filter(|f| !f.is_null()).collect();
+                assert_eq!(finish, vec![&json!("length")], "{path} h2={http2}");
+                let text: String = data.iter().filter_map(|d| {
+                    let c = &d["choices"][0];
+                    c["text"].as_str().or_else(|| c["delta"]["content"].as_str()).map(str::to_string)
+                }).collect();
+                assert!(!text.is_empty());
+            }
+        }
+        v.wait_idle(W).await.unwrap();
+        let aborts: f64 = st.control.aborts_by_reason().await.unwrap().values().sum();
+        assert_eq!(aborts, 0.0, "{}", st.logs(40));
+        let filter = st.filter_stats().await;
+        let filter_aborts: f64 = filter.iter().filter(|(k, _)| k.contains("kvguard_filter_aborts_total")).map(|(_, v)| v).sum();
+        assert_eq!(filter_aborts, 0.0, "{filter:?}");
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_endpoint_unreachable_traffic_flows_and_failures_are_counted() {
+    bounded("abort endpoint down", T, async {
+        let Some(v) = vllm("abort_endpoint_unreachable").await else {
+            return;
+        };
+        let mut o = filter_opts(v.addr(), 30_000);
+        // The filter's abort cluster points at a port nothing listens on (kvguard-control's
+        // admin listener down); its proxy listener still carries the traffic.
+        o.abort_target = Some(stack::closed_port().await.unwrap());
+        let st = Stack::start(o).await.unwrap();
+        let mut s = client::stream_sse(st.entry(), "/v1/chat/completions", &chat(200), &[], false).await.unwrap();
+        assert!(s.collect(W).await.unwrap().last().unwrap().is_done());
+        let mut s = client::stream_sse(st.entry(), "/v1/completions", &completion(LONG), &[], false).await.unwrap();
+        s.read_events(3, W).await.unwrap();
+        s.disconnect();
+        poll_until_async("the failed abort is counted", W, Duration::from_millis(100), || async {
+            let f = st.filter_stats().await;
+            let failed: f64 = f
+                .iter()
+                .filter(|(k, _)| k.contains("kvguard_filter_aborts_total") && (k.contains("=failed") || k.contains("=dispatch_error")))
+                .map(|(_, v)| v)
+                .sum();
+            (failed >= 1.0).then_some(f)
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(60)));
+        // Traffic still flows.
+        let mut s = client::stream_sse(st.entry(), "/v1/completions", &completion(100), &[], true).await.unwrap();
+        assert!(s.collect(W).await.unwrap().last().unwrap().is_done());
+        drop(st);
+        v.wait_idle(W).await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_crash_cuts_its_streams_and_new_ones_flow_after_restart() {
+    bounded("control crash", T, async {
+        let Some(v) = vllm("control_crash").await else {
+            return;
+        };
+        let mut st = Stack::start(filter_opts(v.addr(), 30_000)).await.unwrap();
+        let mut s = client::stream_sse(st.entry(), "/v1/completions", &completion(LONG), &[], false).await.unwrap();
+        s.read_events(3, W).await.unwrap();
+        v.wait_figures("one running", W, |f| f.running == 1.0).await.unwrap();
+        st.control.kill().unwrap();
+        // Documented behaviour: the streams through it are cut (the client's stream ends
+        // without [DONE]), and vLLM, whose connection closed, frees them.
+        let rest = s.collect(W).await;
+        let done = matches!(&rest, Ok(evs) if evs.last().is_some_and(|e| e.is_done()));
+        assert!(!done, "a stream through a crashed kvguard-control cannot complete");
+        v.wait_figures("vLLM frees the cut stream", Duration::from_secs(5), |f| f.running == 0.0)
+            .await
+            .unwrap();
+        // Meanwhile new requests fail (nothing listens) ...
+        let r = client::stream_sse(st.entry(), "/v1/completions", &completion(10), &[], false).await;
+        assert!(r.map(|s| s.status != 200).unwrap_or(true));
+        // ... and flow again once it is back on the same ports.
+        st.control.restart().await.unwrap();
+        for http2 in [false, true] {
+            let mut s = client::stream_sse(st.entry(), "/v1/completions", &completion(100), &[], http2).await.unwrap();
+            assert_eq!(s.status, 200);
+            assert!(s.collect(W).await.unwrap().last().unwrap().is_done());
+        }
+        v.wait_idle(W).await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_max_age_ends_a_long_request_and_vllm_frees_it() {
+    bounded("max age", T, async {
+        let Some(v) = vllm("control_max_age").await else {
+            return;
+        };
+        // No filter: kvguard-control alone, with a 2 s max age.
+        let mut o = StackOptions::new(v.addr(), None);
+        o.control_args = ["--max-age", "2s", "--idle-timeout", "off"].map(String::from).to_vec();
+        let st = Stack::start(o).await.unwrap();
+        let sent = Instant::now();
+        let mut s = client::stream_sse(st.entry(), "/v1/completions", &completion(LONG), &[], false).await.unwrap();
+        s.read_events(3, W).await.unwrap();
+        v.wait_figures("vLLM frees it at max age", Duration::from_secs(6), |f| f.running == 0.0)
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+        let took = sent.elapsed();
+        assert!(took >= Duration::from_millis(1900), "ended before its max age: {took:?}");
+        eprintln!("max age 2 s: freed after {took:?}");
+        wait_control_aborts(&st, "max_age", 1.0).await;
+        // The client is told why (contract §6: a final SSE error event).
+        let evs = s.collect(W).await.unwrap_or_default();
+        let told = evs.iter().any(|e| {
+            e.event.as_deref() == Some("error")
+                && e.json().is_some_and(|j| j["error"]["type"] == "kvguard_aborted" && j["error"]["reason"] == "max_age")
+        });
+        assert!(told, "no kvguard_aborted max_age event in {:?}", evs.iter().rev().take(3).collect::<Vec<_>>());
+        v.wait_idle(W).await.unwrap();
+    })
+    .await
+    .unwrap();
+}

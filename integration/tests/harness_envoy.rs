@@ -1,0 +1,171 @@
+//! A real plain Envoy (no filter) in front of the simulator, started by `Envoy::start`.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use kvguard_integration::client;
+use kvguard_integration::envoy::{self, Envoy, EnvoyOptions};
+use kvguard_integration::sim::{self, EndKind, SimConfig};
+use kvguard_integration::wait::bounded;
+use serde_json::json;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(90);
+const W: Duration = Duration::from_secs(15);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_envoy_streams_http1_and_h2c_and_mints_ids() {
+    bounded("plain envoy", T, async {
+        let sim = sim::spawn(SimConfig::default()).await.unwrap();
+        let envoy = Envoy::start(EnvoyOptions::new(sim.addr())).await.unwrap();
+        for (i, http2) in [false, true].into_iter().enumerate() {
+            let body = json!({"messages": [{"role": "user", "content": "hi"}], "stream": true, "max_tokens": 8,
+                "stream_options": {"include_usage": true}});
+            let mine = format!("client-chosen-{i}");
+            let mut s = client::stream_sse(envoy.listener_addr(), "/v1/chat/completions", &body, &[("x-request-id", &mine)], http2)
+                .await
+                .unwrap();
+            assert_eq!(s.status, 200);
+            let events = s.collect(W).await.unwrap();
+            assert_eq!(events.len(), 1 + 8 + 1 + 1, "{events:?}");
+            assert!(events.last().unwrap().is_done());
+            // The edge minted a fresh id; the client's one did not reach the engine.
+            let st = sim.state();
+            let rec = st.requests.last().unwrap();
+            assert_ne!(rec.request_id, mine);
+            assert_eq!(rec.request_id.len(), 36, "a UUID: {}", rec.request_id);
+            assert_eq!(events[0].json().unwrap()["id"], format!("chatcmpl-{}", rec.request_id));
+            assert!(!rec.headers.contains_key("x-envoy-internal"), "{:?}", rec.headers);
+        }
+        let stats = envoy.stats().await.unwrap();
+        assert_eq!(stats.get("cluster.upstream.upstream_rq_200"), Some(&2.0), "{stats:?}");
+        assert_eq!(envoy.stat("http.ingress_http.downstream_rq_2xx").await.unwrap(), Some(2.0));
+        envoy.wait_stat("http.ingress_http.downstream_rq_completed", W, |v| v >= 2.0).await.unwrap();
+        assert!(envoy.log().contains("ACCESS ["), "access log in the log");
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_through_envoy_reaches_the_engine() {
+    bounded("disconnect via envoy", T, async {
+        let sim = sim::spawn(SimConfig {
+            token_rate: 50.0,
+            ..SimConfig::default()
+        })
+        .await
+        .unwrap();
+        let mut opts = EnvoyOptions::new(sim.addr());
+        opts.upstream_http2 = true;
+        let envoy = Envoy::start(opts).await.unwrap();
+        for http2 in [false, true] {
+            let mut s = client::stream_sse(
+                envoy.listener_addr(),
+                "/v1/completions",
+                &json!({"prompt": "x", "stream": true, "max_tokens": 1000}),
+                &[],
+                http2,
+            )
+            .await
+            .unwrap();
+            s.read_events(2, W).await.unwrap();
+            s.disconnect();
+            let st = sim
+                .wait_state("aborted via envoy", W, |s| s.is_idle())
+                .await
+                .unwrap();
+            assert_eq!(
+                st.requests.last().unwrap().ended,
+                Some(EndKind::Disconnected)
+            );
+        }
+        assert!(
+            envoy.log().contains("downstream_remote_disconnect"),
+            "{}",
+            envoy.log()
+        );
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoys_run_in_parallel_and_bootstrap_validates() {
+    bounded("parallel envoys", T, async {
+        let sim = sim::spawn(SimConfig::default()).await.unwrap();
+        let mut opts = EnvoyOptions::new(sim.addr());
+        opts.concurrency = 2;
+        opts.control = Some(sim.addr());
+        opts.original_dst_cluster = Some(envoy::CONTROL_TARGET_CLUSTER.into());
+        let boot = envoy::bootstrap(&opts, None).unwrap();
+        Envoy::validate(&boot).unwrap();
+        let (a, b) = tokio::join!(Envoy::start(opts.clone()), Envoy::start(opts));
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_ne!(a.listener_addr(), b.listener_addr());
+        assert_ne!(a.admin_addr(), b.admin_addr());
+        for e in [&a, &b] {
+            let r = client::post_json(
+                e.listener_addr(),
+                "/v1/completions",
+                &json!({"prompt": "x", "max_tokens": 2}),
+                &[],
+            )
+            .await
+            .unwrap();
+            assert_eq!(r.status, 200, "{}", r.text());
+        }
+        let clusters = client::get(a.admin_addr(), "/clusters")
+            .await
+            .unwrap()
+            .text();
+        assert!(clusters.contains("kvguard_control::"), "{clusters}");
+        assert!(
+            Envoy::validate(&json!({"static_resources": {"clusters": [{"name": 1}]}})).is_err()
+        );
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extra_yaml_and_patch_hooks_reach_envoy() {
+    bounded("hooks", T, async {
+        let sim = sim::spawn(SimConfig::default()).await.unwrap();
+        let mut opts = EnvoyOptions::new(sim.addr());
+        // --config-yaml is merged by Envoy: repeated fields (listeners) are appended.
+        opts.extra_yaml = Some(
+            r#"
+static_resources:
+  listeners:
+  - name: extra
+    address: {socket_address: {address: 127.0.0.1, port_value: 0}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: extra
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes: [{match: {prefix: "/"}, direct_response: {status: 299, body: {inline_string: extra}}}]
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
+"#
+            .into(),
+        );
+        opts.patch = Some(std::sync::Arc::new(|b: &mut serde_json::Value| {
+            b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["stat_prefix"] = json!("patched");
+        }));
+        let envoy = Envoy::start(opts).await.unwrap();
+        let extra = envoy.listener_named("extra").await.unwrap();
+        let r = client::get(extra, "/").await.unwrap();
+        assert_eq!((r.status, r.text().as_str()), (299, "extra"));
+        let r = client::post_json(envoy.listener_addr(), "/v1/completions", &json!({"prompt": "x", "max_tokens": 1}), &[]).await.unwrap();
+        assert_eq!(r.status, 200);
+        envoy.wait_stat("http.patched.downstream_rq_2xx", W, |v| v >= 1.0).await.unwrap();
+    })
+    .await
+    .unwrap();
+}

@@ -1,0 +1,152 @@
+//! `ChildGuard` really cleans up, and the path helpers answer.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use kvguard_integration::paths;
+use kvguard_integration::proc::ChildGuard;
+use kvguard_integration::wait::{bounded, poll_until, poll_until_blocking};
+use std::process::Command;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(20);
+
+fn alive(pid: u32) -> bool {
+    // A zombie is dead for our purpose.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| s.split_whitespace().nth(2).is_none_or(|st| st != "Z"))
+        .unwrap_or(false)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drop_kills_the_whole_group_and_log_is_kept() {
+    bounded("group kill", T, async {
+        let dir = tempfile::tempdir().unwrap();
+        let pidfile = dir.path().join("grandchild.pid");
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c").arg(format!(
+            "echo hello; sleep 300 & echo $! > {}; wait",
+            pidfile.display()
+        ));
+        let mut g = ChildGuard::spawn("sleeper", cmd).unwrap();
+        g.wait_for_log("hello", T).await.unwrap();
+        let gpid: u32 = poll_until("grandchild pid", T, Duration::from_millis(10), || {
+            std::fs::read_to_string(&pidfile).ok()?.trim().parse().ok()
+        })
+        .await
+        .unwrap();
+        let pid = g.pid();
+        assert!(alive(pid) && alive(gpid));
+        assert!(g.is_running());
+        drop(g);
+        poll_until_blocking("group gone", T, Duration::from_millis(10), || {
+            (!alive(gpid)).then_some(())
+        })
+        .unwrap();
+        assert!(!alive(pid));
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminate_is_graceful_then_forced() {
+    bounded("terminate", T, async {
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c")
+            .arg("trap 'echo bye; exit 3' TERM; echo ready; while true; do sleep 0.05; done");
+        let mut g = ChildGuard::spawn("polite", cmd).unwrap();
+        g.wait_for_log("ready", T).await.unwrap();
+        let (status, graceful) = g.terminate(T).unwrap();
+        assert!(graceful);
+        assert_eq!(status.code(), Some(3));
+        assert!(g.log().contains("bye"));
+
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c")
+            .arg("trap '' TERM; echo ready; while true; do sleep 0.05; done");
+        let mut g = ChildGuard::spawn("stubborn", cmd).unwrap();
+        g.wait_for_log("ready", T).await.unwrap();
+        let (_, graceful) = g.terminate(Duration::from_millis(300)).unwrap();
+        assert!(!graceful);
+        assert!(!g.is_running());
+
+        let mut g = ChildGuard::spawn_program("quick", "sh", ["-c", "exit 7"], &[]).unwrap();
+        assert_eq!(g.wait_exit(T).unwrap().code(), Some(7));
+        assert!(g.ensure_running().is_err());
+        assert!(
+            g.wait_for_log("never", T).await.is_err(),
+            "exited processes fail fast"
+        );
+    })
+    .await
+    .unwrap();
+}
+
+#[test]
+fn paths_resolve() {
+    assert!(paths::repo_root().unwrap().join("Cargo.toml").is_file());
+    assert!(paths::fixture("vllm-0.32-metrics.txt").unwrap().is_file());
+    assert!(paths::engine_sim_bin().unwrap().is_file());
+    let target = paths::target_dir().unwrap();
+    assert!(target.join("debug").is_dir(), "{}", target.display());
+    // Whether or not they are built, the errors name how to get them.
+    if let Err(e) = paths::wasm_path() {
+        assert!(e.to_string().contains("scripts/build"), "{e}");
+    }
+    if let Err(e) = paths::control_bin() {
+        assert!(e.to_string().contains("KVGUARD_CONTROL_BIN"), "{e}");
+    }
+}
+
+/// Runs only as a child of `panic_prints_the_log_tail`: panics while a guard is alive.
+#[test]
+fn panic_probe() {
+    if std::env::var_os("KVGUARD_PANIC_PROBE").is_none() {
+        return;
+    }
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg("echo probe-line-1; echo probe-line-2; sleep 300");
+    let mut g = ChildGuard::spawn("probe", cmd).unwrap();
+    poll_until_blocking("probe output", T, Duration::from_millis(10), || {
+        g.log().contains("probe-line-2").then_some(())
+    })
+    .unwrap();
+    let pid = g.pid();
+    std::fs::write(
+        std::env::var("KVGUARD_PANIC_PROBE").unwrap(),
+        pid.to_string(),
+    )
+    .unwrap();
+    assert!(g.is_running());
+    panic!("probe panics on purpose");
+}
+
+#[test]
+fn panic_prints_the_log_tail_and_still_kills() {
+    let dir = tempfile::tempdir().unwrap();
+    let pidfile = dir.path().join("pid");
+    let exe = std::env::current_exe().unwrap();
+    let mut child = Command::new(exe);
+    child
+        .args([
+            "--exact",
+            "panic_probe",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("KVGUARD_PANIC_PROBE", &pidfile)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut g = ChildGuard::spawn("probe-runner", child).unwrap();
+    let status = g.wait_exit(T).unwrap();
+    assert!(!status.success(), "the probe must fail");
+    let out = g.log();
+    assert!(out.contains("----- probe (pid"), "{out}");
+    assert!(out.contains("probe-line-1\nprobe-line-2"), "{out}");
+    let pid: u32 = std::fs::read_to_string(&pidfile).unwrap().parse().unwrap();
+    poll_until_blocking("probe child killed", T, Duration::from_millis(10), || {
+        (!alive(pid)).then_some(())
+    })
+    .unwrap();
+}

@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Plots the demo's results: engine KV-cache usage over time, without and with kvguard, on
+one chart (and running / waiting requests below). Writes <out>.png and <out>.svg.
+
+usage: plot_demo.py RESULTS_JSON OUT_BASENAME     (scripts/demo runs it with matplotlib
+from a small virtualenv under $KVGUARD_CACHE)
+"""
+
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+matplotlib.rcParams["svg.hashsalt"] = "kvguard-demo"  # stable SVG ids
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLORS = {"leak": "#d62728", "kvguard": "#2ca02c"}
+LABELS = {"leak": "without kvguard", "kvguard": "with kvguard"}
+
+
+def main() -> None:
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    with open(sys.argv[1]) as f:
+        res = json.load(f)
+    cfg = res["config"]
+    runs = [(k, res[k]) for k in ("leak", "kvguard") if res.get(k)]
+    if not runs:
+        sys.exit("no runs in " + sys.argv[1])
+
+    fig, (ax, ax2) = plt.subplots(
+        2, 1, figsize=(10, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+    )
+    for key, r in runs:
+        t = [s["t"] for s in r["series"]]
+        kv = [100.0 * s["kv"] for s in r["series"]]
+        label = f"{LABELS[key]}: orphan-seconds {r['orphan_seconds']:.0f}, KV at end {100 * r['kv_end']:.0f}%"
+        ax.plot(t, kv, color=COLORS[key], lw=2, label=label)
+        ax2.plot(t, [s["running"] for s in r["series"]], color=COLORS[key], lw=1.5,
+                 label=f"running ({LABELS[key]})")
+        ax2.plot(t, [s["waiting"] for s in r["series"]], color=COLORS[key], lw=1.5, ls="--",
+                 label=f"waiting ({LABELS[key]})")
+    for a in (ax, ax2):
+        a.axvline(cfg["arrival_s"], color="grey", ls=":", lw=1)
+        a.grid(alpha=0.3)
+    ax.text(cfg["arrival_s"], 2, " arrivals stop", color="grey", fontsize=8, va="bottom")
+    ax.set_ylim(0, 105)
+    ax.set_ylabel("engine KV-cache usage (%)")
+    engine = "engine simulator" if cfg["engine"] == "sim" else "vLLM (CPU, tiny random Llama)"
+    ax.set_title(
+        f"KV-cache leak behind a hop that drops client disconnects — {engine}\n"
+        f"{cfg['rate']:g} streams/s for {cfg['arrival_s']:g}s, "
+        f"{100 * cfg['disconnect_share']:g}% disconnect, {100 * cfg['stall_share']:g}% stall, seed {cfg['seed']}",
+        fontsize=10,
+    )
+    ax.legend(loc="upper right", fontsize=9)
+    ax2.set_ylabel("requests")
+    ax2.set_xlabel("seconds since the first arrival")
+    ax2.legend(loc="upper right", fontsize=7, ncol=2)
+    fig.tight_layout()
+    base = sys.argv[2]
+    fig.savefig(base + ".png", dpi=110)
+    fig.savefig(base + ".svg", metadata={"Date": None})
+    print(f"plot: {base}.png {base}.svg")
+
+
+if __name__ == "__main__":
+    main()
