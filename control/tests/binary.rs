@@ -100,13 +100,12 @@ async fn real_binary_serves_reports_idle_rss_and_drains_on_sigterm() {
             "127.0.0.1:0",
             "--engine-url",
             &sim.url(),
-            "--sample-interval",
-            "200ms",
-            "--drain-timeout",
-            "10s",
             "--addr-file",
             addr_file.to_str().unwrap(),
         ])
+        // Flags as KVGUARD_<NAME> variables.
+        .env("KVGUARD_SAMPLE_INTERVAL", "200ms")
+        .env("KVGUARD_DRAIN_TIMEOUT", "10s")
         .env("KVGUARD_SECRET", std::str::from_utf8(KEY).unwrap())
         .env("KVGUARD_LOG_FORMAT", "text");
         let mut child = ChildGuard::spawn("kvguard-control", cmd).unwrap();
@@ -158,6 +157,40 @@ async fn real_binary_serves_reports_idle_rss_and_drains_on_sigterm() {
             .unwrap();
         assert!(status.success(), "{status}; log:\n{}", child.log_tail(40));
         assert!(child.log().contains("kvguard-control stopped"));
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn json_logs_secret_file_and_sigint() {
+    bounded("test", Duration::from_secs(30), async {
+        let dir = tempfile_dir();
+        let secret = dir.join("secret");
+        std::fs::write(&secret, b"# rotation: new first\nkvguard-new-key-0123456789\nkvguard-control-test-key-0123456789\n").unwrap();
+        let mut cmd = Command::new(BIN);
+        cmd.args([
+            "--listen", "127.0.0.1:0",
+            "--admin-listen", "127.0.0.1:0",
+            "--engine-url", "http://127.0.0.1:9",
+            "--log-format", "json",
+            "--secret-file", secret.to_str().unwrap(),
+            "--advertise", "127.0.0.1:9902",
+            "--no-nvml",
+        ]);
+        let mut child = ChildGuard::spawn("kvguard-control-json", cmd).unwrap();
+        let log = child.wait_for_log("kvguard-control listening", Duration::from_secs(10)).await.unwrap();
+        let line = log.lines().find(|l| l.contains("kvguard-control listening")).unwrap();
+        let j: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert_eq!(j["level"], "INFO");
+        assert_eq!(j["keys"], 2);
+        let (_, admin) = parse_listening(j["message"].as_str().unwrap());
+        // The older key (second line) is accepted too.
+        let (status, _) = abort(admin, "rotated", "operator").await;
+        assert_eq!(status, 404);
+        child.signal(2).unwrap();
+        let status = child.wait_exit_async(Duration::from_secs(10)).await.unwrap();
+        assert!(status.success(), "{status}");
     })
     .await
     .unwrap();

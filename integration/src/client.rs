@@ -56,9 +56,41 @@ enum Sender {
     H2(hyper::client::conn::http2::SendRequest<Full<Bytes>>),
 }
 
+/// How a streaming request connects.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SseOptions {
+    /// h2c with prior knowledge instead of HTTP/1.1.
+    pub http2: bool,
+    /// `SO_LINGER` 0: closing the connection sends a TCP RST instead of a FIN (an
+    /// abortive close, like a killed process or a middlebox reset).
+    pub rst_on_close: bool,
+}
+
 /// Opens a connection; returns the sender and the connection task.
 async fn connect(addr: SocketAddr, http2: bool) -> Result<(Sender, JoinHandle<()>)> {
-    let tcp = tokio::time::timeout(DEFAULT_TIMEOUT, TcpStream::connect(addr))
+    connect_with(
+        addr,
+        SseOptions {
+            http2,
+            rst_on_close: false,
+        },
+    )
+    .await
+}
+
+async fn connect_with(addr: SocketAddr, opts: SseOptions) -> Result<(Sender, JoinHandle<()>)> {
+    let http2 = opts.http2;
+    let sock = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    if opts.rst_on_close {
+        #[allow(deprecated)]
+        sock.set_linger(Some(Duration::ZERO))
+            .context("setting SO_LINGER")?;
+    }
+    let tcp = tokio::time::timeout(DEFAULT_TIMEOUT, sock.connect(addr))
         .await
         .map_err(|_| anyhow!("timed out connecting to {addr}"))?
         .with_context(|| format!("connecting to {addr}"))?;
@@ -307,8 +339,30 @@ pub async fn stream_raw(
     headers: &[(&str, &str)],
     http2: bool,
 ) -> Result<SseStream> {
+    stream_with(
+        addr,
+        path,
+        body,
+        headers,
+        SseOptions {
+            http2,
+            rst_on_close: false,
+        },
+    )
+    .await
+}
+
+/// [`stream_sse`] with a raw body and connection options (e.g. RST on close).
+pub async fn stream_with(
+    addr: SocketAddr,
+    path: &str,
+    body: Bytes,
+    headers: &[(&str, &str)],
+    opts: SseOptions,
+) -> Result<SseStream> {
+    let http2 = opts.http2;
     let fut = async {
-        let (mut sender, conn) = connect(addr, http2).await?;
+        let (mut sender, conn) = connect_with(addr, opts).await?;
         let req = build(addr, Method::POST, path, headers, body, http2)?;
         let resp = match send(&mut sender, req).await {
             Ok(r) => r,

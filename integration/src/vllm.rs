@@ -85,9 +85,9 @@ pub struct TinyModel {
 impl Default for TinyModel {
     fn default() -> Self {
         TinyModel {
-            hidden: 128,
-            layers: 2,
-            heads: 2,
+            hidden: 1024,
+            layers: 6,
+            heads: 8,
             vocab: 512,
             max_len: 8192,
         }

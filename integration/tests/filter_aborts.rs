@@ -393,3 +393,65 @@ async fn unknown_control_cluster_is_a_dispatch_error() {
     .await
     .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_cluster_without_hosts_does_not_hurt_the_vm() {
+    bounded("no hosts", T, async {
+        // A call to a cluster with no endpoint fails inside `dispatch_http_call` itself
+        // ("no healthy upstream"): the VM must survive and count the abort as failed.
+        let sim = sim::spawn(SimConfig {
+            token_rate: 20.0,
+            ..SimConfig::default()
+        })
+        .await
+        .unwrap();
+        let recv = receiver::spawn(ReceiverConfig::new(vec![key()]))
+            .await
+            .unwrap();
+        let mut o = options(sim.addr(), recv.addr(), json!({"abort_retries": 1}));
+        o.patch = Some(std::sync::Arc::new(|b: &mut serde_json::Value| {
+            if let Some(cs) = b
+                .pointer_mut("/static_resources/clusters")
+                .and_then(|c| c.as_array_mut())
+            {
+                for c in cs.iter_mut() {
+                    if c["name"] == "kvguard_control" {
+                        c["load_assignment"]["endpoints"] = json!([]);
+                    }
+                }
+            }
+        }));
+        let envoy = Envoy::start(o).await.unwrap();
+        let id = disconnect_one(&envoy, &sim).await;
+        healthy_traffic(&envoy).await;
+        envoy
+            .wait_stat(&aborts("downstream_reset", "failed"), W, |v| v == 1.0)
+            .await
+            .unwrap();
+        wait_log(
+            &envoy,
+            &format!("request_id={id} reason=downstream_reset outcome=failed"),
+        )
+        .await;
+        let line = envoy
+            .log()
+            .lines()
+            .find(|l| {
+                l.contains(&format!(
+                    "request_id={id} reason=downstream_reset outcome=failed"
+                ))
+            })
+            .unwrap()
+            .to_owned();
+        eprintln!("no-hosts abort line: {line}");
+        // And the next request is still tracked: the VM is alive.
+        healthy_traffic(&envoy).await;
+        envoy
+            .wait_stat("kvguard_filter_requests_completed_total", W, |v| v == 2.0)
+            .await
+            .unwrap();
+        assert_vm_healthy(&envoy);
+    })
+    .await
+    .unwrap();
+}

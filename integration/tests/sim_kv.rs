@@ -199,7 +199,7 @@ async fn no_abort_on_disconnect_keeps_the_sequence() {
         let mut s = client::stream_sse(
             sim.addr(),
             "/v1/completions",
-            &body(60),
+            &body(300),
             &[("x-request-id", "gone")],
             false,
         )
@@ -222,7 +222,7 @@ async fn no_abort_on_disconnect_keeps_the_sequence() {
             .unwrap();
         let r = st.request("gone").unwrap();
         assert_eq!(r.ended, Some(EndKind::Length));
-        assert_eq!(r.tokens_sent, 60);
+        assert_eq!(r.tokens_sent, 300);
         assert_eq!(st.disconnected, 0);
         // A stalled one with a gone client stays forever; only an abort API ends it.
         let mut s = client::stream_sse(

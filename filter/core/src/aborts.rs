@@ -95,6 +95,11 @@ impl AbortQueue {
         }
     }
 
+    /// Changes the bound (jobs already queued stay).
+    pub fn set_max_pending(&mut self, max_pending: usize) {
+        self.max_pending = max_pending;
+    }
+
     /// Jobs queued, backing off or in flight.
     pub fn pending(&self) -> usize {
         self.ready.len() + self.backoff.len() + self.in_flight.len()

@@ -187,7 +187,13 @@ fn int(
 ) -> Result<u64, ConfigError> {
     match v {
         None => Ok(default),
-        Some(v) => match v.as_u64() {
+        // Integral floats (`60000.0`) are accepted: Istio's `pluginConfig` is a protobuf
+        // Struct, whose numbers are doubles.
+        Some(v) => match v.as_u64().or_else(|| {
+            v.as_f64()
+                .filter(|f| f.fract() == 0.0 && (0.0..9.0e15).contains(f))
+                .map(|f| f as u64)
+        }) {
             Some(n) if (min..=max).contains(&n) => Ok(n),
             _ => err(format!(
                 "{field}: expected an integer {min}..={max}{what}, got {}",
@@ -654,6 +660,20 @@ mod tests {
         assert!(msg("{").starts_with("configuration:"));
         // Secrets are never echoed.
         assert!(!msg(r#"{"control_cluster":"c","secret":"tooshort"}"#).contains("tooshort"));
+    }
+
+    #[test]
+    fn integral_floats_are_integers() {
+        let c = parse(&format!(
+            r#"{{"control_cluster":"c","secret":"{SECRET}","idle_timeout_ms":60000.0,"abort_retries":2e0}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.limits.idle_timeout_ms, 60_000);
+        assert_eq!(c.abort_retries, 2);
+        assert!(parse(&format!(
+            r#"{{"control_cluster":"c","secret":"{SECRET}","idle_timeout_ms":1e300}}"#
+        ))
+        .is_err());
     }
 
     #[test]

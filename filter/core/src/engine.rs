@@ -120,6 +120,13 @@ impl Engine {
         }
     }
 
+    /// Applies a new configuration (a plugin reconfigured in place): tracked requests
+    /// keep the clocks they started with; new ones use the new configuration.
+    pub fn reconfigure(&mut self, cfg: Config) {
+        self.queue.set_max_pending(cfg.max_pending_aborts);
+        self.cfg = cfg;
+    }
+
     /// Requests tracked now.
     pub fn tracked(&self) -> usize {
         self.table.len()
@@ -241,7 +248,7 @@ impl Engine {
     }
 
     fn need(req: &Request) -> BodyNeed {
-        if req.settled() {
+        if !req.reading() {
             return BodyNeed::Nothing;
         }
         match req.scanner.as_ref().map(|s| s.framing()) {
@@ -269,7 +276,7 @@ impl Engine {
         let now = p.now_ms();
         let req = self.table.get_mut(&ctx)?;
         let was_complete = req.content_complete;
-        if req.decision.is_some() {
+        if !req.reading() {
             if end_of_stream {
                 req.end_of_stream = true;
             }
@@ -288,6 +295,10 @@ impl Engine {
                 i64::from(fed.malformed),
             );
         }
+        if req.decision.is_some() {
+            // Observe mode: the outcome stays `observed:<reason>`.
+            return None;
+        }
         (!was_complete && req.content_complete).then_some(OutcomeTag::Completed)
     }
 
@@ -303,6 +314,18 @@ impl Engine {
         let mut req = self.table.remove(&ctx)?;
         p.add(Metric::ActiveRequests, -1);
         if let Some(d) = req.decision {
+            if d.observed && classify_end(&req, details, flags) == End::Completed {
+                // Would have been aborted, yet completed: the clocks may be too tight.
+                p.add(Metric::RequestsCompleted, 1);
+                p.log(
+                    Level::Info,
+                    &format!(
+                        "kvguard: request_id={} completed after being observed as {} (observe mode)",
+                        req.id,
+                        d.reason.as_str()
+                    ),
+                );
+            }
             return Some(d.into());
         }
         let now = p.now_ms();
@@ -731,6 +754,35 @@ mod tests {
         e.pump(&mut h);
         assert!(h.calls.is_empty());
         assert_eq!(e.pending_aborts(), 0);
+    }
+
+    #[test]
+    fn observe_mode_keeps_reading_and_tells_a_later_completion() {
+        let (mut e, mut h) = engine(r#","mode":"observe","idle_timeout_ms":100"#);
+        track(&mut e, &mut h, 1, "o1");
+        sse(&mut e, &mut h, 1);
+        e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
+        h.now += 100;
+        assert_eq!(e.tick(&mut h).len(), 1);
+        assert_eq!(e.body_need(1), BodyNeed::Bytes);
+        // No second decision while it goes on.
+        h.now += 1000;
+        assert!(e.tick(&mut h).is_empty());
+        assert_eq!(
+            e.on_response_body(&mut h, 1, b"data: [DONE]\n\n", 0, false),
+            None
+        );
+        assert_eq!(e.body_need(1), BodyNeed::Nothing);
+        assert_eq!(
+            e.on_log(&mut h, 1, b"via_upstream", 0),
+            Some(OutcomeTag::Observed(AbortReason::Stalled))
+        );
+        assert_eq!(h.metric(Metric::RequestsCompleted), 1);
+        assert!(h
+            .logs
+            .iter()
+            .any(|(_, m)| m.contains("completed after being observed as stalled")));
+        assert!(h.calls.is_empty());
     }
 
     fn stamp_for(id: &str, addr: &str, key: &str) -> String {

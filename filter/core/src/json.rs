@@ -12,6 +12,7 @@
 //! string...) are never confused with these: only the exact positions count.
 
 use memchr::memchr2;
+use std::borrow::Cow;
 
 /// Most choices recorded per event (more are ignored; completion then relies on
 /// `[DONE]` or the end of stream).
@@ -63,8 +64,78 @@ struct Frame {
     key: KeyId,
 }
 
+/// A string's content with its escapes decoded (borrowed when it has none, which is the
+/// case for every key and value a server writes in practice). An invalid escape decodes
+/// to nothing that matches.
+fn decoded(raw: &[u8]) -> Cow<'_, [u8]> {
+    if memchr::memchr(b'\\', raw).is_none() {
+        return Cow::Borrowed(raw);
+    }
+    Cow::Owned(unescape(raw).unwrap_or_default())
+}
+
+fn hex4(h: &[u8]) -> Option<u32> {
+    if h.len() != 4 {
+        return None;
+    }
+    h.iter().try_fold(0u32, |acc, c| {
+        let d = match c {
+            b'0'..=b'9' => c - b'0',
+            b'a'..=b'f' => c - b'a' + 10,
+            b'A'..=b'F' => c - b'A' + 10,
+            _ => return None,
+        };
+        Some(acc * 16 + u32::from(d))
+    })
+}
+
+fn unescape(raw: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        let b = raw[i];
+        if b != b'\\' {
+            out.push(b);
+            i += 1;
+            continue;
+        }
+        let e = *raw.get(i + 1)?;
+        i += 2;
+        let simple = match e {
+            b'"' | b'\\' | b'/' => Some(e),
+            b'b' => Some(8),
+            b'f' => Some(12),
+            b'n' => Some(b'\n'),
+            b'r' => Some(b'\r'),
+            b't' => Some(b'\t'),
+            b'u' => None,
+            _ => return None,
+        };
+        if let Some(c) = simple {
+            out.push(c);
+            continue;
+        }
+        let cp = hex4(raw.get(i..i + 4)?)?;
+        i += 4;
+        let c = if (0xD800..0xDC00).contains(&cp) && raw.get(i..i + 2) == Some(&b"\\u"[..]) {
+            match hex4(raw.get(i + 2..i + 6).unwrap_or_default()) {
+                Some(lo) if (0xDC00..0xE000).contains(&lo) => {
+                    i += 6;
+                    char::from_u32(0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00))
+                }
+                _ => None,
+            }
+        } else {
+            char::from_u32(cp)
+        };
+        let mut buf = [0u8; 4];
+        out.extend_from_slice(c.unwrap_or('\u{FFFD}').encode_utf8(&mut buf).as_bytes());
+    }
+    Some(out)
+}
+
 fn key_id(role: Role, raw: &[u8]) -> KeyId {
-    match (role, raw) {
+    match (role, decoded(raw).as_ref()) {
         (Role::Top, b"type") => KeyId::Type,
         (Role::Top, b"done") => KeyId::Done,
         (Role::Top, b"choices") => KeyId::Choices,
@@ -76,7 +147,7 @@ fn key_id(role: Role, raw: &[u8]) -> KeyId {
 
 fn is_terminal_type(s: &[u8]) -> bool {
     matches!(
-        s,
+        decoded(s).as_ref(),
         b"response.completed" | b"response.failed" | b"response.incomplete"
     )
 }
@@ -200,6 +271,20 @@ fn walk(json: &[u8], out: &mut Look) -> Option<()> {
                 i += 1;
             }
             b'{' | b'[' => {
+                if is_obj {
+                    // A container replaces any earlier value of the same key.
+                    match key {
+                        KeyId::Done => out.done = false,
+                        KeyId::Type => out.terminal_type = false,
+                        KeyId::Choices => {
+                            out.choices.clear();
+                            out.choices_truncated = false;
+                        }
+                        KeyId::Index => choice.0 = 0,
+                        KeyId::FinishReason => choice.1 = true,
+                        _ => {}
+                    }
+                }
                 let child_role = match (role, key, b) {
                     (Role::Top, KeyId::Choices, b'[') => Role::Choices,
                     (Role::Choices, _, b'{') => {
@@ -222,9 +307,16 @@ fn walk(json: &[u8], out: &mut Look) -> Option<()> {
             b'"' => {
                 let (raw, next) = scan_string(json, i + 1)?;
                 if is_obj {
+                    // The last value of a repeated key wins, as in serde_json.
                     match key {
-                        KeyId::Type if is_terminal_type(raw) => out.terminal_type = true,
-                        KeyId::FinishReason if !raw.is_empty() => choice.1 = true,
+                        KeyId::Done => out.done = false,
+                        KeyId::Type => out.terminal_type = is_terminal_type(raw),
+                        KeyId::Choices => {
+                            out.choices.clear();
+                            out.choices_truncated = false;
+                        }
+                        KeyId::Index => choice.0 = 0,
+                        KeyId::FinishReason => choice.1 = !raw.is_empty(),
                         _ => {}
                     }
                 }
@@ -237,9 +329,14 @@ fn walk(json: &[u8], out: &mut Look) -> Option<()> {
                 }
                 if is_obj {
                     match key {
-                        KeyId::Done if lit == b"true" => out.done = true,
+                        KeyId::Done => out.done = lit == b"true",
+                        KeyId::Type => out.terminal_type = false,
+                        KeyId::Choices => {
+                            out.choices.clear();
+                            out.choices_truncated = false;
+                        }
                         KeyId::Index => choice.0 = parse_index(lit).unwrap_or(0),
-                        KeyId::FinishReason if lit != b"null" => choice.1 = true,
+                        KeyId::FinishReason => choice.1 = lit != b"null",
                         _ => {}
                     }
                 }
@@ -314,6 +411,29 @@ mod tests {
     }
 
     #[test]
+    fn escapes_and_repeated_keys_agree_with_serde() {
+        assert!(look(br#"{"d\u006fne":true}"#).done);
+        assert!(look(br#"{"type":"response.c\u006fmpleted"}"#).terminal_type);
+        assert!(!look(br#"{"type":"response\/completed"}"#).terminal_type);
+        assert!(!look(br#"{"done":true,"done":false}"#).done);
+        assert!(look(br#"{"done":false,"done":true}"#).done);
+        assert!(!look(br#"{"done":true,"done":{"x":1}}"#).done);
+        assert!(!look(br#"{"type":"response.completed","type":"x"}"#).terminal_type);
+        assert!(!look(br#"{"type":"response.completed","type":null}"#).terminal_type);
+        let l = look(br#"{"choices":[{"index":0,"finish_reason":"stop"}],"choices":[]}"#);
+        assert!(l.choices.is_empty());
+        let l = look(br#"{"choices":[{"index":0,"finish_reason":"stop","finish_reason":null}]}"#);
+        assert_eq!(l.choices, vec![(0, false)]);
+        assert_eq!(
+            unescape(br#"a\u00e9\ud83d\ude00\n"#).unwrap(),
+            "a\u{e9}\u{1F600}\n".as_bytes()
+        );
+        assert_eq!(unescape(br#"\ud800x"#).unwrap(), "\u{FFFD}x".as_bytes());
+        assert_eq!(unescape(br#"\q"#), None);
+        assert_eq!(unescape(br#"\u12"#), None);
+    }
+
+    #[test]
     fn malformed_inputs() {
         for bad in [
             &b""[..],
@@ -354,6 +474,29 @@ mod tests {
             #[test]
             fn never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
                 let _ = look(&bytes);
+                let _ = unescape(&bytes);
+            }
+
+            #[test]
+            fn agrees_with_serde_json(done in proptest::option::of(any::<bool>()),
+                                      ty in proptest::option::of(prop_oneof![Just("response.completed"), Just("response.failed"), Just("response.incomplete"), Just("response.created"), Just("x")]),
+                                      escape in any::<bool>(),
+                                      extra in "[a-z]{0,6}") {
+                let mut members = vec![format!("\"{extra}\":[1,{{\"done\":true}}]")];
+                if let Some(d) = done {
+                    members.push(format!("\"done\":{d}"));
+                }
+                if let Some(t) = ty {
+                    let t = if escape { t.replace('o', "\\u006f") } else { t.to_string() };
+                    members.push(format!("\"type\":\"{t}\""));
+                }
+                let text = format!("{{{}}}", members.join(","));
+                let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+                let l = look(text.as_bytes());
+                prop_assert!(!l.malformed);
+                prop_assert_eq!(l.done, v.get("done") == Some(&serde_json::Value::Bool(true)));
+                let terminal = matches!(v.get("type").and_then(|t| t.as_str()), Some("response.completed" | "response.failed" | "response.incomplete"));
+                prop_assert_eq!(l.terminal_type, terminal, "{}", text);
             }
         }
     }

@@ -106,6 +106,14 @@ impl Request {
         self.content_complete || self.end_of_stream || self.decision.is_some()
     }
 
+    /// Whether the body still needs reading: not complete, not ended, and not decided
+    /// for real (an observed decision keeps reading, so that observe mode can tell a
+    /// request that would have been aborted but completed later).
+    pub fn reading(&self) -> bool {
+        let decided = matches!(self.decision, Some(d) if !d.observed);
+        !self.content_complete && !self.end_of_stream && !decided
+    }
+
     /// Records the response framing.
     pub fn on_response_headers(&mut self, framing: Framing, max_event_bytes: usize) {
         self.response_started = true;

@@ -669,6 +669,49 @@ mod tests {
         assert_eq!(Framing::of(None, None), (Framing::Opaque, false));
     }
 
+    /// Throughput check: `cargo test --release -p kvguard-filter-core -- --ignored --nocapture throughput`.
+    #[test]
+    #[ignore]
+    fn throughput() {
+        let rounds = 20_000;
+        let t0 = std::time::Instant::now();
+        let mut events = 0u64;
+        for _ in 0..rounds {
+            let mut s = Scanner::new(Framing::Sse, 65536);
+            // Chunks as an engine sends them: one event per chunk.
+            for chunk in CHAT.split_inclusive(|b| *b == b'\n') {
+                events += u64::from(s.feed(chunk).events);
+            }
+            assert!(s.completed());
+        }
+        let dt = t0.elapsed();
+        let ev: &[u8] = br#"{"id":"chatcmpl-fx-chat","object":"chat.completion.chunk","created":1795960117,"model":"tiny","choices":[{"index":0,"delta":{"content":" 272"},"logprobs":null,"finish_reason":null,"token_ids":null}]}"#;
+        let t1 = std::time::Instant::now();
+        let mut n = 0usize;
+        for _ in 0..300_000 {
+            n += crate::json::look(std::hint::black_box(ev)).choices.len();
+        }
+        println!(
+            "json::look: {:.0} ns/event ({n})",
+            t1.elapsed().as_nanos() as f64 / 300_000.0
+        );
+        let t2 = std::time::Instant::now();
+        let mut n = 0usize;
+        for _ in 0..300_000 {
+            n += memchr::memchr2(b'\n', b'\r', std::hint::black_box(ev)).unwrap_or(1);
+        }
+        println!(
+            "memchr2: {:.0} ns/event ({n})",
+            t2.elapsed().as_nanos() as f64 / 300_000.0
+        );
+        let bytes = (CHAT.len() * rounds) as f64;
+        println!(
+            "{events} events, {:.0} MB/s, {:.0} ns/event",
+            bytes / dt.as_secs_f64() / 1e6,
+            dt.as_nanos() as f64 / events as f64
+        );
+    }
+
     #[cfg(not(target_family = "wasm"))]
     mod props {
         use super::*;

@@ -334,7 +334,7 @@ impl RootContext for Root {
                 return false;
             };
             match s.engine.as_mut() {
-                Some(e) => e.cfg = cfg,
+                Some(e) => e.reconfigure(cfg),
                 None => s.engine = Some(Engine::new(cfg, random_seed())),
             }
             s.queue_id.is_none()
