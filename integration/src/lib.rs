@@ -12,6 +12,7 @@
 //! - [`lossy`] a reverse proxy that does not pass client disconnects on (the leak).
 //! - [`load`] the load generator behind the `kvguard-load` binary.
 
+pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod demo;

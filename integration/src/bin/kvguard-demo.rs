@@ -16,8 +16,8 @@ struct Args {
     /// Engine: `sim` (the workspace's simulator, default) or `vllm` (real vLLM on CPU).
     #[arg(long, default_value = "sim")]
     engine: String,
-    /// Use this running vLLM (http://ip:port) instead of starting one (default:
-    /// `KVGUARD_VLLM_URL`).
+    /// Use this running vLLM (http://ip:port) instead of starting one. The demo's own
+    /// vLLM has a small KV pool (160 blocks of 32 tokens) so that the leak shows.
     #[arg(long)]
     vllm_url: Option<String>,
     /// Only this run: `leak` or `kvguard` (default: both).
@@ -56,7 +56,10 @@ async fn serve_vllm(url_file: PathBuf) -> Result<()> {
         // Its process group, so that `scripts/vllm-server stop` can end it even if this
         // holder was killed.
         vllm::write_atomic(&url_file.with_extension("pgid"), &g.pid().to_string())?;
-        vllm::write_atomic(&url_file.with_extension("log"), &g.log_path().display().to_string())?;
+        vllm::write_atomic(
+            &url_file.with_extension("log"),
+            &g.log_path().display().to_string(),
+        )?;
     }
     vllm::write_atomic(&url_file, &v.url())?;
     println!("vLLM ready at {}", v.url());
@@ -110,8 +113,8 @@ async fn demo(a: Args) -> Result<()> {
         (EngineKind::Sim, _) => None,
         (EngineKind::Vllm, Some(u)) => Some(Vllm::connect(u).await?.addr()),
         (EngineKind::Vllm, None) => {
-            eprintln!("starting real vLLM (tiny random Llama, CPU; about a minute)...");
-            let v = Vllm::start(VllmOptions::default()).await?;
+            eprintln!("starting real vLLM (tiny random Llama, CPU; a minute or two)...");
+            let v = Vllm::start(demo::demo_vllm_options()).await?;
             let addr = v.addr();
             own_vllm = Some(v);
             Some(addr)

@@ -54,6 +54,12 @@ pub fn plan(cfg: &DemoConfig) -> Vec<Planned> {
             } else {
                 Kind::Complete
             };
+            // A silent client (vLLM's stand-in for a stall) must leave more output
+            // behind than the buffers on the way hold, or its stream is not stalled.
+            let tokens = match (kind, cfg.engine) {
+                (Kind::Stall(_), EngineKind::Vllm) => tokens.max(1800),
+                _ => tokens,
+            };
             Planned {
                 index: i,
                 at: Duration::from_secs_f64(i as f64 / cfg.rate),

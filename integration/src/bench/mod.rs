@@ -1,0 +1,864 @@
+//! `kvguard-bench`: what kvguard costs, measured side by side (issue 6). Never a timed
+//! test assertion: it prints figures and writes them to JSON, markdown and an SVG chart.
+//!
+//! Sections:
+//! - `overhead`: one Envoy process with three identical listeners (no filter, a
+//!   do-nothing wasm filter, kvguard in enforce mode with aborts to a receiver), many
+//!   concurrent SSE streams over HTTP/1.1 and HTTP/2 from the Rust load generator
+//!   ([`crate::load`]) against a fast upstream ([`upstream::FastUpstream`]), interleaved
+//!   rounds in alternating order. Envoy CPU per relayed event from `/proc/<pid>`, TTFB,
+//!   inter-event delay, throughput.
+//! - `abort`: client disconnect → abort received (mock receiver), and client disconnect
+//!   → engine connection closed (Envoy + kvguard → lossy hop → kvguard-control → upstream).
+//! - `stall`: stall detection delay minus the idle timeout.
+//! - `memory`: wasm VM memory and Envoy RSS at 0, 1k, 10k tracked streams and after they
+//!   end, over repeated waves.
+//! - `control`: kvguard-control RSS, and its proxy hop vs direct (TTFB p50).
+
+pub mod report;
+pub mod upstream;
+
+use crate::client;
+use crate::demo::stack::{self, Control};
+use crate::envoy::{Envoy, EnvoyOptions};
+use crate::load::{self, LoadConfig, LoadSummary, Percentiles};
+use crate::lossy::{self, LossyConfig};
+use crate::receiver::{self, ReceiverConfig};
+use anyhow::{bail, Context, Result};
+use kvguard_contract::Key;
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use upstream::FastUpstream;
+
+/// The listeners compared by the overhead section, in their round-0 order.
+pub const VARIANTS: [&str; 3] = ["none", "noop", "kvguard"];
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Interleaved rounds of the overhead section (≥ 5 for a recorded run).
+    pub rounds: usize,
+    /// Smaller loads (development runs).
+    pub quick: bool,
+    /// Sections to run (`overhead`, `abort`, `stall`, `memory`, `control`).
+    pub sections: Vec<String>,
+    /// The do-nothing filter's wasm.
+    pub noop_wasm: PathBuf,
+    /// Disconnects measured per abort-latency setup.
+    pub disconnects: usize,
+    /// Tracked-stream levels of the memory section (the largest is the wave size).
+    pub memory_levels: Vec<usize>,
+    /// Memory waves.
+    pub memory_waves: usize,
+}
+
+/// Envoy's CPU time so far, in ns: the sum of `/proc/<pid>/task/*/schedstat` run times
+/// (ns resolution), and `/proc/<pid>/stat` utime+stime in clock ticks.
+pub fn cpu(pid: u32) -> (u64, u64) {
+    let mut ns = 0u64;
+    if let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in rd.flatten() {
+            if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
+                ns += s
+                    .split_whitespace()
+                    .next()
+                    .and_then(|x| x.parse::<u64>().ok())
+                    .unwrap_or(0);
+            }
+        }
+    }
+    let ticks = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let rest = s.rsplit_once(')')?.1.to_owned();
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            // After the comm: state is field 3; utime 14 and stime 15 (1-based) → 11, 12.
+            Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+        })
+        .unwrap_or(0);
+    (ns, ticks)
+}
+
+/// Clock ticks per second (for `/proc/<pid>/stat`).
+pub fn clk_tck() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let v = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if v > 0 {
+        v as u64
+    } else {
+        100
+    }
+}
+
+/// Resident set size of a process, bytes.
+pub fn rss(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// One load scenario of the overhead section.
+#[derive(Debug, Clone, Serialize)]
+pub struct Scenario {
+    /// Name, e.g. `h2-paced-1000`.
+    pub name: String,
+    /// h2c instead of HTTP/1.1.
+    pub http2: bool,
+    /// Concurrent streams.
+    pub concurrency: usize,
+    /// Streams in all.
+    pub requests: usize,
+    /// Data events per stream (plus `[DONE]`).
+    pub events: u64,
+    /// Gap between events, µs (0 = burst: saturation).
+    pub interval_us: u64,
+}
+
+fn scenarios(quick: bool) -> Vec<Scenario> {
+    let s = |name: &str, http2, concurrency, requests, events, interval_us| Scenario {
+        name: name.into(),
+        http2,
+        concurrency,
+        requests,
+        events,
+        interval_us,
+    };
+    if quick {
+        return vec![
+            s("h1-sat-100", false, 100, 300, 64, 0),
+            s("h1-paced-100", false, 100, 100, 20, 20_000),
+            s("h2-paced-1000", true, 1000, 1000, 10, 100_000),
+        ];
+    }
+    vec![
+        s("h1-sat-100", false, 100, 1000, 64, 0),
+        s("h2-sat-100", true, 100, 1000, 64, 0),
+        s("h1-paced-100", false, 100, 300, 40, 20_000),
+        s("h1-paced-1000", false, 1000, 1000, 20, 100_000),
+        s("h2-paced-1000", true, 1000, 1000, 20, 100_000),
+    ]
+}
+
+/// One measured run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Run {
+    /// Round.
+    pub round: usize,
+    /// Listener variant.
+    pub variant: String,
+    /// Envoy CPU (schedstat) per relayed event, µs.
+    pub cpu_us_per_event: f64,
+    /// Envoy CPU (`/proc/<pid>/stat` utime+stime) per relayed event, µs (10 ms ticks).
+    pub stat_cpu_us_per_event: f64,
+    /// Events relayed (data events and `[DONE]`).
+    pub events: u64,
+    /// Events per second over the run.
+    pub throughput: f64,
+    /// TTFB (request sent → first data event), ms.
+    pub ttfb_ms: Percentiles,
+    /// Gap between events, ms.
+    pub inter_event_ms: Percentiles,
+    /// Errors + truncated streams.
+    pub errors: usize,
+    /// Seconds.
+    pub duration_s: f64,
+}
+
+async fn load_once(target: SocketAddr, sc: &Scenario, seed: u64) -> LoadSummary {
+    let mut cfg = LoadConfig::new(target);
+    cfg.requests = sc.requests;
+    cfg.concurrency = sc.concurrency;
+    cfg.http2 = sc.http2;
+    cfg.max_tokens = sc.events as u32;
+    cfg.seed = seed;
+    cfg.stream_timeout = Duration::from_secs(60);
+    cfg.headers = vec![
+        ("x-bench-events".into(), sc.events.to_string()),
+        ("x-bench-interval-us".into(), sc.interval_us.to_string()),
+    ];
+    load::run(cfg).await
+}
+
+fn noop_filter_json(noop_wasm: &std::path::Path) -> Value {
+    json!({
+        "name": "noop",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+            "config": {
+                "name": "noop",
+                "root_id": "noop",
+                "failure_policy": "FAIL_OPEN",
+                "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": "{}"},
+                "vm_config": {
+                    "vm_id": "noop",
+                    "runtime": "envoy.wasm.runtime.v8",
+                    "code": {"local": {"filename": noop_wasm.display().to_string()}}
+                }
+            }
+        }
+    })
+}
+
+/// The bench secret (filter and receiver / control).
+pub const SECRET: &str = stack::SECRET;
+
+/// Envoy options with kvguard in front of `upstream`, aborts to `control`, quiet logs.
+pub fn kvguard_envoy(upstream: SocketAddr, control: SocketAddr, filter: Value) -> EnvoyOptions {
+    let mut eo =
+        EnvoyOptions::with_filter(upstream, control, filter).vm_env("KVGUARD_SECRET", SECRET);
+    eo.access_log = false;
+    eo.log_level = "warn".into();
+    eo.component_log_level = Some("wasm:warn".into());
+    eo
+}
+
+/// Starts the three-listener Envoy of the overhead section.
+pub async fn three_listener_envoy(
+    upstream: SocketAddr,
+    receiver: SocketAddr,
+    noop_wasm: PathBuf,
+) -> Result<Envoy> {
+    let filter = json!({
+        "control_cluster": crate::envoy::CONTROL_CLUSTER,
+        "secret_env": "KVGUARD_SECRET",
+        "mode": "enforce",
+    });
+    let mut eo = kvguard_envoy(upstream, receiver, filter);
+    eo.patch = Some(Arc::new(move |b: &mut Value| {
+        let Some(listeners) = b["static_resources"]["listeners"].as_array_mut() else {
+            return;
+        };
+        let Some(base) = listeners.first().cloned() else {
+            return;
+        };
+        let mut out = Vec::new();
+        for variant in VARIANTS {
+            let mut l = base.clone();
+            l["name"] = json!(variant);
+            let hcm = &mut l["filter_chains"][0]["filters"][0]["typed_config"];
+            hcm["stat_prefix"] = json!(format!("ingress_{variant}"));
+            if let Some(filters) = hcm["http_filters"].as_array_mut() {
+                match variant {
+                    "none" => filters.retain(|f| f["name"] == "envoy.filters.http.router"),
+                    "noop" => {
+                        filters.retain(|f| f["name"] == "envoy.filters.http.router");
+                        filters.insert(0, noop_filter_json(&noop_wasm));
+                    }
+                    _ => {}
+                }
+            }
+            out.push(l);
+        }
+        *listeners = out;
+    }));
+    Envoy::start(eo).await
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Median, min and max of a series.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Spread {
+    /// Median.
+    pub median: f64,
+    /// Smallest.
+    pub min: f64,
+    /// Largest.
+    pub max: f64,
+}
+
+impl Spread {
+    /// Of a series.
+    pub fn of(v: &[f64]) -> Spread {
+        let v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+        Spread {
+            median: median(v.clone()),
+            min: v.iter().copied().fold(f64::INFINITY, f64::min),
+            max: v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        }
+    }
+}
+
+/// The overhead section.
+pub async fn overhead(opts: &BenchOptions) -> Result<Value> {
+    let up = FastUpstream::spawn().await?;
+    let rx = receiver::spawn(ReceiverConfig::new(vec![Key::try_new(SECRET.as_bytes())?])).await?;
+    let mut envoy = three_listener_envoy(up.addr(), rx.addr(), opts.noop_wasm.clone()).await?;
+    let pid = envoy.guard().pid();
+    let mut ports = BTreeMap::new();
+    for v in VARIANTS {
+        ports.insert(v, envoy.listener_named(v).await?);
+    }
+    let scs = scenarios(opts.quick);
+    // Warm-up: every listener, every protocol.
+    for v in VARIANTS {
+        for h2 in [false, true] {
+            let w = Scenario {
+                name: "warmup".into(),
+                http2: h2,
+                concurrency: 20,
+                requests: 40,
+                events: 16,
+                interval_us: 0,
+            };
+            let s = load_once(ports[v], &w, 1).await;
+            if s.errors > 0 || s.completed == 0 {
+                bail!("warm-up through {v} failed: {:?}", s.error_samples);
+            }
+        }
+    }
+    let tck = clk_tck();
+    let mut runs: BTreeMap<String, Vec<Run>> = BTreeMap::new();
+    for round in 0..opts.rounds {
+        let mut order: Vec<&str> = VARIANTS.to_vec();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for sc in &scs {
+            for v in &order {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let (ns0, t0) = cpu(pid);
+                let s = load_once(ports[v], sc, round as u64 * 7 + 1).await;
+                let (ns1, t1) = cpu(pid);
+                let events = s.events.max(1);
+                let run = Run {
+                    round,
+                    variant: (*v).to_owned(),
+                    cpu_us_per_event: (ns1 - ns0) as f64 / 1000.0 / events as f64,
+                    stat_cpu_us_per_event: (t1 - t0) as f64 * 1e6 / tck as f64 / events as f64,
+                    events: s.events,
+                    throughput: s.events as f64 / s.duration_s.max(1e-9),
+                    ttfb_ms: s.ttfb_ms.clone(),
+                    inter_event_ms: s.inter_event_ms.clone(),
+                    errors: s.errors + s.truncated,
+                    duration_s: s.duration_s,
+                };
+                eprintln!(
+                    "overhead round {round} {:>14} {:>7}: {:>7.2} µs/event  ttfb p50 {:.2} ms p99 {:.2} ms  gap p99 {:.2} ms  {:.0} ev/s  errors {}",
+                    sc.name, v, run.cpu_us_per_event, run.ttfb_ms.p50, run.ttfb_ms.p99, run.inter_event_ms.p99, run.throughput, run.errors
+                );
+                runs.entry(format!("{}/{}", sc.name, v))
+                    .or_default()
+                    .push(run);
+            }
+        }
+    }
+    let stats = envoy
+        .stats_matching("kvguard_filter")
+        .await
+        .unwrap_or_default();
+    let false_aborts = rx.calls().len();
+    // Summaries per scenario.
+    let mut summary = Vec::new();
+    for sc in &scs {
+        let get = |v: &str| {
+            runs.get(&format!("{}/{}", sc.name, v))
+                .cloned()
+                .unwrap_or_default()
+        };
+        let (none, noop, kvg) = (get("none"), get("noop"), get("kvguard"));
+        let per_round = |a: &[Run], b: &[Run], f: &dyn Fn(&Run) -> f64| -> Vec<f64> {
+            a.iter().zip(b).map(|(x, y)| f(x) / f(y)).collect()
+        };
+        let diff = |a: &[Run], b: &[Run], f: &dyn Fn(&Run) -> f64| -> Vec<f64> {
+            a.iter().zip(b).map(|(x, y)| f(x) - f(y)).collect()
+        };
+        let cpu_f = |r: &Run| r.cpu_us_per_event;
+        let p50 = |r: &Run| r.ttfb_ms.p50 * 1000.0;
+        let p99 = |r: &Run| r.ttfb_ms.p99 * 1000.0;
+        let col =
+            |rs: &[Run], f: &dyn Fn(&Run) -> f64| Spread::of(&rs.iter().map(f).collect::<Vec<_>>());
+        let variants: BTreeMap<&str, Value> = [("none", &none), ("noop", &noop), ("kvguard", &kvg)]
+            .into_iter()
+            .map(|(n, rs)| {
+                (
+                    n,
+                    json!({
+                        "cpu_us_per_event": col(rs, &cpu_f),
+                        "stat_cpu_us_per_event": col(rs, &|r| r.stat_cpu_us_per_event),
+                        "ttfb_p50_ms": col(rs, &|r| r.ttfb_ms.p50),
+                        "ttfb_p99_ms": col(rs, &|r| r.ttfb_ms.p99),
+                        "inter_event_p99_ms": col(rs, &|r| r.inter_event_ms.p99),
+                        "throughput_events_per_s": col(rs, &|r| r.throughput),
+                        "errors": rs.iter().map(|r| r.errors).sum::<usize>(),
+                    }),
+                )
+            })
+            .collect();
+        summary.push(json!({
+            "scenario": sc,
+            "variants": variants,
+            "cpu_kvguard_over_noop": Spread::of(&per_round(&kvg, &noop, &cpu_f)),
+            "cpu_kvguard_over_none": Spread::of(&per_round(&kvg, &none, &cpu_f)),
+            "cpu_noop_over_none": Spread::of(&per_round(&noop, &none, &cpu_f)),
+            "ttfb_p50_added_us_vs_none": Spread::of(&diff(&kvg, &none, &p50)),
+            "ttfb_p99_added_us_vs_none": Spread::of(&diff(&kvg, &none, &p99)),
+            "ttfb_p50_added_us_vs_noop": Spread::of(&diff(&kvg, &noop, &p50)),
+            "ttfb_p99_added_us_vs_noop": Spread::of(&diff(&kvg, &noop, &p99)),
+        }));
+    }
+    Ok(json!({
+        "rounds": opts.rounds,
+        "envoy_pid_cpu_source": "sum of /proc/<pid>/task/*/schedstat run time (ns); /proc/<pid>/stat utime+stime also recorded",
+        "summary": summary,
+        "runs": runs,
+        "aborts_sent_during_healthy_load": false_aborts,
+        "filter_stats": stats,
+    }))
+}
+
+/// One disconnect's timings.
+#[derive(Debug, Clone, Serialize)]
+struct DisconnectSample {
+    id: String,
+    to_receiver_ms: Option<f64>,
+    to_engine_closed_ms: Option<f64>,
+}
+
+/// Opens `n` paced streams through `entry`, reads each one's first event (learning its
+/// request id from `chatcmpl-<id>`), then disconnects them one by one `gap` apart.
+/// Returns (id, disconnect instant).
+async fn open_and_disconnect(
+    entry: SocketAddr,
+    n: usize,
+    headers: &[(&str, &str)],
+    http2: bool,
+    gap: Duration,
+) -> Result<Vec<(String, Instant)>> {
+    let body =
+        json!({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "stream": true});
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        let body = body.clone();
+        let headers: Vec<(String, String)> = headers
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        set.spawn(async move {
+            let h: Vec<(&str, &str)> = headers
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            let mut s = client::stream_sse(entry, "/v1/chat/completions", &body, &h, http2).await?;
+            let ev = s
+                .next_data(Duration::from_secs(20))
+                .await?
+                .context("stream ended before its first event")?;
+            let id = ev
+                .json()
+                .and_then(|v| v["id"].as_str().map(str::to_owned))
+                .and_then(|s| s.strip_prefix("chatcmpl-").map(str::to_owned))
+                .context("no chatcmpl id in the first event")?;
+            anyhow::Ok((id, s))
+        });
+    }
+    let mut streams = Vec::new();
+    while let Some(r) = set.join_next().await {
+        match r {
+            Ok(Ok(x)) => streams.push(x),
+            Ok(Err(e)) => eprintln!("abort bench: a stream failed to open: {e:#}"),
+            Err(e) => eprintln!("abort bench: a stream task failed: {e}"),
+        }
+    }
+    let mut out = Vec::new();
+    for (id, s) in streams {
+        let t0 = Instant::now();
+        s.disconnect();
+        out.push((id, t0));
+        if !gap.is_zero() {
+            tokio::time::sleep(gap).await;
+        }
+    }
+    Ok(out)
+}
+
+fn ms_since(a: Instant, b: Instant) -> f64 {
+    b.saturating_duration_since(a).as_secs_f64() * 1000.0
+}
+
+/// The abort-latency and stall sections.
+pub async fn abort_and_stall(
+    opts: &BenchOptions,
+    run_abort: bool,
+    run_stall: bool,
+) -> Result<Value> {
+    let mut out = json!({});
+    let batch = 50usize;
+    let stream_headers = [("x-bench-events", "60"), ("x-bench-interval-us", "50000")];
+    if run_abort || run_stall {
+        // A: Envoy + kvguard → lossy hop → fast upstream; aborts to the mock receiver.
+        let up = FastUpstream::spawn().await?;
+        let hop = lossy::spawn(LossyConfig {
+            listen: None,
+            upstream: up.addr(),
+            upstream_http2: false,
+        })
+        .await?;
+        let rx =
+            receiver::spawn(ReceiverConfig::new(vec![Key::try_new(SECRET.as_bytes())?])).await?;
+        let filter = json!({
+            "control_cluster": crate::envoy::CONTROL_CLUSTER,
+            "secret_env": "KVGUARD_SECRET",
+            "idle_timeout_ms": 1000,
+            "tick_ms": 250,
+        });
+        let envoy = Envoy::start(kvguard_envoy(hop.addr(), rx.addr(), filter)).await?;
+        if run_abort {
+            let mut samples = Vec::new();
+            while samples.len() < opts.disconnects {
+                let n = batch.min(opts.disconnects - samples.len());
+                let pairs = open_and_disconnect(
+                    envoy.listener_addr(),
+                    n,
+                    &stream_headers,
+                    false,
+                    Duration::from_millis(2),
+                )
+                .await?;
+                let deadline = Instant::now() + Duration::from_secs(10);
+                loop {
+                    let calls = rx.calls();
+                    let have = pairs
+                        .iter()
+                        .filter(|(id, _)| calls.iter().any(|c| c.request_id() == Some(id.as_str())))
+                        .count();
+                    if have == pairs.len() || Instant::now() > deadline {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                let calls = rx.calls();
+                for (id, t0) in pairs {
+                    let at = calls
+                        .iter()
+                        .filter(|c| c.request_id() == Some(id.as_str()))
+                        .map(|c| c.at)
+                        .min();
+                    samples.push(DisconnectSample {
+                        id,
+                        to_receiver_ms: at.map(|a| ms_since(t0, a)),
+                        to_engine_closed_ms: None,
+                    });
+                }
+                rx.clear_calls();
+            }
+            let lat: Vec<f64> = samples.iter().filter_map(|s| s.to_receiver_ms).collect();
+            let missing = samples.len() - lat.len();
+            eprintln!(
+                "abort → receiver: {:?} (missing {missing})",
+                Percentiles::of(lat.clone())
+            );
+            out["abort_to_receiver_ms"] = json!(Percentiles::of(lat));
+            out["abort_to_receiver_missing"] = json!(missing);
+            out["abort_to_receiver_n"] = json!(samples.len());
+        }
+        if run_stall {
+            rx.clear_calls();
+            up.clear();
+            let n = if opts.quick { 50 } else { 200 };
+            let h = [
+                ("x-bench-events", "100"),
+                ("x-bench-interval-us", "10000"),
+                ("x-bench-stall-after", "3"),
+            ];
+            let body = json!({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "stream": true});
+            let mut set = tokio::task::JoinSet::new();
+            for _ in 0..n {
+                let entry = envoy.listener_addr();
+                let body = body.clone();
+                set.spawn(async move {
+                    let s =
+                        client::stream_sse(entry, "/v1/chat/completions", &body, &h, false).await;
+                    if let Ok(mut s) = s {
+                        let _ = s.collect(Duration::from_secs(10)).await;
+                    }
+                });
+            }
+            while set.join_next().await.is_some() {}
+            let calls = rx
+                .wait_for_calls(n, Duration::from_secs(10))
+                .await
+                .unwrap_or_else(|_| rx.calls());
+            let mut delays = Vec::new();
+            for c in &calls {
+                let Some(a) = &c.abort else { continue };
+                if a.reason != kvguard_contract::AbortReason::Stalled {
+                    continue;
+                }
+                if let Some(last) = up.last_sent(&a.request_id) {
+                    delays.push(ms_since(last, c.at) - 1000.0);
+                }
+            }
+            eprintln!(
+                "stall detected − 1000 ms threshold: {:?}",
+                Percentiles::of(delays.clone())
+            );
+            let mut hist: BTreeMap<String, usize> = BTreeMap::new();
+            for d in &delays {
+                let b = ((d / 50.0).floor() * 50.0) as i64;
+                *hist.entry(format!("{b:+}..{:+} ms", b + 50)).or_default() += 1;
+            }
+            out["stall_minus_threshold_ms"] = json!(Percentiles::of(delays));
+            out["stall_histogram"] = json!(hist);
+            out["stall_streams"] = json!(n);
+            out["stall_tick_ms"] = json!(250);
+        }
+        drop(envoy);
+    }
+    if run_abort {
+        // B: the full stack: Envoy + kvguard → lossy hop → kvguard-control → fast upstream.
+        let up = FastUpstream::spawn().await?;
+        let mut so = stack::StackOptions::new(up.addr(), Some(stack::filter_config(0, 0)));
+        so.buffer_limit = None;
+        so.control_args = vec!["--log".into(), "warn".into()];
+        let mut st = stack::Stack::start(so).await?;
+        let mut lat = Vec::new();
+        let mut missing = 0usize;
+        let mut total = 0usize;
+        while total < opts.disconnects {
+            let n = batch.min(opts.disconnects - total);
+            let pairs = open_and_disconnect(
+                st.entry(),
+                n,
+                &stream_headers,
+                false,
+                Duration::from_millis(2),
+            )
+            .await?;
+            total += pairs.len();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline
+                && pairs.iter().any(|(id, _)| up.closed_at(id).is_none())
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            for (id, t0) in &pairs {
+                match up.closed_at(id) {
+                    Some(c) => lat.push(ms_since(*t0, c)),
+                    None => missing += 1,
+                }
+            }
+            up.clear();
+        }
+        eprintln!(
+            "abort → engine connection closed: {:?} (missing {missing})",
+            Percentiles::of(lat.clone())
+        );
+        out["abort_to_engine_closed_ms"] = json!(Percentiles::of(lat));
+        out["abort_to_engine_closed_missing"] = json!(missing);
+        out["abort_to_engine_closed_n"] = json!(total);
+        out["control_rss_after_abort_storm_bytes"] = json!(rss(st.control.guard().pid()));
+    }
+    Ok(out)
+}
+
+async fn snap(label: String, envoy: &Envoy, pid: u32) -> Value {
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let st = envoy
+        .stats_matching("kvguard_filter")
+        .await
+        .unwrap_or_default();
+    let find = |k: &str| {
+        st.iter()
+            .find(|(n, _)| n.ends_with(k))
+            .map(|(_, v)| *v)
+            .unwrap_or(f64::NAN)
+    };
+    json!({
+        "label": label,
+        "vm_memory_bytes": find("kvguard_filter_vm_memory_bytes"),
+        "active_requests": find("kvguard_filter_active_requests"),
+        "envoy_rss_bytes": rss(pid),
+    })
+}
+
+/// The memory section.
+pub async fn memory(opts: &BenchOptions) -> Result<Value> {
+    let up = FastUpstream::spawn().await?;
+    let rx = receiver::spawn(ReceiverConfig::new(vec![Key::try_new(SECRET.as_bytes())?])).await?;
+    let filter = json!({
+        "control_cluster": crate::envoy::CONTROL_CLUSTER,
+        "secret_env": "KVGUARD_SECRET",
+        "mode": "observe",
+        "idle_timeout_ms": 0,
+        "max_age_ms": 0,
+    });
+    let mut eo = kvguard_envoy(up.addr(), rx.addr(), filter);
+    eo.upstream_http2 = true;
+    let mut envoy = Envoy::start(eo).await?;
+    let pid = envoy.guard().pid();
+    let entry = envoy.listener_addr();
+    let body =
+        json!({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "stream": true});
+    // One request so the VM has run once.
+    let mut w = client::stream_sse(
+        entry,
+        "/v1/chat/completions",
+        &body,
+        &[("x-bench-events", "4")],
+        false,
+    )
+    .await?;
+    let _ = w.collect(Duration::from_secs(5)).await;
+    let mut points = vec![snap("start".into(), &envoy, pid).await];
+    let top = *opts.memory_levels.iter().max().unwrap_or(&1000);
+    let hdr = [("x-bench-events", "2"), ("x-bench-hold-ms", "600000")];
+    for wave in 0..opts.memory_waves {
+        let mut held = Vec::new();
+        let mut levels = opts.memory_levels.clone();
+        levels.sort_unstable();
+        for level in levels {
+            let sem = Arc::new(tokio::sync::Semaphore::new(200));
+            let mut set = tokio::task::JoinSet::new();
+            for _ in held.len()..level {
+                let sem = sem.clone();
+                let body = body.clone();
+                set.spawn(async move {
+                    let _p = sem.acquire_owned().await.ok()?;
+                    let mut s =
+                        client::stream_sse(entry, "/v1/chat/completions", &body, &hdr, false)
+                            .await
+                            .ok()?;
+                    s.next_data(Duration::from_secs(30)).await.ok()??;
+                    Some(s)
+                });
+            }
+            while let Some(r) = set.join_next().await {
+                if let Ok(Some(s)) = r {
+                    held.push(s);
+                }
+            }
+            let p = snap(
+                format!("wave {wave}: {} streams held (target {level})", held.len()),
+                &envoy,
+                pid,
+            )
+            .await;
+            eprintln!("memory: {p}");
+            points.push(p);
+        }
+        for s in held.drain(..) {
+            s.disconnect();
+        }
+        let _ = envoy
+            .wait_stat(
+                "kvguard_filter_active_requests",
+                Duration::from_secs(60),
+                |v| v == 0.0,
+            )
+            .await;
+        let p = snap(
+            format!("wave {wave}: after {top} streams ended"),
+            &envoy,
+            pid,
+        )
+        .await;
+        eprintln!("memory: {p}");
+        points.push(p);
+    }
+    Ok(
+        json!({"points": points, "mode": "observe (no aborts sent: measures the tracking table)", "envoy_concurrency": 1}),
+    )
+}
+
+/// The control section: kvguard-control's RSS and its proxy hop vs direct.
+pub async fn control(opts: &BenchOptions) -> Result<Value> {
+    let up = FastUpstream::spawn().await?;
+    let any = SocketAddr::from(([127, 0, 0, 1], 0));
+    let args: Vec<String> = vec!["--log".into(), "warn".into()];
+    let mut c = Control::start(up.addr(), any, any, &args).await?;
+    let pid = c.guard().pid();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let rss_idle = rss(pid);
+    let sc = Scenario {
+        name: "hop".into(),
+        http2: false,
+        concurrency: 4,
+        requests: if opts.quick { 200 } else { 600 },
+        events: 4,
+        interval_us: 0,
+    };
+    let mut direct = Vec::new();
+    let mut via = Vec::new();
+    let rounds = opts.rounds.max(1);
+    for r in 0..rounds {
+        let order = if r % 2 == 0 {
+            [true, false]
+        } else {
+            [false, true]
+        };
+        for d in order {
+            let target = if d { up.addr() } else { c.proxy };
+            let s = load_once(target, &sc, r as u64).await;
+            if s.errors > 0 {
+                eprintln!("control hop: errors {:?}", s.error_samples);
+            }
+            if d {
+                direct.push(s.ttfb_ms.p50 * 1000.0)
+            } else {
+                via.push(s.ttfb_ms.p50 * 1000.0)
+            }
+        }
+    }
+    let rss_loaded = rss(pid);
+    let added: Vec<f64> = via.iter().zip(&direct).map(|(a, b)| a - b).collect();
+    eprintln!("control hop: direct p50 {direct:?} µs, via control {via:?} µs");
+    Ok(json!({
+        "rss_idle_bytes": rss_idle,
+        "rss_after_load_bytes": rss_loaded,
+        "ttfb_p50_direct_us": Spread::of(&direct),
+        "ttfb_p50_via_control_us": Spread::of(&via),
+        "hop_added_p50_us": Spread::of(&added),
+        "load": sc,
+    }))
+}
+
+/// Runs the selected sections; returns the whole result.
+pub async fn run(opts: BenchOptions) -> Result<Value> {
+    let want = |s: &str| opts.sections.iter().any(|x| x == s || x == "all");
+    let started = Instant::now();
+    let mut res = json!({
+        "machine": report::machine(),
+        "options": {"rounds": opts.rounds, "quick": opts.quick, "sections": opts.sections,
+                    "disconnects": opts.disconnects, "memory_levels": opts.memory_levels,
+                    "memory_waves": opts.memory_waves},
+    });
+    if want("overhead") {
+        res["overhead"] = overhead(&opts).await.context("overhead section")?;
+    }
+    if want("abort") || want("stall") {
+        res["abort"] = abort_and_stall(&opts, want("abort"), want("stall"))
+            .await
+            .context("abort section")?;
+    }
+    if want("memory") {
+        res["memory"] = memory(&opts).await.context("memory section")?;
+    }
+    if want("control") {
+        res["control"] = control(&opts).await.context("control section")?;
+    }
+    res["duration_s"] = json!(started.elapsed().as_secs_f64());
+    Ok(res)
+}

@@ -1,0 +1,411 @@
+//! The benchmark's outputs: the machine description, a markdown table and an SVG chart
+//! (written directly, no plotting dependency).
+
+use serde_json::{json, Value};
+use std::fmt::Write as _;
+
+/// Where it ran: CPU model, cores, memory, kernel, Envoy version.
+pub fn machine() -> Value {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, v)| v.trim().to_owned())
+        .unwrap_or_default();
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_owned();
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let envoy = crate::paths::envoy_bin()
+        .ok()
+        .and_then(|b| std::process::Command::new(b).arg("--version").output().ok())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default();
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    json!({
+        "cpu": model,
+        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "memory": mem,
+        "kernel": kernel.trim(),
+        "envoy": envoy,
+        "loadavg_at_start": load.trim(),
+    })
+}
+
+fn f(v: &Value) -> f64 {
+    v.as_f64().unwrap_or(f64::NAN)
+}
+
+fn spread(v: &Value, scale: f64, digits: usize) -> String {
+    format!(
+        "{:.*} ({:.*}–{:.*})",
+        digits,
+        f(&v["median"]) * scale,
+        digits,
+        f(&v["min"]) * scale,
+        digits,
+        f(&v["max"]) * scale
+    )
+}
+
+fn pct(v: &Value) -> String {
+    format!(
+        "{:+.1}% ({:+.1}…{:+.1})",
+        (f(&v["median"]) - 1.0) * 100.0,
+        (f(&v["min"]) - 1.0) * 100.0,
+        (f(&v["max"]) - 1.0) * 100.0
+    )
+}
+
+/// The markdown tables of a result.
+pub fn markdown(res: &Value) -> String {
+    let mut m = String::new();
+    let _ = writeln!(
+        m,
+        "Machine: {} × {} cores, {}; kernel {}; {}; load average at start {}.\n",
+        res["machine"]["cpu"].as_str().unwrap_or("?"),
+        res["machine"]["cores"],
+        res["machine"]["memory"]
+            .as_str()
+            .unwrap_or("?")
+            .replace("MemTotal:", "memory")
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" "),
+        res["machine"]["kernel"].as_str().unwrap_or("?"),
+        res["machine"]["envoy"].as_str().unwrap_or("?"),
+        res["machine"]["loadavg_at_start"].as_str().unwrap_or("?")
+    );
+    if let Some(sum) = res["overhead"]["summary"].as_array() {
+        let _ = writeln!(
+            m,
+            "### Filter overhead ({} interleaved rounds; median (min–max) across rounds)\n",
+            res["overhead"]["rounds"]
+        );
+        let _ = writeln!(m, "| scenario | listener | Envoy CPU µs/event | TTFB p50 ms | TTFB p99 ms | inter-event p99 ms | events/s | errors |");
+        let _ = writeln!(m, "|---|---|---|---|---|---|---|---|");
+        for s in sum {
+            let name = s["scenario"]["name"].as_str().unwrap_or("?");
+            for v in ["none", "noop", "kvguard"] {
+                let x = &s["variants"][v];
+                let _ = writeln!(
+                    m,
+                    "| {name} | {v} | {} | {} | {} | {} | {} | {} |",
+                    spread(&x["cpu_us_per_event"], 1.0, 2),
+                    spread(&x["ttfb_p50_ms"], 1.0, 2),
+                    spread(&x["ttfb_p99_ms"], 1.0, 2),
+                    spread(&x["inter_event_p99_ms"], 1.0, 2),
+                    spread(&x["throughput_events_per_s"], 1.0, 0),
+                    x["errors"]
+                );
+            }
+        }
+        let _ = writeln!(m, "\n| scenario | CPU/event kvguard vs noop (goal ≤ +3%) | kvguard vs none (goal ≤ +10%) | noop vs none | TTFB p50 added vs none µs (goal ≤ 50) | TTFB p99 added vs none µs (goal ≤ 200) | TTFB p50 added vs noop µs |");
+        let _ = writeln!(m, "|---|---|---|---|---|---|---|");
+        for s in sum {
+            let _ = writeln!(
+                m,
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                s["scenario"]["name"].as_str().unwrap_or("?"),
+                pct(&s["cpu_kvguard_over_noop"]),
+                pct(&s["cpu_kvguard_over_none"]),
+                pct(&s["cpu_noop_over_none"]),
+                spread(&s["ttfb_p50_added_us_vs_none"], 1.0, 0),
+                spread(&s["ttfb_p99_added_us_vs_none"], 1.0, 0),
+                spread(&s["ttfb_p50_added_us_vs_noop"], 1.0, 0)
+            );
+        }
+        let _ = writeln!(
+            m,
+            "\nAborts sent during the healthy overhead load: {} (must be 0).\n",
+            res["overhead"]["aborts_sent_during_healthy_load"]
+        );
+    }
+    let a = &res["abort"];
+    if !a.is_null() {
+        let _ = writeln!(m, "### Abort latency and stall detection\n");
+        let _ = writeln!(m, "| measure | n | p50 | p90 | p99 | max | missing |");
+        let _ = writeln!(m, "|---|---|---|---|---|---|---|");
+        let row = |m: &mut String, label: &str, p: &Value, _n: &Value, miss: &Value| {
+            if !p.is_null() {
+                let _ = writeln!(
+                    m,
+                    "| {label} | {} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {} |",
+                    p["n"],
+                    f(&p["p50"]),
+                    f(&p["p90"]),
+                    f(&p["p99"]),
+                    f(&p["max"]),
+                    miss
+                );
+            }
+        };
+        row(
+            &mut m,
+            "client disconnect → abort received (mock receiver)",
+            &a["abort_to_receiver_ms"],
+            &a["abort_to_receiver_n"],
+            &a["abort_to_receiver_missing"],
+        );
+        row(
+            &mut m,
+            "client disconnect → engine connection closed (via lossy hop + kvguard-control)",
+            &a["abort_to_engine_closed_ms"],
+            &a["abort_to_engine_closed_n"],
+            &a["abort_to_engine_closed_missing"],
+        );
+        row(
+            &mut m,
+            "stall: detected − idle_timeout (1000 ms; tick 250 ms)",
+            &a["stall_minus_threshold_ms"],
+            &a["stall_streams"],
+            &Value::from(""),
+        );
+        if let Some(h) = a["stall_histogram"].as_object() {
+            let _ = writeln!(
+                m,
+                "\nStall detection histogram (detected − threshold): {}\n",
+                h.iter()
+                    .map(|(k, v)| format!("{k}: {v}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        m.push('\n');
+    }
+    if let Some(points) = res["memory"]["points"].as_array() {
+        let _ = writeln!(m, "### Memory (one Envoy worker; observe mode)\n");
+        let _ = writeln!(m, "| point | tracked | wasm VM memory | Envoy RSS |");
+        let _ = writeln!(m, "|---|---|---|---|");
+        for p in points {
+            let _ = writeln!(
+                m,
+                "| {} | {} | {:.2} MiB | {:.1} MiB |",
+                p["label"].as_str().unwrap_or("?"),
+                p["active_requests"],
+                f(&p["vm_memory_bytes"]) / 1048576.0,
+                f(&p["envoy_rss_bytes"]) / 1048576.0
+            );
+        }
+        m.push('\n');
+    }
+    let c = &res["control"];
+    if !c.is_null() {
+        let _ = writeln!(m, "### kvguard-control\n");
+        let _ = writeln!(m, "| measure | value |\n|---|---|");
+        let _ = writeln!(
+            m,
+            "| RSS idle | {:.1} MiB |",
+            f(&c["rss_idle_bytes"]) / 1048576.0
+        );
+        let _ = writeln!(
+            m,
+            "| RSS after the hop load | {:.1} MiB |",
+            f(&c["rss_after_load_bytes"]) / 1048576.0
+        );
+        let _ = writeln!(
+            m,
+            "| TTFB p50 direct to the upstream | {} µs |",
+            spread(&c["ttfb_p50_direct_us"], 1.0, 0)
+        );
+        let _ = writeln!(
+            m,
+            "| TTFB p50 through kvguard-control | {} µs |",
+            spread(&c["ttfb_p50_via_control_us"], 1.0, 0)
+        );
+        let _ = writeln!(
+            m,
+            "| hop cost (p50, goal ≤ 100 µs) | {} µs |",
+            spread(&c["hop_added_p50_us"], 1.0, 0)
+        );
+        if !res["abort"]["control_rss_after_abort_storm_bytes"].is_null() {
+            let _ = writeln!(
+                m,
+                "| RSS after the abort-latency storm | {:.1} MiB |",
+                f(&res["abort"]["control_rss_after_abort_storm_bytes"]) / 1048576.0
+            );
+        }
+        m.push('\n');
+    }
+    m
+}
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// An SVG chart: Envoy CPU per event by scenario and listener (left), abort latency
+/// percentiles (right).
+pub fn svg(res: &Value) -> String {
+    let colors = [
+        ("none", "#7f7f7f"),
+        ("noop", "#1f77b4"),
+        ("kvguard", "#2ca02c"),
+    ];
+    let sum = res["overhead"]["summary"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let (w, h) = (900.0, 360.0);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="11">"#
+    );
+    let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
+    // Left: grouped bars.
+    let (x0, y0, pw, ph) = (50.0, 40.0, 520.0, 250.0);
+    let _ = writeln!(
+        s,
+        r#"<text x="{x0}" y="20" font-size="13" font-weight="bold">Envoy CPU per relayed event (µs, median of rounds)</text>"#
+    );
+    let max = sum
+        .iter()
+        .flat_map(|sc| {
+            colors
+                .iter()
+                .map(move |(v, _)| f(&sc["variants"][*v]["cpu_us_per_event"]["max"]))
+        })
+        .filter(|x| x.is_finite())
+        .fold(0.0f64, f64::max)
+        .max(1e-9);
+    let _ = writeln!(
+        s,
+        r#"<line x1="{x0}" y1="{}" x2="{}" y2="{}" stroke="black"/>"#,
+        y0 + ph,
+        x0 + pw,
+        y0 + ph
+    );
+    for i in 0..=4 {
+        let v = max * i as f64 / 4.0;
+        let y = y0 + ph - ph * i as f64 / 4.0;
+        let _ = writeln!(
+            s,
+            r##"<line x1="{x0}" y1="{y}" x2="{}" y2="{y}" stroke="#ddd"/><text x="{}" y="{}" text-anchor="end">{v:.1}</text>"##,
+            x0 + pw,
+            x0 - 4.0,
+            y + 4.0
+        );
+    }
+    let n = sum.len().max(1) as f64;
+    let gw = pw / n;
+    let bw = gw / 4.0;
+    for (i, sc) in sum.iter().enumerate() {
+        let gx = x0 + gw * i as f64 + bw / 2.0;
+        for (j, (v, c)) in colors.iter().enumerate() {
+            let x = &sc["variants"][*v]["cpu_us_per_event"];
+            let (med, lo, hi) = (f(&x["median"]), f(&x["min"]), f(&x["max"]));
+            if !med.is_finite() {
+                continue;
+            }
+            let bh = ph * med / max;
+            let bx = gx + bw * j as f64;
+            let _ = writeln!(
+                s,
+                r#"<rect x="{bx:.1}" y="{:.1}" width="{:.1}" height="{bh:.1}" fill="{c}"/>"#,
+                y0 + ph - bh,
+                bw * 0.9
+            );
+            if lo.is_finite() && hi.is_finite() {
+                let cx = bx + bw * 0.45;
+                let _ = writeln!(
+                    s,
+                    r#"<line x1="{cx:.1}" y1="{:.1}" x2="{cx:.1}" y2="{:.1}" stroke="black"/>"#,
+                    y0 + ph - ph * lo / max,
+                    y0 + ph - ph * hi / max
+                );
+            }
+        }
+        let _ = writeln!(
+            s,
+            r#"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"#,
+            gx + bw * 1.5,
+            y0 + ph + 16.0,
+            esc(sc["scenario"]["name"].as_str().unwrap_or("?"))
+        );
+        let r = &sc["cpu_kvguard_over_noop"]["median"];
+        let _ = writeln!(
+            s,
+            r##"<text x="{:.1}" y="{}" text-anchor="middle" fill="#2ca02c">{:+.1}% vs noop</text>"##,
+            gx + bw * 1.5,
+            y0 + ph + 30.0,
+            (f(r) - 1.0) * 100.0
+        );
+    }
+    for (j, (v, c)) in colors.iter().enumerate() {
+        let lx = x0 + 10.0 + 110.0 * j as f64;
+        let _ = writeln!(
+            s,
+            r#"<rect x="{lx}" y="{}" width="10" height="10" fill="{c}"/><text x="{}" y="{}">{v}</text>"#,
+            h - 22.0,
+            lx + 14.0,
+            h - 13.0
+        );
+    }
+    // Right: abort latency.
+    let (ax, ay, aw, ah) = (640.0, 40.0, 230.0, 250.0);
+    let _ = writeln!(
+        s,
+        r#"<text x="{ax}" y="20" font-size="13" font-weight="bold">Abort latency (ms)</text>"#
+    );
+    let rows = [
+        ("→ receiver", &res["abort"]["abort_to_receiver_ms"]),
+        (
+            "→ engine closed",
+            &res["abort"]["abort_to_engine_closed_ms"],
+        ),
+    ];
+    let amax = rows
+        .iter()
+        .map(|(_, p)| f(&p["p99"]))
+        .filter(|x| x.is_finite())
+        .fold(10.0f64, f64::max);
+    let _ = writeln!(
+        s,
+        r#"<line x1="{ax}" y1="{}" x2="{}" y2="{}" stroke="black"/>"#,
+        ay + ah,
+        ax + aw,
+        ay + ah
+    );
+    let goal_y = ay + ah - ah * 10.0 / amax;
+    let _ = writeln!(
+        s,
+        r#"<line x1="{ax}" y1="{goal_y:.1}" x2="{}" y2="{goal_y:.1}" stroke="red" stroke-dasharray="4 3"/><text x="{}" y="{:.1}" fill="red" text-anchor="end">goal p99 10 ms</text>"#,
+        ax + aw,
+        ax + aw,
+        goal_y - 3.0
+    );
+    for (i, (label, p)) in rows.iter().enumerate() {
+        let bx = ax + 20.0 + 110.0 * i as f64;
+        for (k, (q, c)) in [("p50", "#9ecae1"), ("p99", "#3182bd")].iter().enumerate() {
+            let v = f(&p[*q]);
+            if !v.is_finite() {
+                continue;
+            }
+            let bh = ah * v / amax;
+            let x = bx + 40.0 * k as f64;
+            let _ = writeln!(
+                s,
+                r#"<rect x="{x:.1}" y="{:.1}" width="36" height="{bh:.1}" fill="{c}"/><text x="{:.1}" y="{:.1}" text-anchor="middle">{q} {v:.1}</text>"#,
+                ay + ah - bh,
+                x + 18.0,
+                ay + ah - bh - 3.0
+            );
+        }
+        let _ = writeln!(
+            s,
+            r#"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"#,
+            bx + 38.0,
+            ay + ah + 16.0,
+            esc(label)
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}

@@ -1,0 +1,65 @@
+//! `kvguard-bench`: kvguard's overhead, abort latency, stall detection and memory, measured
+//! side by side (see `kvguard_integration::bench`). `scripts/bench` builds what it needs
+//! and runs it. Writes JSON, a markdown table and an SVG chart.
+use anyhow::{Context, Result};
+use clap::Parser;
+use kvguard_integration::bench::{self, report, BenchOptions};
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(
+    about = "kvguard benchmarks: overhead vs plain Envoy, abort latency, stall detection, memory"
+)]
+struct Args {
+    /// Interleaved rounds of the overhead section (≥ 5 for a recorded run).
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Smaller loads, for development.
+    #[arg(long)]
+    quick: bool,
+    /// Sections: all, or a comma list of overhead,abort,stall,memory,control.
+    #[arg(long, default_value = "all", value_delimiter = ',')]
+    sections: Vec<String>,
+    /// The do-nothing wasm filter (built by scripts/bench).
+    #[arg(long)]
+    noop_wasm: PathBuf,
+    /// Disconnects per abort-latency setup.
+    #[arg(long, default_value_t = 1000)]
+    disconnects: usize,
+    /// Tracked-stream levels of the memory section.
+    #[arg(long, default_value = "1000,10000", value_delimiter = ',')]
+    memory_levels: Vec<usize>,
+    /// Memory waves.
+    #[arg(long, default_value_t = 3)]
+    memory_waves: usize,
+    /// Output basename: writes <out>.json, <out>.md and <out>.svg.
+    #[arg(long, default_value = "bench-results")]
+    out: PathBuf,
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let a = Args::parse();
+    let opts = BenchOptions {
+        rounds: a.rounds,
+        quick: a.quick,
+        sections: a.sections,
+        noop_wasm: a.noop_wasm,
+        disconnects: a.disconnects,
+        memory_levels: a.memory_levels,
+        memory_waves: a.memory_waves,
+    };
+    let res = bench::run(opts).await?;
+    let with = |ext: &str| {
+        let mut p = a.out.clone().into_os_string();
+        p.push(ext);
+        PathBuf::from(p)
+    };
+    std::fs::write(with(".json"), serde_json::to_string_pretty(&res)?).context("writing json")?;
+    let md = report::markdown(&res);
+    std::fs::write(with(".md"), &md).context("writing markdown")?;
+    std::fs::write(with(".svg"), report::svg(&res)).context("writing svg")?;
+    println!("{md}");
+    println!("wrote {}.{{json,md,svg}}", a.out.display());
+    Ok(())
+}
