@@ -45,7 +45,9 @@ def main() -> None:
         a.axvline(cfg["arrival_s"], color="grey", ls=":", lw=1)
         a.grid(alpha=0.3)
     ax.text(cfg["arrival_s"], 2, " arrivals stop", color="grey", fontsize=8, va="bottom")
-    ax.set_ylim(0, 105)
+    # Headroom above 100% for the legend, so it never hides the curves.
+    ax.set_ylim(0, 128)
+    ax.set_yticks(range(0, 101, 20))
     ax.set_ylabel("engine KV-cache usage (%)")
     engine = "engine simulator" if cfg["engine"] == "sim" else "vLLM (CPU, tiny random Llama)"
     ax.set_title(
@@ -54,10 +56,12 @@ def main() -> None:
         f"{100 * cfg['disconnect_share']:g}% disconnect, {100 * cfg['stall_share']:g}% stall, seed {cfg['seed']}",
         fontsize=10,
     )
-    ax.legend(loc="upper right", fontsize=9)
+    ax.legend(loc="upper center", fontsize=9, ncol=1, framealpha=0.9)
     ax2.set_ylabel("requests")
     ax2.set_xlabel("seconds since the first arrival")
-    ax2.legend(loc="upper right", fontsize=7, ncol=2)
+    top = max(max(s["running"], s["waiting"]) for _, r in runs for s in r["series"]) or 1
+    ax2.set_ylim(0, top * 1.6)
+    ax2.legend(loc="upper center", fontsize=7, ncol=2, framealpha=0.9)
     fig.tight_layout()
     base = sys.argv[2]
     fig.savefig(base + ".png", dpi=110)

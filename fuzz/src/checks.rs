@@ -838,6 +838,8 @@ pub fn filter_engine(data: &[u8]) {
         // Signed at the time it was sent: within the run's clock span.
         let s = signature::parse(sig.as_bytes()).expect("abort call signature malformed");
         assert!(s.t <= now);
-        assert!(signature::verify(&[key.clone()], Some(sig.as_bytes()), body, s.t).is_ok());
+        assert!(
+            signature::verify(std::slice::from_ref(&key), Some(sig.as_bytes()), body, s.t).is_ok()
+        );
     }
 }

@@ -25,10 +25,16 @@ const W: Duration = Duration::from_secs(30);
 /// still generating whenever a test looks.
 const LONG: u32 = 1500;
 
-async fn vllm(test: &str) -> Option<Vllm> {
+/// Serialises the tests of this binary when they share a process (`cargo test` without
+/// nextest): they all watch the one vLLM's running count.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The shared vLLM, idle, and this binary's turn; `None` when `KVGUARD_SKIP_VLLM=1`.
+async fn vllm(test: &str) -> Option<(Vllm, tokio::sync::MutexGuard<'static, ()>)> {
+    let turn = ONE_AT_A_TIME.lock().await;
     let v = Vllm::shared(test).await.unwrap()?;
     v.wait_idle(Duration::from_secs(120)).await.unwrap();
-    Some(v)
+    Some((v, turn))
 }
 
 fn completion(max_tokens: u32) -> Value {
@@ -114,7 +120,7 @@ async fn wait_vllm_aborted(v: &Vllm, engine_id: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnect_mid_stream_is_aborted_within_2s_and_leaks_without_the_filter() {
     bounded("disconnect", T, async {
-        let Some(v) = vllm("disconnect_mid_stream").await else {
+        let Some((v, _turn)) = vllm("disconnect_mid_stream").await else {
             return;
         };
         // Without kvguard: the hop keeps the request alive after the client left.
@@ -187,7 +193,7 @@ async fn disconnect_mid_stream_is_aborted_within_2s_and_leaks_without_the_filter
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_client_is_reaped_as_stalled_within_idle_timeout_plus_2s() {
     bounded("silent client", T, async {
-        let Some(v) = vllm("silent_client").await else {
+        let Some((v, _turn)) = vllm("silent_client").await else {
             return;
         };
         let idle = Duration::from_secs(5);
@@ -242,7 +248,7 @@ async fn silent_client_is_reaped_as_stalled_within_idle_timeout_plus_2s() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn normal_streams_complete_untouched_chat_and_completions_h1_and_h2() {
     bounded("normal streams", T, async {
-        let Some(v) = vllm("normal_streams").await else {
+        let Some((v, _turn)) = vllm("normal_streams").await else {
             return;
         };
         // Normal token gaps are far below the idle timeout (tens of ms; pauses of a few
@@ -312,7 +318,7 @@ async fn normal_streams_complete_untouched_chat_and_completions_h1_and_h2() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abort_endpoint_unreachable_traffic_flows_and_failures_are_counted() {
     bounded("abort endpoint down", T, async {
-        let Some(v) = vllm("abort_endpoint_unreachable").await else {
+        let Some((v, _turn)) = vllm("abort_endpoint_unreachable").await else {
             return;
         };
         let mut o = filter_opts(v.addr(), 30_000);
@@ -364,7 +370,7 @@ async fn abort_endpoint_unreachable_traffic_flows_and_failures_are_counted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_crash_cuts_its_streams_and_new_ones_flow_after_restart() {
     bounded("control crash", T, async {
-        let Some(v) = vllm("control_crash").await else {
+        let Some((v, _turn)) = vllm("control_crash").await else {
             return;
         };
         let mut st = Stack::start(filter_opts(v.addr(), 30_000)).await.unwrap();
@@ -413,7 +419,7 @@ async fn control_crash_cuts_its_streams_and_new_ones_flow_after_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_max_age_ends_a_long_request_and_vllm_frees_it() {
     bounded("max age", T, async {
-        let Some(v) = vllm("control_max_age").await else {
+        let Some((v, _turn)) = vllm("control_max_age").await else {
             return;
         };
         // No filter: kvguard-control alone, with a 2 s max age.

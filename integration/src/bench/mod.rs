@@ -16,6 +16,7 @@
 //! - `control`: kvguard-control RSS, and its proxy hop vs direct (TTFB p50).
 
 pub mod report;
+pub mod soak;
 pub mod upstream;
 
 use crate::client;
@@ -36,7 +37,15 @@ use std::time::{Duration, Instant};
 use upstream::FastUpstream;
 
 /// The listeners compared by the overhead section, in their round-0 order.
-pub const VARIANTS: [&str; 3] = ["none", "noop", "kvguard"];
+pub const VARIANTS: [&str; 4] = ["none", "noop", "noop-read", "kvguard"];
+
+fn listener_name(variant: &str) -> &str {
+    if variant == "kvguard" {
+        "ingress"
+    } else {
+        variant
+    }
+}
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -190,7 +199,12 @@ async fn load_once(target: SocketAddr, sc: &Scenario, seed: u64) -> LoadSummary 
     load::run(cfg).await
 }
 
-fn noop_filter_json(noop_wasm: &std::path::Path) -> Value {
+fn noop_filter_json(noop_wasm: &std::path::Path, read_body: bool) -> Value {
+    let (vm, cfg) = if read_body {
+        ("noop-read", r#"{"read_body": true}"#)
+    } else {
+        ("noop", "{}")
+    };
     json!({
         "name": "noop",
         "typed_config": {
@@ -199,9 +213,9 @@ fn noop_filter_json(noop_wasm: &std::path::Path) -> Value {
                 "name": "noop",
                 "root_id": "noop",
                 "failure_policy": "FAIL_OPEN",
-                "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": "{}"},
+                "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": cfg},
                 "vm_config": {
-                    "vm_id": "noop",
+                    "vm_id": vm,
                     "runtime": "envoy.wasm.runtime.v8",
                     "code": {"local": {"filename": noop_wasm.display().to_string()}}
                 }
@@ -245,15 +259,16 @@ pub async fn three_listener_envoy(
         let mut out = Vec::new();
         for variant in VARIANTS {
             let mut l = base.clone();
-            l["name"] = json!(variant);
+            // The harness waits for a listener named `ingress`: kvguard's keeps that name.
+            l["name"] = json!(listener_name(variant));
             let hcm = &mut l["filter_chains"][0]["filters"][0]["typed_config"];
             hcm["stat_prefix"] = json!(format!("ingress_{variant}"));
             if let Some(filters) = hcm["http_filters"].as_array_mut() {
                 match variant {
                     "none" => filters.retain(|f| f["name"] == "envoy.filters.http.router"),
-                    "noop" => {
+                    "noop" | "noop-read" => {
                         filters.retain(|f| f["name"] == "envoy.filters.http.router");
-                        filters.insert(0, noop_filter_json(&noop_wasm));
+                        filters.insert(0, noop_filter_json(&noop_wasm, variant == "noop-read"));
                     }
                     _ => {}
                 }
@@ -309,7 +324,7 @@ pub async fn overhead(opts: &BenchOptions) -> Result<Value> {
     let pid = envoy.guard().pid();
     let mut ports = BTreeMap::new();
     for v in VARIANTS {
-        ports.insert(v, envoy.listener_named(v).await?);
+        ports.insert(v, envoy.listener_named(listener_name(v)).await?);
     }
     let scs = scenarios(opts.quick);
     // Warm-up: every listener, every protocol.
@@ -350,8 +365,8 @@ pub async fn overhead(opts: &BenchOptions) -> Result<Value> {
                     stat_cpu_us_per_event: (t1 - t0) as f64 * 1e6 / tck as f64 / events as f64,
                     events: s.events,
                     throughput: s.events as f64 / s.duration_s.max(1e-9),
-                    ttfb_ms: s.ttfb_ms.clone(),
-                    inter_event_ms: s.inter_event_ms.clone(),
+                    ttfb_ms: s.ttfb_ms,
+                    inter_event_ms: s.inter_event_ms,
                     errors: s.errors + s.truncated,
                     duration_s: s.duration_s,
                 };
@@ -365,6 +380,51 @@ pub async fn overhead(opts: &BenchOptions) -> Result<Value> {
             }
         }
     }
+    // TTFB probes with 1,000 streams in flight on the same listener.
+    let mut probes: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    let probe_n = if opts.quick { 60 } else { 200 };
+    for round in 0..opts.rounds {
+        let mut order: Vec<&str> = VARIANTS.to_vec();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for v in &order {
+            let (p50, p99) = ttfb_under_load(ports[v], probe_n, round as u64).await?;
+            eprintln!("ttfb probes round {round} {v:>9}: p50 {p50:.0} µs p99 {p99:.0} µs (1,000 h2 streams in flight)");
+            probes.entry((*v).to_owned()).or_default().push((p50, p99));
+        }
+    }
+    let probe_summary: BTreeMap<String, Value> = probes
+        .iter()
+        .map(|(v, xs)| {
+            let p50: Vec<f64> = xs.iter().map(|x| x.0).collect();
+            let p99: Vec<f64> = xs.iter().map(|x| x.1).collect();
+            (
+                v.clone(),
+                json!({"p50_us": Spread::of(&p50), "p99_us": Spread::of(&p99)}),
+            )
+        })
+        .collect();
+    let probe_added = |a: &str, b: &str, i: usize| -> Spread {
+        let (Some(x), Some(y)) = (probes.get(a), probes.get(b)) else {
+            return Spread::of(&[]);
+        };
+        Spread::of(
+            &x.iter()
+                .zip(y)
+                .map(|(p, q)| if i == 0 { p.0 - q.0 } else { p.1 - q.1 })
+                .collect::<Vec<_>>(),
+        )
+    };
+    let ttfb_probe = json!({
+        "probes_per_round": probe_n,
+        "background": "1,000 h2 streams, 2 events/s each, on the same listener",
+        "variants": probe_summary,
+        "kvguard_added_p50_us_vs_none": probe_added("kvguard", "none", 0),
+        "kvguard_added_p99_us_vs_none": probe_added("kvguard", "none", 1),
+        "kvguard_added_p50_us_vs_noop": probe_added("kvguard", "noop", 0),
+        "kvguard_added_p99_us_vs_noop": probe_added("kvguard", "noop", 1),
+    });
     let stats = envoy
         .stats_matching("kvguard_filter")
         .await
@@ -378,7 +438,8 @@ pub async fn overhead(opts: &BenchOptions) -> Result<Value> {
                 .cloned()
                 .unwrap_or_default()
         };
-        let (none, noop, kvg) = (get("none"), get("noop"), get("kvguard"));
+        let (none, noop, noop_read, kvg) =
+            (get("none"), get("noop"), get("noop-read"), get("kvguard"));
         let per_round = |a: &[Run], b: &[Run], f: &dyn Fn(&Run) -> f64| -> Vec<f64> {
             a.iter().zip(b).map(|(x, y)| f(x) / f(y)).collect()
         };
@@ -390,29 +451,36 @@ pub async fn overhead(opts: &BenchOptions) -> Result<Value> {
         let p99 = |r: &Run| r.ttfb_ms.p99 * 1000.0;
         let col =
             |rs: &[Run], f: &dyn Fn(&Run) -> f64| Spread::of(&rs.iter().map(f).collect::<Vec<_>>());
-        let variants: BTreeMap<&str, Value> = [("none", &none), ("noop", &noop), ("kvguard", &kvg)]
-            .into_iter()
-            .map(|(n, rs)| {
-                (
-                    n,
-                    json!({
-                        "cpu_us_per_event": col(rs, &cpu_f),
-                        "stat_cpu_us_per_event": col(rs, &|r| r.stat_cpu_us_per_event),
-                        "ttfb_p50_ms": col(rs, &|r| r.ttfb_ms.p50),
-                        "ttfb_p99_ms": col(rs, &|r| r.ttfb_ms.p99),
-                        "inter_event_p99_ms": col(rs, &|r| r.inter_event_ms.p99),
-                        "throughput_events_per_s": col(rs, &|r| r.throughput),
-                        "errors": rs.iter().map(|r| r.errors).sum::<usize>(),
-                    }),
-                )
-            })
-            .collect();
+        let variants: BTreeMap<&str, Value> = [
+            ("none", &none),
+            ("noop", &noop),
+            ("noop-read", &noop_read),
+            ("kvguard", &kvg),
+        ]
+        .into_iter()
+        .map(|(n, rs)| {
+            (
+                n,
+                json!({
+                    "cpu_us_per_event": col(rs, &cpu_f),
+                    "stat_cpu_us_per_event": col(rs, &|r| r.stat_cpu_us_per_event),
+                    "ttfb_p50_ms": col(rs, &|r| r.ttfb_ms.p50),
+                    "ttfb_p99_ms": col(rs, &|r| r.ttfb_ms.p99),
+                    "inter_event_p99_ms": col(rs, &|r| r.inter_event_ms.p99),
+                    "throughput_events_per_s": col(rs, &|r| r.throughput),
+                    "errors": rs.iter().map(|r| r.errors).sum::<usize>(),
+                }),
+            )
+        })
+        .collect();
         summary.push(json!({
             "scenario": sc,
             "variants": variants,
             "cpu_kvguard_over_noop": Spread::of(&per_round(&kvg, &noop, &cpu_f)),
             "cpu_kvguard_over_none": Spread::of(&per_round(&kvg, &none, &cpu_f)),
             "cpu_noop_over_none": Spread::of(&per_round(&noop, &none, &cpu_f)),
+            "cpu_noop_read_over_noop": Spread::of(&per_round(&noop_read, &noop, &cpu_f)),
+            "cpu_kvguard_over_noop_read": Spread::of(&per_round(&kvg, &noop_read, &cpu_f)),
             "ttfb_p50_added_us_vs_none": Spread::of(&diff(&kvg, &none, &p50)),
             "ttfb_p99_added_us_vs_none": Spread::of(&diff(&kvg, &none, &p99)),
             "ttfb_p50_added_us_vs_noop": Spread::of(&diff(&kvg, &noop, &p50)),
@@ -423,10 +491,51 @@ pub async fn overhead(opts: &BenchOptions) -> Result<Value> {
         "rounds": opts.rounds,
         "envoy_pid_cpu_source": "sum of /proc/<pid>/task/*/schedstat run time (ns); /proc/<pid>/stat utime+stime also recorded",
         "summary": summary,
+        "ttfb_probe": ttfb_probe,
         "runs": runs,
         "aborts_sent_during_healthy_load": false_aborts,
         "filter_stats": stats,
     }))
+}
+
+/// TTFB (request sent on a fresh connection → first data event) of `n` sequential probes
+/// while 1,000 paced h2 streams are in flight on the same listener; returns (p50, p99) µs.
+async fn ttfb_under_load(target: SocketAddr, n: usize, seed: u64) -> Result<(f64, f64)> {
+    let bg = Scenario {
+        name: "background".into(),
+        http2: true,
+        concurrency: 1000,
+        requests: 1000,
+        events: 20,
+        interval_us: 500_000,
+    };
+    let handle = tokio::spawn(async move { load_once(target, &bg, seed).await });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let body =
+        json!({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "stream": true});
+    let mut xs = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t0 = Instant::now();
+        let mut s = client::stream_sse(
+            target,
+            "/v1/chat/completions",
+            &body,
+            &[("x-bench-events", "1")],
+            false,
+        )
+        .await?;
+        if s.next_data(Duration::from_secs(5)).await?.is_some() {
+            xs.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+        let _ = s.collect(Duration::from_secs(5)).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let bgs = handle.await?;
+    if bgs.errors > 0 {
+        eprintln!("ttfb probes: background errors {:?}", bgs.error_samples);
+    }
+    let p = Percentiles::of(xs);
+    Ok((p.p50, p.p99))
 }
 
 /// One disconnect's timings.
@@ -498,6 +607,61 @@ fn ms_since(a: Instant, b: Instant) -> f64 {
     b.saturating_duration_since(a).as_secs_f64() * 1000.0
 }
 
+/// Stalls `n` staggered streams through `envoy`; returns (detected − threshold) ms.
+async fn stall_once(
+    opts: &BenchOptions,
+    envoy: &Envoy,
+    rx: &receiver::Receiver,
+    up: &FastUpstream,
+) -> (Percentiles, BTreeMap<String, usize>, usize) {
+    rx.clear_calls();
+    up.clear();
+    let n = if opts.quick { 50 } else { 200 };
+    let h = [
+        ("x-bench-events", "100"),
+        ("x-bench-interval-us", "10000"),
+        ("x-bench-stall-after", "3"),
+    ];
+    let body =
+        json!({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "stream": true});
+    let mut set = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let entry = envoy.listener_addr();
+        let body = body.clone();
+        // Staggered over more than one tick: stalls start at every tick phase.
+        let stagger = Duration::from_micros((i as u64 * 7919) % 300_000);
+        set.spawn(async move {
+            tokio::time::sleep(stagger).await;
+            if let Ok(mut s) =
+                client::stream_sse(entry, "/v1/chat/completions", &body, &h, false).await
+            {
+                let _ = s.collect(Duration::from_secs(10)).await;
+            }
+        });
+    }
+    while set.join_next().await.is_some() {}
+    let calls = rx
+        .wait_for_calls(n, Duration::from_secs(10))
+        .await
+        .unwrap_or_else(|_| rx.calls());
+    let mut delays = Vec::new();
+    for c in &calls {
+        let Some(a) = &c.abort else { continue };
+        if a.reason != kvguard_contract::AbortReason::Stalled {
+            continue;
+        }
+        if let Some(last) = up.last_sent(&a.request_id) {
+            delays.push(ms_since(last, c.at) - 1000.0);
+        }
+    }
+    let mut hist: BTreeMap<String, usize> = BTreeMap::new();
+    for d in &delays {
+        let b = ((d / 50.0).floor() * 50.0) as i64;
+        *hist.entry(format!("{b:+}..{:+} ms", b + 50)).or_default() += 1;
+    }
+    (Percentiles::of(delays), hist, n)
+}
+
 /// The abort-latency and stall sections.
 pub async fn abort_and_stall(
     opts: &BenchOptions,
@@ -524,7 +688,7 @@ pub async fn abort_and_stall(
             "idle_timeout_ms": 1000,
             "tick_ms": 250,
         });
-        let envoy = Envoy::start(kvguard_envoy(hop.addr(), rx.addr(), filter)).await?;
+        let envoy = Envoy::start(kvguard_envoy(hop.addr(), rx.addr(), filter.clone())).await?;
         if run_abort {
             let mut samples = Vec::new();
             while samples.len() < opts.disconnects {
@@ -575,54 +739,21 @@ pub async fn abort_and_stall(
             out["abort_to_receiver_n"] = json!(samples.len());
         }
         if run_stall {
-            rx.clear_calls();
-            up.clear();
-            let n = if opts.quick { 50 } else { 200 };
-            let h = [
-                ("x-bench-events", "100"),
-                ("x-bench-interval-us", "10000"),
-                ("x-bench-stall-after", "3"),
-            ];
-            let body = json!({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "stream": true});
-            let mut set = tokio::task::JoinSet::new();
-            for _ in 0..n {
-                let entry = envoy.listener_addr();
-                let body = body.clone();
-                set.spawn(async move {
-                    let s =
-                        client::stream_sse(entry, "/v1/chat/completions", &body, &h, false).await;
-                    if let Ok(mut s) = s {
-                        let _ = s.collect(Duration::from_secs(10)).await;
-                    }
-                });
+            // Directly in front of the upstream, and behind the lossy hop as above.
+            let direct = Envoy::start(kvguard_envoy(up.addr(), rx.addr(), filter.clone())).await?;
+            for (label, e) in [("direct", &direct), ("lossy", &envoy)] {
+                let (p, hist, n) = stall_once(opts, e, &rx, &up).await;
+                eprintln!("stall ({label}) detected − 1000 ms threshold: {p:?}");
+                let key = if label == "direct" {
+                    "stall_minus_threshold_ms".to_owned()
+                } else {
+                    format!("stall_minus_threshold_ms_{label}")
+                };
+                out[key.as_str()] = json!(p);
+                out[format!("stall_histogram_{label}").as_str()] = json!(hist);
+                out["stall_streams"] = json!(n);
             }
-            while set.join_next().await.is_some() {}
-            let calls = rx
-                .wait_for_calls(n, Duration::from_secs(10))
-                .await
-                .unwrap_or_else(|_| rx.calls());
-            let mut delays = Vec::new();
-            for c in &calls {
-                let Some(a) = &c.abort else { continue };
-                if a.reason != kvguard_contract::AbortReason::Stalled {
-                    continue;
-                }
-                if let Some(last) = up.last_sent(&a.request_id) {
-                    delays.push(ms_since(last, c.at) - 1000.0);
-                }
-            }
-            eprintln!(
-                "stall detected − 1000 ms threshold: {:?}",
-                Percentiles::of(delays.clone())
-            );
-            let mut hist: BTreeMap<String, usize> = BTreeMap::new();
-            for d in &delays {
-                let b = ((d / 50.0).floor() * 50.0) as i64;
-                *hist.entry(format!("{b:+}..{:+} ms", b + 50)).or_default() += 1;
-            }
-            out["stall_minus_threshold_ms"] = json!(Percentiles::of(delays));
-            out["stall_histogram"] = json!(hist);
-            out["stall_streams"] = json!(n);
+            out["stall_histogram"] = out["stall_histogram_direct"].clone();
             out["stall_tick_ms"] = json!(250);
         }
         drop(envoy);

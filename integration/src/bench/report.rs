@@ -90,7 +90,7 @@ pub fn markdown(res: &Value) -> String {
         let _ = writeln!(m, "|---|---|---|---|---|---|---|---|");
         for s in sum {
             let name = s["scenario"]["name"].as_str().unwrap_or("?");
-            for v in ["none", "noop", "kvguard"] {
+            for v in ["none", "noop", "noop-read", "kvguard"] {
                 let x = &s["variants"][v];
                 let _ = writeln!(
                     m,
@@ -295,7 +295,7 @@ pub fn svg(res: &Value) -> String {
     }
     let n = sum.len().max(1) as f64;
     let gw = pw / n;
-    let bw = gw / 4.0;
+    let bw = gw / 5.0;
     for (i, sc) in sum.iter().enumerate() {
         let gx = x0 + gw * i as f64 + bw / 2.0;
         for (j, (v, c)) in colors.iter().enumerate() {
@@ -339,7 +339,7 @@ pub fn svg(res: &Value) -> String {
         );
     }
     for (j, (v, c)) in colors.iter().enumerate() {
-        let lx = x0 + 10.0 + 110.0 * j as f64;
+        let lx = x0 + 10.0 + 100.0 * j as f64;
         let _ = writeln!(
             s,
             r#"<rect x="{lx}" y="{}" width="10" height="10" fill="{c}"/><text x="{}" y="{}">{v}</text>"#,

@@ -22,7 +22,7 @@ struct Args {
     sections: Vec<String>,
     /// The do-nothing wasm filter (built by scripts/bench).
     #[arg(long)]
-    noop_wasm: PathBuf,
+    noop_wasm: Option<PathBuf>,
     /// Disconnects per abort-latency setup.
     #[arg(long, default_value_t = 1000)]
     disconnects: usize,
@@ -32,6 +32,15 @@ struct Args {
     /// Memory waves.
     #[arg(long, default_value_t = 3)]
     memory_waves: usize,
+    /// Run the soak instead of the benchmarks, for this many minutes (scripts/soak).
+    #[arg(long)]
+    soak_minutes: Option<f64>,
+    /// Soak: allowed RSS growth (Envoy, kvguard-control) between quiet points, MiB.
+    #[arg(long, default_value_t = 16)]
+    soak_rss_slack_mib: u64,
+    /// Soak: allowed wasm VM memory growth between quiet points, MiB.
+    #[arg(long, default_value_t = 1)]
+    soak_vm_slack_mib: u64,
     /// Output basename: writes <out>.json, <out>.md and <out>.svg.
     #[arg(long, default_value = "bench-results")]
     out: PathBuf,
@@ -40,11 +49,29 @@ struct Args {
 #[tokio::main]
 async fn main() -> Result<()> {
     let a = Args::parse();
+    if let Some(minutes) = a.soak_minutes {
+        let res = bench::soak::run(bench::soak::SoakOptions {
+            minutes,
+            rss_slack: a.soak_rss_slack_mib << 20,
+            vm_slack: a.soak_vm_slack_mib << 20,
+        })
+        .await?;
+        let mut p = a.out.clone().into_os_string();
+        p.push(".json");
+        std::fs::write(&p, serde_json::to_string_pretty(&res)?).context("writing json")?;
+        println!("{}", serde_json::to_string_pretty(&res["growth"])?);
+        println!(
+            "soak: {} waves, invariants held; report in {}",
+            res["waves"],
+            PathBuf::from(p).display()
+        );
+        return Ok(());
+    }
     let opts = BenchOptions {
         rounds: a.rounds,
         quick: a.quick,
         sections: a.sections,
-        noop_wasm: a.noop_wasm,
+        noop_wasm: a.noop_wasm.unwrap_or_default(),
         disconnects: a.disconnects,
         memory_levels: a.memory_levels,
         memory_waves: a.memory_waves,

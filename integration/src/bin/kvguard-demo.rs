@@ -17,7 +17,7 @@ struct Args {
     #[arg(long, default_value = "sim")]
     engine: String,
     /// Use this running vLLM (http://ip:port) instead of starting one. The demo's own
-    /// vLLM has a small KV pool (160 blocks of 32 tokens) so that the leak shows.
+    /// vLLM has a small KV pool (128 blocks of 32 tokens) so that the leak shows.
     #[arg(long)]
     vllm_url: Option<String>,
     /// Only this run: `leak` or `kvguard` (default: both).
@@ -161,7 +161,14 @@ fn main() -> Result<()> {
     rt.block_on(async move {
         match a.serve_vllm.clone() {
             Some(f) => serve_vllm(f).await,
-            None => demo(a).await,
+            // On SIGINT/SIGTERM the demo future is dropped, and with it every process it
+            // started (Envoy, kvguard-control, vLLM: each in its own process group).
+            None => tokio::select! {
+                r = demo(a) => r,
+                _ = kvguard_integration::cli::wait_for_signal() => {
+                    bail!("interrupted: stopping every process the demo started")
+                }
+            },
         }
     })
 }

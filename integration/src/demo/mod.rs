@@ -50,12 +50,12 @@ pub enum EngineKind {
 }
 
 /// The vLLM the demo starts for `--engine vllm`: the suite's model with a small KV pool
-/// (160 blocks × 32 tokens = 5120 tokens, `--max-model-len 2048`) so that a few orphans
+/// (128 blocks × 32 tokens = 4096 tokens, `--max-model-len 2048`) so that a few orphans
 /// make requests wait.
 pub fn demo_vllm_options() -> crate::vllm::VllmOptions {
     crate::vllm::VllmOptions {
         max_model_len: 2048,
-        num_blocks: 160,
+        num_blocks: 128,
         ..crate::vllm::VllmOptions::default()
     }
 }
@@ -141,11 +141,11 @@ impl DemoConfig {
                 engine,
                 arrival_s: 60.0,
                 drain_s: 30.0,
-                rate: 1.5,
+                rate: 1.0,
                 disconnect_share: 0.15,
                 stall_share: 0.05,
                 min_tokens: 200,
-                max_tokens: 800,
+                max_tokens: 500,
                 // Silent clients hold their socket this long: past the filter's idle
                 // timeout plus the time the buffers take to fill.
                 patience_s: 20.0,
