@@ -11,6 +11,10 @@
 //! - [`client`] small HTTP/SSE client helpers, including disconnecting and silent clients.
 //! - [`lossy`] a reverse proxy that does not pass client disconnects on (the leak).
 //! - [`load`] the load generator behind the `kvguard-load` binary.
+//! - [`vllm`] real vLLM on CPU: the tiny random-weight model, one server per suite run.
+//! - [`demo`] the whole stack (Envoy [+ filter] → lossy hop → kvguard-control → engine),
+//!   the seeded leak-reproduction workload and its report (`kvguard-demo`, `scripts/demo`).
+//! - [`bench`] benchmarks and the soak run behind `kvguard-bench` (`scripts/bench`, `scripts/soak`).
 
 pub mod bench;
 pub mod cli;

@@ -227,13 +227,30 @@ fn noop_filter_json(noop_wasm: &std::path::Path, read_body: bool) -> Value {
 /// The bench secret (filter and receiver / control).
 pub const SECRET: &str = stack::SECRET;
 
-/// Envoy options with kvguard in front of `upstream`, aborts to `control`, quiet logs.
+/// Raises Envoy's default circuit breakers (1,024 connections / requests per cluster) on
+/// every cluster, so that 10,000 streams can be held.
+pub fn raise_circuit_breakers(b: &mut Value) {
+    if let Some(clusters) = b["static_resources"]["clusters"].as_array_mut() {
+        for c in clusters {
+            c["circuit_breakers"] = json!({"thresholds": [{
+                "max_connections": 1_000_000,
+                "max_pending_requests": 1_000_000,
+                "max_requests": 1_000_000,
+                "max_retries": 1_000
+            }]});
+        }
+    }
+}
+
+/// Envoy options with kvguard in front of `upstream`, aborts to `control`, quiet logs,
+/// circuit breakers raised.
 pub fn kvguard_envoy(upstream: SocketAddr, control: SocketAddr, filter: Value) -> EnvoyOptions {
     let mut eo =
         EnvoyOptions::with_filter(upstream, control, filter).vm_env("KVGUARD_SECRET", SECRET);
     eo.access_log = false;
     eo.log_level = "warn".into();
     eo.component_log_level = Some("wasm:warn".into());
+    eo.patch = Some(Arc::new(raise_circuit_breakers));
     eo
 }
 
@@ -250,6 +267,7 @@ pub async fn three_listener_envoy(
     });
     let mut eo = kvguard_envoy(upstream, receiver, filter);
     eo.patch = Some(Arc::new(move |b: &mut Value| {
+        raise_circuit_breakers(b);
         let Some(listeners) = b["static_resources"]["listeners"].as_array_mut() else {
             return;
         };

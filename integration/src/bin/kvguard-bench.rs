@@ -46,15 +46,26 @@ struct Args {
     out: PathBuf,
 }
 
+/// Runs `fut` until it ends or SIGINT/SIGTERM arrives; on a signal the future is dropped,
+/// and with it every child process guard (Envoy, kvguard-control are killed).
+async fn interruptible<T>(fut: impl std::future::Future<Output = Result<T>>) -> Result<T> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        r = fut => r,
+        _ = tokio::signal::ctrl_c() => anyhow::bail!("interrupted (SIGINT)"),
+        _ = term.recv() => anyhow::bail!("interrupted (SIGTERM)"),
+    }
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let a = Args::parse();
     if let Some(minutes) = a.soak_minutes {
-        let res = bench::soak::run(bench::soak::SoakOptions {
+        let res = interruptible(bench::soak::run(bench::soak::SoakOptions {
             minutes,
             rss_slack: a.soak_rss_slack_mib << 20,
             vm_slack: a.soak_vm_slack_mib << 20,
-        })
+        }))
         .await?;
         let mut p = a.out.clone().into_os_string();
         p.push(".json");
@@ -76,7 +87,7 @@ async fn main() -> Result<()> {
         memory_levels: a.memory_levels,
         memory_waves: a.memory_waves,
     };
-    let res = bench::run(opts).await?;
+    let res = interruptible(bench::run(opts)).await?;
     let with = |ext: &str| {
         let mut p = a.out.clone().into_os_string();
         p.push(ext);
