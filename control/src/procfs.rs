@@ -17,11 +17,12 @@ pub fn parse_vmrss(status: &str) -> Option<u64> {
     let mut parts = line["VmRSS:".len()..].split_whitespace();
     let n: u64 = parts.next()?.parse().ok()?;
     let unit = parts.next().unwrap_or("kB");
-    Some(match unit {
-        "kB" | "KB" | "kb" => n * 1024,
-        "mB" | "MB" => n * 1024 * 1024,
-        _ => n,
-    })
+    // Checked: a value the kernel would never write must not overflow (no panic, no wrap).
+    match unit {
+        "kB" | "KB" | "kb" => n.checked_mul(1024),
+        "mB" | "MB" => n.checked_mul(1024 * 1024),
+        _ => Some(n),
+    }
 }
 
 /// Reads a process's figures under `proc_root` (normally `/proc`).
@@ -58,5 +59,7 @@ mod tests {
             Some(12345 * 1024)
         );
         assert_eq!(parse_vmrss("Name: x\n"), None);
+        assert_eq!(parse_vmrss("VmRSS:\t44444444444444444 kB"), None);
+        assert_eq!(parse_vmrss("VmRSS:\t18446744073709551615 MB"), None);
     }
 }

@@ -213,7 +213,7 @@ async fn http2_downstream_reset_and_completion() {
         // Envoy 1.40: an h2 RST_STREAM from the client is `http2.remote_reset`, flag DR.
         assert!(line.contains(" DR http2.remote_reset "), "{line}");
         assert!(
-            log.contains("ended early (code_details=http2.remote_reset, flags=0x10000000)"),
+            log.contains("ended early (code_details=\"http2.remote_reset\", flags=0x10000000)"),
             "{log}"
         );
         assert_vm_healthy(&r.envoy);

@@ -338,8 +338,9 @@ impl Engine {
                 p.log(
                     Level::Debug,
                     &format!(
-                        "kvguard: request_id={} ended early (code_details={}, flags={flags:#x})",
+                        "kvguard: request_id={} ended early (code_details={:?}, flags={flags:#x})",
                         req.id,
+                        // Debug-escaped: control bytes cannot split or forge a log line.
                         String::from_utf8_lossy(details)
                     ),
                 );

@@ -172,7 +172,8 @@ pub fn markdown(res: &Value) -> String {
                     f(&p["p90"]),
                     f(&p["p99"]),
                     f(&p["max"]),
-                    miss.as_u64().map_or_else(|| "–".to_owned(), |v| v.to_string())
+                    miss.as_u64()
+                        .map_or_else(|| "–".to_owned(), |v| v.to_string())
                 );
             }
         };
