@@ -193,13 +193,6 @@ pub fn markdown(res: &Value) -> String {
         );
         row(
             &mut m,
-            "stall, Envoy behind the lossy hop: detected − idle_timeout",
-            &a["stall_minus_threshold_ms_lossy"],
-            &a["stall_streams"],
-            &Value::from(""),
-        );
-        row(
-            &mut m,
             "stall, Envoy before the upstream: detected − idle_timeout (1000 ms; tick 250 ms)",
             &a["stall_minus_threshold_ms"],
             &a["stall_streams"],
@@ -293,6 +286,7 @@ pub fn svg(res: &Value) -> String {
     let colors = [
         ("none", "#7f7f7f"),
         ("noop", "#1f77b4"),
+        ("noop-read", "#9467bd"),
         ("kvguard", "#2ca02c"),
     ];
     let sum = res["overhead"]["summary"]
@@ -372,7 +366,7 @@ pub fn svg(res: &Value) -> String {
         let _ = writeln!(
             s,
             r#"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"#,
-            gx + bw * 1.5,
+            gx + bw * 2.0,
             y0 + ph + 16.0,
             esc(sc["scenario"]["name"].as_str().unwrap_or("?"))
         );
@@ -380,7 +374,7 @@ pub fn svg(res: &Value) -> String {
         let _ = writeln!(
             s,
             r##"<text x="{:.1}" y="{}" text-anchor="middle" fill="#2ca02c">{:+.1}% vs noop</text>"##,
-            gx + bw * 1.5,
+            gx + bw * 2.0,
             y0 + ph + 30.0,
             (f(r) - 1.0) * 100.0
         );

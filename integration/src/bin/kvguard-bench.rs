@@ -41,6 +41,9 @@ struct Args {
     /// Soak: allowed wasm VM memory growth between quiet points, MiB.
     #[arg(long, default_value_t = 1)]
     soak_vm_slack_mib: u64,
+    /// Only render <out>.md and <out>.svg again from this results JSON (no measurement).
+    #[arg(long)]
+    render: Option<PathBuf>,
     /// Output basename: writes <out>.json, <out>.md and <out>.svg.
     #[arg(long, default_value = "bench-results")]
     out: PathBuf,
@@ -60,6 +63,18 @@ async fn interruptible<T>(fut: impl std::future::Future<Output = Result<T>>) -> 
 #[tokio::main]
 async fn main() -> Result<()> {
     let a = Args::parse();
+    if let Some(json) = &a.render {
+        let res: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json)?)?;
+        let with = |ext: &str| {
+            let mut p = a.out.clone().into_os_string();
+            p.push(ext);
+            PathBuf::from(p)
+        };
+        std::fs::write(with(".md"), report::markdown(&res))?;
+        std::fs::write(with(".svg"), report::svg(&res))?;
+        println!("rendered {}.{{md,svg}}", a.out.display());
+        return Ok(());
+    }
     if let Some(minutes) = a.soak_minutes {
         let res = interruptible(bench::soak::run(bench::soak::SoakOptions {
             minutes,
