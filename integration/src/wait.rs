@@ -12,16 +12,11 @@ pub async fn poll_until<T>(
     interval: Duration,
     mut f: impl FnMut() -> Option<T>,
 ) -> Result<T> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f() {
-            return Ok(v);
-        }
-        if Instant::now() >= deadline {
-            bail!("timed out after {timeout:?} waiting for {what}");
-        }
-        tokio::time::sleep(interval).await;
-    }
+    poll_until_async(what, timeout, interval, || {
+        let v = f();
+        async move { v }
+    })
+    .await
 }
 
 /// Like [`poll_until`] with an async probe (e.g. an HTTP request). Each probe is itself
