@@ -16,6 +16,8 @@ mkdir -p "$KVGUARD_CACHE"
 
 # The built artefacts the harness uses (see integration/src/paths.rs).
 export KVGUARD_WASM=${KVGUARD_WASM:-$CARGO_TARGET_DIR/wasm32-wasip1/release/kvguard_filter.wasm}
+# The test build with the `trap-injection` feature (scripts/build; failure_policy tests).
+export KVGUARD_TRAP_WASM=${KVGUARD_TRAP_WASM:-$CARGO_TARGET_DIR/wasm32-wasip1/release/kvguard_filter_trap.wasm}
 export KVGUARD_CONTROL_BIN=${KVGUARD_CONTROL_BIN:-$CARGO_TARGET_DIR/debug/kvguard-control}
 if [ -z "${ENVOY_BIN:-}" ] && [ -x "$KVGUARD_VENV/bin/envoy" ]; then
   export ENVOY_BIN=$KVGUARD_VENV/bin/envoy

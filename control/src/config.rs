@@ -145,7 +145,18 @@ pub struct Args {
     /// Do not load NVML (machines where it must not be touched).
     #[arg(long, env = "KVGUARD_NO_NVML", default_value_t = false)]
     pub no_nvml: bool,
+    /// Engine connections kept connected ahead of time (each still carries exactly one
+    /// request, then closes); 0 (the default) connects on each request's path.
+    #[arg(long, env = "KVGUARD_ENGINE_PREWARM", default_value_t = 0)]
+    pub engine_prewarm: usize,
+    /// Oldest a pre-connected, unused engine connection may get before it is replaced
+    /// (keep it below the engine's idle-connection timeouts).
+    #[arg(long, env = "KVGUARD_ENGINE_PREWARM_MAX_IDLE", default_value = "2s")]
+    pub engine_prewarm_max_idle: String,
 }
+
+/// Most pre-connected engine connections (`--engine-prewarm`).
+pub const MAX_ENGINE_PREWARM: usize = 256;
 
 /// A flag that failed validation: exit 64 naming it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -369,6 +380,10 @@ pub struct Config {
     pub worker_threads: usize,
     /// Skip NVML.
     pub no_nvml: bool,
+    /// Pre-connected engine connections kept ready (0: none).
+    pub engine_prewarm: usize,
+    /// Age at which an unused pre-connected engine connection is replaced.
+    pub engine_prewarm_max_idle: Duration,
 }
 
 impl Config {
@@ -438,6 +453,20 @@ impl Config {
         if args.max_request_body == 0 {
             return Err(ConfigError::new("--max-request-body", "must be at least 1"));
         }
+        if args.engine_prewarm > MAX_ENGINE_PREWARM {
+            return Err(ConfigError::new(
+                "--engine-prewarm",
+                format!("at most {MAX_ENGINE_PREWARM} (0 disables)"),
+            ));
+        }
+        let engine_prewarm_max_idle =
+            parse_required_duration("--engine-prewarm-max-idle", &args.engine_prewarm_max_idle)?;
+        if engine_prewarm_max_idle < Duration::from_millis(10) {
+            return Err(ConfigError::new(
+                "--engine-prewarm-max-idle",
+                "at least 10ms",
+            ));
+        }
         tracing_subscriber::EnvFilter::try_new(&args.log)
             .map_err(|e| ConfigError::new("--log", format!("{:?}: {e}", args.log)))?;
         let worker_threads = match args.worker_threads {
@@ -472,6 +501,8 @@ impl Config {
             addr_file: args.addr_file,
             worker_threads,
             no_nvml: args.no_nvml,
+            engine_prewarm: args.engine_prewarm,
+            engine_prewarm_max_idle,
         })
     }
 
@@ -524,6 +555,20 @@ mod tests {
         assert_eq!(c.abort_strategy, AbortStrategy::Connection);
         assert!(c.keys.is_empty());
         assert!(!c.dry_run);
+        assert_eq!(c.engine_prewarm, 0);
+        assert_eq!(c.engine_prewarm_max_idle, Duration::from_secs(2));
+        let c = Config::try_new(
+            args(&[
+                "--engine-prewarm",
+                "4",
+                "--engine-prewarm-max-idle",
+                "750ms",
+            ]),
+            None,
+        )
+        .unwrap();
+        assert_eq!(c.engine_prewarm, 4);
+        assert_eq!(c.engine_prewarm_max_idle, Duration::from_millis(750));
     }
 
     #[test]
@@ -544,6 +589,15 @@ mod tests {
             (&["--tombstone-ttl", "0"], "--tombstone-ttl"),
             (&["--max-inflight", "0"], "--max-inflight"),
             (&["--secret-file", "/nonexistent/kvguard"], "--secret-file"),
+            (&["--engine-prewarm", "257"], "--engine-prewarm"),
+            (
+                &["--engine-prewarm-max-idle", "off"],
+                "--engine-prewarm-max-idle",
+            ),
+            (
+                &["--engine-prewarm-max-idle", "1ms"],
+                "--engine-prewarm-max-idle",
+            ),
         ];
         for (a, flag) in cases {
             let e = Config::try_new(args(a), None).unwrap_err();

@@ -14,6 +14,7 @@ pub mod engine;
 pub mod expo;
 pub mod gpu;
 pub mod metrics;
+pub mod pool;
 pub mod procfs;
 pub mod proxy;
 pub mod reaper;

@@ -88,6 +88,18 @@ pub struct Metrics {
     pub engine_process_open_fds: Gauge,
     /// Engine process resident memory.
     pub engine_process_resident_memory: Gauge,
+    /// Pre-connected engine connections ready now.
+    pub engine_pool_idle: Gauge,
+    /// Engine connections taken for a request: `result` = `hit` (pre-connected) or
+    /// `miss` (none ready: dialled on the request's path).
+    pub engine_pool_takes: Family<L1, Counter>,
+    /// Pre-connected connections discarded unused: `reason` = `aged`, `peer_closed`.
+    pub engine_pool_discards: Family<L1, Counter>,
+    /// Requests sent again on a new connection because the pre-connected one closed
+    /// before the request was written.
+    pub engine_pool_retries: Counter,
+    /// Failed background pre-connects.
+    pub engine_pool_dial_errors: Counter,
 }
 
 impl Metrics {
@@ -257,7 +269,43 @@ impl Metrics {
             "Resident memory of --engine-pid",
             m.engine_process_resident_memory.clone()
         );
+        r!(
+            reg,
+            "engine_pool_idle",
+            "Pre-connected engine connections ready now (--engine-prewarm)",
+            m.engine_pool_idle.clone()
+        );
+        r!(
+            reg,
+            "engine_pool_takes",
+            "Engine connections taken for a request: result=hit (pre-connected) or miss (dialled on the request's path)",
+            m.engine_pool_takes.clone()
+        );
+        r!(
+            reg,
+            "engine_pool_discards",
+            "Pre-connected engine connections discarded unused, by reason (aged, peer_closed)",
+            m.engine_pool_discards.clone()
+        );
+        r!(
+            reg,
+            "engine_pool_retries",
+            "Requests sent again on a new connection because the pre-connected one closed before the request was written",
+            m.engine_pool_retries.clone()
+        );
+        r!(
+            reg,
+            "engine_pool_dial_errors",
+            "Failed background pre-connects to the engine",
+            m.engine_pool_dial_errors.clone()
+        );
         // Pre-create the closed label sets so dashboards see zeros, not gaps.
+        for res in POOL_TAKE_RESULTS {
+            let _ = m.engine_pool_takes.get_or_create(&[("result", res)]);
+        }
+        for reason in POOL_DISCARD_REASONS {
+            let _ = m.engine_pool_discards.get_or_create(&[("reason", reason)]);
+        }
         for reason in AbortReason::ALL {
             for o in [
                 outcome::ABORTED,
@@ -320,6 +368,20 @@ impl Metrics {
         self.abort_api.get_or_create(&[("result", result)]).inc();
     }
 
+    /// Counts an engine connection taken for a request (`hit` or `miss`).
+    pub fn pool_take(&self, result: &'static str) {
+        self.engine_pool_takes
+            .get_or_create(&[("result", result)])
+            .inc();
+    }
+
+    /// Counts a pre-connected connection discarded unused (`aged` or `peer_closed`).
+    pub fn pool_discard(&self, reason: &'static str) {
+        self.engine_pool_discards
+            .get_or_create(&[("reason", reason)])
+            .inc();
+    }
+
     /// Counts a proxied request's admission.
     pub fn request(&self, result: &'static str) {
         self.requests.get_or_create(&[("result", result)]).inc();
@@ -336,6 +398,12 @@ pub const ABORT_API_RESULTS: [&str; 7] = [
     "unauthorized",
     "replay",
 ];
+
+/// The engine pool's take `result` label values.
+pub const POOL_TAKE_RESULTS: [&str; 2] = ["hit", "miss"];
+
+/// The engine pool's discard `reason` label values.
+pub const POOL_DISCARD_REASONS: [&str; 2] = ["aged", "peer_closed"];
 
 /// Orphans: engine running − kvguard in flight, floored at 0.
 pub fn orphans(engine_running: f64, inflight: usize) -> f64 {
@@ -398,6 +466,13 @@ mod tests {
             "kvguard_control_tombstones",
             "kvguard_control_engine_process_open_fds",
             "kvguard_control_engine_process_resident_memory_bytes",
+            "kvguard_control_engine_pool_idle",
+            "kvguard_control_engine_pool_takes_total{result=\"hit\"}",
+            "kvguard_control_engine_pool_takes_total{result=\"miss\"}",
+            "kvguard_control_engine_pool_discards_total{reason=\"aged\"}",
+            "kvguard_control_engine_pool_discards_total{reason=\"peer_closed\"}",
+            "kvguard_control_engine_pool_retries_total",
+            "kvguard_control_engine_pool_dial_errors_total",
         ] {
             assert!(text.contains(&format!("\n{name}")), "{name} missing");
         }

@@ -1,8 +1,10 @@
 //! The proxy listener: every request is tracked by its `x-request-id` and streamed to the
 //! engine and back without buffering. Each request gets its own engine connection, so
 //! that ending it closes exactly its TCP connection (vLLM, TGI and llama.cpp abort the
-//! sequence when the client connection closes).
+//! sequence when the client connection closes). The connection is usually one the
+//! [`crate::pool`] opened ahead of time, never used before and closed after.
 
+use crate::pool::SendError;
 use crate::scan::{BodyKind, Scanner};
 use crate::state::{AppState, Refusal};
 use crate::table::Entry;
@@ -16,18 +18,15 @@ use http::{StatusCode, Version};
 use http_body::{Body as HttpBody, Frame};
 use http_body_util::Limited;
 use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
 use kvguard_contract::{sse, stamp, AbortReason, RequestId, CONTROL_HEADER, REQUEST_ID_HEADER};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
-use tokio::net::TcpStream;
 use tokio_util::sync::WaitForCancellationFutureOwned;
 
 /// Deadline for connecting to the engine.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+pub use crate::pool::CONNECT_TIMEOUT;
 
 /// The proxy listener's router: every path goes to the engine.
 pub fn app(state: Arc<AppState>) -> Router {
@@ -284,46 +283,25 @@ async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {
         )
     };
 
-    let tcp = tokio::select! {
+    // Its own engine connection (pre-connected if one is ready): closing it ends exactly
+    // this request. The handle is attached before anything is sent.
+    let sent = tokio::select! {
         biased;
         _ = cancelled.cancelled() => { guard.cause = Some("aborted"); return aborted(&entry); }
-        r = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&st.cfg.engine.authority)) => r,
+        r = st.pool.request(ureq, |h| entry.set_conn(h)) => r,
     };
-    let tcp = match tcp {
-        Ok(Ok(t)) => t,
-        Ok(Err(e)) => {
+    let resp = match sent {
+        Ok((resp, conn)) => {
+            // No second request on it: once this response ends, the connection closes.
+            drop(conn);
+            Ok(resp)
+        }
+        Err(SendError::Unreachable(e)) => {
             guard.cause = Some("engine_unreachable");
-            return engine_down(e.to_string());
+            return engine_down(e);
         }
-        Err(_) => {
-            guard.cause = Some("engine_unreachable");
-            return engine_down(format!("no connection within {CONNECT_TIMEOUT:?}"));
-        }
+        Err(SendError::Failed(e)) => Err(e),
     };
-    let _ = tcp.set_nodelay(true);
-    let (mut sender, conn) = match hyper::client::conn::http1::Builder::new()
-        .handshake::<_, Body>(TokioIo::new(tcp))
-        .await
-    {
-        Ok(x) => x,
-        Err(e) => {
-            guard.cause = Some("engine_unreachable");
-            return engine_down(e.to_string());
-        }
-    };
-    let conn_task = tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "engine connection ended with an error");
-        }
-    });
-    entry.set_conn(conn_task.abort_handle());
-
-    let resp = tokio::select! {
-        biased;
-        _ = cancelled.cancelled() => { guard.cause = Some("aborted"); return aborted(&entry); }
-        r = sender.send_request(ureq) => r,
-    };
-    drop(sender);
     let resp = match resp {
         Ok(r) => r,
         Err(e) => {

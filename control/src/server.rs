@@ -122,6 +122,7 @@ impl Server {
                 .map_err(|e| format!("--addr-file {}: {e}", path.display()))?;
         }
 
+        st.pool.start();
         let background = CancellationToken::new();
         spawn_reaper(st.clone(), background.clone());
         spawn_sampler(st.clone(), deps.gpu_probe, background.clone());
@@ -153,6 +154,7 @@ impl Server {
             let drain = st2.cfg.drain_timeout;
             tracing::info!(inflight = st2.inflight(), drain_timeout = ?drain, "shutting down: no new connections, draining");
             st2.start_draining();
+            st2.pool.close();
             proxy_stop.cancel();
             if let Ok(graceful) = proxy_task.await {
                 let shut = graceful.shutdown();

@@ -7,6 +7,7 @@ use crate::engine::Engine;
 use crate::expo::{EngineFigures, EngineFlavour};
 use crate::gpu::GpuTracker;
 use crate::metrics::{outcome, Metrics};
+use crate::pool::{EnginePool, TcpDial};
 use crate::replay::ReplayMemory;
 use crate::table::Entry;
 use crate::tombstones::{Tombstone, Tombstones};
@@ -74,6 +75,8 @@ pub struct AppState {
     pub gpu: Mutex<GpuTracker>,
     /// Engine status.
     pub engine_status: Mutex<EngineStatus>,
+    /// Pre-connected engine connections (`--engine-prewarm`); filled once started.
+    pub pool: Arc<EnginePool>,
     inner: Mutex<Inner>,
     seq: AtomicU64,
     draining: AtomicBool,
@@ -103,7 +106,14 @@ impl AppState {
             tombstones: Tombstones::new(cfg.tombstone_ttl, cfg.max_tombstones),
             replay: ReplayMemory::new(MAX_REPLAY_ENTRIES),
         };
+        let pool = EnginePool::new(
+            TcpDial::new(cfg.engine.authority.clone()),
+            cfg.engine_prewarm,
+            cfg.engine_prewarm_max_idle,
+            metrics.clone(),
+        );
         Arc::new(AppState {
+            pool,
             cfg,
             clock,
             metrics,

@@ -10,6 +10,12 @@
 //! ids, one route `/` → cluster `upstream` with `timeout: 0s`), the `upstream` cluster,
 //! the control cluster (`kvguard_control`) when an abort target is given, and optionally
 //! an ORIGINAL_DST cluster (`use_http_header: true`) for per-replica aborts.
+//!
+//! Hot restart (`hot_restart: true`): epoch 0 picks a free base id
+//! (`--use-dynamic-base-id`); [`Envoy::hot_restart`] starts the next epoch with it and the
+//! listener ports pinned. The PyPI build supports it (shared memory in `/dev/shm`,
+//! abstract unix sockets); Envoy leaves its `/dev/shm/envoy_shared_memory_<id>` region
+//! behind, so the harness removes it when the family's last epoch is dropped.
 
 use crate::proc::ChildGuard;
 use anyhow::{anyhow, bail, Context, Result};
@@ -87,6 +93,19 @@ pub struct EnvoyOptions {
     pub access_log: bool,
     /// Bound on start-up (admin address, `/ready`, listener read-back).
     pub ready_timeout: Duration,
+    /// Run with hot restart enabled (epoch 0: `--use-dynamic-base-id`, so that parallel
+    /// tests never share a base id; [`Envoy::hot_restart`] starts the next epoch). `false`
+    /// = `--disable-hot-restart`.
+    pub hot_restart: bool,
+    /// `--drain-time-s` (0 by default): how long this Envoy drains its connections
+    /// (HTTP/1.1 `connection: close`, HTTP/2 GOAWAY) once the next hot-restart epoch tells
+    /// it to. Give every epoch the same flags.
+    pub drain_time_s: u64,
+    /// `--parent-shutdown-time-s`: how long after it is up a new epoch lets the previous
+    /// one live. `None` = not passed (Envoy's default: 900 s).
+    pub parent_shutdown_time_s: Option<u64>,
+    /// `--drain-strategy` (`gradual`, Envoy's default, or `immediate`); `None` = not passed.
+    pub drain_strategy: Option<String>,
 }
 
 impl EnvoyOptions {
@@ -113,6 +132,10 @@ impl EnvoyOptions {
             extra_args: Vec::new(),
             access_log: true,
             ready_timeout: Duration::from_secs(60),
+            hot_restart: false,
+            drain_time_s: 0,
+            parent_shutdown_time_s: None,
+            drain_strategy: None,
         }
     }
 
@@ -277,6 +300,25 @@ pub fn bootstrap(opts: &EnvoyOptions, wasm: Option<&Path>) -> Result<Value> {
     Ok(b)
 }
 
+/// Removes a hot-restart family's shared memory region (`/dev/shm/envoy_shared_memory_<base
+/// id × 10>`, which Envoy leaves behind) once the last epoch holding it is dropped.
+#[derive(Debug)]
+struct ShmCleanup(u64);
+
+impl Drop for ShmCleanup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(format!("/dev/shm/envoy_shared_memory_{}", self.0 * 10));
+    }
+}
+
+/// The hot-restart identity of a running Envoy.
+#[derive(Debug, Clone)]
+struct HotState {
+    base_id: u64,
+    epoch: u32,
+    _shm: Arc<ShmCleanup>,
+}
+
 /// A running Envoy; dropping it kills it.
 pub struct Envoy {
     guard: ChildGuard,
@@ -284,19 +326,74 @@ pub struct Envoy {
     admin: SocketAddr,
     listener: SocketAddr,
     bootstrap_path: PathBuf,
+    opts: EnvoyOptions,
+    // After `guard`: the region is removed once the process is gone.
+    hot: Option<HotState>,
 }
 
 impl Envoy {
     /// Writes the bootstrap and starts Envoy; returns once `/ready` answers 200 and the
     /// listener's port is known.
     pub async fn start(opts: EnvoyOptions) -> Result<Envoy> {
+        Self::start_epoch(opts, None, &BTreeMap::new()).await
+    }
+
+    /// Hot restart: starts the next epoch (same base id) with `opts` (usually
+    /// [`Envoy::options`], edited), every listener that `opts` binds to port 0 pinned to
+    /// the port this epoch's listener of that name holds, so that the new epoch takes over
+    /// the listen sockets. Returns once the new epoch is ready: it has the sockets and has
+    /// told this one to drain; this epoch exits `opts.parent_shutdown_time_s` later (see
+    /// [`ChildGuard::wait_exit_async`] through [`Envoy::guard`]). Needs `hot_restart`.
+    pub async fn hot_restart(&self, mut opts: EnvoyOptions) -> Result<Envoy> {
+        let hot = self
+            .hot
+            .clone()
+            .context("hot restart needs an Envoy started with `hot_restart: true`")?;
+        opts.hot_restart = true;
+        let v = crate::client::get_json(self.admin, "/listeners?format=json").await?;
+        let mut ports = BTreeMap::new();
+        for l in v
+            .get("listener_statuses")
+            .and_then(Value::as_array)
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+        {
+            if let Some(name) = l.get("name").and_then(Value::as_str) {
+                if let Some(a) = listener_from(&v, name) {
+                    ports.insert(name.to_string(), a.port());
+                }
+            }
+        }
+        let next = HotState {
+            epoch: hot.epoch + 1,
+            ..hot
+        };
+        Self::start_epoch(opts, Some(next), &ports).await
+    }
+
+    /// The options this Envoy was started with.
+    pub fn options(&self) -> &EnvoyOptions {
+        &self.opts
+    }
+
+    /// The hot-restart base id and epoch (`None` with `--disable-hot-restart`).
+    pub fn hot_restart_epoch(&self) -> Option<(u64, u32)> {
+        self.hot.as_ref().map(|h| (h.base_id, h.epoch))
+    }
+
+    async fn start_epoch(
+        opts: EnvoyOptions,
+        hot: Option<HotState>,
+        pin_ports: &BTreeMap<String, u16>,
+    ) -> Result<Envoy> {
         let bin = crate::paths::envoy_bin()?;
         let wasm = match (&opts.filter_config, &opts.wasm_path) {
             (None, _) => None,
             (Some(_), Some(p)) => Some(p.clone()),
             (Some(_), None) => Some(crate::paths::wasm_path()?),
         };
-        let boot = bootstrap(&opts, wasm.as_deref())?;
+        let mut boot = bootstrap(&opts, wasm.as_deref())?;
+        pin_listener_ports(&mut boot, pin_ports);
         let dir = tempfile::Builder::new()
             .prefix("kvguard-envoy-")
             .tempdir()
@@ -305,18 +402,41 @@ impl Envoy {
         std::fs::write(&bootstrap_path, serde_json::to_string_pretty(&boot)?)
             .context("writing the bootstrap")?;
         let admin_path = dir.path().join("admin.addr");
+        let base_id_path = dir.path().join("base-id");
         let mut cmd = Command::new(&bin);
         cmd.arg("-c")
             .arg(&bootstrap_path)
             .arg("--concurrency")
             .arg(opts.concurrency.to_string())
-            .arg("--disable-hot-restart")
             .arg("--admin-address-path")
             .arg(&admin_path)
             .arg("-l")
             .arg(&opts.log_level)
             .arg("--drain-time-s")
-            .arg("0");
+            .arg(opts.drain_time_s.to_string());
+        match (&hot, opts.hot_restart) {
+            (_, false) => {
+                cmd.arg("--disable-hot-restart");
+            }
+            // Epoch 0: Envoy picks a base id no running Envoy holds and writes it down.
+            (None, true) => {
+                cmd.arg("--use-dynamic-base-id")
+                    .arg("--base-id-path")
+                    .arg(&base_id_path);
+            }
+            (Some(h), true) => {
+                cmd.arg("--base-id")
+                    .arg(h.base_id.to_string())
+                    .arg("--restart-epoch")
+                    .arg(h.epoch.to_string());
+            }
+        }
+        if let Some(t) = opts.parent_shutdown_time_s {
+            cmd.arg("--parent-shutdown-time-s").arg(t.to_string());
+        }
+        if let Some(s) = &opts.drain_strategy {
+            cmd.arg("--drain-strategy").arg(s);
+        }
         if let Some(c) = &opts.component_log_level {
             cmd.arg("--component-log-level").arg(c);
         }
@@ -333,8 +453,33 @@ impl Envoy {
             cmd.arg("--file-flush-interval-msec").arg("100");
         }
         cmd.args(&opts.extra_args);
-        let mut guard = ChildGuard::spawn("envoy", cmd)?;
+        let name = match &hot {
+            Some(h) => format!("envoy-epoch{}", h.epoch),
+            None => "envoy".to_string(),
+        };
+        let mut guard = ChildGuard::spawn(&name, cmd)?;
         let result = Self::await_ready(&mut guard, &admin_path, opts.ready_timeout).await;
+        // Epoch 0 wrote its base id before it got ready (read also after a failed start,
+        // so that the region it made is removed).
+        let hot = match (hot, opts.hot_restart) {
+            (Some(h), _) => Some(h),
+            (None, true) => std::fs::read_to_string(&base_id_path)
+                .ok()
+                .and_then(|t| t.trim().parse::<u64>().ok())
+                .map(|base_id| HotState {
+                    base_id,
+                    epoch: 0,
+                    _shm: Arc::new(ShmCleanup(base_id)),
+                }),
+            (None, false) => None,
+        };
+        let result = match result {
+            Ok(_) if opts.hot_restart && hot.is_none() => Err(anyhow!(
+                "Envoy wrote no base id to {}",
+                base_id_path.display()
+            )),
+            r => r,
+        };
         match result {
             Ok((admin, listener)) => Ok(Envoy {
                 guard,
@@ -342,6 +487,8 @@ impl Envoy {
                 admin,
                 listener,
                 bootstrap_path,
+                opts,
+                hot,
             }),
             Err(e) => Err(e.context(format!(
                 "starting Envoy ({}; bootstrap kept at {}); last log lines:\n{}",
@@ -516,6 +663,31 @@ impl Drop for Envoy {
         if std::env::var_os("KVGUARD_KEEP_LOGS").is_some() {
             if let Some(d) = self.dir.take() {
                 eprintln!("kept Envoy bootstrap in {}", d.keep().display());
+            }
+        }
+    }
+}
+
+/// Sets `port_value` of every listener in `boot` that binds port 0 and has a port in `ports`.
+fn pin_listener_ports(boot: &mut Value, ports: &BTreeMap<String, u16>) {
+    let Some(listeners) = boot
+        .pointer_mut("/static_resources/listeners")
+        .and_then(Value::as_array_mut)
+    else {
+        return;
+    };
+    for l in listeners {
+        let Some(port) = l
+            .get("name")
+            .and_then(Value::as_str)
+            .and_then(|n| ports.get(n))
+            .copied()
+        else {
+            continue;
+        };
+        if let Some(p) = l.pointer_mut("/address/socket_address/port_value") {
+            if p.as_u64() == Some(0) {
+                *p = json!(port);
             }
         }
     }

@@ -100,24 +100,45 @@ fn target_dir_from_exe() -> Option<PathBuf> {
 /// The filter module: `KVGUARD_WASM`, else
 /// `<target>/wasm32-wasip1/release/kvguard_filter.wasm`.
 pub fn wasm_path() -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os("KVGUARD_WASM") {
+    wasm_file(
+        "KVGUARD_WASM",
+        "kvguard_filter.wasm",
+        "build it with scripts/build \
+         (cargo build -p kvguard-filter --target wasm32-wasip1 --release)",
+    )
+}
+
+/// The filter's test build with the `trap-injection` feature (a request header traps the
+/// VM): `KVGUARD_TRAP_WASM`, else `<target>/wasm32-wasip1/release/kvguard_filter_trap.wasm`.
+pub fn trap_wasm_path() -> Result<PathBuf> {
+    wasm_file(
+        "KVGUARD_TRAP_WASM",
+        "kvguard_filter_trap.wasm",
+        "build it with scripts/build \
+         (cargo build -p kvguard-filter --target wasm32-wasip1 --release --features \
+         trap-injection, then copy kvguard_filter.wasm to that name)",
+    )
+}
+
+/// A wasm module: the file named by `var`, else `<target>/wasm32-wasip1/release/<file>`.
+fn wasm_file(var: &str, file: &str, how: &str) -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os(var) {
         let p = PathBuf::from(p);
         if p.is_file() {
             return Ok(p);
         }
-        bail!("KVGUARD_WASM={} does not exist", p.display());
+        bail!("{var}={} does not exist", p.display());
     }
     let mut tried = Vec::new();
     for target in candidate_target_dirs() {
-        let p = target.join("wasm32-wasip1/release/kvguard_filter.wasm");
+        let p = target.join("wasm32-wasip1/release").join(file);
         if p.is_file() {
             return Ok(p);
         }
         tried.push(p.display().to_string());
     }
     bail!(
-        "kvguard_filter.wasm not found (tried {}): build it with scripts/build \
-         (cargo build -p kvguard-filter --target wasm32-wasip1 --release), or set KVGUARD_WASM",
+        "{file} not found (tried {}): {how}, or set {var}",
         tried.join(", ")
     )
 }

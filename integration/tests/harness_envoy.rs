@@ -169,3 +169,50 @@ static_resources:
     .await
     .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_restart_hands_the_listener_to_the_next_epoch() {
+    bounded("hot restart", T, async {
+        let sim = sim::spawn(SimConfig { token_rate: 10.0, ..SimConfig::default() }).await.unwrap();
+        let mut opts = EnvoyOptions::new(sim.addr());
+        // Not enabled: no next epoch.
+        let cold = Envoy::start(opts.clone()).await.unwrap();
+        assert!(cold.hot_restart_epoch().is_none());
+        assert!(cold.hot_restart(opts.clone()).await.is_err());
+        drop(cold);
+        opts.hot_restart = true;
+        opts.drain_time_s = 1;
+        opts.parent_shutdown_time_s = Some(2);
+        // Two families side by side: Envoy picks a free base id for each.
+        let mut a0 = Envoy::start(opts.clone()).await.unwrap();
+        let b0 = Envoy::start(opts.clone()).await.unwrap();
+        let (base, epoch) = a0.hot_restart_epoch().unwrap();
+        assert_eq!(epoch, 0);
+        assert_ne!(Some(base), b0.hot_restart_epoch().map(|h| h.0));
+        let shm = format!("/dev/shm/envoy_shared_memory_{}", base * 10);
+        assert!(std::path::Path::new(&shm).exists(), "{shm}");
+        // A stream live on epoch 0 (20 tokens at 10/s) finishes on it while it drains.
+        let body = json!({"messages": [{"role": "user", "content": "hi"}], "stream": true, "max_tokens": 20});
+        let mut live = client::stream_sse(a0.listener_addr(), "/v1/chat/completions", &body, &[], false).await.unwrap();
+        live.next_data(W).await.unwrap().unwrap();
+        let a1 = a0.hot_restart(a0.options().clone()).await.unwrap();
+        assert_eq!(a1.hot_restart_epoch(), Some((base, 1)));
+        assert_eq!(a1.listener_addr(), a0.listener_addr());
+        assert_ne!(a1.admin_addr(), a0.admin_addr());
+        assert!(live.collect(W).await.unwrap().last().unwrap().is_done());
+        // Epoch 0 exits at parent-shutdown time; epoch 1 serves on the same port.
+        let t = std::time::Instant::now();
+        assert!(a0.guard().wait_exit_async(W).await.unwrap().success());
+        eprintln!("epoch 0 exited {:?} after the live stream ended", t.elapsed());
+        let mut s = client::stream_sse(a1.listener_addr(), "/v1/chat/completions", &body, &[], true).await.unwrap();
+        assert!(s.collect(W).await.unwrap().last().unwrap().is_done());
+        assert_eq!(a1.stat("http.ingress_http.downstream_rq_2xx").await.unwrap().map(|v| v >= 1.0), Some(true));
+        // The shared memory region goes with the last epoch of the family.
+        drop(a0);
+        assert!(std::path::Path::new(&shm).exists());
+        drop(a1);
+        assert!(!std::path::Path::new(&shm).exists(), "{shm} left behind");
+    })
+    .await
+    .unwrap();
+}

@@ -507,6 +507,25 @@ mod tests {
         Config::parse(json.as_bytes(), &no_env)
     }
 
+    /// The deepest stack use of the filter: serde_json's recursion, up to its limit of
+    /// 128 levels, and past it. Runs in wasm with the module's 256 KiB stack too
+    /// (`.cargo/config.toml`): an overflow there would trap this test.
+    #[test]
+    fn deeply_nested_configuration() {
+        for depth in [120, 127, 500, 10_000] {
+            let json = format!(
+                r#"{{"control_cluster":"c","secret":"{SECRET}","routes":{}1{}}}"#,
+                "[".repeat(depth),
+                "]".repeat(depth)
+            );
+            let e = parse(&json).unwrap_err().to_string();
+            assert!(
+                e.contains("routes") || e.contains("recursion"),
+                "{depth}: {e}"
+            );
+        }
+    }
+
     fn msg(json: &str) -> String {
         parse(json).unwrap_err().0
     }

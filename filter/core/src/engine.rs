@@ -60,7 +60,9 @@ pub enum Action {
 pub struct Engine {
     /// The configuration.
     pub cfg: Config,
-    table: hashbrown::HashMap<u32, Request>,
+    /// Boxed: the table's slots stay small (its capacity grows in powers of two, so
+    /// unboxed requests would cost up to twice their size per tracked stream).
+    table: hashbrown::HashMap<u32, Box<Request>>,
     queue: AbortQueue,
     tick_on: bool,
     memory_reported: u64,
@@ -139,7 +141,7 @@ impl Engine {
 
     /// The tracked request of a stream.
     pub fn request(&self, ctx: u32) -> Option<&Request> {
-        self.table.get(&ctx)
+        self.table.get(&ctx).map(|r| &**r)
     }
 
     /// Request headers: decides whether to track.
@@ -175,7 +177,7 @@ impl Engine {
             );
             return Verdict::Untracked(None);
         }
-        let req = Request::new(id, limits, p.now_ms());
+        let req = Box::new(Request::new(id, limits, p.now_ms()));
         if let Some(old) = self.table.insert(ctx, req) {
             // A context id reused without on_log: drop the stale entry.
             p.log(
@@ -260,7 +262,9 @@ impl Engine {
 
     /// What the glue must read of the next body chunk of a stream.
     pub fn body_need(&self, ctx: u32) -> BodyNeed {
-        self.table.get(&ctx).map_or(BodyNeed::Nothing, Self::need)
+        self.table
+            .get(&ctx)
+            .map_or(BodyNeed::Nothing, |r| Self::need(r))
     }
 
     /// A response body chunk (`chunk` empty when only `len` was read). Returns
@@ -300,6 +304,17 @@ impl Engine {
             return None;
         }
         (!was_complete && req.content_complete).then_some(OutcomeTag::Completed)
+    }
+
+    /// Whether [`Engine::on_log`] needs Envoy's `response.code_details` and
+    /// `response.flags` for this stream: not when the body already said it was complete
+    /// or an abort was already decided (then the two property reads, host calls that
+    /// serialise stream info, are skipped for the common healthy stream).
+    pub fn end_details_needed(&self, ctx: u32) -> bool {
+        self.table.get(&ctx).is_some_and(|req| {
+            let decided = matches!(req.decision, Some(d) if !d.observed);
+            !req.content_complete && !decided
+        })
     }
 
     /// The stream ended (access-log time): settles the request. Returns its outcome
@@ -595,6 +610,33 @@ mod tests {
         assert_eq!(h.metric(Metric::RequestsCompleted), 1);
         assert_eq!(h.metric(Metric::ActiveRequests), 0);
         assert_eq!(e.tick_change(), None); // never turned on in this test
+    }
+
+    #[test]
+    fn end_details_are_read_only_when_they_can_matter() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        assert!(!e.end_details_needed(9), "untracked");
+        track(&mut e, &mut h, 1, "d1");
+        sse(&mut e, &mut h, 1);
+        assert!(e.end_details_needed(1), "in flight: the end decides");
+        e.on_response_body(&mut h, 1, b"data: [DONE]\n\n", 0, false);
+        assert!(!e.end_details_needed(1), "complete: nothing to classify");
+        track(&mut e, &mut h, 2, "d2");
+        sse(&mut e, &mut h, 2);
+        e.on_response_body(&mut h, 2, b"data: {}\n\n", 0, false);
+        h.now += 100;
+        let _ = e.tick(&mut h);
+        assert!(!e.end_details_needed(2), "already decided");
+        let (mut e, mut h) = engine(r#","mode":"observe","idle_timeout_ms":100"#);
+        track(&mut e, &mut h, 3, "d3");
+        sse(&mut e, &mut h, 3);
+        e.on_response_body(&mut h, 3, b"data: {}\n\n", 0, false);
+        h.now += 100;
+        let _ = e.tick(&mut h);
+        assert!(
+            e.end_details_needed(3),
+            "observed: a later completion is still told"
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //! Keys nested deeper (`delta.tool_calls[].index`, a `finish_reason` text inside a
 //! string...) are never confused with these: only the exact positions count.
 
-use memchr::memchr2;
+use memchr::{memchr2, memchr_iter};
 use std::borrow::Cow;
 
 /// Most choices recorded per event (more are ignored; completion then relies on
@@ -29,11 +29,56 @@ pub struct Look {
     /// `"done": true` at the top level.
     pub done: bool,
     /// `(index, finished)` for each `choices[]` element, in order.
-    pub choices: Vec<(u32, bool)>,
+    pub choices: ChoiceList,
     /// More than [`MAX_CHOICES`] choices were present.
     pub choices_truncated: bool,
     /// The text is not a JSON object this look could follow (it is then ignored).
     pub malformed: bool,
+}
+
+/// Up to [`MAX_CHOICES`] `(index, finished)` pairs, held inline: the look runs on every
+/// data event, and an allocation there is a measurable part of its cost in wasm.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChoiceList {
+    items: [(u32, bool); MAX_CHOICES],
+    len: u8,
+}
+
+impl ChoiceList {
+    /// Appends a pair; returns false (and keeps nothing) when full.
+    fn push(&mut self, item: (u32, bool)) -> bool {
+        match self.items.get_mut(usize::from(self.len)) {
+            Some(slot) => {
+                *slot = item;
+                self.len += 1;
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn clear(&mut self) {
+        self.len = 0;
+    }
+}
+
+impl std::ops::Deref for ChoiceList {
+    type Target = [(u32, bool)];
+    fn deref(&self) -> &[(u32, bool)] {
+        self.items.get(..usize::from(self.len)).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Debug for ChoiceList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl PartialEq<Vec<(u32, bool)>> for ChoiceList {
+    fn eq(&self, other: &Vec<(u32, bool)>) -> bool {
+        **self == **other
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -61,7 +106,101 @@ struct Frame {
     role: Role,
     /// In an object: the next token must be a key.
     expect_key: bool,
+    /// The current member (or array element) already has its value: only `,` or the
+    /// closer may follow (two values in a row are malformed).
+    has_value: bool,
     key: KeyId,
+}
+
+/// What [`inert`] found in an event that the full [`look`] may skip.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Inert {
+    /// A `"choices"` key may be present: the look would report choice 0 (unfinished),
+    /// which only changes nothing once the stream has seen index 0.
+    pub choices: bool,
+}
+
+/// Whether `json` certainly cannot change a stream's completion, so that the full
+/// [`look`] can be skipped (`None`: run the look).
+///
+/// `Some` only when, in the raw bytes: there is no `\u` escape of a letter or `_` (the
+/// only escapes that can spell a key), the text ends in `}`, every `"index"` is followed
+/// by `: 0`, every `"finish_reason"` by `: null` or `: ""`, every `"done"` by anything
+/// but `: true`, and no `"type"` by a Responses API terminal type. A look at such an
+/// event could only report choices `(0, not finished)` (none at all without a
+/// `"choices"`), and nothing else. Anything unexpected answers `None`. The one thing
+/// skipped is counting a malformed event that ends in `}`.
+///
+/// This runs on every data event: one vectorised pass over the quotes (and one over the
+/// rare backslashes) instead of a structural walk of the whole event.
+pub fn inert(json: &[u8]) -> Option<Inert> {
+    if json.last() != Some(&b'}') {
+        return None;
+    }
+    // A `\u` escape of a letter or `_` could spell a key: leave such events to the full
+    // look. Other `\u` escapes (control characters in generated text) cannot.
+    let escapes_ok = memchr_iter(b'\\', json).all(|at| {
+        json.get(at + 1) != Some(&b'u')
+            || json
+                .get(at + 2..at + 6)
+                .and_then(hex4)
+                .is_some_and(|cp| !(0x41..=0x7A).contains(&cp))
+    });
+    if !escapes_ok {
+        return None;
+    }
+    let mut choices = false;
+    // One pass over the quotes: a quote may open one of the keys that matter.
+    for at in memchr_iter(b'"', json) {
+        let rest = json.get(at + 1..).unwrap_or_default();
+        let value_ok = |key: &[u8], ok: &dyn Fn(&[u8]) -> bool| match rest.strip_prefix(key) {
+            Some(after) => match skip_ws(after).split_first() {
+                Some((b':', value)) => ok(skip_ws(value)),
+                // The same text as a plain string (not a key): stay on the safe side.
+                _ => false,
+            },
+            None => true,
+        };
+        // Each predicate mirrors what `walk` does with that key's value.
+        let ok = match rest.first() {
+            Some(b'i') => value_ok(b"index\"", &|v| {
+                matches!(v.first(), Some(b'"' | b'{' | b'['))
+                    || parse_index(literal(v)).unwrap_or(0) == 0
+            }),
+            Some(b'f') => value_ok(b"finish_reason\"", &|v| {
+                v.starts_with(b"\"\"") || literal(v) == b"null"
+            }),
+            Some(b'd') => value_ok(b"done\"", &|v| literal(v) != b"true"),
+            Some(b't') => value_ok(b"type\"", &|v| {
+                !(v.starts_with(b"\"response.completed\"")
+                    || v.starts_with(b"\"response.failed\"")
+                    || v.starts_with(b"\"response.incomplete\""))
+            }),
+            Some(b'c') => {
+                choices |= rest.starts_with(b"choices\"");
+                true
+            }
+            _ => true,
+        };
+        if !ok {
+            return None;
+        }
+    }
+    Some(Inert { choices })
+}
+
+/// `v` without the JSON whitespace `walk` skips.
+fn skip_ws(v: &[u8]) -> &[u8] {
+    let n = v
+        .iter()
+        .take_while(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
+        .count();
+    v.get(n..).unwrap_or_default()
+}
+
+/// The literal (number, `true`, `null`...) at the start of `v`, as `walk` reads it.
+fn literal(v: &[u8]) -> &[u8] {
+    scan_literal(v, 0).0
 }
 
 /// A string's content with its escapes decoded (borrowed when it has none, which is the
@@ -135,6 +274,11 @@ fn unescape(raw: &[u8]) -> Option<Vec<u8>> {
 }
 
 fn key_id(role: Role, raw: &[u8]) -> KeyId {
+    // Only the top level and the choice objects have keys that matter; most keys sit
+    // elsewhere (`delta`, `usage`...), and decoding them would be wasted work.
+    if !matches!(role, Role::Top | Role::Choice) {
+        return KeyId::Other;
+    }
     match (role, decoded(raw).as_ref()) {
         (Role::Top, b"type") => KeyId::Type,
         (Role::Top, b"done") => KeyId::Done,
@@ -163,7 +307,6 @@ fn scan_string(json: &[u8], mut i: usize) -> Option<(&[u8], usize)> {
         if json[at] == b'"' {
             return Some((&json[start..at], at + 1));
         }
-        // A backslash escapes the next byte (for `\uXXXX` the rest are plain hex).
         i = at + 2;
     }
 }
@@ -199,8 +342,49 @@ pub fn look(json: &[u8]) -> Look {
     out
 }
 
+/// The open objects and arrays, held inline (no allocation per event).
+struct Stack {
+    frames: [Frame; MAX_DEPTH],
+    len: usize,
+}
+
+impl Stack {
+    fn new() -> Self {
+        Stack {
+            frames: [Frame {
+                is_obj: false,
+                role: Role::Other,
+                expect_key: false,
+                has_value: false,
+                key: KeyId::None,
+            }; MAX_DEPTH],
+            len: 0,
+        }
+    }
+
+    fn last_mut(&mut self) -> Option<&mut Frame> {
+        self.len.checked_sub(1).and_then(|i| self.frames.get_mut(i))
+    }
+
+    /// Pushes a frame; returns None when the nesting is deeper than [`MAX_DEPTH`].
+    fn push(&mut self, f: Frame) -> Option<()> {
+        *self.frames.get_mut(self.len)? = f;
+        self.len += 1;
+        Some(())
+    }
+
+    fn pop(&mut self) -> Option<Frame> {
+        self.len = self.len.checked_sub(1)?;
+        self.frames.get(self.len).copied()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 fn walk(json: &[u8], out: &mut Look) -> Option<()> {
-    let mut stack: Vec<Frame> = Vec::with_capacity(8);
+    let mut stack = Stack::new();
     // Current choice record: (index, finished).
     let mut choice: (u32, bool) = (0, false);
     let mut i = 0usize;
@@ -226,8 +410,9 @@ fn walk(json: &[u8], out: &mut Look) -> Option<()> {
                 is_obj: true,
                 role: Role::Top,
                 expect_key: true,
+                has_value: false,
                 key: KeyId::None,
-            });
+            })?;
             i += 1;
             continue;
         };
@@ -258,8 +443,15 @@ fn walk(json: &[u8], out: &mut Look) -> Option<()> {
         }
         // A value, or a separator / closer after one.
         let (role, key, is_obj) = (top.role, top.key, top.is_obj);
+        if !matches!(b, b',' | b'}' | b']') {
+            if top.has_value {
+                return None;
+            }
+            top.has_value = true;
+        }
         match b {
             b',' => {
+                top.has_value = false;
                 if is_obj {
                     top.expect_key = true;
                     top.key = KeyId::None;
@@ -293,15 +485,13 @@ fn walk(json: &[u8], out: &mut Look) -> Option<()> {
                     }
                     _ => Role::Other,
                 };
-                if stack.len() >= MAX_DEPTH {
-                    return None;
-                }
                 stack.push(Frame {
                     is_obj: b == b'{',
                     role: child_role,
                     expect_key: b == b'{',
+                    has_value: false,
                     key: KeyId::None,
-                });
+                })?;
                 i += 1;
             }
             b'"' => {
@@ -351,14 +541,10 @@ fn walk(json: &[u8], out: &mut Look) -> Option<()> {
     }
 }
 
-fn close(stack: &mut Vec<Frame>, choice: &mut (u32, bool), out: &mut Look) {
+fn close(stack: &mut Stack, choice: &mut (u32, bool), out: &mut Look) {
     if let Some(f) = stack.pop() {
-        if f.role == Role::Choice {
-            if out.choices.len() < MAX_CHOICES {
-                out.choices.push(*choice);
-            } else {
-                out.choices_truncated = true;
-            }
+        if f.role == Role::Choice && !out.choices.push(*choice) {
+            out.choices_truncated = true;
         }
     }
 }
@@ -444,11 +630,75 @@ mod tests {
             b"{\"a\":\"unterminated",
             b"{\"a\":1} x",
             b"[1,2]",
+            b"{\"a\":1 2}",
+            b"{\"choices\":[{\"index\":1npe x 3}]}",
+            b"{\"a\":[1 {}]}",
+            b"{\"a\":\"x\"\"y\"}",
         ] {
             assert!(look(bad).malformed, "{:?}", String::from_utf8_lossy(bad));
         }
         let deep = format!("{{\"a\":{}1{}}}", "[".repeat(100), "]".repeat(100));
         assert!(look(deep.as_bytes()).malformed);
+    }
+
+    #[test]
+    fn inert_events() {
+        let chat = include_str!("../../../../shared/fixtures/sse/vllm-0.32-chat-usage.sse");
+        let events: Vec<&str> = chat
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .filter(|e| e.starts_with('{'))
+            .collect();
+        // Every content chunk and the usage chunk is inert; the finishing chunk is not.
+        let finishing: Vec<&&str> = events
+            .iter()
+            .filter(|e| inert(e.as_bytes()).is_none())
+            .collect();
+        assert_eq!(finishing.len(), 1, "{finishing:?}");
+        assert!(
+            finishing[0].contains("\"finish_reason\":\"length\"")
+                || finishing[0].contains("\"finish_reason\":\"stop\"")
+        );
+        for yes in [
+            &br#"{"choices":[{"index":0,"delta":{"content":"\"index\":1"},"finish_reason":null}]}"#
+                [..],
+            br#"{"choices":[{"index" : 0 ,"finish_reason":""}],"done":false,"type":"chunk"}"#,
+            br#"{"choices":[],"usage":{"prompt_tokens":3}}"#,
+            br#"{"model":"m","done":false}"#,
+            br#"{"index":"7","x":0.5}"#,
+        ] {
+            assert!(inert(yes).is_some(), "{}", String::from_utf8_lossy(yes));
+        }
+        // An API without choices (Ollama's NDJSON, Responses API deltas): nothing to
+        // record, so the look can be skipped from the first event on.
+        for (text, choices) in [
+            (
+                &br#"{"model":"m","message":{"content":"x"},"done":false}"#[..],
+                false,
+            ),
+            (
+                br#"{"type":"response.output_text.delta","delta":"x"}"#,
+                false,
+            ),
+            (br#"{"choices":[],"usage":{}}"#, true),
+        ] {
+            assert_eq!(inert(text), Some(Inert { choices }));
+        }
+        for no in [
+            &br#"{"choices":[{"index":1,"finish_reason":null}]}"#[..],
+            br#"{"choices":[{"index":0,"finish_reason":"stop"}]}"#,
+            br#"{"choices":[{"index":0,"finish_reason":nullx}]}"#,
+            br#"{"choices":[{"index":0,"finish_reason":{}}]}"#,
+            br#"{"choices":[{"ind\u0065x":3}]}"#,
+            br#"{"model":"m","done": true}"#,
+            br#"{"type":"response.completed","response":{}}"#,
+            br#"{"a":"index","index"}"#,
+            br#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":1}]}}]}"#,
+            br#"{"choices":[{"index":0}]"#,
+            br#"{"index":01}"#,
+        ] {
+            assert!(inert(no).is_none(), "{}", String::from_utf8_lossy(no));
+        }
     }
 
     #[test]
@@ -470,11 +720,109 @@ mod tests {
     mod props {
         use super::super::*;
         use proptest::prelude::*;
+        /// A key, sometimes with a letter written as a `\u` escape.
+        fn key() -> impl Strategy<Value = String> {
+            (
+                prop_oneof![
+                    Just("index"),
+                    Just("finish_reason"),
+                    Just("done"),
+                    Just("type"),
+                    Just("choices"),
+                    Just("delta"),
+                    Just("x")
+                ],
+                any::<bool>(),
+            )
+                .prop_map(|(k, esc)| {
+                    if esc {
+                        k.replacen('e', "\\u0065", 1)
+                    } else {
+                        k.to_owned()
+                    }
+                })
+        }
+
+        fn scalar() -> impl Strategy<Value = String> {
+            prop_oneof![
+                Just("null".to_owned()),
+                Just("nullx".to_owned()),
+                Just("\"\"".to_owned()),
+                Just("\"stop\"".to_owned()),
+                Just("0".to_owned()),
+                Just("1".to_owned()),
+                Just("00".to_owned()),
+                Just("0.5".to_owned()),
+                Just("true".to_owned()),
+                Just("false".to_owned()),
+                Just("\"response.completed\"".to_owned()),
+                Just("\"response.failed\"".to_owned()),
+                Just("\"index\"".to_owned()),
+                Just("\"\\\"finish_reason\\\":\\\"stop\\\"\"".to_owned()),
+            ]
+        }
+
+        /// JSON-ish events built from the keys and values that matter, nested, with
+        /// varied whitespace (sometimes not valid JSON at all).
+        fn event() -> impl Strategy<Value = String> {
+            let leaf = scalar();
+            let value = leaf.prop_recursive(4, 24, 4, |inner| {
+                prop_oneof![
+                    proptest::collection::vec(
+                        (
+                            key(),
+                            inner.clone(),
+                            prop_oneof![Just(""), Just(" "), Just("\n")]
+                        ),
+                        0..4
+                    )
+                    .prop_map(|m| format!(
+                        "{{{}}}",
+                        m.iter()
+                            .map(|(k, v, ws)| format!("\"{k}\"{ws}:{ws}{v}"))
+                            .collect::<Vec<_>>()
+                            .join(",")
+                    )),
+                    proptest::collection::vec(inner, 0..3)
+                        .prop_map(|v| format!("[{}]", v.join(","))),
+                ]
+            });
+            proptest::collection::vec((key(), value), 0..5).prop_map(|m| {
+                format!(
+                    "{{{}}}",
+                    m.iter()
+                        .map(|(k, v)| format!("\"{k}\":{v}"))
+                        .collect::<Vec<_>>()
+                        .join(",")
+                )
+            })
+        }
+
         proptest! {
             #[test]
             fn never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
                 let _ = look(&bytes);
                 let _ = unescape(&bytes);
+            }
+
+            /// An event `inert` lets through could only have told the look "choice 0, not
+            /// finished" (or been malformed): skipping the look never changes completion.
+            #[test]
+            fn inert_events_have_nothing_to_say(text in event()) {
+                if let Some(i) = inert(text.as_bytes()) {
+                    let l = look(text.as_bytes());
+                    prop_assert!(l.malformed || (!l.terminal_type && !l.done && l.choices.iter().all(|c| *c == (0, false))), "{}", text);
+                    prop_assert!(l.malformed || i.choices || l.choices.is_empty(), "{}", text);
+                }
+            }
+
+            #[test]
+            fn inert_on_any_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+                if let Some(i) = inert(&bytes) {
+                    let l = look(&bytes);
+                    prop_assert!(l.malformed || (!l.terminal_type && !l.done && l.choices.iter().all(|c| *c == (0, false))));
+                    prop_assert!(l.malformed || i.choices || l.choices.is_empty());
+                }
             }
 
             #[test]

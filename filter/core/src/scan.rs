@@ -11,6 +11,7 @@
 
 use crate::json;
 use memchr::{memchr2, memchr3};
+use std::ops::Range;
 
 /// How a response body is framed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,12 +102,19 @@ enum Line {
     Skip,
 }
 
-/// Tracks `choices[].index` completion across events.
-#[derive(Debug, Clone, Default)]
+/// Tracks `choices[].index` completion across events, in two bit sets (16 bytes per
+/// stream, no allocation). Indices from [`MAX_TRACKED_INDEX`] up (or more choices than
+/// the look reports) turn completion-by-choices off for the stream; `[DONE]`, a terminal
+/// event and the end of stream still apply.
+#[derive(Debug, Clone, Copy, Default)]
 struct Choices {
-    seen: Vec<(u32, bool)>,
+    seen: u64,
+    finished: u64,
     overflow: bool,
 }
+
+/// Choice indices tracked per stream (`n` up to 64).
+const MAX_TRACKED_INDEX: u32 = 64;
 
 impl Choices {
     /// Records an event's choices; returns whether every choice seen has finished.
@@ -115,17 +123,25 @@ impl Choices {
             self.overflow = true;
         }
         let mut touched = false;
-        for &(idx, fin) in &look.choices {
+        for &(idx, fin) in look.choices.iter() {
             touched = true;
-            if let Some(entry) = self.seen.iter_mut().find(|(i, _)| *i == idx) {
-                entry.1 |= fin;
-            } else if self.seen.len() < json::MAX_CHOICES {
-                self.seen.push((idx, fin));
-            } else {
+            if idx >= MAX_TRACKED_INDEX {
                 self.overflow = true;
+                continue;
+            }
+            let bit = 1u64 << idx;
+            self.seen |= bit;
+            if fin {
+                self.finished |= bit;
             }
         }
-        touched && !self.overflow && self.seen.iter().all(|(_, f)| *f)
+        touched && !self.overflow && self.finished == self.seen
+    }
+
+    /// Whether an event that could only report `(0, not finished)` would change nothing:
+    /// index 0 is already known (or completion by choices is off after an overflow).
+    fn settled_for_index_zero(&self) -> bool {
+        self.overflow || self.seen & 1 == 1
     }
 }
 
@@ -153,9 +169,6 @@ pub struct Scanner {
     /// Data events seen so far.
     pub events: u64,
 }
-
-/// Shrink the event buffer back after an unusually large event.
-const KEEP_CAPACITY: usize = 16 * 1024;
 
 impl Scanner {
     /// A scanner for a body of `framing`, bounding events at `max_event_bytes`.
@@ -211,7 +224,7 @@ impl Scanner {
     pub fn finish(&mut self, on_event: &mut dyn FnMut(Event<'_>)) -> Fed {
         let mut fed = Fed::default();
         if self.framing == Framing::Ndjson && matches!(self.line, Line::Value(_)) {
-            self.end_line(&mut fed, on_event);
+            self.end_line(&mut fed, on_event, &[], &mut None);
         }
         fed
     }
@@ -219,6 +232,10 @@ impl Scanner {
     fn scan(&mut self, chunk: &[u8], fed: &mut Fed, on_event: &mut dyn FnMut(Event<'_>)) {
         let mut i = 0usize;
         let len = chunk.len();
+        // The current event's data when it is one line wholly inside this chunk (the
+        // usual case): kept as a range of the chunk, copied into `self.data` only if the
+        // event goes on past it (another data line, or the end of the chunk).
+        let mut pending: Option<Range<usize>> = None;
         while i < len {
             if self.skip_lf {
                 self.skip_lf = false;
@@ -233,11 +250,12 @@ impl Scanner {
                     if b == b'\n' || b == b'\r' {
                         self.skip_lf = b == b'\r';
                         i += 1;
-                        self.blank_line(fed, on_event);
+                        self.blank_line(fed, on_event, chunk, &mut pending);
                         continue;
                     }
                     if self.framing == Framing::Ndjson {
                         self.line = Line::Value(Field::Data);
+                        self.materialize(chunk, &mut pending);
                         self.start_data_value();
                         continue;
                     }
@@ -261,6 +279,9 @@ impl Scanner {
                             let delim = rest[off];
                             i += off + 1;
                             let field = self.field_kind();
+                            if field == Field::Data {
+                                self.materialize(chunk, &mut pending);
+                            }
                             if delim == b':' {
                                 self.line = Line::Value(field);
                                 self.skip_space = true;
@@ -271,7 +292,7 @@ impl Scanner {
                                 self.skip_lf = delim == b'\r';
                                 self.start_value(field);
                                 self.line = Line::Value(field);
-                                self.end_line(fed, on_event);
+                                self.end_line(fed, on_event, chunk, &mut pending);
                             }
                         }
                     }
@@ -287,13 +308,24 @@ impl Scanner {
                     let rest = &chunk[i..];
                     let found = memchr2(b'\n', b'\r', rest);
                     let end = found.unwrap_or(rest.len());
-                    self.push_value(field, &rest[..end]);
+                    let whole_line_here = found.is_some()
+                        && field == Field::Data
+                        && self.data_lines == 1
+                        && self.data.is_empty()
+                        && !self.oversized
+                        && pending.is_none()
+                        && end <= self.max_event_bytes;
+                    if whole_line_here {
+                        pending = Some(i..i + end);
+                    } else {
+                        self.push_value(field, &rest[..end]);
+                    }
                     match found {
                         None => i = len,
                         Some(off) => {
                             self.skip_lf = rest[off] == b'\r';
                             i += off + 1;
-                            self.end_line(fed, on_event);
+                            self.end_line(fed, on_event, chunk, &mut pending);
                         }
                     }
                 }
@@ -308,6 +340,17 @@ impl Scanner {
                         }
                     }
                 }
+            }
+        }
+        // The event goes on in the next chunk: keep its data.
+        self.materialize(chunk, &mut pending);
+    }
+
+    /// Copies a pending in-chunk data line into `self.data`.
+    fn materialize(&mut self, chunk: &[u8], pending: &mut Option<Range<usize>>) {
+        if let Some(r) = pending.take() {
+            if let Some(bytes) = chunk.get(r) {
+                self.push_data(bytes);
             }
         }
     }
@@ -379,21 +422,42 @@ impl Scanner {
         }
     }
 
-    fn end_line(&mut self, fed: &mut Fed, on_event: &mut dyn FnMut(Event<'_>)) {
+    fn end_line(
+        &mut self,
+        fed: &mut Fed,
+        on_event: &mut dyn FnMut(Event<'_>),
+        chunk: &[u8],
+        pending: &mut Option<Range<usize>>,
+    ) {
         self.line = Line::Start;
         if self.framing == Framing::Ndjson {
             // Every line is its own event.
-            self.dispatch(fed, on_event);
+            let in_chunk = pending.take().and_then(|r| chunk.get(r));
+            self.dispatch(fed, on_event, in_chunk);
         }
     }
 
-    fn blank_line(&mut self, fed: &mut Fed, on_event: &mut dyn FnMut(Event<'_>)) {
+    fn blank_line(
+        &mut self,
+        fed: &mut Fed,
+        on_event: &mut dyn FnMut(Event<'_>),
+        chunk: &[u8],
+        pending: &mut Option<Range<usize>>,
+    ) {
         if self.framing == Framing::Sse {
-            self.dispatch(fed, on_event);
+            let in_chunk = pending.take().and_then(|r| chunk.get(r));
+            self.dispatch(fed, on_event, in_chunk);
         }
     }
 
-    fn dispatch(&mut self, fed: &mut Fed, on_event: &mut dyn FnMut(Event<'_>)) {
+    /// Ends an event. Its data is `in_chunk` when it never left the chunk, else
+    /// `self.data`.
+    fn dispatch(
+        &mut self,
+        fed: &mut Fed,
+        on_event: &mut dyn FnMut(Event<'_>),
+        in_chunk: Option<&[u8]>,
+    ) {
         let had_data = self.data_lines > 0;
         let oversized = self.oversized;
         let terminal_name = !self.event_overflow
@@ -416,7 +480,7 @@ impl Scanner {
             self.reset_data();
             return;
         }
-        let data = self.data.trim_ascii();
+        let data = in_chunk.unwrap_or(&self.data).trim_ascii();
         if data.is_empty() {
             self.reset_data();
             return;
@@ -428,12 +492,20 @@ impl Scanner {
             let done = if data == b"[DONE]" || terminal_name {
                 true
             } else if data.first() == Some(&b'{') {
-                let look = json::look(data);
-                if look.malformed {
-                    fed.malformed += 1;
+                let skip = json::inert(data)
+                    .is_some_and(|i| !i.choices || self.choices.settled_for_index_zero());
+                if skip {
+                    // The common case: a content chunk of choice 0 (or an event of an API
+                    // without choices) that cannot complete anything. No full look.
                     false
                 } else {
-                    look.terminal_type || look.done || self.choices.record(&look)
+                    let look = json::look(data);
+                    if look.malformed {
+                        fed.malformed += 1;
+                        false
+                    } else {
+                        look.terminal_type || look.done || self.choices.record(&look)
+                    }
                 }
             } else {
                 false
@@ -448,11 +520,11 @@ impl Scanner {
         self.reset_data();
     }
 
+    /// Frees the event buffer: it only holds events split across chunks, and a buffer
+    /// kept per idle stream is most of a tracked stream's memory.
     fn reset_data(&mut self) {
-        if self.data.capacity() > KEEP_CAPACITY {
+        if self.data.capacity() > 0 {
             self.data = Vec::new();
-        } else {
-            self.data.clear();
         }
     }
 }
@@ -669,47 +741,37 @@ mod tests {
         assert_eq!(Framing::of(None, None), (Framing::Opaque, false));
     }
 
-    /// Throughput check: `cargo test --release -p kvguard-filter-core -- --ignored --nocapture throughput`.
     #[test]
-    #[ignore]
-    fn throughput() {
-        let rounds = 20_000;
-        let t0 = std::time::Instant::now();
-        let mut events = 0u64;
-        for _ in 0..rounds {
-            let mut s = Scanner::new(Framing::Sse, 65536);
-            // Chunks as an engine sends them: one event per chunk.
-            for chunk in CHAT.split_inclusive(|b| *b == b'\n') {
-                events += u64::from(s.feed(chunk).events);
-            }
-            assert!(s.completed());
-        }
-        let dt = t0.elapsed();
-        let ev: &[u8] = br#"{"id":"chatcmpl-fx-chat","object":"chat.completion.chunk","created":1795960117,"model":"tiny","choices":[{"index":0,"delta":{"content":" 272"},"logprobs":null,"finish_reason":null,"token_ids":null}]}"#;
-        let t1 = std::time::Instant::now();
-        let mut n = 0usize;
-        for _ in 0..300_000 {
-            n += crate::json::look(std::hint::black_box(ev)).choices.len();
-        }
-        println!(
-            "json::look: {:.0} ns/event ({n})",
-            t1.elapsed().as_nanos() as f64 / 300_000.0
+    fn fast_path_keeps_n_greater_than_one_exact() {
+        let ev = |i: u32, fin: &str| {
+            format!("data: {{\"choices\":[{{\"index\":{i},\"delta\":{{\"content\":\"x\"}},\"finish_reason\":{fin}}}]}}\n\n")
+        };
+        let body = [
+            ev(0, "null"),
+            ev(1, "null"),
+            ev(0, "null"), // inert: skips the look
+            ev(0, "null"),
+            ev(0, "\"stop\""),
+            ev(0, "null"), // inert again, index 1 still open
+            ev(1, "\"length\""),
+        ]
+        .concat();
+        let (ev, done, bad) = whole(Framing::Sse, body.as_bytes());
+        assert_eq!(ev.len(), 7);
+        assert_eq!(done, Some(7));
+        assert_eq!(bad, 0);
+    }
+
+    #[test]
+    fn choice_indices_from_64_fall_back_to_done() {
+        let body = concat!(
+            "data: {\"choices\":[{\"index\":70,\"finish_reason\":null}]}\n\n",
+            "data: {\"choices\":[{\"index\":70,\"finish_reason\":\"stop\"}]}\n\n",
+            "data: [DONE]\n\n",
         );
-        let t2 = std::time::Instant::now();
-        let mut n = 0usize;
-        for _ in 0..300_000 {
-            n += memchr::memchr2(b'\n', b'\r', std::hint::black_box(ev)).unwrap_or(1);
-        }
-        println!(
-            "memchr2: {:.0} ns/event ({n})",
-            t2.elapsed().as_nanos() as f64 / 300_000.0
-        );
-        let bytes = (CHAT.len() * rounds) as f64;
-        println!(
-            "{events} events, {:.0} MB/s, {:.0} ns/event",
-            bytes / dt.as_secs_f64() / 1e6,
-            dt.as_nanos() as f64 / events as f64
-        );
+        let (ev, done, _) = whole(Framing::Sse, body.as_bytes());
+        assert_eq!(ev.len(), 3);
+        assert_eq!(done, Some(3), "completion by [DONE] only");
     }
 
     #[cfg(not(target_family = "wasm"))]

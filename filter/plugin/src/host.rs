@@ -86,6 +86,14 @@ mod imports {
             key_data: *const u8,
             key_size: usize,
         ) -> u32;
+        #[cfg(feature = "trap-injection")]
+        pub fn proxy_replace_header_map_value(
+            map_type: u32,
+            key_data: *const u8,
+            key_size: usize,
+            value_data: *const u8,
+            value_size: usize,
+        ) -> u32;
         pub fn proxy_get_property(
             path_data: *const u8,
             path_size: usize,
@@ -161,6 +169,16 @@ mod imports {
         NOT_FOUND
     }
     pub unsafe fn proxy_remove_header_map_value(_: u32, _: *const u8, _: usize) -> u32 {
+        NOT_FOUND
+    }
+    #[cfg(feature = "trap-injection")]
+    pub unsafe fn proxy_replace_header_map_value(
+        _: u32,
+        _: *const u8,
+        _: usize,
+        _: *const u8,
+        _: usize,
+    ) -> u32 {
         NOT_FOUND
     }
     pub unsafe fn proxy_get_property(
@@ -283,6 +301,21 @@ pub fn get_header(map: Map, key: &str) -> Result<Option<Vec<u8>>, Status> {
 pub fn remove_header(map: Map, key: &str) -> Result<(), Status> {
     // SAFETY: `key` is a live `&str`.
     check(unsafe { proxy_remove_header_map_value(map as u32, key.as_ptr(), key.len()) })
+}
+
+/// Sets a header, replacing any value it had (only the test build uses it: `trap.rs`).
+#[cfg(feature = "trap-injection")]
+pub fn replace_header(map: Map, key: &str, value: &[u8]) -> Result<(), Status> {
+    // SAFETY: `key` and `value` are live.
+    check(unsafe {
+        proxy_replace_header_map_value(
+            map as u32,
+            key.as_ptr(),
+            key.len(),
+            value.as_ptr(),
+            value.len(),
+        )
+    })
 }
 
 fn path_bytes(path: &[&str]) -> Vec<u8> {

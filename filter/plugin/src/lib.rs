@@ -14,6 +14,7 @@
 #![deny(unsafe_code)]
 
 mod host;
+mod trap;
 
 use core::cell::RefCell;
 use kvguard_contract::{CONTROL_HEADER, REQUEST_ID_HEADER};
@@ -464,6 +465,7 @@ impl Drop for Stream {
 
 impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _: usize, _: bool) -> Action {
+        trap::on_request_headers(self.id);
         let path = host::get_header(host::Map::RequestHeaders, ":path")
             .ok()
             .flatten();
@@ -516,24 +518,26 @@ impl HttpContext for Stream {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        trap::on_response_body(self.id);
         if !self.tracked {
             return Action::Continue;
         }
         let id = self.id;
-        let need = with_engine(&self.shared, |e, _| e.body_need(id)).unwrap_or(BodyNeed::Nothing);
-        let chunk = match need {
-            BodyNeed::Bytes if body_size > 0 => {
-                match host::get_buffer(host::Buffer::ResponseBody, 0, body_size) {
-                    Ok(b) => b,
-                    Err(_) => {
-                        let _ = with_engine(&self.shared, |_, p| p.add(Metric::HostErrors, 1));
-                        Vec::new()
+        // One borrow for the whole chunk: reading the body buffer only calls back into the
+        // module's allocator, never into the filter.
+        let tag = with_engine(&self.shared, |e, p| {
+            let chunk = match e.body_need(id) {
+                BodyNeed::Bytes if body_size > 0 => {
+                    match host::get_buffer(host::Buffer::ResponseBody, 0, body_size) {
+                        Ok(b) => b,
+                        Err(_) => {
+                            p.add(Metric::HostErrors, 1);
+                            Vec::new()
+                        }
                     }
                 }
-            }
-            _ => Vec::new(),
-        };
-        let tag = with_engine(&self.shared, |e, p| {
+                _ => Vec::new(),
+            };
             e.on_response_body(p, id, &chunk, body_size, end_of_stream)
         })
         .flatten();
@@ -548,16 +552,22 @@ impl HttpContext for Stream {
             return;
         }
         self.tracked = false;
-        let details = host::get_property(&["response", "code_details"])
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        let flags = host::get_property(&["response", "flags"])
-            .ok()
-            .flatten()
-            .and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok())
-            .map_or(0, u64::from_le_bytes);
         let id = self.id;
+        let needed = with_engine(&self.shared, |e, _| e.end_details_needed(id)).unwrap_or(true);
+        let (details, flags) = if needed {
+            let details = host::get_property(&["response", "code_details"])
+                .ok()
+                .flatten()
+                .unwrap_or_default();
+            let flags = host::get_property(&["response", "flags"])
+                .ok()
+                .flatten()
+                .and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok())
+                .map_or(0, u64::from_le_bytes);
+            (details, flags)
+        } else {
+            (Vec::new(), 0)
+        };
         let result = with_engine(&self.shared, |e, p| {
             let tag = e.on_log(p, id, &details, flags);
             let wake = e.has_ready_aborts(p.now_ms());

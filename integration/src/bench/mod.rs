@@ -64,6 +64,50 @@ pub struct BenchOptions {
     pub memory_levels: Vec<usize>,
     /// Memory waves.
     pub memory_waves: usize,
+    /// Pin the measured proxy (Envoy; kvguard-control in the control section) alone on
+    /// the last CPU and the bench (clients, upstream, receivers) on the others, so that
+    /// the load generator's scheduling does not land in the proxy's figures.
+    pub pin: bool,
+}
+
+/// Restricts every thread of process `pid` to `cpus` (`sched_setaffinity` per task).
+pub fn pin_tasks(pid: u32, cpus: &[usize]) -> Result<()> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for &c in cpus {
+        // SAFETY: `c` is below the number of CPUs, far below CPU_SETSIZE.
+        unsafe { libc::CPU_SET(c, &mut set) };
+    }
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .with_context(|| format!("listing the threads of {pid}"))?;
+    for t in tasks.flatten() {
+        let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        // SAFETY: `set` is a valid cpu_set_t of the size passed.
+        let rc = unsafe { libc::sched_setaffinity(tid, std::mem::size_of_val(&set), &set) };
+        if rc != 0 {
+            bail!(
+                "sched_setaffinity({tid}): {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The CPU the measured proxy gets when pinning (the last one), if there are two or more.
+fn proxy_cpu() -> Option<usize> {
+    let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (n >= 2).then_some(n - 1)
+}
+
+/// Pins the measured proxy `pid` alone on the last CPU (no-op without `opts.pin`).
+fn pin_proxy(opts: &BenchOptions, pid: u32) -> Result<()> {
+    match proxy_cpu() {
+        Some(cpu) if opts.pin => pin_tasks(pid, &[cpu]),
+        _ => Ok(()),
+    }
 }
 
 /// Envoy's CPU time so far, in ns: the sum of `/proc/<pid>/task/*/schedstat` run times
@@ -340,6 +384,7 @@ pub async fn overhead(opts: &BenchOptions) -> Result<Value> {
     let rx = receiver::spawn(ReceiverConfig::new(vec![Key::try_new(SECRET.as_bytes())?])).await?;
     let mut envoy = three_listener_envoy(up.addr(), rx.addr(), opts.noop_wasm.clone()).await?;
     let pid = envoy.guard().pid();
+    pin_proxy(opts, pid)?;
     let mut ports = BTreeMap::new();
     for v in VARIANTS {
         ports.insert(v, envoy.listener_named(listener_name(v)).await?);
@@ -400,7 +445,7 @@ pub async fn overhead(opts: &BenchOptions) -> Result<Value> {
     }
     // TTFB probes with 1,000 streams in flight on the same listener.
     let mut probes: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
-    let probe_n = if opts.quick { 60 } else { 200 };
+    let probe_n = if opts.quick { 60 } else { 400 };
     for round in 0..opts.rounds {
         let mut order: Vec<&str> = VARIANTS.to_vec();
         if round % 2 == 1 {
@@ -939,47 +984,72 @@ pub async fn control(opts: &BenchOptions) -> Result<Value> {
     let args: Vec<String> = vec!["--log".into(), "warn".into()];
     let mut c = Control::start(up.addr(), any, any, &args).await?;
     let pid = c.guard().pid();
+    pin_proxy(opts, pid)?;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let rss_idle = rss(pid);
+    // Sequential requests: the hop's latency, not queueing behind other requests (with
+    // concurrent clients the figure would be kvguard-control's CPU per request times the
+    // queue length; that cost is reported separately as CPU per request).
     let sc = Scenario {
         name: "hop".into(),
         http2: false,
-        concurrency: 4,
-        requests: if opts.quick { 200 } else { 600 },
+        concurrency: 1,
+        requests: if opts.quick { 200 } else { 500 },
         events: 4,
         interval_us: 0,
     };
+    // The reference: the same hop through a plain Envoy (router only), on the same CPU.
+    let rx = receiver::spawn(ReceiverConfig::new(vec![Key::try_new(SECRET.as_bytes())?])).await?;
+    let mut envoy = three_listener_envoy(up.addr(), rx.addr(), opts.noop_wasm.clone()).await?;
+    pin_proxy(opts, envoy.guard().pid())?;
+    let envoy_port = envoy.listener_named(listener_name("none")).await?;
     let mut direct = Vec::new();
     let mut via = Vec::new();
+    let mut via_envoy = Vec::new();
+    let mut cpu_per_request = Vec::new();
     let rounds = opts.rounds.max(1);
     for r in 0..rounds {
-        let order = if r % 2 == 0 {
-            [true, false]
-        } else {
-            [false, true]
-        };
-        for d in order {
-            let target = if d { up.addr() } else { c.proxy };
+        let mut order = ["direct", "control", "envoy"];
+        if r % 2 == 1 {
+            order.reverse();
+        }
+        for path in order {
+            let target = match path {
+                "direct" => up.addr(),
+                "control" => c.proxy,
+                _ => envoy_port,
+            };
+            let (ns0, _) = cpu(pid);
             let s = load_once(target, &sc, r as u64).await;
-            if s.errors > 0 {
-                eprintln!("control hop: errors {:?}", s.error_samples);
+            if path == "control" {
+                let (ns1, _) = cpu(pid);
+                cpu_per_request.push((ns1 - ns0) as f64 / 1000.0 / s.completed.max(1) as f64);
             }
-            if d {
-                direct.push(s.ttfb_ms.p50 * 1000.0)
-            } else {
-                via.push(s.ttfb_ms.p50 * 1000.0)
+            if s.errors > 0 {
+                eprintln!("control hop ({path}): errors {:?}", s.error_samples);
+            }
+            let p50 = s.ttfb_ms.p50 * 1000.0;
+            match path {
+                "direct" => direct.push(p50),
+                "control" => via.push(p50),
+                _ => via_envoy.push(p50),
             }
         }
     }
+    drop(envoy);
     let rss_loaded = rss(pid);
     let added: Vec<f64> = via.iter().zip(&direct).map(|(a, b)| a - b).collect();
-    eprintln!("control hop: direct p50 {direct:?} µs, via control {via:?} µs");
+    let added_envoy: Vec<f64> = via_envoy.iter().zip(&direct).map(|(a, b)| a - b).collect();
+    eprintln!("control hop: direct p50 {direct:?} µs, via control {via:?} µs, via plain Envoy {via_envoy:?} µs");
     Ok(json!({
         "rss_idle_bytes": rss_idle,
         "rss_after_load_bytes": rss_loaded,
         "ttfb_p50_direct_us": Spread::of(&direct),
         "ttfb_p50_via_control_us": Spread::of(&via),
         "hop_added_p50_us": Spread::of(&added),
+        "ttfb_p50_via_plain_envoy_us": Spread::of(&via_envoy),
+        "plain_envoy_hop_added_p50_us": Spread::of(&added_envoy),
+        "control_cpu_us_per_request": Spread::of(&cpu_per_request),
         "load": sc,
     }))
 }
@@ -988,11 +1058,19 @@ pub async fn control(opts: &BenchOptions) -> Result<Value> {
 pub async fn run(opts: BenchOptions) -> Result<Value> {
     let want = |s: &str| opts.sections.iter().any(|x| x == s || x == "all");
     let started = Instant::now();
+    let pinning = match proxy_cpu() {
+        Some(cpu) if opts.pin => {
+            let rest: Vec<usize> = (0..cpu).collect();
+            pin_tasks(std::process::id(), &rest).context("pinning the bench")?;
+            format!("proxy on CPU {cpu}, bench on CPUs {rest:?}")
+        }
+        _ => "none".to_owned(),
+    };
     let mut res = json!({
         "machine": report::machine(),
         "options": {"rounds": opts.rounds, "quick": opts.quick, "sections": opts.sections,
                     "disconnects": opts.disconnects, "memory_levels": opts.memory_levels,
-                    "memory_waves": opts.memory_waves},
+                    "memory_waves": opts.memory_waves, "pinning": pinning},
     });
     if want("overhead") {
         res["overhead"] = overhead(&opts).await.context("overhead section")?;

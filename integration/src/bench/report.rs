@@ -66,7 +66,7 @@ pub fn markdown(res: &Value) -> String {
     let mut m = String::new();
     let _ = writeln!(
         m,
-        "Machine: {} × {} cores, {}; kernel {}; {}; load average at start {}.\n",
+        "Machine: {} × {} cores, {}; kernel {}; {}; load average at start {}; CPU pinning: {}.\n",
         res["machine"]["cpu"].as_str().unwrap_or("?"),
         res["machine"]["cores"],
         res["machine"]["memory"]
@@ -78,7 +78,8 @@ pub fn markdown(res: &Value) -> String {
             .join(" "),
         res["machine"]["kernel"].as_str().unwrap_or("?"),
         res["machine"]["envoy"].as_str().unwrap_or("?"),
-        res["machine"]["loadavg_at_start"].as_str().unwrap_or("?")
+        res["machine"]["loadavg_at_start"].as_str().unwrap_or("?"),
+        res["options"]["pinning"].as_str().unwrap_or("none")
     );
     if let Some(sum) = res["overhead"]["summary"].as_array() {
         let _ = writeln!(
@@ -262,6 +263,20 @@ pub fn markdown(res: &Value) -> String {
             "| hop cost (p50, goal ≤ 100 µs) | {} µs |",
             spread(&c["hop_added_p50_us"], 1.0, 0)
         );
+        if !c["plain_envoy_hop_added_p50_us"].is_null() {
+            let _ = writeln!(
+                m,
+                "| reference: the same hop through a plain Envoy (router only, same CPU) | {} µs |",
+                spread(&c["plain_envoy_hop_added_p50_us"], 1.0, 0)
+            );
+        }
+        if !c["control_cpu_us_per_request"].is_null() {
+            let _ = writeln!(
+                m,
+                "| kvguard-control CPU per proxied request (all threads, user + kernel) | {} µs |",
+                spread(&c["control_cpu_us_per_request"], 1.0, 0)
+            );
+        }
         if !res["abort"]["control_rss_after_abort_storm_bytes"].is_null() {
             let _ = writeln!(
                 m,

@@ -32,6 +32,10 @@ struct Args {
     /// Memory waves.
     #[arg(long, default_value_t = 3)]
     memory_waves: usize,
+    /// Do not pin the measured proxy to its own CPU (by default, with 2 or more CPUs,
+    /// Envoy / kvguard-control run alone on the last CPU and the bench on the others).
+    #[arg(long)]
+    no_pin: bool,
     /// Run the soak instead of the benchmarks, for this many minutes (scripts/soak).
     #[arg(long)]
     soak_minutes: Option<f64>,
@@ -101,6 +105,7 @@ async fn main() -> Result<()> {
         disconnects: a.disconnects,
         memory_levels: a.memory_levels,
         memory_waves: a.memory_waves,
+        pin: !a.no_pin,
     };
     let res = interruptible(bench::run(opts)).await?;
     let with = |ext: &str| {

@@ -1,0 +1,545 @@
+//! A wasm trap in one worker's VM, under `failure_policy` FAIL_OPEN and FAIL_RELOAD.
+//!
+//! Real Envoy 1.40 (`--concurrency 2`: two worker VMs) with the filter's test build
+//! (`kvguard_filter_trap.wasm`, feature `trap-injection`) → the simulator; aborts → the
+//! verifying receiver. The test build traps its VM (wasm `unreachable`) when a request
+//! carries `x-kvguard-test-trap: response-body | request-headers`, and tags every request
+//! it sees towards the upstream with `x-kvguard-test-vm: <random id of that VM instance>`,
+//! which the simulator records: a request's tag says which worker VM ran the filter for
+//! it (no tag: the filter did not run).
+//!
+//! Measured and asserted, the same under both policies unless noted:
+//! - the trapping request (trap in its response body): its 200 head has gone out, its body
+//!   is cut before the first event (`wasm_fail_stream` in the access log);
+//! - every other stream live on the trapped VM is cut at its next body chunk (HTTP/1.1:
+//!   connection closed; HTTP/2: RST_STREAM; `wasm_fail_stream`), FAIL_OPEN included. No
+//!   abort is sent for them (their VM is gone); the engine here sees the disconnect
+//!   (behind a hop that hides it they would run to kvguard-control's max age);
+//! - every stream on the other worker completes in full; no abort at all is sent;
+//! - FAIL_OPEN: later requests on the trapped worker pass (200, complete) with no filter:
+//!   not counted, and a disconnect there sends no abort; the other worker keeps tracking;
+//!   Envoy counts no reload;
+//! - FAIL_RELOAD: the next request on that worker gets a fresh VM (new id,
+//!   `wasm.kvguard.vm_reload_success` +1, `wasm.envoy.wasm.runtime.v8.created` +1), and
+//!   every request that gets through is tracked again (a disconnect there gets its abort).
+//!   Within Envoy's reload backoff (~1 s after the last reload, measured) requests on that
+//!   worker are refused with 503 instead, each counted in `wasm.kvguard.vm_reload_backoff`;
+//! - a trap in the request headers answers that request 503 and nothing reaches the
+//!   engine; FAIL_OPEN then runs both workers without the filter, FAIL_RELOAD reloads that
+//!   VM again (after its backoff);
+//! - the shared gauge `kvguard_filter_active_requests` keeps the trapped VM's tracked
+//!   streams for good (the VM that would take them out is gone); Envoy never crashes.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "filter_support.rs"]
+mod support;
+
+use kvguard_integration::client::{self, SseStream};
+use kvguard_integration::envoy::Envoy;
+use kvguard_integration::paths;
+use kvguard_integration::receiver::{self, Receiver, ReceiverConfig};
+use kvguard_integration::sim::{self, EndKind, SimConfig, SimHandle};
+use kvguard_integration::wait::{bounded, poll_until};
+use serde_json::json;
+use std::collections::BTreeSet;
+use std::time::Duration;
+use support::{chat, stat, T, W};
+
+const VM_HEADER: &str = "x-kvguard-test-vm";
+const TRAP_HEADER: &str = "x-kvguard-test-trap";
+const TAG: &str = "x-test-tag";
+/// Streams opened before the trap (more if one worker has fewer than 2 of them).
+const LIVE: usize = 16;
+/// Bound on requests sent while looking for a worker (2 workers, connections spread by the
+/// kernel: the chance of missing one 64 times is 2^-64).
+const TRIES: usize = 64;
+
+struct Rig {
+    sim: SimHandle,
+    recv: Receiver,
+    envoy: Envoy,
+}
+
+async fn rig(policy: &str) -> Rig {
+    let sim = sim::spawn(SimConfig::default()).await.unwrap();
+    let recv = receiver::spawn(ReceiverConfig::new(vec![support::key()]))
+        .await
+        .unwrap();
+    let mut o = support::options(sim.addr(), recv.addr(), json!({}));
+    o.wasm_path = Some(paths::trap_wasm_path().unwrap());
+    o.concurrency = 2;
+    o.failure_policy = policy.into();
+    let envoy = Envoy::start(o).await.unwrap();
+    Rig { sim, recv, envoy }
+}
+
+/// What the simulator saw of the request tagged `tag`: its request id and VM tag.
+fn seen(sim: &SimHandle, tag: &str) -> Option<(String, Option<String>)> {
+    sim.state()
+        .requests
+        .into_iter()
+        .find(|r| r.headers.get(TAG).map(String::as_str) == Some(tag))
+        .map(|r| (r.request_id, r.headers.get(VM_HEADER).cloned()))
+}
+
+/// Opens a stream tagged `tag` and reads its first data event; returns it with the
+/// request id and VM tag the simulator saw, or the status when it is not 200.
+async fn open(
+    rig: &Rig,
+    tag: &str,
+    max_tokens: u32,
+    http2: bool,
+) -> Result<(SseStream, String, Option<String>), u16> {
+    let mut s = client::stream_sse(
+        rig.envoy.listener_addr(),
+        "/v1/chat/completions",
+        &chat(max_tokens),
+        &[(TAG, tag), ("x-sim-rate", "10")],
+        http2,
+    )
+    .await
+    .unwrap();
+    if s.status != 200 {
+        return Err(s.status);
+    }
+    s.next_data(W).await.unwrap().unwrap();
+    let (id, vm) = seen(&rig.sim, tag).unwrap();
+    Ok((s, id, vm))
+}
+
+/// A short request to completion (or its error answer); returns the status and what the
+/// simulator saw (`None`: it never reached the engine).
+async fn short(
+    rig: &Rig,
+    tag: &str,
+    extra: &[(&str, &str)],
+) -> (u16, Option<(String, Option<String>)>) {
+    let mut headers = vec![(TAG, tag)];
+    headers.extend_from_slice(extra);
+    let mut s = client::stream_sse(
+        rig.envoy.listener_addr(),
+        "/v1/chat/completions",
+        &chat(3),
+        &headers,
+        false,
+    )
+    .await
+    .unwrap();
+    let status = s.status;
+    let events = s.collect(W).await.unwrap();
+    let seen = seen(&rig.sim, tag);
+    if status == 200 {
+        assert!(
+            events.last().is_some_and(|e| e.is_done()),
+            "{tag}: {events:?}"
+        );
+        assert!(seen.is_some(), "{tag}");
+    }
+    (status, seen)
+}
+
+/// Envoy's access log line of request `id` (waits for it).
+async fn access_line(envoy: &Envoy, id: &str) -> String {
+    let needle = format!("id={id} ");
+    poll_until("access log line", W, Duration::from_millis(50), || {
+        envoy
+            .log()
+            .lines()
+            .find(|l| l.starts_with("ACCESS") && l.contains(&needle))
+            .map(str::to_owned)
+    })
+    .await
+    .unwrap()
+}
+
+/// Envoy's own wasm counters (`wasm.*`, not the filter's `wasmcustom.*`).
+async fn wasm_stats(envoy: &Envoy) -> std::collections::BTreeMap<String, f64> {
+    envoy
+        .stats_matching("wasm.")
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|(k, _)| !k.starts_with("wasmcustom."))
+        .collect()
+}
+
+struct Trapped {
+    trapped: String,
+    healthy: String,
+    /// Tracked streams that were live on the trapped VM (the trapping one included).
+    stranded: usize,
+}
+
+/// Streams live on both workers, then a trap in one VM's response-body callback.
+async fn trap_mid_traffic(rig: &Rig) -> Trapped {
+    let mut live = Vec::new();
+    let mut vms = std::collections::BTreeMap::<String, usize>::new();
+    while live.len() < LIVE || vms.len() < 2 || vms.values().any(|n| *n < 2) {
+        assert!(
+            live.len() < LIVE + TRIES,
+            "one worker got no stream: {vms:?}"
+        );
+        let i = live.len();
+        let (s, id, vm) = open(rig, &format!("live-{i}"), 40, i % 2 == 1)
+            .await
+            .unwrap();
+        let vm = vm.expect("the filter ran");
+        *vms.entry(vm.clone()).or_default() += 1;
+        live.push((s, id, vm));
+    }
+    eprintln!(
+        "live streams per VM: {vms:?}; vm_memory_bytes {}",
+        stat(&rig.envoy, "kvguard_filter_vm_memory_bytes").await
+    );
+    let before = wasm_stats(&rig.envoy).await;
+
+    // The trap: its head goes out (the response-body callback has not run yet), then the
+    // VM traps on the first body chunk, which never reaches the client.
+    let mut trap = client::stream_sse(
+        rig.envoy.listener_addr(),
+        "/v1/chat/completions",
+        &chat(40),
+        &[
+            (TAG, "trap"),
+            (TRAP_HEADER, "response-body"),
+            ("x-sim-rate", "10"),
+        ],
+        false,
+    )
+    .await
+    .unwrap();
+    assert_eq!(trap.status, 200);
+    let got = trap.collect(W).await;
+    assert!(
+        got.as_ref()
+            .map_or(true, |e| e.iter().all(|e| e.data.is_none())),
+        "the trapping stream got data: {got:?}"
+    );
+    let (trap_id, trap_vm) = seen(&rig.sim, "trap").unwrap();
+    let trapped = trap_vm.unwrap();
+    let healthy = vms.keys().find(|v| **v != trapped).unwrap().clone();
+    assert!(vms.contains_key(&trapped), "{trapped} not in {vms:?}");
+    assert!(access_line(&rig.envoy, &trap_id)
+        .await
+        .contains("wasm_fail_stream"));
+    support::wait_log(&rig.envoy, "failed: Uncaught RuntimeError: unreachable").await;
+
+    // Streams on the trapped VM are cut; the others complete in full.
+    let mut cut_ids = Vec::new();
+    for (mut s, id, vm) in live {
+        let r = s.collect(W).await;
+        if vm == trapped {
+            assert!(
+                r.as_ref().map_or(true, |e| !e.iter().any(|e| e.is_done())),
+                "{id} on the trapped VM completed"
+            );
+            let line = access_line(&rig.envoy, &id).await;
+            assert!(line.contains("wasm_fail_stream"), "{line}");
+            cut_ids.push(id);
+        } else {
+            let events = r.unwrap_or_else(|e| panic!("{id} on the healthy VM: {e:#}"));
+            assert!(events.last().unwrap().is_done(), "{id}: {events:?}");
+            // After the role chunk read by `open`: 40 tokens (the last with its finish
+            // reason), usage, [DONE].
+            assert_eq!(events.len(), 42, "{id}");
+            assert!(access_line(&rig.envoy, &id).await.contains("via_upstream"));
+        }
+    }
+    // The engine sees the cut streams go (Envoy resets their upstream requests).
+    cut_ids.push(trap_id);
+    let ids = cut_ids.clone();
+    rig.sim
+        .wait_state("the cut streams ended at the engine", W, move |s| {
+            ids.iter().all(|id| {
+                s.request(id)
+                    .is_some_and(|r| r.ended == Some(EndKind::Disconnected))
+            })
+        })
+        .await
+        .unwrap();
+    // No abort for anything: the healthy worker's streams completed, the trapped VM is gone.
+    assert_eq!(rig.recv.calls().len(), 0);
+    let after = wasm_stats(&rig.envoy).await;
+    assert_eq!(before, after, "Envoy's wasm stats moved at the trap");
+    eprintln!(
+        "trapped VM {trapped}: {} streams cut; wasm stats {after:?}",
+        cut_ids.len()
+    );
+    Trapped {
+        trapped,
+        healthy,
+        stranded: cut_ids.len(),
+    }
+}
+
+/// What later traffic saw: per request its status and VM tag (`None`: no filter ran).
+#[derive(Debug, Default)]
+struct Later {
+    /// Requests read to the end: (status, VM tag).
+    requests: Vec<(u16, Option<String>)>,
+    /// Streams dropped after their first event: (request id, VM tag).
+    dropped: Vec<(String, Option<String>)>,
+    /// Answers other than 200 while opening the streams to drop.
+    refused: Vec<u16>,
+}
+
+impl Later {
+    /// Every answer that was not 200.
+    fn errors(&self) -> Vec<u16> {
+        self.requests
+            .iter()
+            .map(|(s, _)| *s)
+            .filter(|s| *s != 200)
+            .chain(self.refused.iter().copied())
+            .collect()
+    }
+
+    /// VM tags of every request that reached the engine.
+    fn tags(&self) -> Vec<Option<String>> {
+        self.requests
+            .iter()
+            .filter(|(s, _)| *s == 200)
+            .map(|(_, v)| v.clone())
+            .chain(self.dropped.iter().map(|(_, v)| v.clone()))
+            .collect()
+    }
+}
+
+/// Later traffic: short requests until two workers (two distinct VM tags, "none" being
+/// one) answered, then streams dropped mid-way until two workers had one.
+async fn later_traffic(rig: &Rig, round: &str) -> Later {
+    let mut l = Later::default();
+    let distinct = |v: &mut dyn Iterator<Item = Option<String>>| v.collect::<BTreeSet<_>>().len();
+    let mut i = 0;
+    while distinct(
+        &mut l
+            .requests
+            .iter()
+            .filter(|(s, _)| *s == 200)
+            .map(|(_, v)| v.clone()),
+    ) < 2
+    {
+        assert!(i < TRIES, "later requests reached one worker only: {l:?}");
+        let (status, seen) = short(rig, &format!("{round}-new-{i}"), &[]).await;
+        l.requests.push((status, seen.and_then(|(_, vm)| vm)));
+        i += 1;
+        if status != 200 {
+            // A worker refusing requests (reload backoff): poll it out.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let mut i = 0;
+    while distinct(&mut l.dropped.iter().map(|(_, v)| v.clone())) < 2 {
+        assert!(i < TRIES, "disconnects reached one worker only: {l:?}");
+        match open(rig, &format!("{round}-dc-{i}"), 100, false).await {
+            Ok((s, id, vm)) => {
+                s.disconnect();
+                l.dropped.push((id, vm));
+            }
+            Err(status) => {
+                l.refused.push(status);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        i += 1;
+    }
+    eprintln!("{round}: {l:?}");
+    l
+}
+
+/// Waits for the aborts of the `expected` ids, then checks that no other one comes.
+async fn assert_aborts(rig: &Rig, before: usize, expected: &[String]) {
+    let calls = rig
+        .recv
+        .wait_for_calls(before + expected.len(), W)
+        .await
+        .unwrap();
+    let got: BTreeSet<_> = calls[before..]
+        .iter()
+        .map(|c| c.request_id().unwrap().to_string())
+        .collect();
+    assert_eq!(got, expected.iter().cloned().collect::<BTreeSet<_>>());
+    rig.recv
+        .expect_no_more_calls(before + expected.len(), Duration::from_millis(500))
+        .await
+        .unwrap();
+}
+
+async fn tracked(rig: &Rig) -> f64 {
+    stat(&rig.envoy, "kvguard_filter_requests_tracked_total").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trap_under_fail_open() {
+    bounded("trap under FAIL_OPEN", T, async {
+        let rig = rig("FAIL_OPEN").await;
+        let t = trap_mid_traffic(&rig).await;
+        let tracked0 = tracked(&rig).await;
+
+        // Later requests all succeed: the healthy VM tracks its share; the trapped worker
+        // runs without the filter (no tag, not counted).
+        let l = later_traffic(&rig, "open").await;
+        assert_eq!(l.errors(), Vec::<u16>::new());
+        let tags = l.tags();
+        assert!(
+            tags.iter()
+                .all(|v| v.is_none() || v.as_ref() == Some(&t.healthy)),
+            "{l:?}"
+        );
+        let filtered = tags.iter().filter(|v| v.is_some()).count();
+        assert_eq!(tracked(&rig).await - tracked0, filtered as f64);
+        // A disconnect gets its abort only where the filter still runs.
+        let expected: Vec<String> = l
+            .dropped
+            .iter()
+            .filter(|(_, v)| v.is_some())
+            .map(|(id, _)| id.clone())
+            .collect();
+        assert_aborts(&rig, 0, &expected).await;
+        let w = wasm_stats(&rig.envoy).await;
+        assert_eq!(w["wasm.kvguard.vm_reload_success"], 0.0, "{w:?}");
+        assert_eq!(w["wasm.kvguard.vm_reload_backoff"], 0.0, "{w:?}");
+
+        // A trap in the request headers of the remaining VM answers that request 503 and
+        // nothing reaches the engine. On the dead worker the header does nothing (no
+        // filter runs there): try again.
+        let mut i = 0;
+        loop {
+            assert!(i < TRIES, "no request reached the remaining VM");
+            let tag = format!("hdr-trap-{i}");
+            let (status, seen) = short(&rig, &tag, &[(TRAP_HEADER, "request-headers")]).await;
+            if status == 200 {
+                assert_eq!(seen.unwrap().1, None, "{tag} passed a live VM");
+                i += 1;
+                continue;
+            }
+            assert_eq!(status, 503);
+            assert!(seen.is_none(), "the trapping request reached the engine");
+            break;
+        }
+        support::wait_log(&rig.envoy, "proxy_on_request_headers failed").await;
+        // Both VMs gone: every request passes untracked, a disconnect sends no abort.
+        let calls = rig.recv.calls().len();
+        let tracked1 = tracked(&rig).await;
+        for i in 0..8 {
+            let (status, seen) = short(&rig, &format!("after-{i}"), &[]).await;
+            assert_eq!((status, seen.unwrap().1), (200, None));
+        }
+        let (s, _, vm) = open(&rig, "after-dc", 100, false).await.unwrap();
+        assert_eq!(vm, None);
+        s.disconnect();
+        rig.recv
+            .expect_no_more_calls(calls, Duration::from_millis(500))
+            .await
+            .unwrap();
+        assert_eq!(tracked(&rig).await, tracked1);
+        finish(&rig, &t).await;
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trap_under_fail_reload() {
+    bounded("trap under FAIL_RELOAD", T, async {
+        let rig = rig("FAIL_RELOAD").await;
+        let t = trap_mid_traffic(&rig).await;
+        let w0 = wasm_stats(&rig.envoy).await;
+        let tracked0 = tracked(&rig).await;
+
+        // The next request on the trapped worker reloads its VM (a new id); every request
+        // that gets through is tracked again. Within the reload backoff, requests on that
+        // worker are refused with 503 instead (counted by vm_reload_backoff).
+        let l = later_traffic(&rig, "reload").await;
+        let w = wasm_stats(&rig.envoy).await;
+        let tags = l.tags();
+        assert!(
+            tags.iter().all(Option::is_some),
+            "untracked requests: {l:?}"
+        );
+        let fresh: BTreeSet<&String> = tags.iter().flatten().filter(|v| **v != t.healthy).collect();
+        assert_eq!(fresh.len(), 1, "{l:?}");
+        let fresh = (*fresh.iter().next().unwrap()).clone();
+        assert_ne!(fresh, t.trapped);
+        assert!(l.errors().iter().all(|s| *s == 503), "{l:?}");
+        assert_eq!(
+            w["wasm.kvguard.vm_reload_backoff"] - w0["wasm.kvguard.vm_reload_backoff"],
+            l.errors().len() as f64,
+            "{w:?}"
+        );
+        assert_eq!(w["wasm.kvguard.vm_reload_success"], 1.0, "{w:?}");
+        assert_eq!(
+            w["wasm.envoy.wasm.runtime.v8.created"],
+            w0["wasm.envoy.wasm.runtime.v8.created"] + 1.0
+        );
+        assert_eq!(tracked(&rig).await - tracked0, tags.len() as f64);
+        // A disconnect on either worker, the reloaded one included, gets its abort.
+        let expected: Vec<String> = l.dropped.iter().map(|(id, _)| id.clone()).collect();
+        assert_aborts(&rig, 0, &expected).await;
+
+        // A trap in the request headers: that request gets 503 and never reaches the
+        // engine; requests on that worker get 503 until the backoff lets Envoy reload the
+        // VM (a third id), then are tracked again.
+        let (status, seen) = short(&rig, "hdr-trap", &[(TRAP_HEADER, "request-headers")]).await;
+        assert_eq!(status, 503);
+        assert!(seen.is_none(), "the trapping request reached the engine");
+        support::wait_log(&rig.envoy, "proxy_on_request_headers failed").await;
+        let backoff0 = wasm_stats(&rig.envoy).await["wasm.kvguard.vm_reload_backoff"];
+        let known = [t.healthy.clone(), fresh.clone(), t.trapped.clone()];
+        let mut refused = 0usize;
+        let mut i = 0;
+        loop {
+            assert!(
+                i < 4 * TRIES,
+                "no second reload: {:?}",
+                wasm_stats(&rig.envoy).await
+            );
+            let (status, seen) = short(&rig, &format!("after-{i}"), &[]).await;
+            i += 1;
+            if status == 503 {
+                assert!(seen.is_none());
+                refused += 1;
+                // Poll the backoff out rather than hammering the worker.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            assert_eq!(status, 200);
+            let vm = seen.unwrap().1.expect("tracked");
+            if !known.contains(&vm) {
+                break;
+            }
+        }
+        let w = wasm_stats(&rig.envoy).await;
+        assert_eq!(w["wasm.kvguard.vm_reload_success"], 2.0, "{w:?}");
+        assert_eq!(
+            w["wasm.kvguard.vm_reload_backoff"] - backoff0,
+            refused as f64,
+            "{w:?}"
+        );
+        eprintln!("second trap: {refused} request(s) refused with 503 during the reload backoff");
+        finish(&rig, &t).await;
+    })
+    .await
+    .unwrap();
+}
+
+/// Envoy alive and ready; the shared gauge of tracked requests keeps the trapped VM's
+/// streams (the VM that would take them out is gone).
+async fn finish(rig: &Rig, t: &Trapped) {
+    let envoy = &rig.envoy;
+    let ready = client::get(envoy.admin_addr(), "/ready").await.unwrap();
+    assert_eq!(ready.status, 200);
+    let stranded = t.stranded as f64;
+    envoy
+        .wait_stat("wasmcustom.kvguard_filter_active_requests", W, |v| {
+            v == stranded
+        })
+        .await
+        .unwrap();
+    eprintln!(
+        "active_requests at rest: {stranded} (the trapped VM's streams); vm_memory_bytes {}; wasm stats {:?}",
+        stat(envoy, "kvguard_filter_vm_memory_bytes").await,
+        wasm_stats(envoy).await
+    );
+    assert!(!envoy.log().contains("kvguard: panic"));
+}
