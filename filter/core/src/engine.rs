@@ -317,8 +317,10 @@ impl Engine {
         })
     }
 
-    /// The stream ended (access-log time): settles the request. Returns its outcome
-    /// (`None` when it was not tracked).
+    /// The stream ended (access-log time): settles the request. Returns its outcome when
+    /// it still has to be written to filter state: `None` when the request was not
+    /// tracked, or when its body already said it was complete ([`Engine::on_response_body`]
+    /// returned `completed` then, and the value is already there).
     pub fn on_log<P: Platform + ?Sized>(
         &mut self,
         p: &mut P,
@@ -347,7 +349,8 @@ impl Engine {
         match classify_end(&req, details, flags) {
             End::Completed => {
                 p.add(Metric::RequestsCompleted, 1);
-                Some(OutcomeTag::Completed)
+                // Written when the body completed: one filter-state write per request.
+                (!req.content_complete).then_some(OutcomeTag::Completed)
             }
             End::Abort(reason) => {
                 p.log(
@@ -600,10 +603,11 @@ mod tests {
             Some(OutcomeTag::Completed)
         );
         assert_eq!(e.body_need(1), BodyNeed::Nothing);
-        // Even if the client goes away now, a completed request is not aborted.
+        // Even if the client goes away now, a completed request is not aborted (and its
+        // `completed` outcome, written at [DONE], is not written twice).
         assert_eq!(
             e.on_log(&mut h, 1, b"downstream_remote_disconnect", flags::DC),
-            Some(OutcomeTag::Completed)
+            None
         );
         e.pump(&mut h);
         assert!(h.calls.is_empty());

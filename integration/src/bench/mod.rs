@@ -196,6 +196,9 @@ fn scenarios(quick: bool) -> Vec<Scenario> {
     }
     vec![
         s("h1-sat-100", false, 100, 1000, 64, 0),
+        // The same with 4 events per stream: with h1-sat-100 it splits kvguard's cost into
+        // a per-request and a per-event part.
+        s("h1-sat-100-short", false, 100, 4000, 4, 0),
         s("h2-sat-100", true, 100, 1000, 64, 0),
         s("h1-paced-100", false, 100, 300, 40, 20_000),
         s("h1-paced-1000", false, 1000, 1000, 20, 100_000),
@@ -550,8 +553,10 @@ pub async fn overhead(opts: &BenchOptions) -> Result<Value> {
             "ttfb_p99_added_us_vs_noop": Spread::of(&diff(&kvg, &noop, &p99)),
         }));
     }
+    let cost_split = cost_split(&scs, &runs);
     Ok(json!({
         "rounds": opts.rounds,
+        "cost_split": cost_split,
         "envoy_pid_cpu_source": "sum of /proc/<pid>/task/*/schedstat run time (ns); /proc/<pid>/stat utime+stime also recorded",
         "summary": summary,
         "ttfb_probe": ttfb_probe,
@@ -559,6 +564,60 @@ pub async fn overhead(opts: &BenchOptions) -> Result<Value> {
         "aborts_sent_during_healthy_load": false_aborts,
         "filter_stats": stats,
     }))
+}
+
+/// Splits each listener's Envoy CPU per stream into a per-request and a per-event part,
+/// from the two saturation scenarios that differ only in events per stream
+/// (`h1-sat-100`, `h1-sat-100-short`): per round, CPU per stream = a + b × events.
+fn cost_split(scs: &[Scenario], runs: &BTreeMap<String, Vec<Run>>) -> Value {
+    let (long, short) = ("h1-sat-100", "h1-sat-100-short");
+    let requests = |name: &str| scs.iter().find(|s| s.name == name).map(|s| s.requests);
+    let (Some(req_long), Some(req_short)) = (requests(long), requests(short)) else {
+        return Value::Null;
+    };
+    // Per round: (per-request µs, per-event µs).
+    let split = |v: &str| -> Vec<(f64, f64)> {
+        let (Some(l), Some(s)) = (
+            runs.get(&format!("{long}/{v}")),
+            runs.get(&format!("{short}/{v}")),
+        ) else {
+            return Vec::new();
+        };
+        l.iter()
+            .zip(s)
+            .filter_map(|(l, s)| {
+                let n_l = l.events as f64 / req_long as f64;
+                let n_s = s.events as f64 / req_short as f64;
+                if n_l - n_s < 1.0 {
+                    return None;
+                }
+                let (t_l, t_s) = (l.cpu_us_per_event * n_l, s.cpu_us_per_event * n_s);
+                let b = (t_l - t_s) / (n_l - n_s);
+                Some((t_s - n_s * b, b))
+            })
+            .collect()
+    };
+    let mut out = serde_json::Map::new();
+    let base = split("noop-read");
+    for v in VARIANTS {
+        let xs = split(v);
+        out.insert(
+            v.to_owned(),
+            json!({
+                "per_request_us": Spread::of(&xs.iter().map(|x| x.0).collect::<Vec<_>>()),
+                "per_event_us": Spread::of(&xs.iter().map(|x| x.1).collect::<Vec<_>>()),
+            }),
+        );
+    }
+    let kvg = split("kvguard");
+    out.insert(
+        "kvguard_minus_noop_read".to_owned(),
+        json!({
+            "per_request_us": Spread::of(&kvg.iter().zip(&base).map(|(k, b)| k.0 - b.0).collect::<Vec<_>>()),
+            "per_event_us": Spread::of(&kvg.iter().zip(&base).map(|(k, b)| k.1 - b.1).collect::<Vec<_>>()),
+        }),
+    );
+    Value::Object(out)
 }
 
 /// TTFB (request sent on a fresh connection → first data event) of `n` sequential probes

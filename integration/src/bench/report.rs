@@ -123,6 +123,36 @@ pub fn markdown(res: &Value) -> String {
                 pct(&s["cpu_kvguard_over_noop_read"])
             );
         }
+        let c = &res["overhead"]["cost_split"];
+        if !c.is_null() {
+            let _ = writeln!(
+                m,
+                "\nEnvoy CPU per stream split into a per-request and a per-event part (h1-sat-100 with 64 events per stream vs h1-sat-100-short with 4; per round, CPU per stream = per-request + events × per-event):\n"
+            );
+            let _ = writeln!(
+                m,
+                "| listener | per request µs | per event µs |\n|---|---|---|"
+            );
+            for v in [
+                "none",
+                "noop",
+                "noop-read",
+                "kvguard",
+                "kvguard_minus_noop_read",
+            ] {
+                let _ = writeln!(
+                    m,
+                    "| {} | {} | {} |",
+                    if v == "kvguard_minus_noop_read" {
+                        "kvguard − noop-read"
+                    } else {
+                        v
+                    },
+                    spread(&c[v]["per_request_us"], 1.0, 2),
+                    spread(&c[v]["per_event_us"], 1.0, 3)
+                );
+            }
+        }
         let p = &res["overhead"]["ttfb_probe"];
         if !p.is_null() {
             let _ = writeln!(
