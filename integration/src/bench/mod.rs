@@ -1117,6 +1117,8 @@ pub async fn control(opts: &BenchOptions) -> Result<Value> {
 pub async fn run(opts: BenchOptions) -> Result<Value> {
     let want = |s: &str| opts.sections.iter().any(|x| x == s || x == "all");
     let started = Instant::now();
+    // Described before pinning: once pinned, this process sees only its own CPUs.
+    let machine = report::machine();
     let pinning = match proxy_cpu() {
         Some(cpu) if opts.pin => {
             let rest: Vec<usize> = (0..cpu).collect();
@@ -1126,7 +1128,7 @@ pub async fn run(opts: BenchOptions) -> Result<Value> {
         _ => "none".to_owned(),
     };
     let mut res = json!({
-        "machine": report::machine(),
+        "machine": machine,
         "options": {"rounds": opts.rounds, "quick": opts.quick, "sections": opts.sections,
                     "disconnects": opts.disconnects, "memory_levels": opts.memory_levels,
                     "memory_waves": opts.memory_waves, "pinning": pinning},
