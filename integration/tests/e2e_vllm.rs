@@ -182,7 +182,7 @@ async fn disconnect_mid_stream_is_aborted_within_2s_and_leaks_without_the_filter
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn silent_client_is_reaped_as_stalled_within_idle_timeout_plus_2s() {
+async fn silent_client_is_reaped_as_stalled_and_vllm_frees_it_within_2s() {
     bounded("silent client", T, async {
         let Some((v, _turn)) = vllm("silent_client").await else {
             return;
@@ -191,6 +191,7 @@ async fn silent_client_is_reaped_as_stalled_within_idle_timeout_plus_2s() {
         let st = Stack::start(filter_opts(v.addr(), idle.as_millis() as u64))
             .await
             .unwrap();
+        let started = Instant::now();
         let mut c = client::silent_client(
             st.entry(),
             "/v1/completions",
@@ -205,14 +206,18 @@ async fn silent_client_is_reaped_as_stalled_within_idle_timeout_plus_2s() {
             .await
             .unwrap();
         // The client reads nothing; vLLM keeps generating. The buffers on the way fill
-        // (Envoy's, the lossy hop's, the kernel's: a few tens of KB, filled differently from
-        // run to run), Envoy stops reading the upstream, and tokens stop reaching the
-        // filter. The last time Envoy read upstream bytes is an observable lower bound of
-        // the filter's last token (data Envoy already holds may still pass the filter a
-        // little later). The filter's own idle clock is checked to the tick by its unit and
-        // Envoy tests; here, on real vLLM: the abort is not premature (at least the idle
-        // timeout after Envoy's last upstream read), and vLLM frees the sequence within
-        // 2 s of the abort.
+        // (Envoy's, the lossy hop's, the kernel's), Envoy stops passing tokens to the
+        // filter, and the filter's idle clock runs out. When the filter saw its last token
+        // cannot be observed from outside: Envoy's upstream reads do not time it (measured:
+        // the stalled abort came 1 s after Envoy's last upstream read in one run and 10 s
+        // after it in another — data Envoy has read can wait before the filter while the
+        // client side is paused, and trickle through later). The filter's idle clock is
+        // checked to the tick by its unit tests and the real-Envoy stall tests on the
+        // simulator (`filter_aborts.rs`, `robust_stall_under_load.rs`, the bench's stall
+        // section). Here, on real vLLM: the abort is `stalled`, it cannot be premature
+        // (no token is older than the request, so at least the idle timeout after it
+        // started), vLLM frees the sequence within 2 s of the abort, and the client's
+        // connection is closed.
         let rx = "cluster.upstream.upstream_cx_rx_bytes_total";
         let mut last_rx = st.envoy.stat(rx).await.unwrap().unwrap_or(0.0);
         let mut last_read = Instant::now();
@@ -236,8 +241,9 @@ async fn silent_client_is_reaped_as_stalled_within_idle_timeout_plus_2s() {
         let aborted = Instant::now();
         let quiet = aborted - last_read;
         assert!(
-            quiet >= idle - Duration::from_millis(500),
-            "aborted as stalled {quiet:?} after Envoy's last upstream read, before the idle timeout {idle:?}\n{}",
+            aborted - started >= idle,
+            "aborted as stalled {:?} after the request started, before the idle timeout {idle:?}\n{}",
+            aborted - started,
             st.logs(40)
         );
         v.wait_figures("vLLM frees the stalled sequence within 2 s of the abort", Duration::from_secs(2), |f| {
@@ -246,7 +252,8 @@ async fn silent_client_is_reaped_as_stalled_within_idle_timeout_plus_2s() {
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
         eprintln!(
-            "stalled: aborted {quiet:?} after Envoy's last upstream read (idle timeout {idle:?}), freed {:?} after the abort",
+            "stalled: aborted {:?} after the request started and {quiet:?} after Envoy's last upstream read (idle timeout {idle:?}; diagnostic only), freed {:?} after the abort",
+            aborted - started,
             aborted.elapsed()
         );
         wait_control_aborts(&st, "stalled", 1.0).await;
