@@ -172,9 +172,20 @@ pub fn inert(json: &[u8]) -> Option<Inert> {
             }),
             Some(b'd') => value_ok(b"done\"", &|v| literal(v) != b"true"),
             Some(b't') => value_ok(b"type\"", &|v| {
-                !(v.starts_with(b"\"response.completed\"")
-                    || v.starts_with(b"\"response.failed\"")
-                    || v.starts_with(b"\"response.incomplete\""))
+                // The look compares the decoded string: any escape in it goes to the look.
+                if v.first() != Some(&b'"') {
+                    return true;
+                }
+                match scan_string(v, 1) {
+                    Some((raw, _)) => {
+                        !raw.contains(&b'\\')
+                            && !matches!(
+                                raw,
+                                b"response.completed" | b"response.failed" | b"response.incomplete"
+                            )
+                    }
+                    None => false,
+                }
             }),
             Some(b'c') => {
                 choices |= rest.starts_with(b"choices\"");
@@ -692,6 +703,8 @@ mod tests {
             br#"{"choices":[{"ind\u0065x":3}]}"#,
             br#"{"model":"m","done": true}"#,
             br#"{"type":"response.completed","response":{}}"#,
+            br#"{"type":"response\u002ecompleted","response":{}}"#,
+            br#"{"type":"x\"y"}"#,
             br#"{"a":"index","index"}"#,
             br#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":1}]}}]}"#,
             br#"{"choices":[{"index":0}]"#,
@@ -757,6 +770,7 @@ mod tests {
                 Just("false".to_owned()),
                 Just("\"response.completed\"".to_owned()),
                 Just("\"response.failed\"".to_owned()),
+                Just("\"response\\u002ecompleted\"".to_owned()),
                 Just("\"index\"".to_owned()),
                 Just("\"\\\"finish_reason\\\":\\\"stop\\\"\"".to_owned()),
             ]
