@@ -125,15 +125,7 @@ async fn signed_abort_closes_engine_connection_and_sends_final_event() {
         let sim = sim(slow_sim()).await;
         let ctl = control(&sim.url(), |_| {}).await;
         let id = "abort-me";
-        let mut s = client::stream_sse(
-            ctl.proxy_addr,
-            "/v1/completions",
-            &completion(400),
-            &[("x-request-id", id)],
-            false,
-        )
-        .await
-        .unwrap();
+        let mut s = long_completion(ctl.proxy_addr, id).await;
         s.read_events(2, Duration::from_secs(5)).await.unwrap();
         let t0 = Instant::now();
         let (status, body) = abort(ctl.admin_addr, id, "downstream_reset").await;
@@ -208,15 +200,7 @@ async fn unsigned_wrong_key_stale_replayed_and_malformed_aborts_are_refused() {
         let sim = sim(slow_sim()).await;
         let ctl = control(&sim.url(), |_| {}).await;
         let id = "keep-flowing";
-        let mut s = client::stream_sse(
-            ctl.proxy_addr,
-            "/v1/completions",
-            &completion(400),
-            &[("x-request-id", id)],
-            false,
-        )
-        .await
-        .unwrap();
+        let mut s = long_completion(ctl.proxy_addr, id).await;
         s.next_data(Duration::from_secs(5)).await.unwrap().unwrap();
         let admin = ctl.admin_addr;
         let body = json!({"request_id": id, "reason": "operator"});
@@ -417,15 +401,7 @@ async fn first_token_timeout_and_max_age_are_reaped() {
         )
         .await
         .unwrap();
-        let mut long = client::stream_sse(
-            ctl.proxy_addr,
-            "/v1/completions",
-            &completion(400),
-            &[("x-request-id", "runaway")],
-            false,
-        )
-        .await
-        .unwrap();
+        let mut long = long_completion(ctl.proxy_addr, "runaway").await;
         let ev = slow.collect(Duration::from_secs(5)).await.unwrap();
         assert_eq!(
             final_error(ev.last().unwrap()).as_deref(),
@@ -564,24 +540,8 @@ async fn engine_figures_orphans_and_quiet_checkpoints() {
         );
         // One request through kvguard, one straight to the engine (an orphan: no client
         // connection through kvguard holds it).
-        let mut through = client::stream_sse(
-            ctl.proxy_addr,
-            "/v1/completions",
-            &completion(400),
-            &[("x-request-id", "through")],
-            false,
-        )
-        .await
-        .unwrap();
-        let mut direct = client::stream_sse(
-            sim.addr(),
-            "/v1/completions",
-            &completion(400),
-            &[("x-request-id", "direct")],
-            false,
-        )
-        .await
-        .unwrap();
+        let mut through = long_completion(ctl.proxy_addr, "through").await;
+        let mut direct = long_completion(sim.addr(), "direct").await;
         through.next_data(Duration::from_secs(5)).await.unwrap();
         direct.next_data(Duration::from_secs(5)).await.unwrap();
         poll_until_async("engine figures", T, Duration::from_millis(20), || async {
@@ -647,15 +607,7 @@ async fn engine_abort_apis_per_strategy_and_dry_run() {
         ] {
             let ctl = control(&sim.url(), |c| c.abort_strategy = strategy).await;
             let id = if api == "sglang" { "sg-1" } else { "vl-1" };
-            let mut s = client::stream_sse(
-                ctl.proxy_addr,
-                "/v1/completions",
-                &completion(400),
-                &[("x-request-id", id)],
-                false,
-            )
-            .await
-            .unwrap();
+            let mut s = long_completion(ctl.proxy_addr, id).await;
             s.next_data(Duration::from_secs(5)).await.unwrap();
             let (status, _) = abort(ctl.admin_addr, id, "operator").await;
             assert_eq!(status, 200);
@@ -673,15 +625,7 @@ async fn engine_abort_apis_per_strategy_and_dry_run() {
         }
         // Dry run: found, counted, nothing ended.
         let ctl = control(&sim.url(), |c| c.dry_run = true).await;
-        let mut s = client::stream_sse(
-            ctl.proxy_addr,
-            "/v1/completions",
-            &completion(400),
-            &[("x-request-id", "dry")],
-            false,
-        )
-        .await
-        .unwrap();
+        let mut s = long_completion(ctl.proxy_addr, "dry").await;
         s.next_data(Duration::from_secs(5)).await.unwrap();
         let (status, body) = abort(ctl.admin_addr, "dry", "operator").await;
         assert_eq!(status, 200);
@@ -722,15 +666,7 @@ async fn shutdown_drains_then_ends_the_rest() {
         )
         .await
         .unwrap();
-        let mut long = client::stream_sse(
-            proxy,
-            "/v1/completions",
-            &completion(400),
-            &[("x-request-id", "long")],
-            false,
-        )
-        .await
-        .unwrap();
+        let mut long = long_completion(proxy, "long").await;
         short.next_data(Duration::from_secs(5)).await.unwrap();
         long.next_data(Duration::from_secs(5)).await.unwrap();
         let state = ctl.state.clone();
@@ -940,15 +876,7 @@ async fn an_abort_closes_only_its_own_connection_not_the_pre_connected_ones() {
             .unwrap();
         let pre_connected = relay.idle_open();
         let id = "pooled-abort";
-        let mut s = client::stream_sse(
-            ctl.proxy_addr,
-            "/v1/completions",
-            &completion(400),
-            &[("x-request-id", id)],
-            false,
-        )
-        .await
-        .unwrap();
+        let mut s = long_completion(ctl.proxy_addr, id).await;
         s.read_events(2, Duration::from_secs(5)).await.unwrap();
         // It went out on one of the pre-connected connections (no connect on its path),
         // and the pool refilled behind it.

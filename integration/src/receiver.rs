@@ -187,20 +187,53 @@ impl Receiver {
 
     /// Waits until at least `n` calls arrived; returns them all.
     pub async fn wait_for_calls(&self, n: usize, timeout: Duration) -> Result<Vec<ReceivedCall>> {
+        self.wait_until(
+            timeout,
+            |calls| calls.len() >= n,
+            || format!("{n} abort call(s)"),
+        )
+        .await
+    }
+
+    /// Waits until at least one call names `request_id`; returns the calls that do.
+    pub async fn wait_calls_for(
+        &self,
+        request_id: &str,
+        timeout: Duration,
+    ) -> Result<Vec<ReceivedCall>> {
+        let named = |c: &ReceivedCall| c.request_id() == Some(request_id);
+        let calls = self
+            .wait_until(
+                timeout,
+                |calls| calls.iter().any(named),
+                || format!("an abort call for {request_id}"),
+            )
+            .await?;
+        Ok(calls.into_iter().filter(named).collect())
+    }
+
+    /// Waits (woken by each call) until `done` holds for the calls so far; returns them.
+    async fn wait_until(
+        &self,
+        timeout: Duration,
+        done: impl Fn(&[ReceivedCall]) -> bool,
+        what: impl Fn() -> String,
+    ) -> Result<Vec<ReceivedCall>> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let notified = self.shared.notify.notified();
             let calls = self.calls();
-            if calls.len() >= n {
+            if done(&calls) {
                 return Ok(calls);
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 let calls = self.calls();
-                if calls.len() >= n {
+                if done(&calls) {
                     return Ok(calls);
                 }
                 bail!(
-                    "timed out after {timeout:?} waiting for {n} abort call(s); got {}: {:?}",
+                    "timed out after {timeout:?} waiting for {}; got {}: {:?}",
+                    what(),
                     calls.len(),
                     calls
                         .iter()

@@ -177,19 +177,6 @@ async fn disconnect_while_queued_is_aborted_before_admission() {
     .unwrap();
 }
 
-fn rss_bytes(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|k| k.parse::<u64>().ok())
-        })
-        .unwrap_or(0)
-        * 1024
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn storm_of_1000_disconnects_leaves_no_orphans_and_bounded_memory() {
     bounded("storm", Duration::from_secs(170), async {
@@ -208,7 +195,10 @@ async fn storm_of_1000_disconnects_leaves_no_orphans_and_bounded_memory() {
         let mut st = Stack::start(o).await.unwrap();
         let ctl_pid = st.control.guard().pid();
         let envoy_pid = st.envoy.guard().pid();
-        let (ctl0, envoy0) = (rss_bytes(ctl_pid), rss_bytes(envoy_pid));
+        let (ctl0, envoy0) = (
+            kvguard_integration::bench::rss(ctl_pid),
+            kvguard_integration::bench::rss(envoy_pid),
+        );
         let target = st.entry().to_string();
         let started = Instant::now();
         let mut load = ChildGuard::spawn_program(
@@ -256,8 +246,8 @@ async fn storm_of_1000_disconnects_leaves_no_orphans_and_bounded_memory() {
             "engine saw {} aborts",
             s.disconnected
         );
-        let peak_ctl = rss_bytes(ctl_pid);
-        let peak_envoy = rss_bytes(envoy_pid);
+        let peak_ctl = kvguard_integration::bench::rss(ctl_pid);
+        let peak_envoy = kvguard_integration::bench::rss(envoy_pid);
         poll_until_async(
             "kvguard-control has nothing in flight",
             W,

@@ -94,25 +94,26 @@ pub fn aborts(reason: &str, outcome: &str) -> String {
     format!("kvguard_filter_aborts_total_reason=.={reason};.;_outcome=.={outcome};.;")
 }
 
-/// Waits until the access log has a line for `id` (ids are minted by Envoy; pass the
-/// one the simulator saw) and returns the `outcome=` field of it.
-pub async fn access_outcome(envoy: &Envoy, id: &str) -> String {
+/// Envoy's access log line of request `id` (waits for it; ids are minted by Envoy: pass
+/// the one the simulator saw).
+pub async fn access_line(envoy: &Envoy, id: &str) -> String {
     let needle = format!("id={id} ");
-    let line = kvguard_integration::wait::poll_until(
-        "access log line",
-        W,
-        Duration::from_millis(50),
-        || {
-            envoy
-                .log()
-                .lines()
-                .find(|l| l.starts_with("ACCESS") && l.contains(&needle))
-                .map(str::to_owned)
-        },
-    )
+    kvguard_integration::wait::poll_until("access log line", W, Duration::from_millis(50), || {
+        envoy
+            .log()
+            .lines()
+            .find(|l| l.starts_with("ACCESS") && l.contains(&needle))
+            .map(str::to_owned)
+    })
     .await
-    .unwrap();
-    line.rsplit("outcome=")
+    .unwrap()
+}
+
+/// The `outcome=` field of request `id`'s access log line (waits for it).
+pub async fn access_outcome(envoy: &Envoy, id: &str) -> String {
+    access_line(envoy, id)
+        .await
+        .rsplit("outcome=")
         .next()
         .unwrap_or_default()
         .trim()

@@ -327,17 +327,7 @@ async fn http2_resets_at_every_phase() {
         })
         .await
         .unwrap();
-        let calls = poll_until(
-            "abort for the reset-before-head stream",
-            W,
-            Duration::from_millis(50),
-            || {
-                let c = recv.calls_for(&id);
-                (!c.is_empty()).then_some(c)
-            },
-        )
-        .await
-        .unwrap();
+        let calls = recv.wait_calls_for(&id, W).await.unwrap();
         assert_eq!(
             calls[0].abort.as_ref().unwrap().reason.as_str(),
             "downstream_reset"
@@ -357,17 +347,7 @@ async fn http2_resets_at_every_phase() {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let _conn = s.reset_stream();
         let id = up.ids("mid-event").pop().unwrap();
-        let calls = poll_until(
-            "abort for the mid-event reset",
-            W,
-            Duration::from_millis(50),
-            || {
-                let c = recv.calls_for(&id);
-                (!c.is_empty()).then_some(c)
-            },
-        )
-        .await
-        .unwrap();
+        let calls = recv.wait_calls_for(&id, W).await.unwrap();
         let a = calls[0].abort.as_ref().unwrap();
         assert_eq!(a.reason.as_str(), "downstream_reset");
         assert_eq!(a.tokens, 2, "events counted before the reset");

@@ -243,12 +243,7 @@ async fn engine_killed_mid_stream() {
                 !evs.iter().any(|e| e.is_done()),
                 "{id} completed after the engine died"
             );
-            let calls = poll_until("upstream_reset abort", W, Duration::from_millis(50), || {
-                let c = recv.calls_for(&id);
-                (!c.is_empty()).then_some(c)
-            })
-            .await
-            .unwrap();
+            let calls = recv.wait_calls_for(&id, W).await.unwrap();
             assert_eq!(
                 calls[0].abort.as_ref().unwrap().reason.as_str(),
                 "upstream_reset"

@@ -18,11 +18,10 @@ use kvguard_integration::client;
 use kvguard_integration::demo::stack::{self, Stack, StackOptions};
 use kvguard_integration::envoy::CONTROL_TARGET_CLUSTER;
 use kvguard_integration::sim::{self, EndKind, SimConfig};
-use kvguard_integration::wait::{bounded, poll_until};
+use kvguard_integration::wait::bounded;
 use serde_json::json;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 use support::*;
 
 fn slow_sim() -> SimConfig {
@@ -73,12 +72,7 @@ async fn forged_request_id_and_control_header_cannot_abort_another_client() {
             let own = first_id(&mut b).await;
             assert_ne!(own, victim, "Envoy kept the client's x-request-id");
             b.disconnect();
-            let calls = poll_until("the attacker's own abort", W, Duration::from_millis(50), || {
-                let c = r.recv.calls_for(&own);
-                (!c.is_empty()).then_some(c)
-            })
-            .await
-            .unwrap();
+            let calls = r.recv.wait_calls_for(&own, W).await.unwrap();
             assert_eq!(calls[0].abort.as_ref().unwrap().reason.as_str(), "downstream_reset");
         }
         // The victim's stream completes in full; nobody aborted it anywhere.

@@ -39,11 +39,11 @@ use kvguard_integration::envoy::Envoy;
 use kvguard_integration::paths;
 use kvguard_integration::receiver::{self, Receiver, ReceiverConfig};
 use kvguard_integration::sim::{self, EndKind, SimConfig, SimHandle};
-use kvguard_integration::wait::{bounded, poll_until};
+use kvguard_integration::wait::bounded;
 use serde_json::json;
 use std::collections::BTreeSet;
 use std::time::Duration;
-use support::{chat, stat, T, W};
+use support::{access_line, chat, stat, T, W};
 
 const VM_HEADER: &str = "x-kvguard-test-vm";
 const TRAP_HEADER: &str = "x-kvguard-test-trap";
@@ -136,20 +136,6 @@ async fn short(
         assert!(seen.is_some(), "{tag}");
     }
     (status, seen)
-}
-
-/// Envoy's access log line of request `id` (waits for it).
-async fn access_line(envoy: &Envoy, id: &str) -> String {
-    let needle = format!("id={id} ");
-    poll_until("access log line", W, Duration::from_millis(50), || {
-        envoy
-            .log()
-            .lines()
-            .find(|l| l.starts_with("ACCESS") && l.contains(&needle))
-            .map(str::to_owned)
-    })
-    .await
-    .unwrap()
 }
 
 /// Envoy's own wasm counters (`wasm.*`, not the filter's `wasmcustom.*`).

@@ -52,6 +52,20 @@ pub fn completion(max_tokens: u32) -> Value {
     json!({"model": "tiny", "prompt": "hello there", "max_tokens": max_tokens, "stream": true})
 }
 
+/// A long (400-token) streamed completion with request id `id`, sent over HTTP/1.1 to
+/// `addr` (kvguard-control's proxy listener or the engine itself).
+pub async fn long_completion(addr: SocketAddr, id: &str) -> client::SseStream {
+    client::stream_sse(
+        addr,
+        "/v1/completions",
+        &completion(400),
+        &[("x-request-id", id)],
+        false,
+    )
+    .await
+    .unwrap()
+}
+
 /// POSTs a signed abort body with `key` at unix time `t`; returns (status, json body).
 pub async fn abort_signed(
     admin: SocketAddr,
