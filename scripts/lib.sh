@@ -11,8 +11,12 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$KVGUARD_CACHE/target}
 export KVGUARD_VENV=${KVGUARD_VENV:-$REPO/.venv}
 export KVGUARD_VLLM_VENV=${KVGUARD_VLLM_VENV:-$KVGUARD_CACHE/vllm-venv}
 export PIP_CACHE_DIR=${PIP_CACHE_DIR:-$KVGUARD_CACHE/pip}
-export KVGUARD_FIXTURES=${KVGUARD_FIXTURES:-$REPO/../shared/fixtures}
+export KVGUARD_FIXTURES=${KVGUARD_FIXTURES:-$REPO/integration/fixtures}
 mkdir -p "$KVGUARD_CACHE"
+# Tools scripts/setup installs when the machine lacks them (Node.js, cargo-nextest).
+export PATH=$KVGUARD_CACHE/bin:$PATH
+NODE_WHEEL_VERSION=22.20.0
+NEXTEST_VERSION=0.9.143
 
 # The built artefacts the harness uses (see integration/src/paths.rs).
 export KVGUARD_WASM=${KVGUARD_WASM:-$CARGO_TARGET_DIR/wasm32-wasip1/release/kvguard_filter.wasm}

@@ -182,7 +182,7 @@ sglang:time_to_first_token_seconds_bucket{le="+Inf",model_name="meta-llama/Llama
 
     fn vllm_fixture() -> String {
         let p = format!(
-            "{}/../../shared/fixtures/vllm-0.32-metrics.txt",
+            "{}/../integration/fixtures/vllm-0.32-metrics.txt",
             env!("CARGO_MANIFEST_DIR")
         );
         std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{p}: {e}"))

@@ -7,7 +7,7 @@ prefixed slices, the rest)."""
 import hashlib, json, os, sys
 
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-fixtures = os.environ.get("KVGUARD_FIXTURES", os.path.join(root, "..", "..", "shared", "fixtures"))
+fixtures = os.environ.get("KVGUARD_FIXTURES", os.path.join(root, "..", "integration", "fixtures"))
 corpus = os.path.join(root, "corpus")
 
 

@@ -17,11 +17,11 @@ pub fn repo_root() -> Result<PathBuf> {
     Ok(root)
 }
 
-/// The recorded vLLM fixtures: `KVGUARD_FIXTURES`, else `<repo>/../shared/fixtures`.
+/// The recorded vLLM fixtures: `KVGUARD_FIXTURES`, else `<repo>/integration/fixtures`.
 pub fn fixtures_dir() -> Result<PathBuf> {
     let dir = match std::env::var_os("KVGUARD_FIXTURES") {
         Some(d) => PathBuf::from(d),
-        None => repo_root()?.join("../shared/fixtures"),
+        None => repo_root()?.join("integration/fixtures"),
     };
     if !dir.is_dir() {
         bail!(

@@ -31,12 +31,17 @@ pub const SKIP_ENV: &str = "KVGUARD_SKIP_VLLM";
 /// The served model name.
 pub const MODEL_NAME: &str = "tiny";
 
-/// Whether `KVGUARD_SKIP_VLLM` asks to skip real vLLM.
-pub fn skip_requested() -> bool {
-    matches!(
-        std::env::var(SKIP_ENV).ok().as_deref(),
-        Some("1") | Some("true") | Some("yes")
-    )
+/// Whether `KVGUARD_SKIP_VLLM` asks to skip real vLLM: only `1` does; unset or empty runs
+/// the tests, and any other value is an error (a typo must not skip every vLLM test while
+/// the stage reports green).
+pub fn skip_requested() -> Result<bool> {
+    match std::env::var(SKIP_ENV) {
+        Err(std::env::VarError::NotPresent) => Ok(false),
+        Ok(v) if v.is_empty() => Ok(false),
+        Ok(v) if v == "1" => Ok(true),
+        Ok(v) => bail!("{SKIP_ENV}={v:?}: only {SKIP_ENV}=1 skips the real-vLLM tests; unset it to run them"),
+        Err(e) => bail!("{SKIP_ENV}: {e}"),
+    }
 }
 
 /// `$KVGUARD_CACHE`, else `~/.cache/kvguard`.
@@ -293,7 +298,7 @@ impl Vllm {
     /// naming `test`), the server at `KVGUARD_VLLM_URL` when set, else one started for
     /// this process with [`VllmOptions::default`].
     pub async fn shared(test: &str) -> Result<Option<Vllm>> {
-        if skip_requested() {
+        if skip_requested()? {
             eprintln!("SKIPPED {test}: {SKIP_ENV}=1 (real vLLM not used)");
             return Ok(None);
         }

@@ -8,7 +8,7 @@ use kvguard_filter_core::json;
 use kvguard_filter_core::scan::{Framing, Scanner};
 use std::time::Instant;
 
-const CHAT: &[u8] = include_bytes!("../../../../shared/fixtures/sse/vllm-0.32-chat-usage.sse");
+const CHAT: &[u8] = include_bytes!("../../../integration/fixtures/sse/vllm-0.32-chat-usage.sse");
 
 /// Events per timed run.
 const ROUNDS: usize = 20_000;

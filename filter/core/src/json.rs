@@ -654,7 +654,7 @@ mod tests {
 
     #[test]
     fn inert_events() {
-        let chat = include_str!("../../../../shared/fixtures/sse/vllm-0.32-chat-usage.sse");
+        let chat = include_str!("../../../integration/fixtures/sse/vllm-0.32-chat-usage.sse");
         let events: Vec<&str> = chat
             .split("\n\n")
             .filter_map(|e| e.strip_prefix("data: "))

@@ -533,9 +533,9 @@ impl Scanner {
 mod tests {
     use super::*;
 
-    const CHAT: &[u8] = include_bytes!("../../../../shared/fixtures/sse/vllm-0.32-chat-usage.sse");
+    const CHAT: &[u8] = include_bytes!("../../../integration/fixtures/sse/vllm-0.32-chat-usage.sse");
     const COMPL: &[u8] =
-        include_bytes!("../../../../shared/fixtures/sse/vllm-0.32-completions.sse");
+        include_bytes!("../../../integration/fixtures/sse/vllm-0.32-completions.sse");
 
     /// Events (as owned data, `None` for oversized) and the event index at which the
     /// stream completed.
