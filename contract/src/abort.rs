@@ -24,6 +24,16 @@ pub struct AbortRequest {
     /// Data events the sender saw.
     #[serde(default)]
     pub tokens: u64,
+    /// How long before this attempt was sent the sender last saw a data event, in ms
+    /// (absent when it saw none). A duration on the sender's monotonic clock, never a
+    /// wall-clock time: tests and operators check a stall abort against it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_ms: Option<u64>,
+    /// How long before this attempt was sent the client went away, in ms (absent when the
+    /// client was still connected, e.g. a stall). The receiver adds the time it then spends
+    /// ending the request to get the orphan's cost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gone_ms: Option<u64>,
 }
 
 /// Why an abort body was refused (answer 400).
@@ -59,7 +69,16 @@ impl AbortRequest {
             reason,
             age_ms,
             tokens,
+            idle_ms: None,
+            gone_ms: None,
         }
+    }
+
+    /// The same body with the sender's idle and client-gone durations.
+    pub fn with_durations(mut self, idle_ms: Option<u64>, gone_ms: Option<u64>) -> Self {
+        self.idle_ms = idle_ms;
+        self.gone_ms = gone_ms;
+        self
     }
 
     /// Serialises the body (compact JSON, field order as in the contract).
@@ -148,7 +167,13 @@ mod tests {
             br#"{"request_id":"r1","reason":"stalled","age_ms":5,"tokens":6}"#
         );
         let (back, bid) = AbortRequest::parse(&json).unwrap();
-        assert_eq!((back, bid), (req, id));
+        assert_eq!((back, bid), (req.clone(), id));
+        let timed = req.with_durations(Some(7), Some(8));
+        assert_eq!(
+            timed.to_json(),
+            br#"{"request_id":"r1","reason":"stalled","age_ms":5,"tokens":6,"idle_ms":7,"gone_ms":8}"#
+        );
+        assert_eq!(AbortRequest::parse(&timed.to_json()).unwrap().0, timed);
         let extra = br#"{"request_id":"r1","reason":"operator","future":[1,2]}"#;
         assert_eq!(
             AbortRequest::parse(extra).unwrap().0.reason,

@@ -39,7 +39,9 @@ pub fn skip_requested() -> Result<bool> {
         Err(std::env::VarError::NotPresent) => Ok(false),
         Ok(v) if v.is_empty() => Ok(false),
         Ok(v) if v == "1" => Ok(true),
-        Ok(v) => bail!("{SKIP_ENV}={v:?}: only {SKIP_ENV}=1 skips the real-vLLM tests; unset it to run them"),
+        Ok(v) => bail!(
+            "{SKIP_ENV}={v:?}: only {SKIP_ENV}=1 skips the real-vLLM tests; unset it to run them"
+        ),
         Err(e) => bail!("{SKIP_ENV}: {e}"),
     }
 }

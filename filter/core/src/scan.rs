@@ -533,7 +533,8 @@ impl Scanner {
 mod tests {
     use super::*;
 
-    const CHAT: &[u8] = include_bytes!("../../../integration/fixtures/sse/vllm-0.32-chat-usage.sse");
+    const CHAT: &[u8] =
+        include_bytes!("../../../integration/fixtures/sse/vllm-0.32-chat-usage.sse");
     const COMPL: &[u8] =
         include_bytes!("../../../integration/fixtures/sse/vllm-0.32-completions.sse");
 
