@@ -146,11 +146,6 @@ impl Disposition {
             _ => Disposition::Unexpected,
         }
     }
-
-    /// Whether the sender should try again later.
-    pub const fn is_retryable(self) -> bool {
-        matches!(self, Disposition::Transient)
-    }
 }
 
 #[cfg(test)]
@@ -228,9 +223,9 @@ mod tests {
         assert_eq!(Disposition::of_status(404), Disposition::NotFound);
         assert_eq!(Disposition::of_status(401), Disposition::Unauthorized);
         assert_eq!(Disposition::of_status(409), Disposition::Replay);
-        assert!(Disposition::of_status(503).is_retryable());
-        assert!(Disposition::of_status(429).is_retryable());
-        assert!(!Disposition::of_status(400).is_retryable());
         assert_eq!(Disposition::of_status(302), Disposition::Unexpected);
+        assert_eq!(Disposition::of_status(503), Disposition::Transient);
+        assert_eq!(Disposition::of_status(429), Disposition::Transient);
+        assert_eq!(Disposition::of_status(400), Disposition::BadRequest);
     }
 }

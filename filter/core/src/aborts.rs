@@ -29,8 +29,8 @@ pub struct Job {
     pub reason: AbortReason,
     /// Its age when decided.
     pub age_ms: u64,
-    /// Data events seen.
-    pub tokens: u64,
+    /// Data events seen (the body's `tokens`).
+    pub events: u64,
     /// The stamped replica, when verified.
     pub target: Option<SocketAddr>,
     /// Calls made so far.
@@ -50,7 +50,7 @@ impl Job {
         id: RequestId,
         reason: AbortReason,
         age_ms: u64,
-        tokens: u64,
+        events: u64,
         target: Option<SocketAddr>,
         now_ms: u64,
     ) -> Self {
@@ -58,7 +58,7 @@ impl Job {
             id,
             reason,
             age_ms,
-            tokens,
+            events,
             target,
             attempts: 0,
             last_event_ms: None,
@@ -163,7 +163,7 @@ impl AbortQueue {
     /// measured at this attempt, not when the abort was decided.
     pub fn call<'c>(cfg: &'c Config, job: &Job, now_ms: u64, unix_secs: u64) -> (Call<'c>, Route) {
         let since = |t: Option<u64>| t.map(|t| now_ms.saturating_sub(t));
-        let body = AbortRequest::new(&job.id, job.reason, job.age_ms, job.tokens)
+        let body = AbortRequest::new(&job.id, job.reason, job.age_ms, job.events)
             .with_durations(since(job.last_event_ms), since(job.gone_at_ms))
             .to_json();
         let sig = signature::sign(&cfg.key, unix_secs, &body);
@@ -326,6 +326,7 @@ impl AbortQueue {
     }
 
     /// The earliest time a backing-off job is due, if any.
+    #[cfg(test)]
     pub fn next_due_ms(&self) -> Option<u64> {
         self.backoff.iter().map(|j| j.next_ms).min()
     }

@@ -35,6 +35,25 @@ pub enum Mode {
     Observe,
 }
 
+impl Mode {
+    /// `enforce` or `observe`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Mode::Enforce => "enforce",
+            Mode::Observe => "observe",
+        }
+    }
+
+    /// Parses `enforce` / `observe`.
+    pub fn parse(value: &[u8]) -> Option<Mode> {
+        match value {
+            b"enforce" => Some(Mode::Enforce),
+            b"observe" => Some(Mode::Observe),
+            _ => None,
+        }
+    }
+}
+
 /// The three clocks of a request, in ms (0 = off).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
@@ -327,7 +346,7 @@ impl Config {
                 match env(&name) {
                     None => {
                         return err(format!(
-                            "secret_env: environment variable {name:?} is not set in the VM (Envoy: vm_config.environment_variables; Istio: WasmPlugin vmConfig.env)"
+                            "secret_env: environment variable {name:?} is not set in the VM: export {name} in Envoy's process environment (the VM sees it through vm_config.environment_variables.host_env_keys; Istio: WasmPlugin vmConfig.env)"
                         ))
                     }
                     Some(value) => Key::try_new(value.as_bytes()).map_err(|e| {
@@ -354,7 +373,7 @@ impl Config {
                 raw.get("first_token_timeout_ms"),
                 0,
             )?,
-            max_age_ms: timeout("max_age_ms", raw.get("max_age_ms"), 600_000)?,
+            max_age_ms: timeout("max_age_ms", raw.get("max_age_ms"), 0)?,
         };
         let tick_ms = int("tick_ms", raw.get("tick_ms"), 10, 60_000, 250, "")?;
         let paths = match raw.get("paths") {
@@ -475,6 +494,14 @@ impl Config {
         })
     }
 
+    /// The longest idle timeout of any route (the mass-stall window), ms.
+    pub fn max_idle_timeout_ms(&self) -> u64 {
+        self.routes
+            .iter()
+            .map(|r| r.limits.idle_timeout_ms)
+            .fold(self.limits.idle_timeout_ms, u64::max)
+    }
+
     /// The limits for a request path, or `None` when the path is not tracked. A path is
     /// tracked when it starts with one of `paths` or with a `routes` prefix; the longest
     /// matching route prefix gives its limits.
@@ -544,7 +571,7 @@ mod tests {
             Limits {
                 idle_timeout_ms: 60_000,
                 first_token_timeout_ms: 0,
-                max_age_ms: 600_000
+                max_age_ms: 0
             }
         );
         assert_eq!(c.tick_ms, 250);
@@ -593,6 +620,10 @@ mod tests {
         let e = Config::parse(br#"{"control_cluster":"c","secret_env":"NOPE"}"#, &env).unwrap_err();
         assert!(
             e.0.starts_with("secret_env: environment variable \"NOPE\""),
+            "{e}"
+        );
+        assert!(
+            e.0.contains("export NOPE in Envoy's process environment"),
             "{e}"
         );
         let short = |_: &str| Some("short".to_string());

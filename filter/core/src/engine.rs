@@ -10,6 +10,7 @@ use crate::metrics::{Anomaly, Metric, Outcome, StampRejected, Untracked};
 use crate::request::{classify_end, End, OutcomeTag, Request};
 use crate::scan::Framing;
 use kvguard_contract::{stamp, AbortReason, RequestId};
+use std::collections::VecDeque;
 
 /// Most requests tracked per VM; beyond, requests are not tracked (fail open).
 pub const MAX_TRACKED: usize = 100_000;
@@ -55,11 +56,78 @@ pub enum Action {
     },
 }
 
+/// What applying [`Action`]s did (for the metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// Streams closed.
+    pub closed: i64,
+    /// Host calls that failed (the stream was left alone).
+    pub failed: i64,
+}
+
+/// The host's stream operations that [`apply`] needs (the glue: effective context,
+/// filter state, `proxy_close_stream`).
+pub trait Streams {
+    /// Makes `ctx` the effective context; false if the host refused.
+    fn select(&mut self, ctx: u32) -> bool;
+    /// Writes the outcome to the selected stream's filter state.
+    fn set_outcome(&mut self, tag: OutcomeTag);
+    /// Closes the selected stream (may run its `on_log` at once); false if refused.
+    fn close(&mut self) -> bool;
+    /// Makes the root context effective again.
+    fn restore(&mut self);
+}
+
+/// Performs the tick's actions on their streams, with no engine borrow held (closing a
+/// stream can run its `on_log`, which needs the engine).
+pub fn apply<S: Streams + ?Sized>(actions: &[Action], s: &mut S) -> Applied {
+    let mut done = Applied::default();
+    for a in actions {
+        let (ctx, tag, close) = match *a {
+            Action::Close { ctx, tag } => (ctx, tag, true),
+            Action::Mark { ctx, tag } => (ctx, tag, false),
+        };
+        if !s.select(ctx) {
+            done.failed += 1;
+            continue;
+        }
+        s.set_outcome(tag);
+        if close {
+            if s.close() {
+                done.closed += 1;
+            } else {
+                done.failed += 1;
+            }
+        }
+    }
+    if !actions.is_empty() {
+        s.restore();
+    }
+    done
+}
+
+/// A mass stall: more stream stalls than [`stall_threshold`] within one idle window.
+/// Those past the threshold wait one more window (most likely an engine-wide pause or a
+/// host anomaly, not that many readers stalling at once); then what is still idle closes.
+pub const MIN_STALL_THRESHOLD: usize = 8;
+
+/// Stalls allowed within one idle window before closes are held: `max(8, 20 %)` of the
+/// streams tracked.
+pub fn stall_threshold(tracked: usize) -> usize {
+    MIN_STALL_THRESHOLD.max(tracked / 5)
+}
+
 /// The per-VM state.
 #[derive(Debug)]
 pub struct Engine {
     /// The configuration.
     pub cfg: Config,
+    /// Enforce or observe, as the host says now (the kill switch; starts as `cfg.mode`).
+    mode: Mode,
+    /// Stall closes decided within the current idle window (times, ms).
+    recent_stalls: VecDeque<u64>,
+    /// A mass stall is being held (logged once per episode).
+    holding: bool,
     /// Boxed: the table's slots stay small (its capacity grows in powers of two, so
     /// unboxed requests would cost up to twice their size per tracked stream).
     table: hashbrown::HashMap<u32, Box<Request>>,
@@ -74,7 +142,7 @@ pub struct Engine {
 /// `gone_ms` counts from `now_ms`.
 #[allow(clippy::too_many_arguments)]
 fn decide<P: Platform + ?Sized>(
-    cfg: &Config,
+    mode: Mode,
     queue: &mut AbortQueue,
     p: &mut P,
     req: &mut Request,
@@ -83,17 +151,17 @@ fn decide<P: Platform + ?Sized>(
     client_gone: bool,
     finished: &mut Vec<Finished>,
 ) -> Option<OutcomeTag> {
-    let observed = cfg.mode == Mode::Observe;
-    if !req.decide(reason, observed) {
+    let observe = mode == Mode::Observe;
+    if !req.decide(reason, observe) {
         return None;
     }
     let age = req.age_ms(now_ms);
-    if observed {
+    if observe {
         p.add(Metric::WouldAbort(reason), 1);
         p.log(
             Level::Info,
             &format!(
-                "kvguard: would abort request_id={} reason={} age_ms={age} tokens={} (observe mode)",
+                "would abort request_id={} reason={} age_ms={age} events={} (observe mode)",
                 req.id,
                 reason.as_str(),
                 req.events
@@ -119,7 +187,10 @@ impl Engine {
     pub fn new(cfg: Config, seed: u64) -> Self {
         let queue = AbortQueue::new(cfg.max_pending_aborts, seed);
         Engine {
+            mode: cfg.mode,
             cfg,
+            recent_stalls: VecDeque::new(),
+            holding: false,
             table: hashbrown::HashMap::new(),
             queue,
             tick_on: false,
@@ -130,9 +201,40 @@ impl Engine {
 
     /// Applies a new configuration (a plugin reconfigured in place): tracked requests
     /// keep the clocks they started with; new ones use the new configuration.
-    pub fn reconfigure(&mut self, cfg: Config) {
+    pub fn reconfigure<P: Platform + ?Sized>(&mut self, p: &mut P, cfg: Config) {
         self.queue.set_max_pending(cfg.max_pending_aborts);
+        let mode = cfg.mode;
         self.cfg = cfg;
+        self.set_mode(p, mode);
+    }
+
+    /// The mode decisions use now.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// The kill switch: every later decision (tick and `on_log`) uses `mode`, also for
+    /// streams already in flight. Back to enforce, what observe mode flagged starts its
+    /// clocks afresh instead of being closed at once.
+    pub fn set_mode<P: Platform + ?Sized>(&mut self, p: &mut P, mode: Mode) {
+        if mode == self.mode {
+            return;
+        }
+        self.mode = mode;
+        p.log(
+            Level::Info,
+            &format!(
+                "mode is now {} for the {} streams in flight and new ones",
+                mode.as_str(),
+                self.table.len()
+            ),
+        );
+        if mode == Mode::Enforce {
+            let now = p.now_ms();
+            for req in self.table.values_mut() {
+                req.restart_clocks(now);
+            }
+        }
     }
 
     /// Requests tracked now.
@@ -168,7 +270,7 @@ impl Engine {
             }
             Some(Err(e)) => {
                 p.add(Metric::RequestsUntracked(Untracked::BadRequestId), 1);
-                p.log(Level::Debug, &format!("kvguard: request not tracked: {e}"));
+                p.log(Level::Debug, &format!("request not tracked: {e}"));
                 return Verdict::Untracked(Some(Untracked::BadRequestId));
             }
             Some(Ok(id)) => id,
@@ -177,9 +279,7 @@ impl Engine {
             p.add(Metric::HostErrors, 1);
             p.log(
                 Level::Warn,
-                &format!(
-                    "kvguard: {MAX_TRACKED} requests tracked on this worker; not tracking {id}"
-                ),
+                &format!("{MAX_TRACKED} requests tracked on this worker; not tracking {id}"),
             );
             return Verdict::Untracked(None);
         }
@@ -188,10 +288,7 @@ impl Engine {
             // A context id reused without on_log: drop the stale entry.
             p.log(
                 Level::Warn,
-                &format!(
-                    "kvguard: context {ctx} reused; dropping stale request {}",
-                    old.id
-                ),
+                &format!("context {ctx} reused; dropping stale request {}", old.id),
             );
             p.add(Metric::ActiveRequests, -1);
         }
@@ -220,7 +317,7 @@ impl Engine {
         } else if framing == Framing::Opaque && !end_of_stream {
             p.add(Metric::ParseAnomalies(Anomaly::OpaqueBody), 1);
         }
-        req.on_response_headers(framing, max_event_bytes);
+        req.on_response_headers(framing, max_event_bytes, end_of_stream);
         if let (Some(target), Some(value)) = (self.cfg.target.as_ref(), stamp_value) {
             match stamp::verify(core::slice::from_ref(&self.cfg.key), value, &req.id) {
                 Ok(s) if target.cidrs.iter().any(|c| c.contains(s.addr.ip())) => {
@@ -231,7 +328,7 @@ impl Engine {
                     p.log(
                         Level::Warn,
                         &format!(
-                            "kvguard: x-kvguard-control address {} is outside control_target_cidrs (request_id={})",
+                            "x-kvguard-control address {} is outside control_target_cidrs (request_id={})",
                             s.addr, req.id
                         ),
                     );
@@ -242,24 +339,15 @@ impl Engine {
                         stamp::StampError::Mismatch => StampRejected::Mismatch,
                     };
                     p.add(Metric::StampRejected(cause), 1);
-                    p.log(
-                        Level::Warn,
-                        &format!("kvguard: {e} (request_id={})", req.id),
-                    );
+                    p.log(Level::Warn, &format!("{e} (request_id={})", req.id));
                 }
             }
-        }
-        if end_of_stream {
-            req.end_of_stream = true;
         }
         Self::need(req)
     }
 
     fn need(req: &Request) -> BodyNeed {
-        if !req.reading() {
-            return BodyNeed::Nothing;
-        }
-        match req.scanner.as_ref().map(|s| s.framing()) {
+        match req.reading() {
             None => BodyNeed::Nothing,
             Some(Framing::Opaque) => BodyNeed::Length,
             Some(_) => BodyNeed::Bytes,
@@ -285,13 +373,6 @@ impl Engine {
     ) -> Option<OutcomeTag> {
         let now = p.now_ms();
         let req = self.table.get_mut(&ctx)?;
-        let was_complete = req.content_complete;
-        if !req.reading() {
-            if end_of_stream {
-                req.end_of_stream = true;
-            }
-            return None;
-        }
         let fed = req.on_body(chunk, len, end_of_stream, now);
         if fed.oversized > 0 {
             p.add(
@@ -305,11 +386,33 @@ impl Engine {
                 i64::from(fed.malformed),
             );
         }
-        if req.decision.is_some() {
+        if !fed.completed || req.observed.is_some() {
             // Observe mode: the outcome stays `observed:<reason>`.
             return None;
         }
-        (!was_complete && req.content_complete).then_some(OutcomeTag::Completed)
+        Some(OutcomeTag::Completed)
+    }
+
+    /// A body chunk the host could not hand over (its read failed): counted as progress
+    /// and as a host error, never as a stall.
+    pub fn on_unreadable_body<P: Platform + ?Sized>(
+        &mut self,
+        p: &mut P,
+        ctx: u32,
+        end_of_stream: bool,
+    ) {
+        let now = p.now_ms();
+        if let Some(req) = self.table.get_mut(&ctx) {
+            p.add(Metric::HostErrors, 1);
+            req.on_unreadable_body(end_of_stream, now);
+        }
+    }
+
+    /// The response trailers passed: the upstream ended the response.
+    pub fn on_response_trailers(&mut self, ctx: u32) {
+        if let Some(req) = self.table.get_mut(&ctx) {
+            req.on_trailers();
+        }
     }
 
     /// Whether [`Engine::on_log`] needs Envoy's `response.code_details` and
@@ -317,10 +420,7 @@ impl Engine {
     /// or an abort was already decided (then the two property reads, host calls that
     /// serialise stream info, are skipped for the common healthy stream).
     pub fn end_details_needed(&self, ctx: u32) -> bool {
-        self.table.get(&ctx).is_some_and(|req| {
-            let decided = matches!(req.decision, Some(d) if !d.observed);
-            !req.content_complete && !decided
-        })
+        self.table.get(&ctx).is_some_and(|req| req.end_matters())
     }
 
     /// The stream ended (access-log time): settles the request. Returns its outcome when
@@ -336,40 +436,40 @@ impl Engine {
     ) -> Option<OutcomeTag> {
         let mut req = self.table.remove(&ctx)?;
         p.add(Metric::ActiveRequests, -1);
-        if let Some(d) = req.decision {
-            if d.observed && classify_end(&req, details, flags) == End::Completed {
-                // Would have been aborted, yet completed: the clocks may be too tight.
-                p.add(Metric::RequestsCompleted, 1);
-                p.log(
-                    Level::Info,
-                    &format!(
-                        "kvguard: request_id={} completed after being observed as {} (observe mode)",
-                        req.id,
-                        d.reason.as_str()
-                    ),
-                );
-            }
-            return Some(d.into());
+        if req.aborted().is_some() {
+            return req.outcome();
         }
         let now = p.now_ms();
         match classify_end(&req, details, flags) {
             End::Completed => {
                 p.add(Metric::RequestsCompleted, 1);
+                if let Some(r) = req.observed {
+                    // Would have been aborted, yet completed: the clocks may be too tight.
+                    p.log(
+                        Level::Info,
+                        &format!(
+                            "request_id={} completed after being observed as {} (observe mode)",
+                            req.id,
+                            r.as_str()
+                        ),
+                    );
+                    return req.outcome();
+                }
                 // Written when the body completed: one filter-state write per request.
-                (!req.content_complete).then_some(OutcomeTag::Completed)
+                (!req.complete()).then_some(OutcomeTag::Completed)
             }
             End::Abort(reason) => {
                 p.log(
                     Level::Debug,
                     &format!(
-                        "kvguard: request_id={} ended early (code_details={:?}, flags={flags:#x})",
+                        "request_id={} ended early (code_details={:?}, flags={flags:#x})",
                         req.id,
                         // Debug-escaped: control bytes cannot split or forge a log line.
                         String::from_utf8_lossy(details)
                     ),
                 );
                 let tag = decide(
-                    &self.cfg,
+                    self.mode,
                     &mut self.queue,
                     p,
                     &mut req,
@@ -379,7 +479,7 @@ impl Engine {
                     &mut self.finished,
                 );
                 self.report_finished(p);
-                tag
+                tag.or(req.outcome())
             }
         }
     }
@@ -391,18 +491,24 @@ impl Engine {
         }
     }
 
-    /// The tick: decides stalled / over-age streams, pumps the abort queue, and returns
-    /// what to do to streams.
+    /// The tick: decides stalled / over-age streams (holding a mass stall one more idle
+    /// window, see [`stall_threshold`]), pumps the abort queue, and returns what to do to
+    /// streams (for [`apply`]).
     pub fn tick<P: Platform + ?Sized>(&mut self, p: &mut P) -> Vec<Action> {
         let now = p.now_ms();
-        let mut actions = Vec::new();
-        let cfg = &self.cfg;
-        for (ctx, req) in self.table.iter_mut() {
-            let Some(reason) = req.due(now) else {
+        let mut due: Vec<(u32, AbortReason)> = self
+            .table
+            .iter()
+            .filter_map(|(ctx, req)| req.due(now).map(|r| (*ctx, r)))
+            .collect();
+        self.hold_mass_stall(p, now, &mut due);
+        let mut actions = Vec::with_capacity(due.len());
+        for (ctx, reason) in due {
+            let Some(req) = self.table.get_mut(&ctx) else {
                 continue;
             };
             if let Some(tag) = decide(
-                cfg,
+                self.mode,
                 &mut self.queue,
                 p,
                 req,
@@ -412,13 +518,71 @@ impl Engine {
                 &mut self.finished,
             ) {
                 actions.push(match tag {
-                    OutcomeTag::Observed(_) => Action::Mark { ctx: *ctx, tag },
-                    _ => Action::Close { ctx: *ctx, tag },
+                    OutcomeTag::Observed(_) => Action::Mark { ctx, tag },
+                    _ => Action::Close { ctx, tag },
                 });
             }
         }
         self.pump(p);
         actions
+    }
+
+    /// The mass-stall valve: counts stalls (not held before) within the last idle
+    /// window; past [`stall_threshold`], the rest of this tick's stalls are held one more
+    /// window and taken out of `due`. Observe mode counts nothing (it closes nothing).
+    fn hold_mass_stall<P: Platform + ?Sized>(
+        &mut self,
+        p: &mut P,
+        now: u64,
+        due: &mut Vec<(u32, AbortReason)>,
+    ) {
+        let window = self.cfg.max_idle_timeout_ms();
+        while self
+            .recent_stalls
+            .front()
+            .is_some_and(|t| now.saturating_sub(*t) >= window)
+        {
+            self.recent_stalls.pop_front();
+        }
+        if self.mode == Mode::Observe {
+            return;
+        }
+        let threshold = stall_threshold(self.table.len());
+        let mut held = 0i64;
+        let table = &mut self.table;
+        let recent = &mut self.recent_stalls;
+        due.retain(|(ctx, reason)| {
+            let Some(req) = table.get_mut(ctx) else {
+                return false;
+            };
+            if *reason != AbortReason::Stalled || req.held() {
+                return true;
+            }
+            if recent.len() < threshold {
+                recent.push_back(now);
+                return true;
+            }
+            if req.hold(now) {
+                held += 1;
+                return false;
+            }
+            true
+        });
+        if held > 0 {
+            p.add(Metric::StallHolds, held);
+            if !self.holding {
+                self.holding = true;
+                p.log(
+                    Level::Warn,
+                    &format!(
+                        "mass stall: more than {threshold} of {} streams went idle within {window} ms; holding their closes one more idle window (kvguard_filter_stall_holds_total counts them)",
+                        self.table.len()
+                    ),
+                );
+            }
+        } else if self.recent_stalls.len() < threshold {
+            self.holding = false;
+        }
     }
 
     /// Sends what is due.
@@ -471,7 +635,7 @@ impl Engine {
             p.log(
                 level,
                 &format!(
-                    "kvguard: abort request_id={} reason={} outcome={} status={status} attempts={}{hint}",
+                    "abort request_id={} reason={} outcome={} status={status} attempts={}{hint}",
                     f.job.id,
                     f.job.reason.as_str(),
                     f.outcome.as_str(),
@@ -1084,6 +1248,233 @@ mod tests {
         assert_eq!(h.metric(Metric::VmMemoryBytes), 1200);
         e.report_memory(&mut h, 0);
         assert_eq!(h.metric(Metric::VmMemoryBytes), 0);
+    }
+
+    fn stream(e: &mut Engine, h: &mut MockHost, ctx: u32) {
+        track(e, h, ctx, &format!("m{ctx}"));
+        sse(e, h, ctx);
+        e.on_response_body(h, ctx, b"data: {}\n\n", 0, false);
+    }
+
+    #[test]
+    fn kill_switch_reaches_streams_in_flight_and_enforce_restarts_clocks() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        // Observe pushed while the stream is in flight: its stall is only observed.
+        e.set_mode(&mut h, Mode::Observe);
+        h.now += 100;
+        assert_eq!(
+            e.tick(&mut h),
+            vec![Action::Mark {
+                ctx: 1,
+                tag: OutcomeTag::Observed(AbortReason::Stalled)
+            }]
+        );
+        assert!(h.calls.is_empty());
+        // A disconnect in observe mode sends nothing either.
+        stream(&mut e, &mut h, 2);
+        assert_eq!(
+            e.on_log(&mut h, 2, b"downstream_remote_disconnect", flags::DC),
+            Some(OutcomeTag::Observed(AbortReason::DownstreamReset))
+        );
+        e.pump(&mut h);
+        assert!(h.calls.is_empty());
+        // Back to enforce: the flagged stream gets a fresh idle window, not a close now.
+        h.now += 1000;
+        e.set_mode(&mut h, Mode::Enforce);
+        assert!(e.tick(&mut h).is_empty());
+        h.now += 99;
+        assert!(e.tick(&mut h).is_empty());
+        h.now += 1;
+        assert_eq!(
+            e.tick(&mut h),
+            vec![Action::Close {
+                ctx: 1,
+                tag: OutcomeTag::Aborted(AbortReason::Stalled)
+            }]
+        );
+        // Enforce again for on_log too.
+        stream(&mut e, &mut h, 3);
+        assert_eq!(
+            e.on_log(&mut h, 3, b"downstream_remote_disconnect", flags::DC),
+            Some(OutcomeTag::Aborted(AbortReason::DownstreamReset))
+        );
+        assert!(h
+            .logs
+            .iter()
+            .any(|(_, m)| m.starts_with("mode is now observe")));
+    }
+
+    #[test]
+    fn mass_stall_is_held_one_window_then_closed_if_still_idle() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        for ctx in 1..=20 {
+            stream(&mut e, &mut h, ctx);
+        }
+        // An engine-wide pause: all 20 go idle at once; 8 (= max(8, 20 % of 20)) close,
+        // the other 12 wait one more idle window.
+        h.now += 100;
+        let closed = e.tick(&mut h);
+        assert_eq!(closed.len(), stall_threshold(20));
+        assert_eq!(h.metric(Metric::StallHolds), 12);
+        let warns = |h: &MockHost| {
+            h.logs
+                .iter()
+                .filter(|(l, m)| *l == Level::Warn && m.starts_with("mass stall"))
+                .count()
+        };
+        assert_eq!(warns(&h), 1);
+        let held: Vec<u32> = (1..=20)
+            .filter(|c| !closed.iter().any(|a| matches!(a, Action::Close { ctx, .. } if ctx == c)))
+            .collect();
+        // The pause ends for half of the held streams.
+        h.now += 50;
+        for &ctx in &held[..6] {
+            e.on_response_body(&mut h, ctx, b"data: {}\n\n", 0, false);
+        }
+        h.now += 49;
+        assert!(e.tick(&mut h).is_empty());
+        assert_eq!(warns(&h), 1, "logged once");
+        h.now += 1;
+        let late = e.tick(&mut h);
+        let mut late_ctx: Vec<u32> = late
+            .iter()
+            .map(|a| match a {
+                Action::Close { ctx, .. } | Action::Mark { ctx, .. } => *ctx,
+            })
+            .collect();
+        late_ctx.sort_unstable();
+        assert_eq!(late_ctx, held[6..].to_vec(), "what is still idle closes");
+        assert_eq!(h.metric(Metric::StallHolds), 12, "held once only");
+    }
+
+    #[test]
+    fn a_few_stalls_close_at_once() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        for ctx in 1..=8 {
+            stream(&mut e, &mut h, ctx);
+        }
+        h.now += 100;
+        assert_eq!(e.tick(&mut h).len(), 8);
+        assert_eq!(h.metric(Metric::StallHolds), 0);
+    }
+
+    #[test]
+    fn unreadable_chunks_are_progress_and_host_errors() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        h.now += 90;
+        e.on_unreadable_body(&mut h, 1, false);
+        h.now += 20;
+        assert!(e.tick(&mut h).is_empty(), "no stall after an unreadable chunk");
+        assert_eq!(h.metric(Metric::HostErrors), 1);
+    }
+
+    #[test]
+    fn trailers_end_a_stream_without_done() {
+        let (mut e, mut h) = engine("");
+        stream(&mut e, &mut h, 1);
+        e.on_response_trailers(1);
+        assert_eq!(e.body_need(1), BodyNeed::Nothing);
+        assert_eq!(
+            e.on_log(&mut h, 1, b"via_upstream", 0),
+            Some(OutcomeTag::Completed)
+        );
+        e.pump(&mut h);
+        assert!(h.calls.is_empty());
+    }
+
+    #[test]
+    fn interleaved_choices_complete_only_at_done() {
+        let (mut e, mut h) = engine("");
+        track(&mut e, &mut h, 1, "n2");
+        sse(&mut e, &mut h, 1);
+        for ev in [
+            &br#"data: {"choices":[{"index":0,"finish_reason":"stop"}]}"#[..],
+            br#"data: {"choices":[{"index":1,"delta":{"content":"late"},"finish_reason":null}]}"#,
+        ] {
+            assert_eq!(
+                e.on_response_body(&mut h, 1, &[ev, b"\n\n"].concat(), 0, false),
+                None
+            );
+        }
+        assert_eq!(e.body_need(1), BodyNeed::Bytes, "index 1 still streams");
+        assert_eq!(
+            e.on_response_body(&mut h, 1, b"data: [DONE]\n\n", 0, false),
+            Some(OutcomeTag::Completed)
+        );
+    }
+
+    #[test]
+    fn max_age_is_off_by_default() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":0"#);
+        stream(&mut e, &mut h, 1);
+        h.now += 86_400_000;
+        assert!(e.tick(&mut h).is_empty());
+    }
+
+    #[derive(Default)]
+    struct FakeStreams {
+        log: Vec<String>,
+        refuse_select: Option<u32>,
+    }
+
+    impl Streams for FakeStreams {
+        fn select(&mut self, ctx: u32) -> bool {
+            self.log.push(format!("select {ctx}"));
+            self.refuse_select != Some(ctx)
+        }
+        fn set_outcome(&mut self, tag: OutcomeTag) {
+            self.log.push(tag.as_string());
+        }
+        fn close(&mut self) -> bool {
+            self.log.push("close".into());
+            true
+        }
+        fn restore(&mut self) {
+            self.log.push("restore".into());
+        }
+    }
+
+    #[test]
+    fn apply_marks_closes_and_restores() {
+        let mut s = FakeStreams {
+            refuse_select: Some(3),
+            ..FakeStreams::default()
+        };
+        let done = apply(
+            &[
+                Action::Close {
+                    ctx: 1,
+                    tag: OutcomeTag::Aborted(AbortReason::Stalled),
+                },
+                Action::Mark {
+                    ctx: 2,
+                    tag: OutcomeTag::Observed(AbortReason::MaxAge),
+                },
+                Action::Close {
+                    ctx: 3,
+                    tag: OutcomeTag::Aborted(AbortReason::Stalled),
+                },
+            ],
+            &mut s,
+        );
+        assert_eq!(done, Applied { closed: 1, failed: 1 });
+        assert_eq!(
+            s.log,
+            [
+                "select 1",
+                "aborted:stalled",
+                "close",
+                "select 2",
+                "observed:max_age",
+                "select 3",
+                "restore"
+            ]
+        );
+        let mut s = FakeStreams::default();
+        assert_eq!(apply(&[], &mut s), Applied::default());
+        assert!(s.log.is_empty());
     }
 
     #[test]

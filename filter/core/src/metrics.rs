@@ -204,6 +204,8 @@ pub enum Metric {
     VmMemoryBytes,
     /// Host calls that failed unexpectedly (the filter failed open).
     HostErrors,
+    /// Stall closes held one more idle window by the mass-stall valve.
+    StallHolds,
 }
 
 const R: usize = AbortReason::ALL.len();
@@ -221,10 +223,11 @@ const BASE_WOULD: usize = BASE_ANOMALY + Anomaly::ALL.len();
 const BASE_CLOSED: usize = BASE_WOULD + R;
 const BASE_MEMORY: usize = BASE_CLOSED + 1;
 const BASE_HOST: usize = BASE_MEMORY + 1;
+const BASE_HOLDS: usize = BASE_HOST + 1;
 
 impl Metric {
     /// How many distinct metrics exist (for id caches).
-    pub const COUNT: usize = BASE_HOST + 1;
+    pub const COUNT: usize = BASE_HOLDS + 1;
 
     /// A dense index in `0..COUNT`.
     pub fn index(self) -> usize {
@@ -243,6 +246,7 @@ impl Metric {
             Metric::StreamsClosed => BASE_CLOSED,
             Metric::VmMemoryBytes => BASE_MEMORY,
             Metric::HostErrors => BASE_HOST,
+            Metric::StallHolds => BASE_HOLDS,
         }
     }
 
@@ -279,6 +283,7 @@ impl Metric {
             Metric::StreamsClosed => format!("{PREFIX}streams_closed_total"),
             Metric::VmMemoryBytes => format!("{PREFIX}vm_memory_bytes"),
             Metric::HostErrors => format!("{PREFIX}host_errors_total"),
+            Metric::StallHolds => format!("{PREFIX}stall_holds_total"),
         }
     }
 
@@ -302,6 +307,7 @@ impl Metric {
         v.push(Metric::StreamsClosed);
         v.push(Metric::VmMemoryBytes);
         v.push(Metric::HostErrors);
+        v.push(Metric::StallHolds);
         v
     }
 }

@@ -7,15 +7,6 @@ use crate::scan::{Fed, Framing, Scanner};
 use kvguard_contract::{AbortReason, RequestId};
 use std::net::SocketAddr;
 
-/// What the filter decided for a request; the first decision wins.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Decision {
-    /// Why.
-    pub reason: AbortReason,
-    /// Observe mode: counted and logged only.
-    pub observed: bool,
-}
-
 /// The value written to filter state `kvguard.outcome`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OutcomeTag {
@@ -41,14 +32,34 @@ impl OutcomeTag {
     }
 }
 
-impl From<Decision> for OutcomeTag {
-    fn from(d: Decision) -> Self {
-        if d.observed {
-            OutcomeTag::Observed(d.reason)
-        } else {
-            OutcomeTag::Aborted(d.reason)
-        }
-    }
+/// Where a tracked request is in its life. Every transition is a method of [`Request`]
+/// in this module:
+///
+/// ```text
+///            response headers              body: [DONE] / terminal event / done:true
+/// Requested ───────────────▶ Streaming ─────────────────────────────────────────▶ Complete
+///     │  (end of stream)         │ upstream end of stream (body or trailers)
+///     ├──────────────────────────┴──────────────────────────────────────────────▶ Ended
+///     │  decide (enforce): a clock fired, or on_log found an early end
+///     └──────────── Requested / Streaming / Ended ──────────────────────────────▶ Aborted
+/// ```
+///
+/// `Complete` and `Aborted` are final. Clocks run only in `Requested` and `Streaming`;
+/// the body is read only in `Streaming`. Observe mode never changes the phase: it notes
+/// what it would have aborted ([`Request::observed`]) and the stream goes on.
+#[derive(Debug, Clone)]
+pub enum Phase {
+    /// Request headers seen; the response has not started.
+    Requested,
+    /// The response body is being read with this scanner.
+    Streaming(Scanner),
+    /// The body said it is complete: never aborted.
+    Complete,
+    /// The upstream's end of stream passed the filter; `on_log` classifies it (an
+    /// Envoy local reply after a timeout also ends the stream).
+    Ended,
+    /// An abort was decided for this reason (enforce mode).
+    Aborted(AbortReason),
 }
 
 /// A tracked request.
@@ -56,24 +67,23 @@ impl From<Decision> for OutcomeTag {
 pub struct Request {
     /// The abort key.
     pub id: RequestId,
-    /// When the request headers arrived (ms, host clock).
+    /// When the request headers arrived (ms, monotonic host clock).
     pub start_ms: u64,
+    /// The clocks count from no earlier than this (`start_ms`, or the moment enforce
+    /// mode came back after observe mode had flagged the request).
+    clocks_from_ms: u64,
+    /// A mass stall held this request's close until then (0 = not held).
+    held_until_ms: u64,
     /// The clocks that apply to it.
     pub limits: Limits,
     /// When the last data event arrived.
     pub last_event_ms: Option<u64>,
-    /// Data events seen.
+    /// Data events seen (the abort body's `tokens`).
     pub events: u64,
-    /// The body scanner, once response headers are known.
-    pub scanner: Option<Scanner>,
-    /// Response headers arrived.
-    pub response_started: bool,
-    /// The response's end of stream passed the filter.
-    pub end_of_stream: bool,
-    /// The body said it is complete (`[DONE]`, finish reasons, terminal event, done).
-    pub content_complete: bool,
-    /// The decision, once made.
-    pub decision: Option<Decision>,
+    /// Where it is.
+    pub phase: Phase,
+    /// Observe mode: what it would have been aborted for (its clocks are then off).
+    pub observed: Option<AbortReason>,
     /// The control replica holding it (a verified stamp).
     pub target: Option<SocketAddr>,
 }
@@ -84,14 +94,13 @@ impl Request {
         Request {
             id,
             start_ms: now_ms,
+            clocks_from_ms: now_ms,
+            held_until_ms: 0,
             limits,
             last_event_ms: None,
             events: 0,
-            scanner: None,
-            response_started: false,
-            end_of_stream: false,
-            content_complete: false,
-            decision: None,
+            phase: Phase::Requested,
+            observed: None,
             target: None,
         }
     }
@@ -101,65 +110,113 @@ impl Request {
         now_ms.saturating_sub(self.start_ms)
     }
 
-    /// Whether the request is over for the clocks (complete, ended, or decided).
-    pub fn settled(&self) -> bool {
-        self.content_complete || self.end_of_stream || self.decision.is_some()
+    /// Whether the body said it is complete.
+    pub fn complete(&self) -> bool {
+        matches!(self.phase, Phase::Complete)
     }
 
-    /// Whether the body still needs reading: not complete, not ended, and not decided
-    /// for real (an observed decision keeps reading, so that observe mode can tell a
-    /// request that would have been aborted but completed later).
-    pub fn reading(&self) -> bool {
-        let decided = matches!(self.decision, Some(d) if !d.observed);
-        !self.content_complete && !self.end_of_stream && !decided
+    /// The abort decided for it, if any.
+    pub fn aborted(&self) -> Option<AbortReason> {
+        match self.phase {
+            Phase::Aborted(r) => Some(r),
+            _ => None,
+        }
     }
 
-    /// Records the response framing.
-    pub fn on_response_headers(&mut self, framing: Framing, max_event_bytes: usize) {
-        self.response_started = true;
-        self.scanner = Some(Scanner::new(framing, max_event_bytes));
+    /// The framing of the body being read (`None` when nothing is to be read).
+    pub fn reading(&self) -> Option<Framing> {
+        match &self.phase {
+            Phase::Streaming(s) => Some(s.framing()),
+            _ => None,
+        }
     }
 
-    /// Feeds a body chunk (or, for an opaque body, notes `len` bytes as progress);
-    /// returns what the scanner found. Marks content completion.
+    /// Whether `on_log` needs Envoy's end details: not once the body completed or an
+    /// abort was decided (then nothing is left to classify).
+    pub fn end_matters(&self) -> bool {
+        !matches!(self.phase, Phase::Complete | Phase::Aborted(_))
+    }
+
+    /// Response headers: `Requested → Streaming` (or `Ended` with end of stream).
+    pub fn on_response_headers(&mut self, framing: Framing, max_event_bytes: usize, eos: bool) {
+        if matches!(self.phase, Phase::Requested) {
+            self.phase = if eos {
+                Phase::Ended
+            } else {
+                Phase::Streaming(Scanner::new(framing, max_event_bytes))
+            };
+        }
+    }
+
+    /// Feeds a body chunk (for an opaque body, only `len` counts: any byte is progress);
+    /// returns what the scanner found. `Streaming → Complete` when the body says so,
+    /// `Streaming → Ended` at the upstream's end of stream.
     pub fn on_body(&mut self, chunk: &[u8], len: usize, end_of_stream: bool, now_ms: u64) -> Fed {
+        let Phase::Streaming(s) = &mut self.phase else {
+            return Fed::default();
+        };
         let mut fed = Fed::default();
-        if let Some(s) = self.scanner.as_mut() {
-            if s.framing() == Framing::Opaque {
-                // Opaque bodies: any bytes are progress, so the clocks do not fire on a
-                // stream the filter cannot read (compressed SSE).
-                if len > 0 {
-                    fed.events = 1;
-                }
-            } else if !s.completed() {
-                fed = s.feed(chunk);
-                if end_of_stream {
-                    let last = s.finish(&mut |_| {});
-                    fed.events += last.events;
-                    fed.oversized += last.oversized;
-                    fed.malformed += last.malformed;
-                    fed.completed |= last.completed;
-                }
+        if s.framing() == Framing::Opaque {
+            // Opaque bodies: any bytes are progress, so the clocks do not fire on a
+            // stream the filter cannot read (compressed SSE).
+            if len > 0 {
+                fed.events = 1;
+            }
+        } else {
+            fed = s.feed(chunk);
+            if end_of_stream && !fed.completed {
+                let last = s.finish(&mut |_| {});
+                fed.events += last.events;
+                fed.oversized += last.oversized;
+                fed.malformed += last.malformed;
+                fed.completed |= last.completed;
             }
         }
         if fed.events > 0 {
-            self.events += u64::from(fed.events);
-            self.last_event_ms = Some(now_ms);
+            self.progress(u64::from(fed.events), now_ms);
         }
         if fed.completed {
-            self.content_complete = true;
-        }
-        if end_of_stream {
-            self.end_of_stream = true;
+            self.phase = Phase::Complete;
+        } else if end_of_stream {
+            self.phase = Phase::Ended;
         }
         fed
     }
 
+    /// A body chunk the host could not hand over: counted as progress (an unreadable
+    /// chunk is no sign of a stall), `Streaming → Ended` at end of stream.
+    pub fn on_unreadable_body(&mut self, end_of_stream: bool, now_ms: u64) {
+        if !matches!(self.phase, Phase::Streaming(_)) {
+            return;
+        }
+        self.progress(1, now_ms);
+        if end_of_stream {
+            self.phase = Phase::Ended;
+        }
+    }
+
+    /// The response trailers passed: the upstream's end of stream (`Streaming → Ended`).
+    pub fn on_trailers(&mut self) {
+        if matches!(self.phase, Phase::Streaming(_) | Phase::Requested) {
+            self.phase = Phase::Ended;
+        }
+    }
+
+    fn progress(&mut self, events: u64, now_ms: u64) {
+        self.events += events;
+        self.last_event_ms = Some(now_ms);
+        self.held_until_ms = 0;
+    }
+
     /// The reason a clock fired at `now_ms`, if one did. The earliest deadline wins.
     pub fn due(&self, now_ms: u64) -> Option<AbortReason> {
-        if self.settled() {
+        if !matches!(self.phase, Phase::Requested | Phase::Streaming(_))
+            || self.observed.is_some()
+            || now_ms < self.held_until_ms
+        {
             return None;
         }
+        let from = self.clocks_from_ms;
         let mut best: Option<(u64, AbortReason)> = None;
         let mut consider = |deadline: u64, reason: AbortReason| {
             let earlier = match best {
@@ -172,32 +229,73 @@ impl Request {
         };
         let l = self.limits;
         if l.max_age_ms > 0 {
-            consider(
-                self.start_ms.saturating_add(l.max_age_ms),
-                AbortReason::MaxAge,
-            );
+            consider(from.saturating_add(l.max_age_ms), AbortReason::MaxAge);
         }
         match self.last_event_ms {
             None if l.first_token_timeout_ms > 0 => consider(
-                self.start_ms.saturating_add(l.first_token_timeout_ms),
+                from.saturating_add(l.first_token_timeout_ms),
                 AbortReason::FirstTokenTimeout,
             ),
-            Some(last) if l.idle_timeout_ms > 0 => {
-                consider(last.saturating_add(l.idle_timeout_ms), AbortReason::Stalled)
-            }
+            Some(last) if l.idle_timeout_ms > 0 => consider(
+                last.max(from).saturating_add(l.idle_timeout_ms),
+                AbortReason::Stalled,
+            ),
             _ => {}
         }
         best.map(|(_, r)| r)
     }
 
-    /// Records a decision unless one exists or the request completed; returns whether
-    /// it was recorded (one abort per request, first reason wins, completed never).
-    pub fn decide(&mut self, reason: AbortReason, observed: bool) -> bool {
-        if self.decision.is_some() || self.content_complete {
+    /// A mass stall: the stall close waits one more idle window (once per stall; new
+    /// progress ends the hold). Returns false when it was already held once.
+    pub fn hold(&mut self, now_ms: u64) -> bool {
+        if self.held_until_ms != 0 {
             return false;
         }
-        self.decision = Some(Decision { reason, observed });
+        self.held_until_ms = now_ms.saturating_add(self.limits.idle_timeout_ms).max(1);
         true
+    }
+
+    /// Whether a mass stall holds this request's close.
+    pub fn held(&self) -> bool {
+        self.held_until_ms != 0
+    }
+
+    /// Enforce mode: records the abort (`→ Aborted`) unless one exists or the request
+    /// completed. Observe mode: notes it once, the phase is unchanged. Returns whether
+    /// it was recorded (one decision per request, first reason wins, completed never).
+    pub fn decide(&mut self, reason: AbortReason, observe: bool) -> bool {
+        match self.phase {
+            Phase::Complete | Phase::Aborted(_) => false,
+            _ if observe => {
+                if self.observed.is_some() {
+                    return false;
+                }
+                self.observed = Some(reason);
+                true
+            }
+            _ => {
+                self.phase = Phase::Aborted(reason);
+                true
+            }
+        }
+    }
+
+    /// Enforce mode is back: what observe mode flagged starts its clocks afresh at
+    /// `now_ms` (no request is closed just because it was flagged while observed).
+    pub fn restart_clocks(&mut self, now_ms: u64) {
+        if self.observed.take().is_some() {
+            self.clocks_from_ms = now_ms;
+            self.held_until_ms = 0;
+        }
+    }
+
+    /// The outcome at the end (or `None` while nothing was decided or completed).
+    pub fn outcome(&self) -> Option<OutcomeTag> {
+        match (self.aborted(), self.observed) {
+            (Some(r), _) => Some(OutcomeTag::Aborted(r)),
+            (None, Some(r)) => Some(OutcomeTag::Observed(r)),
+            (None, None) => self.complete().then_some(OutcomeTag::Completed),
+        }
     }
 }
 
@@ -248,10 +346,11 @@ pub enum End {
 /// - Any other end of stream (local replies without an upstream, `direct_response`...)
 ///   → completed; no end of stream at all → `downstream_reset`.
 pub fn classify_end(req: &Request, details: &[u8], flag_bits: u64) -> End {
-    if req.content_complete {
+    if req.complete() {
         return End::Completed;
     }
-    if req.end_of_stream && details == b"via_upstream" {
+    let ended = matches!(req.phase, Phase::Ended);
+    if ended && details == b"via_upstream" {
         return End::Completed;
     }
     if flag_bits & (flags::DC | flags::DR) != 0 || details.starts_with(b"downstream_") {
@@ -267,7 +366,7 @@ pub fn classify_end(req: &Request, details: &[u8], flag_bits: u64) -> End {
     {
         return End::Abort(AbortReason::UpstreamReset);
     }
-    if req.end_of_stream {
+    if ended {
         End::Completed
     } else {
         End::Abort(AbortReason::DownstreamReset)
@@ -291,7 +390,7 @@ mod tests {
     #[test]
     fn idle_starts_after_first_event() {
         let mut r = req(L);
-        r.on_response_headers(Framing::Sse, 1024);
+        r.on_response_headers(Framing::Sse, 1024, false);
         assert_eq!(r.due(1900), None); // no event yet, first-token off
         r.on_body(b": keep-alive\n\n", 14, false, 1500);
         assert_eq!(r.due(1990), None); // comments are not progress
@@ -313,7 +412,7 @@ mod tests {
         assert_eq!(r.due(1300), Some(AbortReason::FirstTokenTimeout));
         // Both due: the earlier deadline wins.
         assert_eq!(r.due(5000), Some(AbortReason::FirstTokenTimeout));
-        r.on_response_headers(Framing::Sse, 1024);
+        r.on_response_headers(Framing::Sse, 1024, false);
         r.on_body(b"data: x\n\n", 9, false, 1200);
         assert_eq!(r.due(1299), None);
         assert_eq!(r.due(1300), Some(AbortReason::Stalled));
@@ -321,7 +420,7 @@ mod tests {
             idle_timeout_ms: 0,
             ..L
         });
-        r.on_response_headers(Framing::Sse, 1024);
+        r.on_response_headers(Framing::Sse, 1024, false);
         r.on_body(b"data: x\n\n", 9, false, 1100);
         assert_eq!(r.due(1999), None);
         assert_eq!(r.due(2000), Some(AbortReason::MaxAge));
@@ -345,12 +444,12 @@ mod tests {
         let mut r = req(L);
         assert!(r.decide(AbortReason::Stalled, false));
         assert!(!r.decide(AbortReason::DownstreamReset, false));
-        assert_eq!(r.decision.unwrap().reason, AbortReason::Stalled);
+        assert_eq!(r.aborted(), Some(AbortReason::Stalled));
         assert_eq!(r.due(999_999), None);
         let mut r = req(L);
-        r.on_response_headers(Framing::Sse, 1024);
+        r.on_response_headers(Framing::Sse, 1024, false);
         let fed = r.on_body(b"data: [DONE]\n\n", 14, false, 1001);
-        assert!(fed.completed && r.content_complete);
+        assert!(fed.completed && r.complete());
         assert!(!r.decide(AbortReason::MaxAge, false));
         assert_eq!(r.due(999_999), None);
         assert_eq!(
@@ -362,22 +461,23 @@ mod tests {
     #[test]
     fn opaque_bodies_count_bytes_as_progress() {
         let mut r = req(L);
-        r.on_response_headers(Framing::Opaque, 1024);
+        r.on_response_headers(Framing::Opaque, 1024, false);
         r.on_body(&[], 5, false, 1200);
         assert_eq!(r.last_event_ms, Some(1200));
-        assert!(!r.content_complete);
+        assert!(!r.complete());
         r.on_body(&[], 0, true, 1300);
-        assert!(r.end_of_stream && r.settled());
+        assert!(matches!(r.phase, Phase::Ended));
+        assert_eq!(r.due(u64::MAX), None);
     }
 
     #[test]
     fn ndjson_last_line_without_newline_completes() {
         let mut r = req(L);
-        r.on_response_headers(Framing::Ndjson, 1024);
+        r.on_response_headers(Framing::Ndjson, 1024, false);
         r.on_body(b"{\"done\":false}\n{\"done\":", 0, false, 1100);
-        assert!(!r.content_complete);
+        assert!(!r.complete());
         r.on_body(b"true}", 0, true, 1200);
-        assert!(r.content_complete);
+        assert!(r.complete());
         assert_eq!(r.events, 2);
     }
 
@@ -409,7 +509,7 @@ mod tests {
             End::Abort(AbortReason::DownstreamReset)
         );
         // Envoy's local reply for a route timeout passed the filter with end of stream.
-        r.end_of_stream = true;
+        r.on_response_headers(Framing::Opaque, 1024, true);
         assert_eq!(
             classify_end(&r, b"response_timeout", flags::UT),
             End::Abort(AbortReason::Timeout)
@@ -432,20 +532,69 @@ mod tests {
         assert_eq!(OutcomeTag::Completed.as_string(), "completed");
         assert_eq!(OutcomeTag::Untracked.as_string(), "untracked");
         assert_eq!(
-            OutcomeTag::from(Decision {
-                reason: AbortReason::Stalled,
-                observed: false
-            })
-            .as_string(),
+            OutcomeTag::Aborted(AbortReason::Stalled).as_string(),
             "aborted:stalled"
         );
         assert_eq!(
-            OutcomeTag::from(Decision {
-                reason: AbortReason::MaxAge,
-                observed: true
-            })
-            .as_string(),
+            OutcomeTag::Observed(AbortReason::MaxAge).as_string(),
             "observed:max_age"
         );
+    }
+
+    #[test]
+    fn unreadable_chunks_are_progress() {
+        let mut r = req(L);
+        r.on_response_headers(Framing::Sse, 1024, false);
+        r.on_body(b"data: {}\n\n", 10, false, 1100);
+        r.on_unreadable_body(false, 1190);
+        assert_eq!(r.due(1200), None, "an unreadable chunk is no stall");
+        assert_eq!(r.due(1290), Some(AbortReason::Stalled));
+        r.on_unreadable_body(true, 1200);
+        assert!(matches!(r.phase, Phase::Ended));
+    }
+
+    #[test]
+    fn trailers_end_the_stream() {
+        let mut r = req(L);
+        r.on_response_headers(Framing::Sse, 1024, false);
+        r.on_body(b"data: {}\n\n", 10, false, 1100);
+        r.on_trailers();
+        assert_eq!(r.due(u64::MAX), None);
+        assert_eq!(classify_end(&r, b"via_upstream", 0), End::Completed);
+    }
+
+    #[test]
+    fn observe_notes_once_and_enforce_restarts_the_clocks() {
+        let mut r = req(L);
+        r.on_response_headers(Framing::Sse, 1024, false);
+        r.on_body(b"data: {}\n\n", 10, false, 1100);
+        assert_eq!(r.due(1200), Some(AbortReason::Stalled));
+        assert!(r.decide(AbortReason::Stalled, true));
+        assert!(!r.decide(AbortReason::DownstreamReset, true));
+        assert!(r.reading().is_some(), "observed: still read");
+        assert_eq!(r.due(5000), None, "observed: clocks off");
+        assert_eq!(
+            r.outcome(),
+            Some(OutcomeTag::Observed(AbortReason::Stalled))
+        );
+        r.restart_clocks(5000);
+        assert_eq!(r.observed, None);
+        assert_eq!(r.due(5099), None);
+        assert_eq!(r.due(5100), Some(AbortReason::Stalled));
+        // Max age restarts too.
+        assert_eq!(r.age_ms(6000), 5000);
+    }
+
+    #[test]
+    fn a_hold_delays_once_and_progress_ends_it() {
+        let mut r = req(L);
+        r.on_response_headers(Framing::Sse, 1024, false);
+        r.on_body(b"data: {}\n\n", 10, false, 1100);
+        assert!(r.hold(1200));
+        assert!(!r.hold(1250));
+        assert_eq!(r.due(1299), None);
+        assert_eq!(r.due(1300), Some(AbortReason::Stalled));
+        r.on_body(b"data: {}\n\n", 10, false, 1250);
+        assert!(!r.held());
     }
 }

@@ -102,49 +102,6 @@ enum Line {
     Skip,
 }
 
-/// Tracks `choices[].index` completion across events, in two bit sets (16 bytes per
-/// stream, no allocation). Indices from [`MAX_TRACKED_INDEX`] up (or more choices than
-/// the look reports) turn completion-by-choices off for the stream; `[DONE]`, a terminal
-/// event and the end of stream still apply.
-#[derive(Debug, Clone, Copy, Default)]
-struct Choices {
-    seen: u64,
-    finished: u64,
-    overflow: bool,
-}
-
-/// Choice indices tracked per stream (`n` up to 64).
-const MAX_TRACKED_INDEX: u32 = 64;
-
-impl Choices {
-    /// Records an event's choices; returns whether every choice seen has finished.
-    fn record(&mut self, look: &json::Look) -> bool {
-        if look.choices_truncated {
-            self.overflow = true;
-        }
-        let mut touched = false;
-        for &(idx, fin) in look.choices.iter() {
-            touched = true;
-            if idx >= MAX_TRACKED_INDEX {
-                self.overflow = true;
-                continue;
-            }
-            let bit = 1u64 << idx;
-            self.seen |= bit;
-            if fin {
-                self.finished |= bit;
-            }
-        }
-        touched && !self.overflow && self.finished == self.seen
-    }
-
-    /// Whether an event that could only report `(0, not finished)` would change nothing:
-    /// index 0 is already known (or completion by choices is off after an overflow).
-    fn settled_for_index_zero(&self) -> bool {
-        self.overflow || self.seen & 1 == 1
-    }
-}
-
 /// The incremental scanner of one response body.
 #[derive(Debug, Clone)]
 pub struct Scanner {
@@ -164,10 +121,7 @@ pub struct Scanner {
     event_name: [u8; 24],
     event_len: usize,
     event_overflow: bool,
-    choices: Choices,
     completed: bool,
-    /// Data events seen so far.
-    pub events: u64,
 }
 
 impl Scanner {
@@ -188,9 +142,7 @@ impl Scanner {
             event_name: [0; 24],
             event_len: 0,
             event_overflow: false,
-            choices: Choices::default(),
             completed: false,
-            events: 0,
         }
     }
 
@@ -473,7 +425,6 @@ impl Scanner {
             return;
         }
         if oversized {
-            self.events += 1;
             fed.events += 1;
             fed.oversized += 1;
             on_event(Event::Oversized);
@@ -485,18 +436,15 @@ impl Scanner {
             self.reset_data();
             return;
         }
-        self.events += 1;
         fed.events += 1;
         let mut completes = false;
         if !self.completed {
             let done = if data == b"[DONE]" || terminal_name {
                 true
             } else if data.first() == Some(&b'{') {
-                let skip = json::inert(data)
-                    .is_some_and(|i| !i.choices || self.choices.settled_for_index_zero());
-                if skip {
-                    // The common case: a content chunk of choice 0 (or an event of an API
-                    // without choices) that cannot complete anything. No full look.
+                if json::inert(data).is_some() {
+                    // The common case: a content chunk that cannot complete anything.
+                    // No full look.
                     false
                 } else {
                     let look = json::look(data);
@@ -504,7 +452,10 @@ impl Scanner {
                         fed.malformed += 1;
                         false
                     } else {
-                        look.terminal_type || look.done || self.choices.record(&look)
+                        // `finish_reason` alone never completes: only `[DONE]`, a
+                        // terminal Responses API event, `"done": true` or the end of
+                        // stream (a choice index may start after another finished).
+                        look.terminal_type || look.done
                     }
                 }
             } else {
@@ -565,7 +516,6 @@ mod tests {
         }
         let fed = s.finish(&mut record);
         malformed += fed.malformed;
-        assert_eq!(s.events, events.len() as u64);
         (events, completed_at, malformed)
     }
 
@@ -578,8 +528,8 @@ mod tests {
         let (ev, done, bad) = whole(Framing::Sse, CHAT);
         // role chunk + 12 content chunks... then usage, [DONE].
         assert_eq!(ev.last().unwrap().as_deref(), Some(&b"[DONE]"[..]));
-        // Completion comes with the finish_reason chunk, before the usage chunk.
-        assert_eq!(done, Some(ev.len() - 2));
+        // Completion comes with [DONE], not with the finish_reason chunk.
+        assert_eq!(done, Some(ev.len()));
         assert_eq!(bad, 0);
         let (ev, done, bad) = whole(Framing::Sse, COMPL);
         assert!(done.is_some());
@@ -648,17 +598,21 @@ mod tests {
     }
 
     #[test]
-    fn n_greater_than_one() {
+    fn finish_reason_never_completes_interleaved_choices() {
+        // Index 0 finishes before index 1's first delta: nothing completes until [DONE].
         let body = concat!(
             "data: {\"choices\":[{\"index\":0,\"finish_reason\":null}]}\n\n",
-            "data: {\"choices\":[{\"index\":1,\"finish_reason\":null}]}\n\n",
             "data: {\"choices\":[{\"index\":0,\"finish_reason\":\"stop\"}]}\n\n",
             "data: {\"choices\":[{\"index\":1,\"finish_reason\":null}]}\n\n",
             "data: {\"choices\":[{\"index\":1,\"finish_reason\":\"length\"}]}\n\n",
+            "data: {\"choices\":[{\"index\":0,\"finish_reason\":\"stop\"},{\"index\":1,\"finish_reason\":\"stop\"}]}\n\n",
         );
         let (ev, done, _) = whole(Framing::Sse, body.as_bytes());
         assert_eq!(ev.len(), 5);
-        assert_eq!(done, Some(5));
+        assert_eq!(done, None);
+        let with_done = format!("{body}data: [DONE]\n\n");
+        let (ev, done, _) = whole(Framing::Sse, with_done.as_bytes());
+        assert_eq!(done, Some(ev.len()));
     }
 
     #[test]
@@ -740,39 +694,6 @@ mod tests {
             (Framing::Opaque, false)
         );
         assert_eq!(Framing::of(None, None), (Framing::Opaque, false));
-    }
-
-    #[test]
-    fn fast_path_keeps_n_greater_than_one_exact() {
-        let ev = |i: u32, fin: &str| {
-            format!("data: {{\"choices\":[{{\"index\":{i},\"delta\":{{\"content\":\"x\"}},\"finish_reason\":{fin}}}]}}\n\n")
-        };
-        let body = [
-            ev(0, "null"),
-            ev(1, "null"),
-            ev(0, "null"), // inert: skips the look
-            ev(0, "null"),
-            ev(0, "\"stop\""),
-            ev(0, "null"), // inert again, index 1 still open
-            ev(1, "\"length\""),
-        ]
-        .concat();
-        let (ev, done, bad) = whole(Framing::Sse, body.as_bytes());
-        assert_eq!(ev.len(), 7);
-        assert_eq!(done, Some(7));
-        assert_eq!(bad, 0);
-    }
-
-    #[test]
-    fn choice_indices_from_64_fall_back_to_done() {
-        let body = concat!(
-            "data: {\"choices\":[{\"index\":70,\"finish_reason\":null}]}\n\n",
-            "data: {\"choices\":[{\"index\":70,\"finish_reason\":\"stop\"}]}\n\n",
-            "data: [DONE]\n\n",
-        );
-        let (ev, done, _) = whole(Framing::Sse, body.as_bytes());
-        assert_eq!(ev.len(), 3);
-        assert_eq!(done, Some(3), "completion by [DONE] only");
     }
 
     #[cfg(not(target_family = "wasm"))]

@@ -9,17 +9,17 @@
 //!   stream context that is gone). A stream that ends early queues its abort in the
 //!   engine and wakes the root through a per-VM shared queue (`on_queue_ready`); the tick
 //!   also pumps (retries after backoff).
-//! - Every host call goes through [`host`], which returns statuses instead of panicking
+//! - Every host call goes through [`abi`], which returns statuses instead of panicking
 //!   and reads header values as bytes.
 #![deny(unsafe_code)]
 
-mod host;
+mod abi;
 mod trap;
 
 use core::cell::RefCell;
 use kvguard_contract::{CONTROL_HEADER, REQUEST_ID_HEADER};
-use kvguard_filter_core::engine::{Action as EngineAction, BodyNeed, Engine, Verdict};
 use kvguard_filter_core::host::{Call, Clock, DispatchError, Host, Level};
+use kvguard_filter_core::engine::{self, BodyNeed, Engine, Streams, Verdict};
 use kvguard_filter_core::metrics::{Kind, Metric, Metrics};
 use kvguard_filter_core::{Config, Mode, OutcomeTag};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -39,35 +39,42 @@ struct Shared {
     engine: Option<Engine>,
     metric_ids: Vec<Option<u32>>,
     queue_id: Option<u32>,
+    /// The shared-data key of this plugin's mode (`kvguard.mode.<plugin name>`).
+    mode_key: Option<String>,
 }
 
 type SharedRef = Rc<RefCell<Shared>>;
 
-/// The host as the core sees it: clock, dispatch, log, metrics.
-struct Platform<'a> {
+/// The host as the core sees it: clock, dispatch, log, metrics (the core's
+/// `host::Platform`).
+struct EnvoyHost<'a> {
     metric_ids: &'a mut Vec<Option<u32>>,
 }
 
-fn core_level(level: Level) -> host::LogLevel {
+fn core_level(level: Level) -> abi::LogLevel {
     match level {
-        Level::Debug => host::LogLevel::Debug,
-        Level::Info => host::LogLevel::Info,
-        Level::Warn => host::LogLevel::Warn,
-        Level::Error => host::LogLevel::Error,
-        Level::Critical => host::LogLevel::Critical,
+        Level::Debug => abi::LogLevel::Debug,
+        Level::Info => abi::LogLevel::Info,
+        Level::Warn => abi::LogLevel::Warn,
+        Level::Error => abi::LogLevel::Error,
+        Level::Critical => abi::LogLevel::Critical,
     }
 }
 
-impl Clock for Platform<'_> {
+impl Clock for EnvoyHost<'_> {
     fn now_ms(&self) -> u64 {
-        host::now_nanos() / 1_000_000
+        // A refused read keeps the last reading (counted in `sync_clock_errors`).
+        abi::monotonic_ms().unwrap_or_else(|last| {
+            CLOCK_ERRORS.with(|c| c.set(c.get() + 1));
+            last
+        })
     }
     fn unix_secs(&self) -> u64 {
-        host::now_nanos() / 1_000_000_000
+        abi::now_nanos() / 1_000_000_000
     }
 }
 
-impl Host for Platform<'_> {
+impl Host for EnvoyHost<'_> {
     fn dispatch(&mut self, call: &Call<'_>) -> Result<u32, DispatchError> {
         let headers: Vec<(&str, &str)> =
             call.headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
@@ -88,11 +95,11 @@ impl Host for Platform<'_> {
     }
 
     fn log(&mut self, level: Level, msg: &str) {
-        host::log(core_level(level), msg);
+        abi::log(core_level(level), msg);
     }
 }
 
-impl Platform<'_> {
+impl EnvoyHost<'_> {
     /// The metric's id in this VM, defining it on first use.
     fn metric_id(&mut self, m: Metric) -> Option<u32> {
         let i = m.index();
@@ -106,7 +113,7 @@ impl Platform<'_> {
             Kind::Counter => 0,
             Kind::Gauge => 1,
         };
-        let id = host::define_metric(kind, &m.name()).ok()?;
+        let id = abi::define_metric(kind, &m.name()).ok()?;
         if let Some(slot) = self.metric_ids.get_mut(i) {
             *slot = Some(id);
         }
@@ -114,10 +121,10 @@ impl Platform<'_> {
     }
 }
 
-impl Metrics for Platform<'_> {
+impl Metrics for EnvoyHost<'_> {
     fn add(&mut self, m: Metric, delta: i64) {
         if let Some(id) = self.metric_id(m) {
-            let _ = host::increment_metric(id, delta);
+            let _ = abi::increment_metric(id, delta);
         }
     }
 }
@@ -126,18 +133,18 @@ impl Metrics for Platform<'_> {
 /// borrowed (then the filter fails open and `f` is skipped).
 fn with_engine<R>(
     shared: &SharedRef,
-    f: impl FnOnce(&mut Engine, &mut Platform<'_>) -> R,
+    f: impl FnOnce(&mut Engine, &mut EnvoyHost<'_>) -> R,
 ) -> Option<R> {
     let Ok(mut guard) = shared.try_borrow_mut() else {
-        host::log(
-            host::LogLevel::Error,
-            "kvguard: re-entrant call into the filter state; skipped (fail open)",
+        abi::log(
+            abi::LogLevel::Error,
+            "re-entrant call into the filter state; skipped (fail open)",
         );
         return None;
     };
     let s = &mut *guard;
     let engine = s.engine.as_mut()?;
-    let mut p = Platform {
+    let mut p = EnvoyHost {
         metric_ids: &mut s.metric_ids,
     };
     Some(f(engine, &mut p))
@@ -150,21 +157,15 @@ fn sync_tick(shared: &SharedRef) {
     };
     let ms32 = u32::try_from(ms).unwrap_or(u32::MAX);
     if ms == 0 {
-        host::log(
-            host::LogLevel::Debug,
-            "kvguard: tick off (nothing tracked or pending)",
+        abi::log(
+            abi::LogLevel::Debug,
+            "tick off (nothing tracked or pending)",
         );
     } else {
-        host::log(
-            host::LogLevel::Debug,
-            &format!("kvguard: tick on ({ms} ms)"),
-        );
+        abi::log(abi::LogLevel::Debug, &format!("tick on ({ms} ms)"));
     }
-    if host::set_tick_period_ms(ms32).is_err() {
-        host::log(
-            host::LogLevel::Warn,
-            "kvguard: the host refused a tick period change",
-        );
+    if abi::set_tick_period_ms(ms32).is_err() {
+        abi::log(abi::LogLevel::Warn, "the host refused a tick period change");
         let _ = with_engine(shared, |e, p| {
             e.set_tick_state(ms == 0);
             p.add(Metric::HostErrors, 1);
@@ -172,14 +173,72 @@ fn sync_tick(shared: &SharedRef) {
     }
 }
 
+std::thread_local! {
+    /// Monotonic clock reads the host refused since the last report.
+    static CLOCK_ERRORS: core::cell::Cell<i64> = const { core::cell::Cell::new(0) };
+}
+
+/// Counts refused clock reads as host errors.
+fn report_clock_errors(p: &mut EnvoyHost<'_>) {
+    let n = CLOCK_ERRORS.with(|c| c.replace(0));
+    if n > 0 {
+        p.add(Metric::HostErrors, n);
+    }
+}
+
+/// The shared-data key holding a plugin's mode: every root context of that plugin (one
+/// per configuration version and worker) reads it, so a pushed `"mode"` reaches the
+/// streams already in flight; plugins of other names keep their own.
+fn mode_key(plugin_name: &[u8]) -> String {
+    format!("kvguard.mode.{}", String::from_utf8_lossy(plugin_name))
+}
+
+/// Reads this plugin's mode from shared data and hands it to the engine (the kill
+/// switch). An unreadable or unknown value keeps the mode the engine has.
+fn sync_mode(shared: &SharedRef) {
+    let key = shared.try_borrow().ok().and_then(|s| s.mode_key.clone());
+    let Some(key) = key else { return };
+    let mode = match abi::get_shared_data(&key) {
+        Ok(Some(v)) => Mode::parse(&v),
+        Ok(None) => None,
+        Err(_) => {
+            let _ = with_engine(shared, |_, p| p.add(Metric::HostErrors, 1));
+            None
+        }
+    };
+    if let Some(mode) = mode {
+        let _ = with_engine(shared, |e, p| e.set_mode(p, mode));
+    }
+}
+
+/// The tick's stream operations (`proxy_set_effective_context` + `proxy_close_stream`).
+struct EnvoyStreams {
+    root: u32,
+}
+
+impl Streams for EnvoyStreams {
+    fn select(&mut self, ctx: u32) -> bool {
+        abi::set_effective_context(ctx).is_ok()
+    }
+    fn set_outcome(&mut self, tag: OutcomeTag) {
+        set_outcome(tag);
+    }
+    fn close(&mut self) -> bool {
+        abi::reset_stream().is_ok()
+    }
+    fn restore(&mut self) {
+        let _ = abi::set_effective_context(self.root);
+    }
+}
+
 fn set_outcome(tag: OutcomeTag) {
-    let _ = host::set_property(&[OUTCOME_PROPERTY], tag.as_string().as_bytes());
+    let _ = abi::set_property(&[OUTCOME_PROPERTY], tag.as_string().as_bytes());
 }
 
 fn random_seed() -> u64 {
     // std's RandomState seeds from the host's random source (WASI `random_get`).
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(host::now_nanos());
+    h.write_u64(abi::now_nanos());
     h.finish()
 }
 
@@ -195,13 +254,13 @@ impl log::Log for Logger {
             return;
         }
         let level = match record.level() {
-            log::Level::Error => host::LogLevel::Error,
-            log::Level::Warn => host::LogLevel::Warn,
-            log::Level::Info => host::LogLevel::Info,
-            log::Level::Debug => host::LogLevel::Debug,
-            log::Level::Trace => host::LogLevel::Trace,
+            log::Level::Error => abi::LogLevel::Error,
+            log::Level::Warn => abi::LogLevel::Warn,
+            log::Level::Info => abi::LogLevel::Info,
+            log::Level::Debug => abi::LogLevel::Debug,
+            log::Level::Trace => abi::LogLevel::Trace,
         };
-        host::log(level, &format!("kvguard: {}", record.args()));
+        abi::log(level, &format!("{}", record.args()));
     }
     fn flush(&self) {}
 }
@@ -211,7 +270,7 @@ fn init() {
     let _ = log::set_logger(&LOGGER);
     log::set_max_level(log::LevelFilter::Warn);
     std::panic::set_hook(Box::new(|info| {
-        host::log(host::LogLevel::Critical, &format!("kvguard: panic: {info}"));
+        abi::log(abi::LogLevel::Critical, &format!("panic: {info}"));
     }));
     proxy_wasm::set_root_context(|context_id| -> Box<dyn RootContext> {
         Box::new(Root {
@@ -220,6 +279,7 @@ fn init() {
                 engine: None,
                 metric_ids: Vec::new(),
                 queue_id: None,
+                mode_key: None,
             })),
         })
     });
@@ -232,7 +292,7 @@ struct Root {
 
 impl Root {
     fn report_memory(&self) {
-        let bytes = host::memory_bytes();
+        let bytes = abi::memory_bytes();
         let _ = with_engine(&self.shared, |e, p| e.report_memory(p, bytes));
     }
 
@@ -253,7 +313,7 @@ impl Context for Root {
         let status = if num_headers == 0 {
             None
         } else {
-            host::get_header(host::Map::HttpCallResponseHeaders, ":status")
+            abi::get_header(abi::Map::HttpCallResponseHeaders, ":status")
                 .ok()
                 .flatten()
                 .and_then(|s| {
@@ -263,8 +323,8 @@ impl Context for Root {
                 })
         };
         let body = if body_size > 0 {
-            host::get_buffer(
-                host::Buffer::HttpCallResponseBody,
+            abi::get_buffer(
+                abi::Buffer::HttpCallResponseBody,
                 0,
                 body_size.min(MAX_ANSWER_BODY),
             )
@@ -287,17 +347,17 @@ impl Context for Root {
 
 impl RootContext for Root {
     fn on_configure(&mut self, plugin_configuration_size: usize) -> bool {
-        let raw = match host::get_buffer(
-            host::Buffer::PluginConfiguration,
+        let raw = match abi::get_buffer(
+            abi::Buffer::PluginConfiguration,
             0,
             plugin_configuration_size,
         ) {
             Ok(b) => b,
             Err(s) => {
-                host::log(
-                    host::LogLevel::Critical,
+                abi::log(
+                    abi::LogLevel::Critical,
                     &format!(
-                        "kvguard: invalid configuration: cannot read it (host status {})",
+                        "invalid configuration: cannot read it (host status {})",
                         s.0
                     ),
                 );
@@ -308,19 +368,16 @@ impl RootContext for Root {
         let cfg = match Config::parse(&raw, &env) {
             Ok(c) => c,
             Err(e) => {
-                host::log(
-                    host::LogLevel::Critical,
-                    &format!("kvguard: invalid configuration: {e}"),
+                abi::log(
+                    abi::LogLevel::Critical,
+                    &format!("invalid configuration: {e}"),
                 );
                 return false;
             }
         };
         let summary = format!(
-            "kvguard: configured: mode={} control_cluster={} per_replica={} idle_timeout_ms={} first_token_timeout_ms={} max_age_ms={} tick_ms={} paths={:?} routes={}",
-            match cfg.mode {
-                Mode::Enforce => "enforce",
-                Mode::Observe => "observe",
-            },
+            "configured: mode={} control_cluster={} per_replica={} idle_timeout_ms={} first_token_timeout_ms={} max_age_ms={} tick_ms={} paths={:?} routes={}",
+            cfg.mode.as_str(),
             cfg.control_cluster,
             cfg.target.as_ref().map_or("off", |t| t.cluster.as_str()),
             cfg.limits.idle_timeout_ms,
@@ -330,12 +387,31 @@ impl RootContext for Root {
             cfg.paths,
             cfg.routes.len(),
         );
+        // The mode every root context of this plugin reads (see `sync_mode`).
+        let plugin = abi::get_property(&["plugin_name"])
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| b"kvguard".to_vec());
+        let key = mode_key(&plugin);
+        if abi::set_shared_data(&key, cfg.mode.as_str().as_bytes()).is_err() {
+            abi::log(
+                abi::LogLevel::Warn,
+                &format!("cannot write shared data {key}; a mode change reaches new streams only"),
+            );
+        }
         let need_queue = {
-            let Ok(mut s) = self.shared.try_borrow_mut() else {
+            let Ok(mut guard) = self.shared.try_borrow_mut() else {
                 return false;
             };
+            let s = &mut *guard;
+            s.mode_key = Some(key);
             match s.engine.as_mut() {
-                Some(e) => e.reconfigure(cfg),
+                Some(e) => {
+                    let mut p = EnvoyHost {
+                        metric_ids: &mut s.metric_ids,
+                    };
+                    e.reconfigure(&mut p, cfg);
+                }
                 None => s.engine = Some(Engine::new(cfg, random_seed())),
             }
             s.queue_id.is_none()
@@ -344,26 +420,26 @@ impl RootContext for Root {
             // Unique per VM: every worker's VM registers its own queue, and the host
             // delivers `on_queue_ready` to the root context that registered it.
             let name = format!("kvguard.wake.{}.{:016x}", self.id, random_seed());
-            match host::register_queue(&name) {
+            match abi::register_queue(&name) {
                 Ok(id) => {
-                    host::log(
-                        host::LogLevel::Debug,
-                        &format!("kvguard: wake-up queue {name} registered (id {id})"),
+                    abi::log(
+                        abi::LogLevel::Debug,
+                        &format!("wake-up queue {name} registered (id {id})"),
                     );
                     if let Ok(mut s) = self.shared.try_borrow_mut() {
                         s.queue_id = Some(id);
                     }
                 }
-                Err(st) => host::log(
-                    host::LogLevel::Warn,
+                Err(st) => abi::log(
+                    abi::LogLevel::Warn,
                     &format!(
-                        "kvguard: cannot register the wake-up queue (status {}); aborts go out on the tick",
+                        "cannot register the wake-up queue (status {}); aborts go out on the tick",
                         st.0
                     ),
                 ),
             }
         }
-        if let Some(level) = host::log_level() {
+        if let Some(level) = abi::log_level() {
             log::set_max_level(match level {
                 0 => log::LevelFilter::Trace,
                 1 => log::LevelFilter::Debug,
@@ -372,7 +448,7 @@ impl RootContext for Root {
                 _ => log::LevelFilter::Error,
             });
         }
-        host::log(host::LogLevel::Info, &summary);
+        abi::log(abi::LogLevel::Info, &summary);
         // Define every metric now, so that all series exist (at 0) from the start.
         let _ = with_engine(&self.shared, |_, p| {
             for m in Metric::all() {
@@ -384,38 +460,23 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        let actions = with_engine(&self.shared, |e, p| e.tick(p)).unwrap_or_default();
+        sync_mode(&self.shared);
+        let actions = with_engine(&self.shared, |e, p| {
+            let a = e.tick(p);
+            report_clock_errors(p);
+            a
+        })
+        .unwrap_or_default();
         self.report_memory();
-        let mut closed = 0i64;
-        let mut failed = 0i64;
-        for a in &actions {
-            let (ctx, tag, close) = match *a {
-                EngineAction::Close { ctx, tag } => (ctx, tag, true),
-                EngineAction::Mark { ctx, tag } => (ctx, tag, false),
-            };
-            if host::set_effective_context(ctx).is_err() {
-                failed += 1;
-                continue;
-            }
-            set_outcome(tag);
-            if close {
-                // May run the stream's on_log right here: no borrow is held.
-                match host::reset_stream() {
-                    Ok(()) => closed += 1,
-                    Err(_) => failed += 1,
-                }
-            }
-        }
-        if !actions.is_empty() {
-            let _ = host::set_effective_context(self.id);
-        }
-        if closed > 0 || failed > 0 {
+        // No borrow held: closing a stream may run its on_log right here.
+        let done = engine::apply(&actions, &mut EnvoyStreams { root: self.id });
+        if done.closed > 0 || done.failed > 0 {
             let _ = with_engine(&self.shared, |_, p| {
-                if closed > 0 {
-                    p.add(Metric::StreamsClosed, closed);
+                if done.closed > 0 {
+                    p.add(Metric::StreamsClosed, done.closed);
                 }
-                if failed > 0 {
-                    p.add(Metric::HostErrors, failed);
+                if done.failed > 0 {
+                    p.add(Metric::HostErrors, done.failed);
                 }
             });
         }
@@ -425,7 +486,7 @@ impl RootContext for Root {
     fn on_queue_ready(&mut self, queue_id: u32) {
         // Drain the wake-ups; the jobs themselves are in the engine.
         for _ in 0..10_000 {
-            match host::dequeue(queue_id) {
+            match abi::dequeue(queue_id) {
                 Ok(Some(_)) => continue,
                 _ => break,
             }
@@ -466,10 +527,10 @@ impl Drop for Stream {
 impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _: usize, _: bool) -> Action {
         trap::on_request_headers(self.id);
-        let path = host::get_header(host::Map::RequestHeaders, ":path")
+        let path = abi::get_header(abi::Map::RequestHeaders, ":path")
             .ok()
             .flatten();
-        let rid = host::get_header(host::Map::RequestHeaders, REQUEST_ID_HEADER)
+        let rid = abi::get_header(abi::Map::RequestHeaders, REQUEST_ID_HEADER)
             .ok()
             .flatten();
         let id = self.id;
@@ -488,19 +549,19 @@ impl HttpContext for Stream {
 
     fn on_http_response_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
         // Always strip the control stamp, tracked or not, genuine or forged.
-        let stamp = host::get_header(host::Map::ResponseHeaders, CONTROL_HEADER)
+        let stamp = abi::get_header(abi::Map::ResponseHeaders, CONTROL_HEADER)
             .ok()
             .flatten();
         if stamp.is_some() {
-            let _ = host::remove_header(host::Map::ResponseHeaders, CONTROL_HEADER);
+            let _ = abi::remove_header(abi::Map::ResponseHeaders, CONTROL_HEADER);
         }
         if !self.tracked {
             return Action::Continue;
         }
-        let ct = host::get_header(host::Map::ResponseHeaders, "content-type")
+        let ct = abi::get_header(abi::Map::ResponseHeaders, "content-type")
             .ok()
             .flatten();
-        let ce = host::get_header(host::Map::ResponseHeaders, "content-encoding")
+        let ce = abi::get_header(abi::Map::ResponseHeaders, "content-encoding")
             .ok()
             .flatten();
         let id = self.id;
@@ -528,11 +589,12 @@ impl HttpContext for Stream {
         let tag = with_engine(&self.shared, |e, p| {
             let chunk = match e.body_need(id) {
                 BodyNeed::Bytes if body_size > 0 => {
-                    match host::get_buffer(host::Buffer::ResponseBody, 0, body_size) {
-                        Ok(b) => b,
-                        Err(_) => {
-                            p.add(Metric::HostErrors, 1);
-                            Vec::new()
+                    match abi::get_buffer(abi::Buffer::ResponseBody, 0, body_size) {
+                        Ok(b) if !b.is_empty() => b,
+                        // Unreadable: progress and a host error, never a stall.
+                        _ => {
+                            e.on_unreadable_body(p, id, end_of_stream);
+                            return None;
                         }
                     }
                 }
@@ -547,6 +609,14 @@ impl HttpContext for Stream {
         Action::Continue
     }
 
+    fn on_http_response_trailers(&mut self, _: usize) -> Action {
+        if self.tracked {
+            let id = self.id;
+            let _ = with_engine(&self.shared, |e, _| e.on_response_trailers(id));
+        }
+        Action::Continue
+    }
+
     fn on_log(&mut self) {
         if !self.tracked {
             return;
@@ -555,11 +625,13 @@ impl HttpContext for Stream {
         let id = self.id;
         let needed = with_engine(&self.shared, |e, _| e.end_details_needed(id)).unwrap_or(true);
         let (details, flags) = if needed {
-            let details = host::get_property(&["response", "code_details"])
+            // An abort may be decided now: with the mode in force now.
+            sync_mode(&self.shared);
+            let details = abi::get_property(&["response", "code_details"])
                 .ok()
                 .flatten()
                 .unwrap_or_default();
-            let flags = host::get_property(&["response", "flags"])
+            let flags = abi::get_property(&["response", "flags"])
                 .ok()
                 .flatten()
                 .and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok())
@@ -571,6 +643,7 @@ impl HttpContext for Stream {
         let result = with_engine(&self.shared, |e, p| {
             let tag = e.on_log(p, id, &details, flags);
             let wake = e.has_ready_aborts(p.now_ms());
+            report_clock_errors(p);
             (tag, wake)
         });
         let Some((tag, wake)) = result else {
@@ -582,10 +655,10 @@ impl HttpContext for Stream {
         if wake {
             let queue = self.shared.try_borrow().ok().and_then(|s| s.queue_id);
             if let Some(q) = queue {
-                if host::enqueue(q, b"1").is_err() {
-                    host::log(
-                        host::LogLevel::Warn,
-                        "kvguard: wake-up enqueue failed; the tick sends the abort",
+                if abi::enqueue(q, b"1").is_err() {
+                    abi::log(
+                        abi::LogLevel::Warn,
+                        "wake-up enqueue failed; the tick sends the abort",
                     );
                 }
             }

@@ -30,7 +30,7 @@ pub fn on_response_body(ctx: u32) {
 
 #[cfg(feature = "trap-injection")]
 mod imp {
-    use crate::host;
+    use crate::abi;
     use std::cell::RefCell;
     use std::hash::{BuildHasher, Hasher};
     use std::sync::OnceLock;
@@ -54,15 +54,15 @@ mod imp {
     fn vm_id() -> u64 {
         *VM_ID.get_or_init(|| {
             let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-            h.write_u64(host::now_nanos());
+            h.write_u64(abi::now_nanos());
             h.finish()
         })
     }
 
     pub fn on_request_headers(ctx: u32) {
         let id = format!("{:016x}", vm_id());
-        let _ = host::replace_header(host::Map::RequestHeaders, VM_HEADER, id.as_bytes());
-        let asked = host::get_header(host::Map::RequestHeaders, TRAP_HEADER)
+        let _ = abi::replace_header(abi::Map::RequestHeaders, VM_HEADER, id.as_bytes());
+        let asked = abi::get_header(abi::Map::RequestHeaders, TRAP_HEADER)
             .ok()
             .flatten();
         match asked.as_deref() {
@@ -87,10 +87,10 @@ mod imp {
     }
 
     fn trap(phase: &str) -> ! {
-        host::log(
-            host::LogLevel::Warn,
+        abi::log(
+            abi::LogLevel::Warn,
             &format!(
-                "kvguard: test trap in {phase} (vm {:016x}; trap-injection build)",
+                "test trap in {phase} (vm {:016x}; trap-injection build)",
                 vm_id()
             ),
         );

@@ -130,6 +130,28 @@ mod imports {
             return_id: *mut u32,
         ) -> u32;
         pub fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
+        pub fn proxy_get_shared_data(
+            key_data: *const u8,
+            key_size: usize,
+            return_value_data: *mut *mut u8,
+            return_value_size: *mut usize,
+            return_cas: *mut u32,
+        ) -> u32;
+        pub fn proxy_set_shared_data(
+            key_data: *const u8,
+            key_size: usize,
+            value_data: *const u8,
+            value_size: usize,
+            cas: u32,
+        ) -> u32;
+    }
+
+    // WASI's clock (the proxy-wasm host maps clock 1, MONOTONIC, to Envoy's monotonic
+    // time). Declared here rather than through `std::time::Instant`, which panics when
+    // the host refuses the read.
+    #[link(wasm_import_module = "wasi_snapshot_preview1")]
+    extern "C" {
+        pub fn clock_time_get(clock_id: u32, precision: u64, time: *mut u64) -> u32;
     }
 }
 
@@ -213,6 +235,27 @@ mod imports {
     pub unsafe fn proxy_increment_metric(_: u32, _: i64) -> u32 {
         NOT_FOUND
     }
+    pub unsafe fn proxy_get_shared_data(
+        _: *const u8,
+        _: usize,
+        _: *mut *mut u8,
+        _: *mut usize,
+        _: *mut u32,
+    ) -> u32 {
+        NOT_FOUND
+    }
+    pub unsafe fn proxy_set_shared_data(
+        _: *const u8,
+        _: usize,
+        _: *const u8,
+        _: usize,
+        _: u32,
+    ) -> u32 {
+        NOT_FOUND
+    }
+    pub unsafe fn clock_time_get(_: u32, _: u64, _: *mut u64) -> u32 {
+        NOT_FOUND
+    }
 }
 
 use imports::*;
@@ -251,7 +294,29 @@ pub fn log_level() -> Option<u32> {
     Some(level)
 }
 
-/// Wall-clock time in nanoseconds since the epoch (0 if the host refuses).
+/// The last monotonic reading, returned again when a read fails: a failed read makes
+/// time stand still (streams look younger, never older), it never looks like a stall.
+static LAST_MONOTONIC_NS: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(0);
+
+/// Monotonic time in milliseconds (WASI `clock_time_get(MONOTONIC)`, which Envoy serves
+/// from its monotonic clock: a wall-clock step does not move it). `Err` carries the last
+/// good reading when the host refused this one.
+pub fn monotonic_ms() -> Result<u64, u64> {
+    use core::sync::atomic::Ordering::Relaxed;
+    let mut t = 0u64;
+    // SAFETY: a valid out-pointer. Clock 1 = MONOTONIC.
+    let errno = unsafe { clock_time_get(1, 1_000_000, &mut t) };
+    let last = LAST_MONOTONIC_NS.load(Relaxed);
+    if errno != 0 {
+        return Err(last / 1_000_000);
+    }
+    let t = t.max(last);
+    LAST_MONOTONIC_NS.store(t, Relaxed);
+    Ok(t / 1_000_000)
+}
+
+/// Wall-clock time in nanoseconds since the epoch (0 if the host refuses). Only for
+/// signatures and seeds, never for a timer.
 pub fn now_nanos() -> u64 {
     let mut t = 0u64;
     // SAFETY: a valid out-pointer.
@@ -402,6 +467,27 @@ pub fn define_metric(kind: u32, name: &str) -> Result<u32, Status> {
 pub fn increment_metric(id: u32, delta: i64) -> Result<(), Status> {
     // SAFETY: plain values.
     check(unsafe { proxy_increment_metric(id, delta) })
+}
+
+/// A shared-data value (shared by the VMs of one `vm_id`); `None` when absent.
+pub fn get_shared_data(key: &str) -> Result<Option<Vec<u8>>, Status> {
+    let mut data: *mut u8 = core::ptr::null_mut();
+    let mut size = 0usize;
+    let mut cas = 0u32;
+    // SAFETY: `key` is live; valid out-pointers; buffer taken over by `take`.
+    let status =
+        unsafe { proxy_get_shared_data(key.as_ptr(), key.len(), &mut data, &mut size, &mut cas) };
+    match status {
+        0 => Ok(Some(take(data, size))),
+        NOT_FOUND => Ok(None),
+        s => Err(Status(s)),
+    }
+}
+
+/// Sets a shared-data value (no compare-and-swap: the last writer wins).
+pub fn set_shared_data(key: &str, value: &[u8]) -> Result<(), Status> {
+    // SAFETY: both slices are live.
+    check(unsafe { proxy_set_shared_data(key.as_ptr(), key.len(), value.as_ptr(), value.len(), 0) })
 }
 
 /// Bytes of the VM's linear memory.
