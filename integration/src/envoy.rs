@@ -106,6 +106,113 @@ pub struct EnvoyOptions {
     pub parent_shutdown_time_s: Option<u64>,
     /// `--drain-strategy` (`gradual`, Envoy's default, or `immediate`); `None` = not passed.
     pub drain_strategy: Option<String>,
+    /// Environment variables of the Envoy process itself (e.g. `LD_PRELOAD`, see
+    /// [`crate::clock_shim`]); the VM sees none of them unless `vm_env` says so.
+    pub process_env: BTreeMap<String, String>,
+    /// Serve the listeners from files instead of `static_resources` (LDS over a watched
+    /// directory, see [`DynamicListeners`]).
+    pub dynamic_listeners: Option<DynamicListeners>,
+}
+
+/// Listeners served by LDS from a file in a watched directory: Envoy loads
+/// `<dir>/lds.json` at start and again whenever a file is moved into `<dir>`, so
+/// [`DynamicListeners::update`] (write a new file, rename it over) is a config push.
+#[derive(Debug, Clone)]
+pub struct DynamicListeners {
+    dir: Arc<tempfile::TempDir>,
+    version: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl DynamicListeners {
+    /// A fresh directory.
+    pub fn new() -> Result<Self> {
+        let dir = tempfile::Builder::new().prefix("kvguard-lds-").tempdir()?;
+        Ok(DynamicListeners {
+            dir: Arc::new(dir),
+            version: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        })
+    }
+
+    /// The file Envoy reads.
+    pub fn path(&self) -> PathBuf {
+        self.dir.path().join("lds.json")
+    }
+
+    /// The listeners now served.
+    pub fn listeners(&self) -> Result<Vec<Value>> {
+        let v: Value = serde_json::from_slice(&std::fs::read(self.path())?)?;
+        Ok(v.get("resources")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default())
+    }
+
+    /// Writes `listeners` to a new file and renames it over `lds.json` (atomic: Envoy never
+    /// reads a half-written file).
+    pub fn write(&self, listeners: &[Value]) -> Result<()> {
+        let version = self
+            .version
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            + 1;
+        let resources: Vec<Value> = listeners
+            .iter()
+            .map(|l| {
+                let mut l = l.clone();
+                l["@type"] = json!("type.googleapis.com/envoy.config.listener.v3.Listener");
+                l
+            })
+            .collect();
+        let doc = json!({"version_info": version.to_string(), "resources": resources});
+        let tmp = self.dir.path().join(format!(".lds.{version}.json"));
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&doc)?)?;
+        std::fs::rename(&tmp, self.path()).context("renaming the new LDS file into place")?;
+        Ok(())
+    }
+
+    /// A config push: edits the listeners now served and writes them back.
+    pub fn update(&self, edit: impl FnOnce(&mut Vec<Value>)) -> Result<()> {
+        let mut l = self.listeners()?;
+        edit(&mut l);
+        self.write(&l)
+    }
+
+    /// Moves the bootstrap's static listeners into the LDS file.
+    fn take_over(&self, boot: &mut Value) -> Result<()> {
+        let listeners = boot
+            .pointer_mut("/static_resources/listeners")
+            .map(Value::take)
+            .and_then(|v| v.as_array().cloned())
+            .unwrap_or_default();
+        if let Some(sr) = boot
+            .get_mut("static_resources")
+            .and_then(Value::as_object_mut)
+        {
+            sr.remove("listeners");
+        }
+        self.write(&listeners)?;
+        boot["dynamic_resources"] = json!({"lds_config": {
+            "resource_api_version": "V3",
+            "path_config_source": {
+                "path": self.path().display().to_string(),
+                "watched_directory": {"path": self.dir.path().display().to_string()}
+            }
+        }});
+        Ok(())
+    }
+}
+
+/// The kvguard filter's JSON configuration inside a listener (the first HCM's wasm
+/// filter), for editing in [`DynamicListeners::update`].
+pub fn listener_filter_config(listener: &mut Value) -> Option<(&mut Value, Value)> {
+    let filters = listener
+        .pointer_mut("/filter_chains/0/filters/0/typed_config/http_filters")?
+        .as_array_mut()?;
+    let f = filters
+        .iter_mut()
+        .find(|f| f.get("name").and_then(Value::as_str) == Some(FILTER_NAME))?;
+    let value = f.pointer_mut("/typed_config/config/configuration/value")?;
+    let parsed = serde_json::from_str(value.as_str()?).ok()?;
+    Some((value, parsed))
 }
 
 impl EnvoyOptions {
@@ -136,6 +243,8 @@ impl EnvoyOptions {
             drain_time_s: 0,
             parent_shutdown_time_s: None,
             drain_strategy: None,
+            process_env: BTreeMap::new(),
+            dynamic_listeners: None,
         }
     }
 
@@ -394,6 +503,9 @@ impl Envoy {
         };
         let mut boot = bootstrap(&opts, wasm.as_deref())?;
         pin_listener_ports(&mut boot, pin_ports);
+        if let Some(d) = &opts.dynamic_listeners {
+            d.take_over(&mut boot)?;
+        }
         let dir = tempfile::Builder::new()
             .prefix("kvguard-envoy-")
             .tempdir()
@@ -453,6 +565,7 @@ impl Envoy {
             cmd.arg("--file-flush-interval-msec").arg("100");
         }
         cmd.args(&opts.extra_args);
+        cmd.envs(&opts.process_env);
         let name = match &hot {
             Some(h) => format!("envoy-epoch{}", h.epoch),
             None => "envoy".to_string(),

@@ -9,6 +9,7 @@
 //! - [`receiver`] a mock `POST /v1/abort` endpoint that verifies signatures per contract.
 //! - [`envoy`] runs a real Envoy with (or without) the kvguard filter.
 //! - [`client`] small HTTP/SSE client helpers, including disconnecting and silent clients.
+//! - [`clock_shim`] an `LD_PRELOAD` library that shifts a process's wall clock at run time.
 //! - [`lossy`] a reverse proxy that does not pass client disconnects on (the leak).
 //! - [`load`] the load generator behind the `kvguard-load` binary.
 //! - [`vllm`] real vLLM on CPU: the tiny random-weight model, one server per suite run.
@@ -19,6 +20,7 @@
 pub mod bench;
 pub mod cli;
 pub mod client;
+pub mod clock_shim;
 pub mod demo;
 pub mod envoy;
 pub mod load;

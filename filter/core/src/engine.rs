@@ -1325,7 +1325,11 @@ mod tests {
         };
         assert_eq!(warns(&h), 1);
         let held: Vec<u32> = (1..=20)
-            .filter(|c| !closed.iter().any(|a| matches!(a, Action::Close { ctx, .. } if ctx == c)))
+            .filter(|c| {
+                !closed
+                    .iter()
+                    .any(|a| matches!(a, Action::Close { ctx, .. } if ctx == c))
+            })
             .collect();
         // The pause ends for half of the held streams.
         h.now += 50;
@@ -1366,7 +1370,10 @@ mod tests {
         h.now += 90;
         e.on_unreadable_body(&mut h, 1, false);
         h.now += 20;
-        assert!(e.tick(&mut h).is_empty(), "no stall after an unreadable chunk");
+        assert!(
+            e.tick(&mut h).is_empty(),
+            "no stall after an unreadable chunk"
+        );
         assert_eq!(h.metric(Metric::HostErrors), 1);
     }
 
@@ -1459,7 +1466,13 @@ mod tests {
             ],
             &mut s,
         );
-        assert_eq!(done, Applied { closed: 1, failed: 1 });
+        assert_eq!(
+            done,
+            Applied {
+                closed: 1,
+                failed: 1
+            }
+        );
         assert_eq!(
             s.log,
             [

@@ -18,8 +18,8 @@ mod trap;
 
 use core::cell::RefCell;
 use kvguard_contract::{CONTROL_HEADER, REQUEST_ID_HEADER};
-use kvguard_filter_core::host::{Call, Clock, DispatchError, Host, Level};
 use kvguard_filter_core::engine::{self, BodyNeed, Engine, Streams, Verdict};
+use kvguard_filter_core::host::{Call, Clock, DispatchError, Host, Level};
 use kvguard_filter_core::metrics::{Kind, Metric, Metrics};
 use kvguard_filter_core::{Config, Mode, OutcomeTag};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
