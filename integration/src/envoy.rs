@@ -190,6 +190,10 @@ impl DynamicListeners {
             sr.remove("listeners");
         }
         self.write(&listeners)?;
+        // xDS (file-based too) needs a node identity.
+        if boot.get("node").is_none() {
+            boot["node"] = json!({"id": "kvguard-test", "cluster": "kvguard-test"});
+        }
         boot["dynamic_resources"] = json!({"lds_config": {
             "resource_api_version": "V3",
             "path_config_source": {
