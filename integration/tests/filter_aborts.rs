@@ -221,7 +221,8 @@ async fn per_replica_routing_and_forged_stamps() {
             let mut o = options(
                 up.addr,
                 fallback.addr(),
-                json!({"control_target_cluster": CONTROL_TARGET_CLUSTER, "control_target_cidrs": ["127.0.0.0/8"]}),
+                json!({"control_target_cluster": CONTROL_TARGET_CLUSTER, "control_target_cidrs": ["127.0.0.0/8"],
+                       "control_target_ports": [replica.addr().port()]}),
             );
             o.original_dst_cluster = Some(CONTROL_TARGET_CLUSTER.into());
             let envoy = Envoy::start(o).await.unwrap();

@@ -81,7 +81,12 @@ pub struct TargetRoute {
     pub cluster: String,
     /// Networks a stamped address must be inside.
     pub cidrs: Vec<Cidr>,
+    /// Ports a stamped address may name (kvguard-control's admin port).
+    pub ports: Vec<u16>,
 }
+
+/// The default of `control_target_ports`: kvguard-control's default admin port.
+pub const DEFAULT_CONTROL_PORT: u16 = 9902;
 
 /// The validated configuration.
 #[derive(Debug, Clone)]
@@ -94,8 +99,11 @@ pub struct Config {
     pub target: Option<TargetRoute>,
     /// Path of the abort endpoint.
     pub abort_path: String,
-    /// The signing key.
+    /// The key that signs aborts: the first line of `secret` / `secret_env`.
     pub key: Key,
+    /// Every key of the rotation list (each line of `secret` / `secret_env`, the signing
+    /// key first): a control stamp verifies with any of them.
+    pub stamp_keys: Vec<Key>,
     /// Enforce or observe.
     pub mode: Mode,
     /// Global limits.
@@ -117,11 +125,12 @@ pub struct Config {
 }
 
 /// The top-level keys (contract §5).
-const KEYS: [&str; 18] = [
+const KEYS: [&str; 19] = [
     "control_cluster",
     "control_authority",
     "control_target_cluster",
     "control_target_cidrs",
+    "control_target_ports",
     "abort_path",
     "secret",
     "secret_env",
@@ -234,6 +243,30 @@ fn string(field: &str, v: Option<&Value>, what: &str) -> Result<Option<String>, 
     }
 }
 
+/// The keys of a secret: one per line (blank lines skipped), the first signs.
+fn key_list(field: &str, text: &str) -> Result<Vec<Key>, ConfigError> {
+    let mut keys = Vec::new();
+    let several = text.lines().filter(|l| !l.trim().is_empty()).count() > 1;
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        keys.push(Key::try_new(line.as_bytes()).map_err(|e| {
+            ConfigError(if several {
+                format!("{field}: line {}: {e}", i + 1)
+            } else {
+                format!("{field}: {e}")
+            })
+        })?);
+    }
+    if keys.is_empty() {
+        return err(format!(
+            "{field}: expected at least one key of 16 bytes or more (one per line), got none"
+        ));
+    }
+    Ok(keys)
+}
+
 fn path_prefix(field: &str, v: &Value) -> Result<String, ConfigError> {
     match v {
         Value::String(s) if s.starts_with('/') && s.len() <= 1024 => Ok(s.clone()),
@@ -303,8 +336,36 @@ impl Config {
                 ))
             }
         };
+        let ports = match raw.get("control_target_ports") {
+            None => vec![DEFAULT_CONTROL_PORT],
+            Some(Value::Array(items)) if !items.is_empty() && items.len() <= 16 => {
+                let mut out = Vec::with_capacity(items.len());
+                for (i, item) in items.iter().enumerate() {
+                    let port = int(
+                        &format!("control_target_ports[{i}]"),
+                        Some(item),
+                        1,
+                        65_535,
+                        0,
+                        "",
+                    )?;
+                    out.push(u16::try_from(port).unwrap_or(DEFAULT_CONTROL_PORT));
+                }
+                out
+            }
+            Some(v) => {
+                return err(format!(
+                    "control_target_ports: expected a list of 1 to 16 ports, got {}",
+                    shown(v)
+                ))
+            }
+        };
         let target = match (target_cluster, cidrs) {
-            (Some(cluster), Some(cidrs)) => Some(TargetRoute { cluster, cidrs }),
+            (Some(cluster), Some(cidrs)) => Some(TargetRoute {
+                cluster,
+                cidrs,
+                ports,
+            }),
             (None, None) => None,
             (Some(_), None) => {
                 return err("control_target_cidrs: required with control_target_cluster (the networks stamped control addresses must be in)")
@@ -317,16 +378,14 @@ impl Config {
             None => ABORT_PATH.to_owned(),
             Some(v) => path_prefix("abort_path", v)?,
         };
-        let key = match (raw.get("secret"), raw.get("secret_env")) {
+        let stamp_keys = match (raw.get("secret"), raw.get("secret_env")) {
             (Some(_), Some(_)) => {
                 return err("secret, secret_env: set exactly one of them, not both")
             }
             (None, None) => return err(
                 "secret: required, or secret_env (name of a VM environment variable holding it)",
             ),
-            (Some(Value::String(s)), None) => {
-                Key::try_new(s.as_bytes()).map_err(|e| ConfigError(format!("secret: {e}")))?
-            }
+            (Some(Value::String(s)), None) => key_list("secret", s)?,
             (Some(v), None) => {
                 let kind = match v {
                     Value::Null => "null",
@@ -349,11 +408,12 @@ impl Config {
                             "secret_env: environment variable {name:?} is not set in the VM: export {name} in Envoy's process environment (the VM sees it through vm_config.environment_variables.host_env_keys; Istio: WasmPlugin vmConfig.env)"
                         ))
                     }
-                    Some(value) => Key::try_new(value.as_bytes()).map_err(|e| {
-                        ConfigError(format!("secret_env: variable {name:?}: {e}"))
-                    })?,
+                    Some(value) => key_list(&format!("secret_env: variable {name:?}"), &value)?,
                 }
             }
+        };
+        let Some(key) = stamp_keys.first().cloned() else {
+            return err("secret: no key");
         };
         let mode = match raw.get("mode") {
             None => Mode::Enforce,
@@ -451,6 +511,7 @@ impl Config {
             target,
             abort_path,
             key,
+            stamp_keys,
             mode,
             limits,
             tick_ms,
@@ -701,6 +762,19 @@ mod tests {
         assert!(msg(r#"{"control_cluster":"c"}"#).starts_with("secret: required"));
         assert!(msg(r#"{"control_cluster":"c","secret":"short"}"#)
             .starts_with("secret: secret is 5 bytes"));
+        assert!(msg(&format!(
+            r#"{{"control_cluster":"c","secret":"{SECRET}\nshort"}}"#
+        ))
+        .starts_with("secret: line 2: secret is 5 bytes"));
+        let target = r#""control_target_cluster":"t","control_target_cidrs":["10.0.0.0/8"]"#;
+        assert!(msg(&format!(
+            r#"{{{base},{target},"control_target_ports":[0]}}"#
+        ))
+        .starts_with("control_target_ports[0]: expected an integer 1..=65535"));
+        assert!(
+            msg(&format!(r#"{{{base},{target},"control_target_ports":[]}}"#))
+                .starts_with("control_target_ports: expected a list")
+        );
         assert!(
             msg(r#"{"control_cluster":"c","secret":12}"#).starts_with("secret: expected a string")
         );

@@ -319,11 +319,8 @@ impl Engine {
         }
         req.on_response_headers(framing, max_event_bytes, end_of_stream);
         if let (Some(target), Some(value)) = (self.cfg.target.as_ref(), stamp_value) {
-            match stamp::verify(core::slice::from_ref(&self.cfg.key), value, &req.id) {
-                Ok(s) if target.cidrs.iter().any(|c| c.contains(s.addr.ip())) => {
-                    req.target = Some(s.addr);
-                }
-                Ok(s) => {
+            match stamp::verify(&self.cfg.stamp_keys, value, &req.id) {
+                Ok(s) if !target.cidrs.iter().any(|c| c.contains(s.addr.ip())) => {
                     p.add(Metric::StampRejected(StampRejected::OutsideCidrs), 1);
                     p.log(
                         Level::Warn,
@@ -333,6 +330,17 @@ impl Engine {
                         ),
                     );
                 }
+                Ok(s) if !target.ports.contains(&s.addr.port()) => {
+                    p.add(Metric::StampRejected(StampRejected::PortNotAllowed), 1);
+                    p.log(
+                        Level::Warn,
+                        &format!(
+                            "x-kvguard-control address {} names a port outside control_target_ports (request_id={})",
+                            s.addr, req.id
+                        ),
+                    );
+                }
+                Ok(s) => req.target = Some(s.addr),
                 Err(e) => {
                     let cause = match e {
                         stamp::StampError::Malformed => StampRejected::Malformed,
@@ -1049,6 +1057,7 @@ mod tests {
     #[test]
     fn per_replica_routing_and_rejected_stamps() {
         let extra = r#","control_target_cluster":"kvguard_replica","control_target_cidrs":["10.0.0.0/8","127.0.0.1"]"#;
+        // Stamps on the default port (9902) only.
         let (mut e, mut h) = engine(extra);
         let good = stamp_for("p1", "10.1.2.3:9902", SECRET);
         track(&mut e, &mut h, 1, "p1");
@@ -1111,6 +1120,62 @@ mod tests {
             h.metric(Metric::AbortRoutes(crate::metrics::Route::Fallback)),
             4
         );
+    }
+
+    #[test]
+    fn stamps_verify_with_every_rotation_key_and_allowed_ports_only() {
+        const NEW: &str = "the-next-secret-0123456789";
+        let extra = format!(
+            r#","secret":"{SECRET}\n{NEW}","control_target_cluster":"r","control_target_cidrs":["10.0.0.0/8"],"control_target_ports":[9902,9903]"#
+        );
+        let json = format!(r#"{{"control_cluster":"kvguard"{extra}}}"#);
+        let cfg = Config::parse(json.as_bytes(), &|_| None).unwrap();
+        assert_eq!(
+            cfg.key,
+            Key::try_new(SECRET.as_bytes()).unwrap(),
+            "the first line signs"
+        );
+        let (mut e, mut h) = (Engine::new(cfg, 1), MockHost::default());
+        for (ctx, key, addr, routed) in [
+            (1, SECRET, "10.0.0.1:9902", true),
+            (2, NEW, "10.0.0.1:9903", true),
+            (3, SECRET, "10.0.0.1:22", false),
+        ] {
+            let id = format!("k{ctx}");
+            track(&mut e, &mut h, ctx, &id);
+            let st = stamp_for(&id, addr, key);
+            e.on_response_headers(
+                &mut h,
+                ctx,
+                Some(b"text/event-stream"),
+                None,
+                Some(st.as_bytes()),
+                false,
+            );
+            assert_eq!(e.request(ctx).unwrap().target.is_some(), routed, "{addr}");
+        }
+        assert_eq!(
+            h.metric(Metric::StampRejected(StampRejected::PortNotAllowed)),
+            1
+        );
+        assert_eq!(h.metric(Metric::StampRejected(StampRejected::Mismatch)), 0);
+        // Aborts are signed with the first key only.
+        e.on_log(&mut h, 2, b"downstream_remote_disconnect", flags::DC);
+        e.pump(&mut h);
+        let sig = h.calls[0]
+            .2
+            .iter()
+            .find(|(k, _)| *k == "x-kvguard-signature")
+            .map(|(_, v)| v.clone())
+            .unwrap();
+        let old = Key::try_new(SECRET.as_bytes()).unwrap();
+        assert!(kvguard_contract::signature::verify(
+            std::slice::from_ref(&old),
+            Some(sig.as_bytes()),
+            &h.calls[0].3,
+            h.unix
+        )
+        .is_ok());
     }
 
     #[test]

@@ -124,13 +124,16 @@ pub enum StampRejected {
     Mismatch,
     /// The address is outside `control_target_cidrs`.
     OutsideCidrs,
+    /// The address names a port outside `control_target_ports`.
+    PortNotAllowed,
 }
 
 impl StampRejected {
-    const ALL: [StampRejected; 3] = [
+    const ALL: [StampRejected; 4] = [
         StampRejected::Malformed,
         StampRejected::Mismatch,
         StampRejected::OutsideCidrs,
+        StampRejected::PortNotAllowed,
     ];
     /// Label value.
     pub const fn as_str(self) -> &'static str {
@@ -138,6 +141,7 @@ impl StampRejected {
             StampRejected::Malformed => "malformed",
             StampRejected::Mismatch => "mismatch",
             StampRejected::OutsideCidrs => "outside_cidrs",
+            StampRejected::PortNotAllowed => "port_not_allowed",
         }
     }
 }

@@ -17,6 +17,7 @@ mod abi;
 mod trap;
 
 use core::cell::RefCell;
+use kvguard_contract::signature::SIGNATURE_HEADER;
 use kvguard_contract::{CONTROL_HEADER, REQUEST_ID_HEADER};
 use kvguard_filter_core::engine::{self, BodyNeed, Engine, Streams, Verdict};
 use kvguard_filter_core::host::{Call, Clock, DispatchError, Host, Level};
@@ -527,6 +528,12 @@ impl Drop for Stream {
 impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _: usize, _: bool) -> Action {
         trap::on_request_headers(self.id);
+        // A client never speaks for kvguard: its stamp or signature headers go, on every
+        // request, tracked or not (the edge's header mutation does the same; this is the
+        // belt under it).
+        for h in [CONTROL_HEADER, SIGNATURE_HEADER] {
+            let _ = abi::remove_header(abi::Map::RequestHeaders, h);
+        }
         let path = abi::get_header(abi::Map::RequestHeaders, ":path")
             .ok()
             .flatten();
