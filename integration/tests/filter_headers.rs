@@ -17,7 +17,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use support::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
 
 const NEXT: &str = "the-next-kvguard-secret-0123456789";
@@ -40,14 +40,9 @@ async fn stamping_upstream(
         while let Ok((mut s, _)) = l.accept().await {
             let (seen, key) = (seen.clone(), key.clone());
             tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
-                }
+                let Ok((head, _)) = read_head(&mut s).await else {
+                    return;
+                };
                 let text = String::from_utf8_lossy(&head).to_ascii_lowercase();
                 let id = text
                     .lines()

@@ -231,7 +231,8 @@ pub async fn scripted_upstream(script: Script) -> ScriptedUpstream {
     ScriptedUpstream { addr, served, task }
 }
 
-async fn read_head(s: &mut TcpStream) -> Result<(Vec<u8>, Vec<u8>)> {
+/// Reads a request head; returns it and the bytes read past it.
+pub async fn read_head(s: &mut TcpStream) -> Result<(Vec<u8>, Vec<u8>)> {
     let mut buf = Vec::new();
     let mut tmp = [0u8; 4096];
     loop {

@@ -14,7 +14,7 @@ use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
 use support::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
 
 const EVENTS: usize = 3;
@@ -27,14 +27,9 @@ async fn trailer_upstream() -> (std::net::SocketAddr, tokio::task::JoinHandle<()
     let task = tokio::spawn(async move {
         while let Ok((mut s, _)) = l.accept().await {
             tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
-                }
+                let Ok(_) = read_head(&mut s).await else {
+                    return;
+                };
                 let mut out = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\ntrailer: x-stream-status\r\nconnection: close\r\n\r\n".to_vec();
                 for i in 0..EVENTS {
                     let ev = format!("data: {{\"choices\":[{{\"index\":0,\"text\":\"t{i}\",\"finish_reason\":null}}]}}\n\n");
