@@ -1380,7 +1380,7 @@ mod tests {
         // the other 12 wait one more idle window.
         h.now += 100;
         let closed = e.tick(&mut h);
-        assert_eq!(closed.len(), stall_threshold(20));
+        assert_eq!(closed.len(), 8, "max(8, 20 % of 20) close at once");
         assert_eq!(h.metric(Metric::StallHolds), 12);
         let warns = |h: &MockHost| {
             h.logs
