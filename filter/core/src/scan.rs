@@ -442,7 +442,7 @@ impl Scanner {
             let done = if data == b"[DONE]" || terminal_name {
                 true
             } else if data.first() == Some(&b'{') {
-                if json::inert(data).is_some() {
+                if json::inert(data) {
                     // The common case: a content chunk that cannot complete anything.
                     // No full look.
                     false
