@@ -104,6 +104,10 @@ async fn a_response_ending_in_trailers_completes() {
             .await
             .unwrap();
         assert_eq!(stat(&r.envoy, "kvguard_filter_requests_completed_total").await, 2.0);
+        // Envoy prefixes the plugin's lines itself: the filter adds no second prefix.
+        let log = r.envoy.log();
+        assert!(log.contains("kvguard kvguard: configured: mode=enforce"), "{log}");
+        assert!(!log.contains("kvguard: kvguard:"), "doubled log prefix:\n{log}");
         assert_vm_healthy(&r.envoy);
         task.abort();
     })

@@ -555,7 +555,9 @@ impl Engine {
         if self.mode == Mode::Observe {
             return;
         }
-        let threshold = stall_threshold(self.table.len());
+        // The population of the window: the streams tracked now plus those its stalls
+        // already closed (gone from the table).
+        let threshold = stall_threshold(self.table.len() + self.recent_stalls.len());
         let mut held = 0i64;
         let table = &mut self.table;
         let recent = &mut self.recent_stalls;
@@ -1425,6 +1427,39 @@ mod tests {
         }
         h.now += 100;
         assert_eq!(e.tick(&mut h).len(), 8);
+        assert_eq!(h.metric(Metric::StallHolds), 0);
+    }
+
+    #[test]
+    fn twenty_percent_stalling_one_by_one_is_no_mass_stall() {
+        // 40 healthy streams and 10 that stall 37 ms apart, each closed (and gone from the
+        // table) before the next comes due: 10 of 50 is not more than 20 %.
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":1000"#);
+        for ctx in 1..=50 {
+            stream(&mut e, &mut h, ctx);
+        }
+        for j in 1..=10 {
+            h.now += 37;
+            for ctx in (j + 1)..=50 {
+                e.on_response_body(&mut h, ctx, b"data: {}\n\n", 0, false);
+            }
+        }
+        let mut stalls = 0;
+        for _ in 0..60 {
+            h.now += 37;
+            for ctx in 11..=50 {
+                e.on_response_body(&mut h, ctx, b"data: {}\n\n", 0, false);
+            }
+            for act in e.tick(&mut h) {
+                if let Action::Close { ctx, tag } = act {
+                    assert_eq!(tag, OutcomeTag::Aborted(AbortReason::Stalled));
+                    assert!(ctx <= 10, "a healthy stream was closed");
+                    stalls += 1;
+                    e.on_log(&mut h, ctx, b"wasm_fail_stream", flags::LR);
+                }
+            }
+        }
+        assert_eq!(stalls, 10);
         assert_eq!(h.metric(Metric::StallHolds), 0);
     }
 

@@ -64,7 +64,7 @@ fn core_level(level: Level) -> abi::LogLevel {
 
 impl Clock for EnvoyHost<'_> {
     fn now_ms(&self) -> u64 {
-        // A refused read keeps the last reading (counted in `sync_clock_errors`).
+        // A refused read keeps the last reading (counted by `report_clock_errors`).
         abi::monotonic_ms().unwrap_or_else(|last| {
             CLOCK_ERRORS.with(|c| c.set(c.get() + 1));
             last
