@@ -23,7 +23,9 @@ pub enum Behaviour {
     Verify,
     /// Answer this status (with an empty JSON object body) without verifying.
     Status(u16),
-    /// Wait this long, then behave as [`Behaviour::Verify`].
+    /// Wait this long, then behave as [`Behaviour::Verify`]. The call is recorded when it
+    /// arrives (`verify` and `status` `None` until it is answered), so that attempts the
+    /// sender gives up on before the answer are recorded too.
     Delay(Duration),
     /// Drop the connection without answering.
     Close,
@@ -322,7 +324,21 @@ async fn handle(
             record(None, Some(s));
             return Ok(json_response(s, &serde_json::json!({})));
         }
-        Behaviour::Delay(d) => tokio::time::sleep(d).await,
+        Behaviour::Delay(d) => {
+            // Recorded on arrival; the answer, if the sender still waits for it, completes
+            // the record.
+            record(None, None);
+            tokio::time::sleep(d).await;
+            let (verify, resp) = verify_and_answer(&shared, sig_header.as_deref(), &body);
+            let status = resp.status().as_u16();
+            let mut g = shared.lock();
+            if let Some(c) = g.calls.iter_mut().find(|c| c.at == at && c.body == body) {
+                c.verify = Some(verify);
+                c.status = Some(status);
+            }
+            drop(g);
+            return Ok(resp);
+        }
         Behaviour::Verify => {}
     }
     let (verify, resp) = verify_and_answer(&shared, sig_header.as_deref(), &body);

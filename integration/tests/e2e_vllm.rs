@@ -323,7 +323,7 @@ async fn normal_streams_complete_untouched_chat_and_completions_h1_and_h2() {
         v.wait_idle(W).await.unwrap();
         let aborts: f64 = st.control.aborts_by_reason().await.unwrap().values().sum();
         assert_eq!(aborts, 0.0, "{}", st.logs(40));
-        let filter = st.filter_stats().await;
+        let filter = st.filter_stats().await.unwrap();
         let filter_aborts: f64 = filter
             .iter()
             .filter(|(k, _)| k.contains("kvguard_filter_aborts_total"))
@@ -361,7 +361,7 @@ async fn abort_endpoint_unreachable_traffic_flows_and_failures_are_counted() {
             W,
             Duration::from_millis(100),
             || async {
-                let f = st.filter_stats().await;
+                let f = st.filter_stats().await.unwrap();
                 let failed: f64 = f
                     .iter()
                     .filter(|(k, _)| {

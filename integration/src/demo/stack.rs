@@ -294,11 +294,30 @@ impl Stack {
     }
 
     /// The filter's stats whose name contains `kvguard_filter` (counters and gauges).
-    pub async fn filter_stats(&self) -> BTreeMap<String, f64> {
-        self.envoy
+    /// Errors when Envoy's admin does not answer, and when the stack has the filter but
+    /// Envoy shows none of its stats (the filter is not loaded): "0 aborts" must not pass
+    /// on a missing filter. Empty for a stack without the filter.
+    pub async fn filter_stats(&self) -> Result<BTreeMap<String, f64>> {
+        let s = self
+            .envoy
             .stats_matching("kvguard_filter")
             .await
-            .unwrap_or_default()
+            .context("reading Envoy's /stats")?;
+        if self.opts.filter.is_some() && s.is_empty() {
+            bail!("Envoy shows no kvguard_filter stats although the stack has the filter");
+        }
+        Ok(s)
+    }
+}
+
+/// The value of the one stat in `stats` whose name ends with `suffix`; errors when none
+/// does (a stat that does not exist is not 0).
+pub fn stat_ending(stats: &BTreeMap<String, f64>, suffix: &str) -> Result<f64> {
+    let mut found = stats.iter().filter(|(k, _)| k.ends_with(suffix));
+    match (found.next(), found.next()) {
+        (Some((_, v)), None) => Ok(*v),
+        (None, _) => bail!("no stat ending with {suffix:?} among {stats:?}"),
+        (Some(_), Some(_)) => bail!("more than one stat ends with {suffix:?}: {stats:?}"),
     }
 }
 
