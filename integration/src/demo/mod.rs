@@ -494,7 +494,10 @@ pub const HUNG: &str = "hung";
 /// for every client that did not report (it hung, or its task was lost) a record with
 /// outcome [`HUNG`], which counts as a false abort. A client that vanishes from the
 /// table would hide the very failure the demo looks for.
-pub fn account_for_every_client(plan: &[Planned], finished: Vec<ClientRecord>) -> Vec<ClientRecord> {
+pub fn account_for_every_client(
+    plan: &[Planned],
+    finished: Vec<ClientRecord>,
+) -> Vec<ClientRecord> {
     let mut by_index: BTreeMap<usize, ClientRecord> =
         finished.into_iter().map(|c| (c.index, c)).collect();
     plan.iter()
