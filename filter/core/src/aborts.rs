@@ -35,6 +35,11 @@ pub struct Job {
     pub target: Option<SocketAddr>,
     /// Calls made so far.
     pub attempts: u32,
+    /// When the filter last saw a data event for the request (host clock, ms).
+    pub last_event_ms: Option<u64>,
+    /// When the client went away (the stream ended before the response did), ms; `None`
+    /// while the client was connected when the abort was decided (a clock fired).
+    pub gone_at_ms: Option<u64>,
     queued_ms: u64,
     next_ms: u64,
 }
@@ -56,9 +61,18 @@ impl Job {
             tokens,
             target,
             attempts: 0,
+            last_event_ms: None,
+            gone_at_ms: None,
             queued_ms: now_ms,
             next_ms: now_ms,
         }
+    }
+
+    /// The same job with the times `idle_ms` and `gone_ms` of each attempt count from.
+    pub fn with_times(mut self, last_event_ms: Option<u64>, gone_at_ms: Option<u64>) -> Self {
+        self.last_event_ms = last_event_ms;
+        self.gone_at_ms = gone_at_ms;
+        self
     }
 }
 
@@ -116,10 +130,10 @@ impl AbortQueue {
             && (!self.ready.is_empty() || self.backoff.iter().any(|j| j.next_ms <= now_ms))
     }
 
-    /// Queues a job; a full queue hands it back (`dropped`).
-    pub fn push<M: Metrics + ?Sized>(&mut self, job: Job, metrics: &mut M) -> Result<(), Job> {
+    /// Queues a job; a full queue hands it back (`dropped`; boxed, off the hot path).
+    pub fn push<M: Metrics + ?Sized>(&mut self, job: Job, metrics: &mut M) -> Result<(), Box<Job>> {
         if self.pending() >= self.max_pending {
-            return Err(job);
+            return Err(Box::new(job));
         }
         self.ready.push_back(job);
         metrics.add(Metric::PendingAborts, 1);
@@ -145,9 +159,13 @@ impl AbortQueue {
         half + self.next_rand() % (d - half + 1)
     }
 
-    /// Builds the signed call for a job.
-    pub fn call<'c>(cfg: &'c Config, job: &Job, unix_secs: u64) -> (Call<'c>, Route) {
-        let body = AbortRequest::new(&job.id, job.reason, job.age_ms, job.tokens).to_json();
+    /// Builds the signed call for a job sent at `now_ms`: `idle_ms` and `gone_ms` are
+    /// measured at this attempt, not when the abort was decided.
+    pub fn call<'c>(cfg: &'c Config, job: &Job, now_ms: u64, unix_secs: u64) -> (Call<'c>, Route) {
+        let since = |t: Option<u64>| t.map(|t| now_ms.saturating_sub(t));
+        let body = AbortRequest::new(&job.id, job.reason, job.age_ms, job.tokens)
+            .with_durations(since(job.last_event_ms), since(job.gone_at_ms))
+            .to_json();
         let sig = signature::sign(&cfg.key, unix_secs, &body);
         let mut headers: Vec<(&'static str, String)> = vec![
             (":method", "POST".to_owned()),
@@ -203,7 +221,7 @@ impl AbortQueue {
                 self.finish(job, Outcome::Failed, None, host, finished);
                 continue;
             }
-            let (call, route) = Self::call(cfg, &job, unix_secs);
+            let (call, route) = Self::call(cfg, &job, now_ms, unix_secs);
             job.attempts += 1;
             host.add(Metric::AbortAttempts, 1);
             if job.attempts == 1 {
@@ -333,7 +351,7 @@ mod tests {
     #[test]
     fn signed_call_per_contract() {
         let cfg = config("");
-        let (call, route) = AbortQueue::call(&cfg, &job("r1", 0), 1_700_000_000);
+        let (call, route) = AbortQueue::call(&cfg, &job("r1", 0), 0, 1_700_000_000);
         assert_eq!(route, Route::Fallback);
         assert_eq!(call.cluster, "kvguard");
         assert_eq!(call.timeout_ms, 1000);
@@ -387,18 +405,51 @@ mod tests {
     }
 
     #[test]
+    fn idle_and_gone_are_measured_at_each_attempt() {
+        let cfg = config(r#","abort_retries":1"#);
+        let mut q = AbortQueue::new(10, 1);
+        let mut h = MockHost::default();
+        let mut fin = Vec::new();
+        // Last data event at 100, client gone at 400, decided at 400.
+        q.push(job("g", 400).with_times(Some(100), Some(400)), &mut h)
+            .unwrap();
+        q.pump(&cfg, 450, 1, &mut h, &mut fin);
+        let body = |h: &MockHost, i: usize| String::from_utf8(h.calls[i].3.clone()).unwrap();
+        assert_eq!(
+            body(&h, 0),
+            r#"{"request_id":"g","reason":"stalled","age_ms":5,"tokens":6,"idle_ms":350,"gone_ms":50}"#
+        );
+        let t = h.calls[0].0;
+        q.on_answer(&cfg, t, Some(503), b"", 500, &mut h, &mut fin);
+        let due = q.next_due_ms().unwrap();
+        q.pump(&cfg, due, 1, &mut h, &mut fin);
+        assert!(body(&h, 1).ends_with(&format!(
+            r#""idle_ms":{},"gone_ms":{}}}"#,
+            due - 100,
+            due - 400
+        )));
+        // No event seen, client still connected: both absent.
+        q.push(job("s", 0), &mut h).unwrap();
+        q.pump(&cfg, 9_000, 1, &mut h, &mut fin);
+        assert_eq!(
+            body(&h, 2),
+            r#"{"request_id":"s","reason":"stalled","age_ms":5,"tokens":6}"#
+        );
+    }
+
+    #[test]
     fn replica_route_needs_target_and_config() {
         let cfg = config(r#","control_target_cluster":"t","control_target_cidrs":["10.0.0.0/8"]"#);
         let mut j = job("r", 0);
         j.target = Some("10.1.2.3:9902".parse().unwrap());
-        let (call, route) = AbortQueue::call(&cfg, &j, 1);
+        let (call, route) = AbortQueue::call(&cfg, &j, 0, 1);
         assert_eq!((call.cluster, route), ("t", Route::Replica));
         assert!(call
             .headers
             .contains(&(ORIGINAL_DST_HEADER, "10.1.2.3:9902".to_owned())));
         // Without a target-route config the stamp is not used.
         let plain = config("");
-        let (call, route) = AbortQueue::call(&plain, &j, 1);
+        let (call, route) = AbortQueue::call(&plain, &j, 0, 1);
         assert_eq!((call.cluster, route), ("kvguard", Route::Fallback));
     }
 

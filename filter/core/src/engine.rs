@@ -69,6 +69,10 @@ pub struct Engine {
     finished: Vec<Finished>,
 }
 
+/// Decides `reason` for `req` at `now_ms` and queues its abort (enforce mode);
+/// `client_gone` says the stream already ended (decided in `on_log`), so the abort's
+/// `gone_ms` counts from `now_ms`.
+#[allow(clippy::too_many_arguments)]
 fn decide<P: Platform + ?Sized>(
     cfg: &Config,
     queue: &mut AbortQueue,
@@ -76,6 +80,7 @@ fn decide<P: Platform + ?Sized>(
     req: &mut Request,
     reason: AbortReason,
     now_ms: u64,
+    client_gone: bool,
     finished: &mut Vec<Finished>,
 ) -> Option<OutcomeTag> {
     let observed = cfg.mode == Mode::Observe;
@@ -96,11 +101,12 @@ fn decide<P: Platform + ?Sized>(
         );
         return Some(OutcomeTag::Observed(reason));
     }
-    let job = Job::new(req.id.clone(), reason, age, req.events, req.target, now_ms);
+    let job = Job::new(req.id.clone(), reason, age, req.events, req.target, now_ms)
+        .with_times(req.last_event_ms, client_gone.then_some(now_ms));
     if let Err(job) = queue.push(job, p) {
         p.add(Metric::Aborts(reason, Outcome::Dropped), 1);
         finished.push(Finished {
-            job,
+            job: *job,
             outcome: Outcome::Dropped,
             status: None,
         });
@@ -369,6 +375,7 @@ impl Engine {
                     &mut req,
                     reason,
                     now,
+                    true,
                     &mut self.finished,
                 );
                 self.report_finished(p);
@@ -401,6 +408,7 @@ impl Engine {
                 req,
                 reason,
                 now,
+                false,
                 &mut self.finished,
             ) {
                 actions.push(match tag {
@@ -662,7 +670,7 @@ mod tests {
         assert_eq!(h.calls[0].1, "kvguard");
         assert_eq!(
             body(&h, 0),
-            r#"{"request_id":"r1","reason":"downstream_reset","age_ms":700,"tokens":2}"#
+            r#"{"request_id":"r1","reason":"downstream_reset","age_ms":700,"tokens":2,"idle_ms":700,"gone_ms":0}"#
         );
         let token = h.calls[0].0;
         e.on_abort_answer(
@@ -690,6 +698,32 @@ mod tests {
     }
 
     #[test]
+    fn gone_ms_counts_from_the_disconnect_at_each_attempt() {
+        let (mut e, mut h) = engine(r#","abort_retries":1"#);
+        track(&mut e, &mut h, 1, "g1");
+        sse(&mut e, &mut h, 1);
+        e.on_response_body(
+            &mut h,
+            1,
+            b"data: {}
+
+",
+            0,
+            false,
+        );
+        h.now += 300;
+        e.on_log(&mut h, 1, b"downstream_remote_disconnect", flags::DC);
+        h.now += 20;
+        e.pump(&mut h);
+        assert!(body(&h, 0).ends_with(r#""idle_ms":320,"gone_ms":20}"#));
+        let t = h.calls[0].0;
+        e.on_abort_answer(&mut h, t, Some(503), b"");
+        h.now += 5_000;
+        e.tick(&mut h);
+        assert!(body(&h, 1).ends_with(r#""idle_ms":5320,"gone_ms":5020}"#));
+    }
+
+    #[test]
     fn disconnect_while_queued_before_response_headers() {
         let (mut e, mut h) = engine("");
         track(&mut e, &mut h, 1, "q1");
@@ -698,7 +732,8 @@ mod tests {
             Some(OutcomeTag::Aborted(AbortReason::DownstreamReset))
         );
         e.pump(&mut h);
-        assert!(body(&h, 0).contains(r#""tokens":0"#));
+        // No data event seen: no idle_ms.
+        assert!(body(&h, 0).ends_with(r#""tokens":0,"gone_ms":0}"#));
     }
 
     #[test]
@@ -725,6 +760,12 @@ mod tests {
         );
         assert_eq!(h.calls.len(), 1);
         assert!(body(&h, 0).contains(r#""reason":"stalled""#));
+        // Idle since its last data event (110 ms); the client was still connected.
+        assert!(
+            body(&h, 0).ends_with(r#""idle_ms":110}"#),
+            "{}",
+            body(&h, 0)
+        );
         // No second decision on the next tick, nor at on_log.
         h.now += 1000;
         let actions = e.tick(&mut h);
