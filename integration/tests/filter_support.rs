@@ -95,8 +95,13 @@ pub async fn stat(envoy: &Envoy, name: &str) -> f64 {
     match envoy.stat(name).await.unwrap() {
         Some(v) => v,
         None => panic!(
-            "Envoy has no stat {name:?}; the filter's: {:?}",
-            envoy.stats_matching("kvguard_filter").await.unwrap()
+            "Envoy has no stat {name:?}; the filter's are: {:?}",
+            envoy
+                .stats_matching("kvguard_filter")
+                .await
+                .unwrap()
+                .keys()
+                .collect::<Vec<_>>()
         ),
     }
 }
