@@ -315,7 +315,11 @@ async fn first_token_timeout_and_max_age() {
         .await
         .unwrap();
         let id1 = last_id(&r.sim);
-        let _ = s.collect(W).await;
+        let end = s
+            .wait_end(W)
+            .await
+            .unwrap_or_else(|e| panic!("the aborted stream hangs: {e:#}"));
+        assert!(!end.saw_done(), "{end:?}");
         let calls = r.recv.wait_for_calls(1, W).await.unwrap();
         let a = calls[0].abort.as_ref().unwrap();
         assert_eq!(
@@ -339,7 +343,11 @@ async fn first_token_timeout_and_max_age() {
         .unwrap();
         let id2 = last_id(&r.sim);
         let t0 = std::time::Instant::now();
-        let _ = s.collect(W).await;
+        let end = s
+            .wait_end(W)
+            .await
+            .unwrap_or_else(|e| panic!("the aborted stream hangs: {e:#}"));
+        assert!(!end.saw_done(), "{end:?}");
         assert!(
             t0.elapsed() >= Duration::from_millis(2000),
             "{:?}",
@@ -511,7 +519,8 @@ async fn envoy_route_timeout_and_upstream_reset_send_aborts() {
         let mut s = client::stream_sse(envoy.listener_addr(), "/v1/completions", &completion(100, true), &[], false)
             .await
             .unwrap();
-        let _ = s.collect(W).await;
+        let end = s.wait_end(W).await.unwrap_or_else(|e| panic!("the aborted stream hangs: {e:#}"));
+        assert!(!end.saw_done(), "{end:?}");
         let calls = recv.wait_for_calls(1, W).await.unwrap();
         let a = calls[0].abort.as_ref().unwrap();
         assert_eq!((a.reason.as_str(), a.tokens), ("upstream_reset", 3));
