@@ -36,7 +36,7 @@ async fn control_aborts(st: &Stack, reason: &str) -> f64 {
         .unwrap()
         .get(reason)
         .copied()
-        .unwrap_or(0.0)
+        .unwrap_or_else(|| panic!("kvguard-control exports no {reason:?} aborts"))
 }
 
 /// A stream that stalls after 5 tokens, with keep-alive comments every 200 ms (which are
@@ -344,17 +344,13 @@ async fn leak_run_kv_climbs_and_kvguard_run_returns_to_baseline() {
         );
         assert_eq!(kvg.false_aborts, 0, "{:?}", kvg.false_abort_samples);
         assert_eq!(leak.false_aborts, 0, "{:?}", leak.false_abort_samples);
+        let by_reason = |r: &str| kvg.aborts_by_reason.get(r).copied().expect(r);
         assert!(
+            by_reason("downstream_reset") >= kvg.disconnected as f64,
+            "{:?}",
             kvg.aborts_by_reason
-                .get("downstream_reset")
-                .copied()
-                .unwrap_or(0.0)
-                >= kvg.disconnected as f64
         );
-        assert_eq!(
-            kvg.aborts_by_reason.get("stalled").copied().unwrap_or(0.0),
-            kvg.stalled as f64
-        );
+        assert_eq!(by_reason("stalled"), kvg.stalled as f64);
         assert!(leak.kv_mean > kvg.kv_mean);
     })
     .await

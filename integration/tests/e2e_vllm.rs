@@ -69,7 +69,7 @@ fn filter_opts(engine: SocketAddr, idle_ms: u64) -> StackOptions {
     o
 }
 
-/// kvguard-control's `kvguard_control_aborts_total` for `reason` (0 when it has none yet).
+/// kvguard-control's `kvguard_control_aborts_total` for `reason` (every reason is exported from the start).
 async fn control_aborts(st: &Stack, reason: &str) -> f64 {
     st.control
         .aborts_by_reason()
@@ -77,7 +77,7 @@ async fn control_aborts(st: &Stack, reason: &str) -> f64 {
         .unwrap()
         .get(reason)
         .copied()
-        .unwrap_or(0.0)
+        .unwrap_or_else(|| panic!("kvguard-control exports no {reason:?} aborts"))
 }
 
 async fn wait_control_aborts(st: &Stack, reason: &str, n: f64) {

@@ -470,7 +470,11 @@ pub async fn run_once(
     r.kv_peak = series.iter().map(|s| s.kv).fold(0.0, f64::max);
     r.waiting_peak = series.iter().map(|s| s.waiting).fold(0.0, f64::max);
     r.kv_end = series.last().map(|s| s.kv).unwrap_or_default();
-    r.aborts_by_reason = st.control.aborts_by_reason().await.unwrap_or_default();
+    r.aborts_by_reason = st
+        .control
+        .aborts_by_reason()
+        .await
+        .context("kvguard-control's aborts at the end of the run")?;
     r.filter_stats = st.filter_stats().await?;
     if let Some(h) = &st.hop {
         let s = h.stats();

@@ -149,13 +149,19 @@ impl Control {
         Ok(crate::client::get(self.admin, "/metrics").await?.text())
     }
 
-    /// `kvguard_control_aborts_total` by reason (outcome summed), from `/metrics`.
+    /// `kvguard_control_aborts_total` by reason (outcome summed), from `/metrics`. Errors
+    /// when `/metrics` has no sample of it (kvguard-control exports every reason from the
+    /// start: an absent family is not "0 aborts").
     pub async fn aborts_by_reason(&self) -> Result<BTreeMap<String, f64>> {
-        Ok(labelled(
+        let m = labelled(
             &self.metrics_text().await?,
             "kvguard_control_aborts_total",
             "reason",
-        ))
+        );
+        if m.is_empty() {
+            bail!("kvguard-control's /metrics has no kvguard_control_aborts_total sample");
+        }
+        Ok(m)
     }
 
     /// Request ids in flight (`GET /v1/requests`).
