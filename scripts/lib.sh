@@ -4,6 +4,21 @@
 
 set -euo pipefail
 
+# usage: prints the calling script's header comment (the lines after `#!` up to the first
+# line that is not a comment), without the leading `# `; then, if the script defined a
+# function `help_more` before sourcing this file (e.g. a binary's flags), its output.
+usage() {
+  sed -n '2,/^[^#]/{/^#/!q;s/^# \{0,1\}//;p}' "$0"
+  if declare -F help_more >/dev/null; then help_more; fi
+}
+# Every script answers -h/--help with its usage and does nothing else: a script that
+# sources this file with -h or --help among its arguments prints its usage and exits 0
+# here, before anything runs.
+for _arg in "$@"; do
+  case "$_arg" in -h|--help) usage; exit 0 ;; esac
+done
+unset _arg
+
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export REPO
 export KVGUARD_CACHE=${KVGUARD_CACHE:-$HOME/.cache/kvguard}
@@ -38,9 +53,17 @@ stage() {
 }
 stage_end() {
   if [ -n "$_stage_name" ]; then
-    printf '<== %s: %ss\n' "$_stage_name" "$(( $(date +%s) - _stage_start ))"
+    local secs=$(( $(date +%s) - _stage_start ))
+    printf '<== %s: %ss\n' "$_stage_name" "$secs"
+    _stage_times+=("$(printf '%6ss  %s' "$secs" "$_stage_name")")
     _stage_name=
   fi
+}
+_stage_times=()
+# stage_summary: every finished stage with its time (after `stage_end`).
+stage_summary() {
+  printf '\nstage times:\n'
+  printf '  %s\n' "${_stage_times[@]}"
 }
 
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }

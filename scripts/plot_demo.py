@@ -9,7 +9,11 @@ from a small virtualenv under $KVGUARD_CACHE)
 import json
 import sys
 
-import matplotlib
+if any(a in ("-h", "--help") for a in sys.argv[1:]):
+    print(__doc__.strip())
+    sys.exit(0)
+
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 matplotlib.rcParams["svg.hashsalt"] = "kvguard-demo"  # stable SVG ids

@@ -298,6 +298,33 @@ impl SseEvent {
     }
 }
 
+/// How a stream ended ([`SseStream::wait_end`]).
+#[derive(Debug, Clone)]
+pub struct Ended {
+    /// The events read until the end (comments included).
+    pub events: Vec<SseEvent>,
+    /// `None`: the body ended cleanly; else the reset (h2 RST_STREAM, connection closed
+    /// mid-body), as hyper reported it.
+    pub reset: Option<String>,
+}
+
+impl Ended {
+    /// It ended cleanly after `data: [DONE]`.
+    pub fn completed(&self) -> bool {
+        self.reset.is_none() && self.events.last().is_some_and(SseEvent::is_done)
+    }
+
+    /// `data: [DONE]` was among the events (however the stream ended).
+    pub fn saw_done(&self) -> bool {
+        self.events.iter().any(SseEvent::is_done)
+    }
+}
+
+enum ChunkError {
+    Timeout,
+    Body(hyper::Error),
+}
+
 /// A streaming response being read. Dropping it closes the connection (a client
 /// disconnect); [`SseStream::disconnect`] says so explicitly.
 pub struct SseStream {
@@ -408,13 +435,20 @@ impl SseStream {
     /// The next data chunk as it arrived; `None` at the end of the body. Errors on a
     /// reset or when nothing arrives within `timeout`.
     pub async fn next_chunk(&mut self, timeout: Duration) -> Result<Option<Bytes>> {
+        self.chunk(timeout).await.map_err(|e| match e {
+            ChunkError::Timeout => anyhow!("no stream bytes within {timeout:?}"),
+            ChunkError::Body(e) => anyhow!(e).context("stream body error (reset?)"),
+        })
+    }
+
+    async fn chunk(&mut self, timeout: Duration) -> Result<Option<Bytes>, ChunkError> {
         let Some(body) = self.body.as_mut() else {
             return Ok(None);
         };
         loop {
             let frame = tokio::time::timeout(timeout, body.frame())
                 .await
-                .map_err(|_| anyhow!("no stream bytes within {timeout:?}"))?;
+                .map_err(|_| ChunkError::Timeout)?;
             match frame {
                 None => {
                     self.ended = true;
@@ -423,7 +457,7 @@ impl SseStream {
                 }
                 Some(Err(e)) => {
                     self.body = None;
-                    return Err(anyhow!(e).context("stream body error (reset?)"));
+                    return Err(ChunkError::Body(e));
                 }
                 Some(Ok(f)) => {
                     if let Ok(data) = f.into_data() {
@@ -431,6 +465,46 @@ impl SseStream {
                         return Ok(Some(data));
                     }
                 }
+            }
+        }
+    }
+
+    /// Reads every remaining event until the stream ends, cleanly or by a reset (a cut
+    /// stream), within `timeout`. Errors only when it has not ended by then: a hung stream
+    /// is a failure, never taken for an end.
+    pub async fn wait_end(&mut self, timeout: Duration) -> Result<Ended> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut events = Vec::new();
+        loop {
+            if let Some(ev) = self.take_event() {
+                events.push(ev);
+                continue;
+            }
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match self.chunk(left).await {
+                Ok(Some(c)) => self.pending.extend_from_slice(&c),
+                Ok(None) => {
+                    if !self.pending.iter().all(|b| b.is_ascii_whitespace()) {
+                        let rest = String::from_utf8_lossy(&self.pending).into_owned();
+                        events.push(SseEvent::parse(rest.trim_end()));
+                    }
+                    self.pending.clear();
+                    return Ok(Ended {
+                        events,
+                        reset: None,
+                    });
+                }
+                Err(ChunkError::Body(e)) => {
+                    return Ok(Ended {
+                        events,
+                        reset: Some(e.to_string()),
+                    })
+                }
+                Err(ChunkError::Timeout) => bail!(
+                    "the stream did not end within {timeout:?} ({} more events read, last {:?})",
+                    events.len(),
+                    events.last()
+                ),
             }
         }
     }

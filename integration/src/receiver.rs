@@ -23,10 +23,17 @@ pub enum Behaviour {
     Verify,
     /// Answer this status (with an empty JSON object body) without verifying.
     Status(u16),
-    /// Wait this long, then behave as [`Behaviour::Verify`].
+    /// Wait this long, then behave as [`Behaviour::Verify`]. The call is recorded when it
+    /// arrives (`verify` and `status` `None` until it is answered), so that attempts the
+    /// sender gives up on before the answer are recorded too.
     Delay(Duration),
     /// Drop the connection without answering.
     Close,
+    /// A tap in front of a real abort endpoint: pass each call on unchanged (method, path,
+    /// headers, body) to this address and answer what it answers (502 when it cannot be
+    /// reached). Recorded on arrival, `status` set once the answer is back; `verify` stays
+    /// `None` (the endpoint behind verifies).
+    Forward(SocketAddr),
 }
 
 /// Which ids count as in flight.
@@ -322,12 +329,88 @@ async fn handle(
             record(None, Some(s));
             return Ok(json_response(s, &serde_json::json!({})));
         }
-        Behaviour::Delay(d) => tokio::time::sleep(d).await,
+        Behaviour::Delay(d) => {
+            // Recorded on arrival; the answer, if the sender still waits for it, completes
+            // the record.
+            record(None, None);
+            tokio::time::sleep(d).await;
+            let (verify, resp) = verify_and_answer(&shared, sig_header.as_deref(), &body);
+            complete_record(&shared, at, &body, Some(verify), resp.status().as_u16());
+            return Ok(resp);
+        }
+        Behaviour::Forward(to) => {
+            record(None, None);
+            let resp = forward(to, &method, &path, &headers, &body).await;
+            complete_record(&shared, at, &body, None, resp.status().as_u16());
+            return Ok(resp);
+        }
         Behaviour::Verify => {}
     }
     let (verify, resp) = verify_and_answer(&shared, sig_header.as_deref(), &body);
     record(Some(verify), Some(resp.status().as_u16()));
     Ok(resp)
+}
+
+/// Sets the answer of the call recorded at `at` with `body` (if still recorded).
+fn complete_record(
+    shared: &Shared,
+    at: Instant,
+    body: &[u8],
+    verify: Option<Result<(), SignatureError>>,
+    status: u16,
+) {
+    let mut g = shared.lock();
+    if let Some(c) = g.calls.iter_mut().find(|c| c.at == at && c.body == body) {
+        c.verify = verify;
+        c.status = Some(status);
+    }
+}
+
+/// Passes a call on to `to` ([`Behaviour::Forward`]) and turns its answer into ours.
+async fn forward(
+    to: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &BTreeMap<String, String>,
+    body: &[u8],
+) -> Response<RespBody> {
+    // The hop's own framing headers are the client's to set.
+    let pass: Vec<(&str, &str)> = headers
+        .iter()
+        .filter(|(k, _)| {
+            !matches!(
+                k.as_str(),
+                "host" | "content-length" | "transfer-encoding" | "connection"
+            )
+        })
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let Ok(m) = hyper::Method::from_bytes(method.as_bytes()) else {
+        return json_response(502, &serde_json::json!({"error": "forward: bad method"}));
+    };
+    let answer = crate::client::request(
+        to,
+        m,
+        path,
+        &pass,
+        Bytes::copy_from_slice(body),
+        false,
+        Duration::from_secs(10),
+    )
+    .await;
+    match answer {
+        Ok(r) => {
+            let ct = r
+                .header("content-type")
+                .unwrap_or("application/json")
+                .to_owned();
+            bytes_response(r.status, &ct, r.body)
+        }
+        Err(e) => json_response(
+            502,
+            &serde_json::json!({"error": format!("forward: {e:#}")}),
+        ),
+    }
 }
 
 fn verify_and_answer(

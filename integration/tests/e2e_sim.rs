@@ -12,7 +12,7 @@ use kvguard_integration::load::LoadSummary;
 use kvguard_integration::proc::ChildGuard;
 use kvguard_integration::sim::{self, EndKind, SeqState, SimConfig};
 use kvguard_integration::wait::{bounded, poll_until_async};
-use kvguard_integration::{envoy, paths};
+use kvguard_integration::{bench, paths};
 use serde_json::json;
 use std::time::{Duration, Instant};
 
@@ -36,7 +36,7 @@ async fn control_aborts(st: &Stack, reason: &str) -> f64 {
         .unwrap()
         .get(reason)
         .copied()
-        .unwrap_or(0.0)
+        .unwrap_or_else(|| panic!("kvguard-control exports no {reason:?} aborts"))
 }
 
 /// A stream that stalls after 5 tokens, with keep-alive comments every 200 ms (which are
@@ -76,8 +76,12 @@ async fn stall_is_reaped(sim: &sim::SimHandle, st: &Stack, idle: Duration) -> Du
         took <= idle + Duration::from_secs(2),
         "ended {took:?} after the last token (idle timeout {idle:?})"
     );
-    // The client's stream ends too.
-    let _ = s.collect(W).await;
+    // The client's stream ends too (within the wait, without completing).
+    let end = s
+        .wait_end(W)
+        .await
+        .unwrap_or_else(|e| panic!("the stalled client's stream hangs: {e:#}\n{}", st.logs(40)));
+    assert!(!end.saw_done(), "{end:?}");
     took
 }
 
@@ -95,7 +99,7 @@ async fn stall_with_keepalives_only_is_reaped_by_the_filter() {
         let took = stall_is_reaped(&sim, &st, idle).await;
         eprintln!("filter: stall ended {took:?} after the last token");
         assert_eq!(control_aborts(&st, "stalled").await, 1.0);
-        let f = st.filter_stats().await;
+        let f = st.filter_stats().await.unwrap();
         let stalled: f64 = f
             .iter()
             .filter(|(k, _)| k.contains("aborts_total") && k.contains("stalled"))
@@ -195,10 +199,7 @@ async fn storm_of_1000_disconnects_leaves_no_orphans_and_bounded_memory() {
         let mut st = Stack::start(o).await.unwrap();
         let ctl_pid = st.control.guard().pid();
         let envoy_pid = st.envoy.guard().pid();
-        let (ctl0, envoy0) = (
-            kvguard_integration::bench::rss(ctl_pid),
-            kvguard_integration::bench::rss(envoy_pid),
-        );
+        let (ctl0, envoy0) = (bench::rss(ctl_pid).unwrap(), bench::rss(envoy_pid).unwrap());
         let target = st.entry().to_string();
         let started = Instant::now();
         let mut load = ChildGuard::spawn_program(
@@ -246,8 +247,9 @@ async fn storm_of_1000_disconnects_leaves_no_orphans_and_bounded_memory() {
             "engine saw {} aborts",
             s.disconnected
         );
-        let peak_ctl = kvguard_integration::bench::rss(ctl_pid);
-        let peak_envoy = kvguard_integration::bench::rss(envoy_pid);
+        // The kernel's high-water marks: the peak during the storm, not a read after it.
+        let peak_ctl = bench::peak_rss(ctl_pid).unwrap();
+        let peak_envoy = bench::peak_rss(envoy_pid).unwrap();
         poll_until_async(
             "kvguard-control has nothing in flight",
             W,
@@ -264,17 +266,14 @@ async fn storm_of_1000_disconnects_leaves_no_orphans_and_bounded_memory() {
         .unwrap();
         let aborts = control_aborts(&st, "downstream_reset").await;
         assert_eq!(aborts, n as f64, "{}", st.logs(30));
-        let f = st.filter_stats().await;
+        let f = st.filter_stats().await.unwrap();
         let pending = f
             .iter()
             .find(|(k, _)| k.ends_with("kvguard_filter_pending_aborts"))
             .map(|(_, v)| *v);
         assert_eq!(pending, Some(0.0), "{f:?}");
-        let vm = f
-            .iter()
-            .find(|(k, _)| k.ends_with("kvguard_filter_vm_memory_bytes"))
-            .map(|(_, v)| *v)
-            .unwrap_or(0.0);
+        let vm = stack::stat_ending(&f, "kvguard_filter_vm_memory_bytes").unwrap();
+        assert!(vm > 0.0, "the filter reports no VM memory: {f:?}");
         eprintln!(
             "memory: kvguard-control RSS {} → {} MiB, Envoy RSS {} → {} MiB, filter VM {:.1} MiB",
             ctl0 >> 20,
@@ -294,7 +293,6 @@ async fn storm_of_1000_disconnects_leaves_no_orphans_and_bounded_memory() {
             (peak_envoy - envoy0) >> 20
         );
         assert!(vm < 64.0 * 1048576.0, "filter VM memory {vm}");
-        let _ = envoy::FILTER_NAME;
     })
     .await
     .unwrap();
@@ -346,17 +344,13 @@ async fn leak_run_kv_climbs_and_kvguard_run_returns_to_baseline() {
         );
         assert_eq!(kvg.false_aborts, 0, "{:?}", kvg.false_abort_samples);
         assert_eq!(leak.false_aborts, 0, "{:?}", leak.false_abort_samples);
+        let by_reason = |r: &str| kvg.aborts_by_reason.get(r).copied().expect(r);
         assert!(
+            by_reason("downstream_reset") >= kvg.disconnected as f64,
+            "{:?}",
             kvg.aborts_by_reason
-                .get("downstream_reset")
-                .copied()
-                .unwrap_or(0.0)
-                >= kvg.disconnected as f64
         );
-        assert_eq!(
-            kvg.aborts_by_reason.get("stalled").copied().unwrap_or(0.0),
-            kvg.stalled as f64
-        );
+        assert_eq!(by_reason("stalled"), kvg.stalled as f64);
         assert!(leak.kv_mean > kvg.kv_mean);
     })
     .await

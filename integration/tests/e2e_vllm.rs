@@ -7,6 +7,8 @@
 //!
 //! vLLM is observed only from the outside: `/metrics` (`vllm:num_requests_running`,
 //! `..._waiting`, `vllm:kv_cache_usage_perc`) and its request log ("Aborted request(s)").
+//! What the filter saw is read from its abort calls (a recording tap before
+//! kvguard-control, `StackOptions::abort_tap`) and its stats.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use kvguard_integration::client;
@@ -24,6 +26,8 @@ const W: Duration = Duration::from_secs(30);
 /// Tokens of a long request: ~25 s at ~60 tok/s (the suite's model on one CPU), so it is
 /// still generating whenever a test looks.
 const LONG: u32 = 1500;
+/// Bound of a whole normal stream of several hundred tokens.
+const LONG_STREAM: Duration = Duration::from_secs(120);
 
 /// Serialises the tests of this binary when they share a process (`cargo test` without
 /// nextest): they all watch the one vLLM's running count.
@@ -65,7 +69,7 @@ fn filter_opts(engine: SocketAddr, idle_ms: u64) -> StackOptions {
     o
 }
 
-/// Asserts that `pred` holds on every `/metrics` sample for `span` (sampled every 200 ms).
+/// kvguard-control's `kvguard_control_aborts_total` for `reason` (every reason is exported from the start).
 async fn control_aborts(st: &Stack, reason: &str) -> f64 {
     st.control
         .aborts_by_reason()
@@ -73,7 +77,7 @@ async fn control_aborts(st: &Stack, reason: &str) -> f64 {
         .unwrap()
         .get(reason)
         .copied()
-        .unwrap_or(0.0)
+        .unwrap_or_else(|| panic!("kvguard-control exports no {reason:?} aborts"))
 }
 
 async fn wait_control_aborts(st: &Stack, reason: &str, n: f64) {
@@ -87,12 +91,14 @@ async fn wait_control_aborts(st: &Stack, reason: &str, n: f64) {
     .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
 }
 
-/// Waits until vLLM's request log says it aborted `engine_id` (when the log is known).
+/// Waits until vLLM's request log says it aborted `engine_id`. vLLM's log must be known:
+/// a server of the test's own, or `KVGUARD_VLLM_LOG` beside `KVGUARD_VLLM_URL` (both
+/// exported by `scripts/vllm-server start`).
 async fn wait_vllm_aborted(v: &Vllm, engine_id: &str) {
-    if !v.has_log() {
-        eprintln!("vLLM log unknown (set KVGUARD_VLLM_LOG): not checking it for {engine_id}");
-        return;
-    }
+    assert!(
+        v.has_log(),
+        "vLLM's log is unknown (KVGUARD_VLLM_URL without KVGUARD_VLLM_LOG): cannot check that it aborted {engine_id}"
+    );
     poll_until_async(
         &format!("vLLM logs the abort of {engine_id}"),
         Duration::from_secs(10),
@@ -188,9 +194,11 @@ async fn silent_client_is_reaped_as_stalled_and_vllm_frees_it_within_2s() {
             return;
         };
         let idle = Duration::from_secs(5);
-        let st = Stack::start(filter_opts(v.addr(), idle.as_millis() as u64))
-            .await
-            .unwrap();
+        let mut o = filter_opts(v.addr(), idle.as_millis() as u64);
+        // The filter's abort calls pass through a recording tap to kvguard-control.
+        o.abort_tap = true;
+        let st = Stack::start(o).await.unwrap();
+        let tap = st.abort_tap.as_ref().unwrap();
         let started = Instant::now();
         let mut c = client::silent_client(
             st.entry(),
@@ -208,43 +216,37 @@ async fn silent_client_is_reaped_as_stalled_and_vllm_frees_it_within_2s() {
         // The client reads nothing; vLLM keeps generating. The buffers on the way fill
         // (Envoy's, the lossy hop's, the kernel's), Envoy stops passing tokens to the
         // filter, and the filter's idle clock runs out. When the filter saw its last token
-        // cannot be observed from outside: Envoy's upstream reads do not time it (measured:
-        // the stalled abort came 1 s after Envoy's last upstream read in one run and 10 s
-        // after it in another — data Envoy has read can wait before the filter while the
-        // client side is paused, and trickle through later). The filter's idle clock is
-        // checked to the tick by its unit tests and the real-Envoy stall tests on the
-        // simulator (`filter_aborts.rs`, `robust_stall_under_load.rs`, the bench's stall
-        // section). Here, on real vLLM: the abort is `stalled`, it cannot be premature
-        // (no token is older than the request, so at least the idle timeout after it
-        // started), vLLM frees the sequence within 2 s of the abort, and the client's
-        // connection is closed.
-        let rx = "cluster.upstream.upstream_cx_rx_bytes_total";
-        let mut last_rx = st.envoy.stat(rx).await.unwrap().unwrap_or(0.0);
-        let mut last_read = Instant::now();
-        let deadline = Instant::now() + W;
-        loop {
-            let now_rx = st.envoy.stat(rx).await.unwrap().unwrap_or(0.0);
-            if now_rx != last_rx {
-                last_rx = now_rx;
-                last_read = Instant::now();
-            }
-            if control_aborts(&st, "stalled").await >= 1.0 {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no stalled abort within {W:?}\n{}",
-                st.logs(40)
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let aborted = Instant::now();
-        let quiet = aborted - last_read;
+        // cannot be observed from outside (Envoy's upstream reads do not time it: data
+        // Envoy has read can wait before the filter while the client side is paused), so
+        // the filter says it: the abort body's `idle_ms` is how long before the call it
+        // last saw a data event. The abort must come within the idle timeout plus two
+        // ticks of that token (the tick that sees the clock run out, and the one that
+        // sends), and that token cannot be older than the request.
+        let calls = tap
+            .wait_for_calls(1, idle + W)
+            .await
+            .unwrap_or_else(|e| panic!("no abort call: {e:#}\n{}", st.logs(40)));
+        let call = &calls[0];
+        let aborted = call.at;
+        let a = call.abort.as_ref().expect("an abort body per the contract");
+        assert_eq!(a.reason.as_str(), "stalled", "{a:?}");
+        assert_eq!(a.gone_ms, None, "the client was still connected: {a:?}");
+        let idle_ms = a
+            .idle_ms
+            .unwrap_or_else(|| panic!("a stalled abort without idle_ms: {a:?}"));
+        let (lo, hi) = (
+            idle.as_millis() as u64,
+            idle.as_millis() as u64 + 2 * stack::FILTER_TICK_MS,
+        );
         assert!(
-            aborted - started >= idle,
-            "aborted as stalled {:?} after the request started, before the idle timeout {idle:?}\n{}",
-            aborted - started,
+            (lo..=hi).contains(&idle_ms),
+            "stalled abort {idle_ms} ms after the filter's last token, expected {lo}..={hi} ms\n{}",
             st.logs(40)
+        );
+        let since_start = aborted - started;
+        assert!(
+            Duration::from_millis(idle_ms) <= since_start,
+            "the filter's last token ({idle_ms} ms before the abort) is older than the request ({since_start:?})"
         );
         v.wait_figures("vLLM frees the stalled sequence within 2 s of the abort", Duration::from_secs(2), |f| {
             f.running == 0.0
@@ -252,8 +254,7 @@ async fn silent_client_is_reaped_as_stalled_and_vllm_frees_it_within_2s() {
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
         eprintln!(
-            "stalled: aborted {:?} after the request started and {quiet:?} after Envoy's last upstream read (idle timeout {idle:?}; diagnostic only), freed {:?} after the abort",
-            aborted - started,
+            "stalled: aborted {since_start:?} after the request started, {idle_ms} ms after the filter's last token (idle timeout {idle:?}), freed {:?} after the abort",
             aborted.elapsed()
         );
         wait_control_aborts(&st, "stalled", 1.0).await;
@@ -271,10 +272,15 @@ async fn normal_streams_complete_untouched_chat_and_completions_h1_and_h2() {
         let Some((v, _turn)) = vllm("normal_streams").await else {
             return;
         };
-        // Normal token gaps are far below the idle timeout (tens of ms; pauses of a few
-        // seconds happen on a loaded 2-core machine).
-        let st = Stack::start(filter_opts(v.addr(), 10_000)).await.unwrap();
-        let n = 100u32;
+        // Each stream lasts several idle timeouts (600 tokens: ~10 s at ~60 tokens/s, longer
+        // under load), so a filter whose idle clock did not follow the tokens would cut it.
+        // Normal token gaps stay far below the timeout (tens of ms; pauses of a second or
+        // two happen on a loaded 2-core machine).
+        let idle = Duration::from_secs(3);
+        let st = Stack::start(filter_opts(v.addr(), idle.as_millis() as u64))
+            .await
+            .unwrap();
+        let n = 600u32;
         for http2 in [false, true] {
             for (path, body) in [
                 ("/v1/completions", completion(n)),
@@ -285,11 +291,19 @@ async fn normal_streams_complete_untouched_chat_and_completions_h1_and_h2() {
                     .unwrap();
                 assert_eq!(s.status, 200, "{path} h2={http2}");
                 let rid = s.header("x-request-id").unwrap().to_owned();
-                let evs = s.collect(W).await.unwrap();
+                let t0 = Instant::now();
+                let end = s
+                    .wait_end(LONG_STREAM)
+                    .await
+                    .unwrap_or_else(|e| panic!("{path} h2={http2}: {e:#}"));
+                let took = t0.elapsed();
+                assert!(end.completed(), "{path} h2={http2}: no [DONE]: {:?}", end.reset);
                 assert!(
-                    evs.last().unwrap().is_done(),
-                    "{path} h2={http2}: no [DONE]"
+                    took >= 2 * idle,
+                    "{path} h2={http2}: the stream took {took:?}, not several idle timeouts ({idle:?})"
                 );
+                eprintln!("{path} h2={http2}: {n} tokens in {took:?} under a {idle:?} idle timeout");
+                let evs = end.events;
                 assert!(
                     evs.iter().all(|e| e.event.as_deref() != Some("error")),
                     "{path}: error event"
@@ -323,7 +337,7 @@ async fn normal_streams_complete_untouched_chat_and_completions_h1_and_h2() {
         v.wait_idle(W).await.unwrap();
         let aborts: f64 = st.control.aborts_by_reason().await.unwrap().values().sum();
         assert_eq!(aborts, 0.0, "{}", st.logs(40));
-        let filter = st.filter_stats().await;
+        let filter = st.filter_stats().await.unwrap();
         let filter_aborts: f64 = filter
             .iter()
             .filter(|(k, _)| k.contains("kvguard_filter_aborts_total"))
@@ -361,7 +375,7 @@ async fn abort_endpoint_unreachable_traffic_flows_and_failures_are_counted() {
             W,
             Duration::from_millis(100),
             || async {
-                let f = st.filter_stats().await;
+                let f = st.filter_stats().await.unwrap();
                 let failed: f64 = f
                     .iter()
                     .filter(|(k, _)| {
@@ -403,12 +417,13 @@ async fn control_crash_cuts_its_streams_and_new_ones_flow_after_restart() {
             .await
             .unwrap();
         st.control.kill().unwrap();
-        // Documented behaviour: the streams through it are cut (the client's stream ends
-        // without [DONE]), and vLLM, whose connection closed, frees them.
-        let rest = s.collect(W).await;
-        let done = matches!(&rest, Ok(evs) if evs.last().is_some_and(|e| e.is_done()));
+        // Documented behaviour: the streams through it are cut (the client's stream ends,
+        // within the wait, without [DONE]), and vLLM, whose connection closed, frees them.
+        let end = s.wait_end(W).await.unwrap_or_else(|e| {
+            panic!("the stream through the crashed kvguard-control hangs: {e:#}")
+        });
         assert!(
-            !done,
+            !end.saw_done(),
             "a stream through a crashed kvguard-control cannot complete"
         );
         v.wait_figures("vLLM frees the cut stream", Duration::from_secs(5), |f| {
@@ -466,8 +481,12 @@ async fn control_max_age_ends_a_long_request_and_vllm_frees_it() {
         );
         eprintln!("max age 2 s: freed after {took:?}");
         wait_control_aborts(&st, "max_age", 1.0).await;
-        // The client is told why (contract §6: a final SSE error event).
-        let evs = s.collect(W).await.unwrap_or_default();
+        // The client is told why (contract §6: a final SSE error event), and its stream ends.
+        let evs = s
+            .wait_end(W)
+            .await
+            .unwrap_or_else(|e| panic!("the max-aged stream hangs: {e:#}"))
+            .events;
         let told = evs.iter().any(|e| {
             e.event.as_deref() == Some("error")
                 && e.json().is_some_and(|j| {

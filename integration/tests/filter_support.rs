@@ -21,6 +21,9 @@ pub const SECRET: &str = "kvguard-e2e-secret-0123456789abcdef";
 pub const T: Duration = Duration::from_secs(120);
 /// Bound of one wait.
 pub const W: Duration = Duration::from_secs(20);
+/// The quiet period after the event a "nothing more happens" check waits for (e.g. no
+/// abort after a request's access log line): longer than several filter ticks.
+pub const QUIET: Duration = Duration::from_millis(500);
 
 pub fn key() -> Key {
     Key::try_new(SECRET.as_bytes()).unwrap()
@@ -85,9 +88,22 @@ pub fn completion(max_tokens: u32, stream: bool) -> Value {
     json!({"model": "tiny", "prompt": "hello", "stream": stream, "max_tokens": max_tokens})
 }
 
-/// A filter stat (the `wasmcustom.` namespace is added by `Envoy::stat`); 0 if absent.
+/// A filter stat (the `wasmcustom.` namespace is added by `Envoy::stat`). Panics when
+/// Envoy has no such stat: a missing stat is not 0 (the filter defines every one of its
+/// metrics, labelled series included, when its VM starts).
 pub async fn stat(envoy: &Envoy, name: &str) -> f64 {
-    envoy.stat(name).await.unwrap().unwrap_or(0.0)
+    match envoy.stat(name).await.unwrap() {
+        Some(v) => v,
+        None => panic!(
+            "Envoy has no stat {name:?}; the filter's are: {:?}",
+            envoy
+                .stats_matching("kvguard_filter")
+                .await
+                .unwrap()
+                .keys()
+                .collect::<Vec<_>>()
+        ),
+    }
 }
 
 pub fn aborts(reason: &str, outcome: &str) -> String {

@@ -88,21 +88,20 @@ fn paths_resolve() {
     assert!(paths::engine_sim_bin().unwrap().is_file());
     let target = paths::target_dir().unwrap();
     assert!(target.join("debug").is_dir(), "{}", target.display());
-    // Whether or not they are built, the errors name how to get them.
-    if let Err(e) = paths::wasm_path() {
-        assert!(e.to_string().contains("scripts/build"), "{e}");
-    }
-    if let Err(e) = paths::control_bin() {
-        assert!(e.to_string().contains("KVGUARD_CONTROL_BIN"), "{e}");
-    }
+    // scripts/build made them; the suite needs them.
+    assert!(paths::wasm_path().unwrap().is_file());
+    assert!(paths::control_bin().unwrap().is_file());
 }
 
-/// Runs only as a child of `panic_prints_the_log_tail`: panics while a guard is alive.
+/// Not a test: the child that `panic_prints_the_log_tail_and_still_kills` runs (with
+/// `--ignored`); it panics on purpose while a guard is alive.
 #[test]
+#[ignore = "a probe: only panic_prints_the_log_tail_and_still_kills runs it"]
 fn panic_probe() {
-    if std::env::var_os("KVGUARD_PANIC_PROBE").is_none() {
-        return;
-    }
+    assert!(
+        std::env::var_os("KVGUARD_PANIC_PROBE").is_some(),
+        "panic_probe runs only as the child of panic_prints_the_log_tail_and_still_kills"
+    );
     let mut cmd = Command::new("sh");
     cmd.arg("-c")
         .arg("echo probe-line-1; echo probe-line-2; sleep 300");
@@ -131,6 +130,7 @@ fn panic_prints_the_log_tail_and_still_kills() {
         .args([
             "--exact",
             "panic_probe",
+            "--ignored",
             "--nocapture",
             "--test-threads",
             "1",

@@ -155,10 +155,21 @@ async fn bad_bodies_pass_through_unchanged_and_are_never_aborted() {
                 );
             }
         }
-        // Every request completed from the upstream's point of view: no abort, ever.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Every request completed from the upstream's point of view: no abort, ever. Wait
+        // until Envoy is done with each (its access log line) and the filter tracks
+        // nothing, then for a quiet period.
+        for name in cases.keys() {
+            for id in up.ids(name) {
+                access_line(&envoy, &id).await;
+            }
+        }
+        envoy
+            .wait_stat("kvguard_filter_active_requests", W, |v| v == 0.0)
+            .await
+            .unwrap();
+        let quiet = recv.expect_no_more_calls(0, QUIET).await;
         assert!(
-            recv.calls().is_empty(),
+            quiet.is_ok(),
             "aborts sent for healthy requests: {:?}",
             recv.calls()
                 .iter()
@@ -344,7 +355,13 @@ async fn http2_resets_at_every_phase() {
         .await
         .unwrap();
         s.read_events(2, W).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Every byte before the upstream's pause has arrived: the upstream is mid-event.
+        while s.raw().len() < split {
+            s.next_chunk(W)
+                .await
+                .unwrap()
+                .expect("the stream ended before the pause");
+        }
         let _conn = s.reset_stream();
         let id = up.ids("mid-event").pop().unwrap();
         let calls = recv.wait_calls_for(&id, W).await.unwrap();
@@ -367,12 +384,14 @@ async fn http2_resets_at_every_phase() {
         let _conn2 = s.reset_stream();
         let id = up.ids("after-done").pop().unwrap();
         assert_eq!(access_outcome(&envoy, &id).await, "completed");
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        let calls = recv
+            .expect_no_more_calls(2, QUIET)
+            .await
+            .unwrap_or_else(|e| panic!("one abort per reset stream: {e:#}"));
         assert!(
-            recv.calls_for(&id).is_empty(),
+            calls.iter().all(|c| c.request_id() != Some(id.as_str())),
             "a completed stream was aborted"
         );
-        assert_eq!(recv.calls().len(), 2, "one abort per reset stream");
         assert_vm_healthy(&envoy);
     })
     .await

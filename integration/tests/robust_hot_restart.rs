@@ -209,7 +209,7 @@ async fn hot_restart_with_1000_live_streams() {
             .stat("kvguard_filter_requests_tracked_total")
             .await
             .unwrap()
-            .unwrap_or(0.0);
+            .expect("the filter's requests_tracked_total on epoch 1");
         let mut done_ids = Vec::new();
         for i in 0..NEW_DONE {
             let mut s =
@@ -247,7 +247,7 @@ async fn hot_restart_with_1000_live_streams() {
             .stat("kvguard_filter_requests_tracked_total")
             .await
             .unwrap()
-            .unwrap_or(0.0);
+            .expect("the filter's requests_tracked_total on epoch 1");
         assert_eq!(tracked1 - tracked0, (NEW_DONE + NEW_DROPPED) as f64);
         let new_log = poll_until(
             "epoch 1's access log lines",

@@ -64,7 +64,12 @@ async fn stalls_are_detected_within_two_ticks_beside_healthy_traffic() {
                 let mut s = client::stream_sse(entry, "/v1/chat/completions", &body, &h, false)
                     .await
                     .unwrap();
-                let _ = s.collect(Duration::from_secs(10)).await;
+                // The filter closes it: it must end, without completing.
+                let end = s
+                    .wait_end(Duration::from_secs(10))
+                    .await
+                    .unwrap_or_else(|e| panic!("a stalled stream was not closed: {e:#}"));
+                assert!(!end.saw_done(), "{end:?}");
                 "stalled"
             });
         }

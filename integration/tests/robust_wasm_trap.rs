@@ -195,10 +195,12 @@ async fn trap_mid_traffic(rig: &Rig) -> Trapped {
     .await
     .unwrap();
     assert_eq!(trap.status, 200);
-    let got = trap.collect(W).await;
+    let got = trap
+        .wait_end(W)
+        .await
+        .unwrap_or_else(|e| panic!("the trapping stream hangs: {e:#}"));
     assert!(
-        got.as_ref()
-            .map_or(true, |e| e.iter().all(|e| e.data.is_none())),
+        got.events.iter().all(|e| e.data.is_none()),
         "the trapping stream got data: {got:?}"
     );
     let (trap_id, trap_vm) = seen(&rig.sim, "trap").unwrap();
@@ -213,18 +215,18 @@ async fn trap_mid_traffic(rig: &Rig) -> Trapped {
     // Streams on the trapped VM are cut; the others complete in full.
     let mut cut_ids = Vec::new();
     for (mut s, id, vm) in live {
-        let r = s.collect(W).await;
+        let r = s
+            .wait_end(W)
+            .await
+            .unwrap_or_else(|e| panic!("{id} (VM {vm}) hangs: {e:#}"));
         if vm == trapped {
-            assert!(
-                r.as_ref().map_or(true, |e| !e.iter().any(|e| e.is_done())),
-                "{id} on the trapped VM completed"
-            );
+            assert!(!r.saw_done(), "{id} on the trapped VM completed");
             let line = access_line(&rig.envoy, &id).await;
             assert!(line.contains("wasm_fail_stream"), "{line}");
             cut_ids.push(id);
         } else {
-            let events = r.unwrap_or_else(|e| panic!("{id} on the healthy VM: {e:#}"));
-            assert!(events.last().unwrap().is_done(), "{id}: {events:?}");
+            assert!(r.completed(), "{id} on the healthy VM: {r:?}");
+            let events = r.events;
             // After the role chunk read by `open`: 40 tokens (the last with its finish
             // reason), usage, [DONE].
             assert_eq!(events.len(), 42, "{id}");

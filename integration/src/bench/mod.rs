@@ -148,17 +148,27 @@ pub fn clk_tck() -> u64 {
     }
 }
 
-/// Resident set size of a process, bytes.
-pub fn rss(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
+/// Resident set size of a process, bytes (`VmRSS`). Errors when the process or the field
+/// is missing: a memory check must not pass on a process that is gone.
+pub fn rss(pid: u32) -> Result<u64> {
+    status_bytes(pid, "VmRSS")
+}
+
+/// Peak resident set size of a process so far, bytes (`VmHWM`, the kernel's high-water
+/// mark): the peak of a burst, however short, without sampling during it.
+pub fn peak_rss(pid: u32) -> Result<u64> {
+    status_bytes(pid, "VmHWM")
+}
+
+/// A `kB` field of `/proc/<pid>/status`, in bytes.
+fn status_bytes(pid: u32, field: &str) -> Result<u64> {
+    let path = format!("/proc/{pid}/status");
+    let s = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+    s.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .with_context(|| format!("no {field} in {path}"))
 }
 
 /// One load scenario of the overhead section.
@@ -922,29 +932,21 @@ pub async fn abort_and_stall(
         out["abort_to_engine_closed_ms"] = json!(Percentiles::of(lat));
         out["abort_to_engine_closed_missing"] = json!(missing);
         out["abort_to_engine_closed_n"] = json!(total);
-        out["control_rss_after_abort_storm_bytes"] = json!(rss(st.control.guard().pid()));
+        out["control_rss_after_abort_storm_bytes"] = json!(rss(st.control.guard().pid())?);
     }
     Ok(out)
 }
 
-async fn snap(label: String, envoy: &Envoy, pid: u32) -> Value {
+async fn snap(label: String, envoy: &Envoy, pid: u32) -> Result<Value> {
     tokio::time::sleep(Duration::from_millis(600)).await;
-    let st = envoy
-        .stats_matching("kvguard_filter")
-        .await
-        .unwrap_or_default();
-    let find = |k: &str| {
-        st.iter()
-            .find(|(n, _)| n.ends_with(k))
-            .map(|(_, v)| *v)
-            .unwrap_or(f64::NAN)
-    };
-    json!({
+    let st = envoy.stats_matching("kvguard_filter").await?;
+    let find = |k: &str| stack::stat_ending(&st, k);
+    Ok(json!({
         "label": label,
-        "vm_memory_bytes": find("kvguard_filter_vm_memory_bytes"),
-        "active_requests": find("kvguard_filter_active_requests"),
-        "envoy_rss_bytes": rss(pid),
-    })
+        "vm_memory_bytes": find("kvguard_filter_vm_memory_bytes")?,
+        "active_requests": find("kvguard_filter_active_requests")?,
+        "envoy_rss_bytes": rss(pid)?,
+    }))
 }
 
 /// The memory section.
@@ -975,7 +977,7 @@ pub async fn memory(opts: &BenchOptions) -> Result<Value> {
     )
     .await?;
     let _ = w.collect(Duration::from_secs(5)).await;
-    let mut points = vec![snap("start".into(), &envoy, pid).await];
+    let mut points = vec![snap("start".into(), &envoy, pid).await?];
     let top = *opts.memory_levels.iter().max().unwrap_or(&1000);
     let hdr = [("x-bench-events", "2"), ("x-bench-hold-ms", "600000")];
     for wave in 0..opts.memory_waves {
@@ -1008,7 +1010,7 @@ pub async fn memory(opts: &BenchOptions) -> Result<Value> {
                 &envoy,
                 pid,
             )
-            .await;
+            .await?;
             eprintln!("memory: {p}");
             points.push(p);
         }
@@ -1027,7 +1029,7 @@ pub async fn memory(opts: &BenchOptions) -> Result<Value> {
             &envoy,
             pid,
         )
-        .await;
+        .await?;
         eprintln!("memory: {p}");
         points.push(p);
     }
@@ -1045,7 +1047,7 @@ pub async fn control(opts: &BenchOptions) -> Result<Value> {
     let pid = c.guard().pid();
     pin_proxy(opts, pid)?;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let rss_idle = rss(pid);
+    let rss_idle = rss(pid)?;
     // Sequential requests: the hop's latency, not queueing behind other requests (with
     // concurrent clients the figure would be kvguard-control's CPU per request times the
     // queue length; that cost is reported separately as CPU per request).
@@ -1096,7 +1098,7 @@ pub async fn control(opts: &BenchOptions) -> Result<Value> {
         }
     }
     drop(envoy);
-    let rss_loaded = rss(pid);
+    let rss_loaded = rss(pid)?;
     let added: Vec<f64> = via.iter().zip(&direct).map(|(a, b)| a - b).collect();
     let added_envoy: Vec<f64> = via_envoy.iter().zip(&direct).map(|(a, b)| a - b).collect();
     eprintln!("control hop: direct p50 {direct:?} µs, via control {via:?} µs, via plain Envoy {via_envoy:?} µs");

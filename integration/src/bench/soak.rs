@@ -125,13 +125,9 @@ pub async fn run(opts: SoakOptions) -> Result<Value> {
             .await
             .map(|v| v.len())
             .unwrap_or(usize::MAX);
-        let fs = st.filter_stats().await;
-        let find = |k: &str| {
-            fs.iter()
-                .find(|(n, _)| n.ends_with(k))
-                .map(|(_, v)| *v)
-                .unwrap_or(f64::NAN)
-        };
+        // A figure that cannot be read fails the soak (it is not 0, nor "no growth").
+        let fs = st.filter_stats().await?;
+        let find = |k: &str| stack::stat_ending(&fs, k);
         tokio::time::sleep(Duration::from_millis(300)).await;
         let point = json!({
             "wave": wave,
@@ -139,11 +135,11 @@ pub async fn run(opts: SoakOptions) -> Result<Value> {
             "engine_running": orphans.0,
             "engine_waiting": orphans.1,
             "control_inflight": inflight,
-            "filter_active": find("kvguard_filter_active_requests"),
-            "filter_pending_aborts": find("kvguard_filter_pending_aborts"),
-            "vm_memory_bytes": find("kvguard_filter_vm_memory_bytes"),
-            "envoy_rss_bytes": rss(envoy_pid),
-            "control_rss_bytes": rss(control_pid),
+            "filter_active": find("kvguard_filter_active_requests")?,
+            "filter_pending_aborts": find("kvguard_filter_pending_aborts")?,
+            "vm_memory_bytes": find("kvguard_filter_vm_memory_bytes")?,
+            "envoy_rss_bytes": rss(envoy_pid)?,
+            "control_rss_bytes": rss(control_pid)?,
             "kv_usage": engine.state().kv_usage(),
             "wave_load": {"completed": m.completed, "disconnected": m.disconnected, "stalled": s.started,
                           "ttfb_p50_ms": m.ttfb_ms.p50, "http2": wave % 2 == 1},

@@ -144,12 +144,7 @@ async fn demo(a: Args) -> Result<()> {
     let json = serde_json::to_string_pretty(&res)?;
     std::fs::write(out.join("results.json"), json)?;
     println!("results: {}", out.join("results.json").display());
-    let fa = res.leak.as_ref().map(|r| r.false_aborts).unwrap_or(0)
-        + res.kvguard.as_ref().map(|r| r.false_aborts).unwrap_or(0);
-    if fa > 0 {
-        bail!("{fa} false aborts (streams that should have completed did not)");
-    }
-    Ok(())
+    demo::verdict(&res)
 }
 
 fn main() -> Result<()> {

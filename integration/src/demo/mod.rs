@@ -209,7 +209,8 @@ pub struct ClientRecord {
     pub events: u64,
     /// `done` (read `[DONE]`), `disconnected` (left on purpose), `gave_up` (stalled
     /// past its patience, then left), `kvguard_error` (got kvguard's error event),
-    /// `closed` (ended without `[DONE]`), `error`.
+    /// `closed` (ended without `[DONE]`), `error`, `hung` (had not finished when the run
+    /// ended: see [`account_for_every_client`]).
     pub outcome: String,
     /// Seconds since the run's start when the client left (disconnected or gave up).
     pub gone_s: Option<f64>,
@@ -314,7 +315,7 @@ pub async fn run_once(
     let st = Stack::start(opts).await.context("starting the stack")?;
     let baseline = crate::vllm::engine_figures(engine)
         .await
-        .unwrap_or_default();
+        .context("the engine's /metrics before the run")?;
     let plan = workload::plan(cfg);
     let live = Arc::new(Live::default());
     let records = Arc::new(Mutex::new(Vec::<ClientRecord>::new()));
@@ -355,10 +356,16 @@ pub async fn run_once(
     while Instant::now() < end {
         tick.tick().await;
         let t = t0.elapsed().as_secs_f64();
+        // A sample that cannot be read stops the run: a missing figure is not 0 (it
+        // would hide orphans).
         let f = crate::vllm::engine_figures(engine)
             .await
-            .unwrap_or_default();
-        let ids = st.control.inflight_ids().await.unwrap_or_default();
+            .with_context(|| format!("the engine's /metrics at {t:.1}s"))?;
+        let ids = st
+            .control
+            .inflight_ids()
+            .await
+            .with_context(|| format!("kvguard-control's /v1/requests at {t:.1}s"))?;
         for id in &ids {
             last_seen.insert(id.clone(), t);
         }
@@ -385,19 +392,28 @@ pub async fn run_once(
             ));
         }
     }
-    // Every client task is bounded (patience, per-stream bound); wait for them.
-    let _ = tokio::time::timeout(Duration::from_secs(60), load).await;
+    // Every client task is bounded (patience, per-stream bound); wait for them. One still
+    // running after that is hung: it is stopped and accounted for below, never left out.
+    let mut load = load;
+    if tokio::time::timeout(CLIENTS_END, &mut load).await.is_err() {
+        load.abort();
+        let _ = load.await;
+    }
     let end_t = t0.elapsed().as_secs_f64();
-    let final_ids = st.control.inflight_ids().await.unwrap_or_default();
-    let mut clients = records.lock().map(|g| g.clone()).unwrap_or_default();
-    clients.sort_by_key(|c| c.index);
+    let final_ids = st
+        .control
+        .inflight_ids()
+        .await
+        .context("kvguard-control's /v1/requests at the end of the run")?;
+    let finished = records.lock().map(|g| g.clone()).unwrap_or_default();
+    let clients = account_for_every_client(&plan, finished);
 
     let mut r = RunResult {
         mode: match mode {
             Mode::Leak => "leak".into(),
             Mode::Kvguard => "kvguard".into(),
         },
-        requests: clients.len(),
+        requests: plan.len(),
         kv_baseline: baseline.kv_usage,
         ..RunResult::default()
     };
@@ -411,7 +427,7 @@ pub async fn run_once(
         if c.plan == "stall" {
             r.stalled += 1;
         }
-        if c.plan == "complete" && c.outcome != "done" {
+        if (c.plan == "complete" && c.outcome != "done") || c.outcome == HUNG {
             r.false_aborts += 1;
             if r.false_abort_samples.len() < 10 {
                 r.false_abort_samples.push(format!(
@@ -454,8 +470,12 @@ pub async fn run_once(
     r.kv_peak = series.iter().map(|s| s.kv).fold(0.0, f64::max);
     r.waiting_peak = series.iter().map(|s| s.waiting).fold(0.0, f64::max);
     r.kv_end = series.last().map(|s| s.kv).unwrap_or_default();
-    r.aborts_by_reason = st.control.aborts_by_reason().await.unwrap_or_default();
-    r.filter_stats = st.filter_stats().await;
+    r.aborts_by_reason = st
+        .control
+        .aborts_by_reason()
+        .await
+        .context("kvguard-control's aborts at the end of the run")?;
+    r.filter_stats = st.filter_stats().await?;
     if let Some(h) = &st.hop {
         let s = h.stats();
         r.hop_clients_gone = s.clients_gone;
@@ -466,6 +486,75 @@ pub async fn run_once(
     r.wall_s = started.elapsed().as_secs_f64();
     drop(st);
     Ok(r)
+}
+
+/// How long the run waits, after its drain phase, for the clients still reading.
+const CLIENTS_END: Duration = Duration::from_secs(60);
+
+/// The outcome of a planned client that had not finished when the run ended.
+pub const HUNG: &str = "hung";
+
+/// One record per planned client, in plan order: the finished ones as they reported, and
+/// for every client that did not report (it hung, or its task was lost) a record with
+/// outcome [`HUNG`], which counts as a false abort. A client that vanishes from the
+/// table would hide the very failure the demo looks for.
+pub fn account_for_every_client(
+    plan: &[Planned],
+    finished: Vec<ClientRecord>,
+) -> Vec<ClientRecord> {
+    let mut by_index: BTreeMap<usize, ClientRecord> =
+        finished.into_iter().map(|c| (c.index, c)).collect();
+    plan.iter()
+        .map(|p| {
+            by_index.remove(&p.index).unwrap_or_else(|| ClientRecord {
+                index: p.index,
+                plan: p.kind.label().into(),
+                sent_s: p.at.as_secs_f64(),
+                outcome: HUNG.into(),
+                error: Some(format!(
+                    "still running {}s after the drain phase",
+                    CLIENTS_END.as_secs()
+                )),
+                ..ClientRecord::default()
+            })
+        })
+        .collect()
+}
+
+/// The demo's verdict, what `kvguard-demo` (and so `scripts/demo` and CI) exits non-zero
+/// on: no false abort in any run, and, when both ran, kvguard's orphan-seconds below the
+/// run without it.
+pub fn verdict(res: &DemoResults) -> Result<()> {
+    let mut wrong = Vec::new();
+    for r in [&res.leak, &res.kvguard].into_iter().flatten() {
+        if r.false_aborts > 0 {
+            wrong.push(format!(
+                "{}: {} false aborts (clients planned to complete that did not get [DONE], or hung): {:?}",
+                r.mode, r.false_aborts, r.false_abort_samples
+            ));
+        }
+        if r.requests != r.clients.len() {
+            wrong.push(format!(
+                "{}: {} planned clients, {} accounted for",
+                r.mode,
+                r.requests,
+                r.clients.len()
+            ));
+        }
+    }
+    if let (Some(leak), Some(kvg)) = (&res.leak, &res.kvguard) {
+        if kvg.orphan_seconds >= leak.orphan_seconds {
+            wrong.push(format!(
+                "kvguard's orphan-seconds {:.1} are not below the run without it ({:.1})",
+                kvg.orphan_seconds, leak.orphan_seconds
+            ));
+        }
+    }
+    if wrong.is_empty() {
+        Ok(())
+    } else {
+        anyhow::bail!("{}", wrong.join("\n"))
+    }
 }
 
 /// Starts the engine for a run: a fresh simulator (returned, keep it alive), or the
@@ -662,4 +751,57 @@ pub fn series_table(res: &DemoResults, step_s: f64) -> String {
         t += step_s;
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(mode: &str, orphan_seconds: f64, false_aborts: usize) -> RunResult {
+        RunResult {
+            mode: mode.into(),
+            orphan_seconds,
+            false_aborts,
+            ..RunResult::default()
+        }
+    }
+
+    #[test]
+    fn a_client_that_did_not_report_is_a_hung_false_abort() {
+        let mut cfg = DemoConfig::new(EngineKind::Sim);
+        cfg.arrival_s = 2.0;
+        let plan = plan(&cfg);
+        assert_eq!(plan.len(), 10);
+        let finished: Vec<ClientRecord> = plan
+            .iter()
+            .filter(|p| p.index != 3)
+            .map(|p| ClientRecord {
+                index: p.index,
+                plan: p.kind.label().into(),
+                outcome: "done".into(),
+                ..ClientRecord::default()
+            })
+            .collect();
+        let all = account_for_every_client(&plan, finished);
+        assert_eq!(all.len(), plan.len());
+        assert!(all.iter().enumerate().all(|(i, c)| c.index == i));
+        assert_eq!(all[3].outcome, HUNG);
+        assert_eq!(all[3].plan, plan[3].kind.label());
+    }
+
+    #[test]
+    fn verdict_fails_on_false_aborts_and_on_orphan_seconds_not_below_the_leak() {
+        let both = |leak: RunResult, kvg: RunResult| DemoResults {
+            config: DemoConfig::new(EngineKind::Sim),
+            leak: Some(leak),
+            kvguard: Some(kvg),
+        };
+        assert!(verdict(&both(run("leak", 50.0, 0), run("kvguard", 0.5, 0))).is_ok());
+        let e = verdict(&both(run("leak", 50.0, 0), run("kvguard", 0.5, 1))).unwrap_err();
+        assert!(e.to_string().contains("1 false aborts"), "{e}");
+        let e = verdict(&both(run("leak", 5.0, 0), run("kvguard", 5.0, 0))).unwrap_err();
+        assert!(e.to_string().contains("orphan-seconds"), "{e}");
+        let e = verdict(&both(run("leak", 0.0, 2), run("kvguard", 0.0, 0))).unwrap_err();
+        assert!(e.to_string().contains("leak: 2 false aborts"), "{e}");
+    }
 }

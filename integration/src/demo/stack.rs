@@ -9,6 +9,7 @@
 use crate::envoy::{Envoy, EnvoyOptions};
 use crate::lossy::{self, LossyConfig, LossyHandle};
 use crate::proc::ChildGuard;
+use crate::receiver::{self, Behaviour, Receiver, ReceiverConfig};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -19,15 +20,19 @@ use std::time::{Duration, Instant};
 /// The shared secret the demo and tests use (filter and control).
 pub const SECRET: &str = "kvguard-demo-secret-0123456789abcdef";
 
+/// The filter's tick in [`filter_config`], ms: its clocks fire at most this late.
+pub const FILTER_TICK_MS: u64 = 250;
+
 /// A filter configuration: aborts to [`crate::envoy::CONTROL_CLUSTER`], the secret from
-/// the VM environment, the given idle timeout and max age (ms, 0 = off).
+/// the VM environment, the given idle timeout and max age (ms, 0 = off), a
+/// [`FILTER_TICK_MS`] tick.
 pub fn filter_config(idle_timeout_ms: u64, max_age_ms: u64) -> Value {
     json!({
         "control_cluster": crate::envoy::CONTROL_CLUSTER,
         "secret_env": "KVGUARD_SECRET",
         "idle_timeout_ms": idle_timeout_ms,
         "max_age_ms": max_age_ms,
-        "tick_ms": 250
+        "tick_ms": FILTER_TICK_MS
     })
 }
 
@@ -144,13 +149,19 @@ impl Control {
         Ok(crate::client::get(self.admin, "/metrics").await?.text())
     }
 
-    /// `kvguard_control_aborts_total` by reason (outcome summed), from `/metrics`.
+    /// `kvguard_control_aborts_total` by reason (outcome summed), from `/metrics`. Errors
+    /// when `/metrics` has no sample of it (kvguard-control exports every reason from the
+    /// start: an absent family is not "0 aborts").
     pub async fn aborts_by_reason(&self) -> Result<BTreeMap<String, f64>> {
-        Ok(labelled(
+        let m = labelled(
             &self.metrics_text().await?,
             "kvguard_control_aborts_total",
             "reason",
-        ))
+        );
+        if m.is_empty() {
+            bail!("kvguard-control's /metrics has no kvguard_control_aborts_total sample");
+        }
+        Ok(m)
     }
 
     /// Request ids in flight (`GET /v1/requests`).
@@ -208,6 +219,10 @@ pub struct StackOptions {
     /// Send the filter's aborts here instead of kvguard-control's admin listener (e.g. a
     /// closed port: the abort endpoint unreachable).
     pub abort_target: Option<SocketAddr>,
+    /// Put a recording tap ([`crate::receiver::Behaviour::Forward`]) between the filter
+    /// and the abort endpoint: [`Stack::abort_tap`] then holds every abort call the
+    /// filter sent, body included (its `idle_ms`, `gone_ms`).
+    pub abort_tap: bool,
     /// Envoy `--concurrency`.
     pub envoy_concurrency: u32,
 }
@@ -222,6 +237,7 @@ impl StackOptions {
             lossy: true,
             buffer_limit: Some(16 * 1024),
             abort_target: None,
+            abort_tap: false,
             envoy_concurrency: 1,
         }
     }
@@ -235,6 +251,8 @@ pub struct Stack {
     pub hop: Option<LossyHandle>,
     /// kvguard-control.
     pub control: Control,
+    /// The recording tap in front of the abort endpoint (`StackOptions::abort_tap`).
+    pub abort_tap: Option<Receiver>,
     /// The options it was started with.
     pub opts: StackOptions,
 }
@@ -257,6 +275,15 @@ impl Stack {
             (None, control.proxy)
         };
         let abort_to = opts.abort_target.unwrap_or(control.admin);
+        let abort_tap = match opts.abort_tap {
+            true => {
+                let mut rc = ReceiverConfig::new(Vec::new());
+                rc.behaviour = Behaviour::Forward(abort_to);
+                Some(receiver::spawn(rc).await?)
+            }
+            false => None,
+        };
+        let abort_to = abort_tap.as_ref().map_or(abort_to, Receiver::addr);
         let mut eo = match &opts.filter {
             Some(cfg) => EnvoyOptions::with_filter(upstream, abort_to, cfg.clone())
                 .vm_env("KVGUARD_SECRET", SECRET),
@@ -271,6 +298,7 @@ impl Stack {
             envoy,
             hop,
             control,
+            abort_tap,
             opts,
         })
     }
@@ -294,11 +322,30 @@ impl Stack {
     }
 
     /// The filter's stats whose name contains `kvguard_filter` (counters and gauges).
-    pub async fn filter_stats(&self) -> BTreeMap<String, f64> {
-        self.envoy
+    /// Errors when Envoy's admin does not answer, and when the stack has the filter but
+    /// Envoy shows none of its stats (the filter is not loaded): "0 aborts" must not pass
+    /// on a missing filter. Empty for a stack without the filter.
+    pub async fn filter_stats(&self) -> Result<BTreeMap<String, f64>> {
+        let s = self
+            .envoy
             .stats_matching("kvguard_filter")
             .await
-            .unwrap_or_default()
+            .context("reading Envoy's /stats")?;
+        if self.opts.filter.is_some() && s.is_empty() {
+            bail!("Envoy shows no kvguard_filter stats although the stack has the filter");
+        }
+        Ok(s)
+    }
+}
+
+/// The value of the one stat in `stats` whose name ends with `suffix`; errors when none
+/// does (a stat that does not exist is not 0).
+pub fn stat_ending(stats: &BTreeMap<String, f64>, suffix: &str) -> Result<f64> {
+    let mut found = stats.iter().filter(|(k, _)| k.ends_with(suffix));
+    match (found.next(), found.next()) {
+        (Some((_, v)), None) => Ok(*v),
+        (None, _) => bail!("no stat ending with {suffix:?} among {stats:?}"),
+        (Some(_), Some(_)) => bail!("more than one stat ends with {suffix:?}: {stats:?}"),
     }
 }
 

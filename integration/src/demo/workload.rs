@@ -23,6 +23,17 @@ pub enum Kind {
     Stall(u32),
 }
 
+impl Kind {
+    /// The plan's name in records and tables: `complete`, `disconnect`, `stall`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Kind::Complete => "complete",
+            Kind::Disconnect(_) => "disconnect",
+            Kind::Stall(_) => "stall",
+        }
+    }
+}
+
 /// One planned request.
 #[derive(Debug, Clone)]
 pub struct Planned {
@@ -108,12 +119,7 @@ pub async fn client(
     let sent = Instant::now();
     let mut rec = ClientRecord {
         index: p.index,
-        plan: match p.kind {
-            Kind::Complete => "complete",
-            Kind::Disconnect(_) => "disconnect",
-            Kind::Stall(_) => "stall",
-        }
-        .into(),
+        plan: p.kind.label().into(),
         sent_s: since(sent),
         ..ClientRecord::default()
     };
