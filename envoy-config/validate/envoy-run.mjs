@@ -37,9 +37,27 @@ export function pointClustersAt(cfg, port) {
   }
 }
 
-// Starts Envoy on `cfg` (an object; not modified). Resolves to { admin: "ip:port",
-// port: the first listener's port, stop(), log() } once both are bound (10 s each at most).
-export async function startEnvoy(bin, cfg) {
+// Makes `cfg` reachable by a plain-text loopback client (in place): TLS off on listeners
+// and clusters (transport sockets, TLS inspector, SNI matches) and no active health checks.
+// The HTTP filter chains, routes and clusters stay as they are.
+export function plaintext(cfg) {
+  for (const l of cfg.static_resources.listeners) {
+    delete l.listener_filters;
+    for (const fc of l.filter_chains ?? []) {
+      delete fc.transport_socket;
+      delete fc.filter_chain_match;
+    }
+  }
+  for (const c of cfg.static_resources.clusters) {
+    delete c.transport_socket;
+    delete c.health_checks;
+  }
+}
+
+// Starts Envoy on `cfg` (an object; not modified), with `extra` arguments (e.g.
+// ["--config-yaml", text]). Resolves to { admin: "ip:port", port: the first listener's port,
+// stop(), log() } once both are bound (10 s each at most).
+export async function startEnvoy(bin, cfg, extra = []) {
   const c = JSON.parse(JSON.stringify(cfg));
   c.admin.address.socket_address.port_value = 0;
   for (const l of c.static_resources.listeners) {
@@ -52,7 +70,7 @@ export async function startEnvoy(bin, cfg) {
   writeFileSync(cfgFile, stringify(c, { lineWidth: 0 }));
   const envoy = spawn(
     bin,
-    ["-c", cfgFile, "--disable-hot-restart", "--concurrency", "2", "--admin-address-path", adminFile, "-l", "warning"],
+    ["-c", cfgFile, "--disable-hot-restart", "--concurrency", "2", "--admin-address-path", adminFile, "-l", "warning", ...extra],
     { stdio: ["ignore", "ignore", "pipe"] },
   );
   let log = "";

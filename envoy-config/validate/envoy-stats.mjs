@@ -9,10 +9,15 @@
 // Listener and admin ports are 0 and every cluster points at a closed port: nothing on the
 // machine is reached, nothing fixed is bound.
 //
-// Usage: node envoy-stats.mjs --envoy BIN --config RENDERED.yaml --metrics METRICS.md
+// With --config-yaml FILE, Envoy also gets that file's text as --config-yaml (how pilot-agent
+// hands an Istio gateway its custom bootstrap), and the config is made plain text first
+// (TLS off, see envoy-run.mjs: the rendered gateway's certificates come from an SDS server
+// that does not exist here).
+//
+// Usage: node envoy-stats.mjs --envoy BIN --config RENDERED.yaml --metrics METRICS.md [--config-yaml FILE]
 import { readFileSync } from "node:fs";
 import { parse } from "yaml";
-import { closedPort, pointClustersAt, sleep, startEnvoy } from "./envoy-run.mjs";
+import { closedPort, plaintext, pointClustersAt, sleep, startEnvoy } from "./envoy-run.mjs";
 
 const args = process.argv.slice(2);
 const opt = {};
@@ -30,11 +35,16 @@ const known = new Set(
 
 const cfg = parse(readFileSync(opt.config, "utf8"));
 pointClustersAt(cfg, await closedPort());
+const extra = [];
+if (opt["config-yaml"]) {
+  plaintext(cfg);
+  extra.push("--config-yaml", readFileSync(opt["config-yaml"], "utf8"));
+}
 let run = null;
 const cleanup = () => run?.stop();
 
 try {
-  run = await startEnvoy(opt.envoy, cfg);
+  run = await startEnvoy(opt.envoy, cfg, extra);
   const { admin, port } = run;
   const paths = ["/v1/chat/completions", "/v1/completions"];
   for (const p of paths) {

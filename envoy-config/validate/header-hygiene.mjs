@@ -12,17 +12,18 @@
 //
 // The stand-in upstream signs its stamp like kvguard-control (docs/CONTRACT.md §4) with
 // $KVGUARD_SECRET, the key the filter reads. Changed in the copy Envoy runs, so that a
-// plain-text loopback client can drive it: listeners' TLS and clusters' health checks
-// removed, clusters pointed at the stand-ins, the filter in `enforce` mode with
-// control_target_cidrs ["127.0.0.1"] and an ORIGINAL_DST `kvguard_control_replica` cluster
-// added when the config has none.
+// plain-text loopback client can drive it: TLS and health checks off (envoy-run.mjs
+// plaintext), virtual hosts answering any host name, the filter's control_cluster pointed
+// at a fallback abort receiver and every other cluster at the stand-in engine, the filter in
+// `enforce` mode with control_target_cidrs ["127.0.0.1"], and an ORIGINAL_DST
+// `kvguard_control_replica` cluster added when the config has none.
 //
 // Usage: node header-hygiene.mjs --envoy BIN --config RENDERED.yaml
 import { readFileSync } from "node:fs";
 import { createServer } from "node:http";
 import { createHmac } from "node:crypto";
 import { parse } from "yaml";
-import { sleep, startEnvoy } from "./envoy-run.mjs";
+import { plaintext, sleep, startEnvoy } from "./envoy-run.mjs";
 
 const args = process.argv.slice(2);
 const opt = {};
@@ -82,17 +83,19 @@ const isKvguard = (f) => f.typed_config?.config?.root_id === "kvguard";
 function prepare(vmUp) {
   const cfg = JSON.parse(JSON.stringify(shipped));
   let n = 0;
+  let fallbackCluster = null;
+  plaintext(cfg);
   for (const l of cfg.static_resources.listeners) {
-    delete l.listener_filters;
     for (const fc of l.filter_chains ?? []) {
-      delete fc.transport_socket;
       for (const nf of fc.filters ?? []) {
         const hcm = nf.typed_config;
         if (!Array.isArray(hcm?.http_filters)) continue;
+        for (const vh of hcm.route_config?.virtual_hosts ?? []) vh.domains = ["*"];
         for (const f of hcm.http_filters.filter(isKvguard)) {
           n++;
           const c = f.typed_config.config.configuration;
           const pc = JSON.parse(c.value);
+          fallbackCluster = pc.control_cluster;
           pc.mode = "enforce";
           pc.control_target_cluster ??= "kvguard_control_replica";
           pc.control_target_cidrs = ["127.0.0.1"];
@@ -114,8 +117,7 @@ function prepare(vmUp) {
     });
   }
   for (const c of clusters) {
-    delete c.health_checks;
-    const port = c.name === "kvguard_control" ? fallbackPort : upstreamPort;
+    const port = c.name === fallbackCluster ? fallbackPort : upstreamPort;
     for (const e of c.load_assignment?.endpoints ?? []) {
       for (const lb of e.lb_endpoints ?? []) {
         const sa = lb.endpoint?.address?.socket_address;

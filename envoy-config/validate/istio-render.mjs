@@ -5,8 +5,10 @@
 //   istio-gateway-base.yaml   what istiod generates for the Gateway/VirtualService/
 //                             DestinationRules: listener, connection manager, the gateway's
 //                             HTTP filter chain, outbound clusters with Istio mTLS, SDS
-//   + the custom bootstrap    pilot-agent merges the file named by ISTIO_BOOTSTRAP_OVERRIDE
-//                             (a ConfigMap mounted into istio-proxy) into its bootstrap
+//   + the custom bootstrap    pilot-agent hands the file named by ISTIO_BOOTSTRAP_OVERRIDE (a
+//                             ConfigMap mounted into istio-proxy) to Envoy as --config-yaml,
+//                             which Envoy merges into the bootstrap; written next to the
+//                             output as <output>.config-yaml, for `envoy --config-yaml`
 //   + each WasmPlugin         an envoy.filters.http.wasm filter where istiod puts phase STATS
 //                             (after the authn/authz filters, before gRPC stats); istiod
 //                             delivers it by ECDS, here it is inline
@@ -260,7 +262,6 @@ for (const { o: wp } of wasmPlugins) {
   for (const d of selectedDeployments(wp)) {
     const { pc, bootstrap, from } = podProxy(d);
     const cfg = clone(base);
-    if (bootstrap) merge(cfg, bootstrap, from);
     for (const h of hcms(cfg.static_resources.listeners)) {
       const chain = h.typed_config.http_filters;
       const at = chain.findIndex((x) => !BEFORE_STATS.has(x.name));
@@ -282,6 +283,7 @@ for (const { o: wp } of wasmPlugins) {
         `(concurrency ${pc.concurrency}; custom bootstrap: ${from ?? "none"})\n` +
         stringify(cfg, { lineWidth: 0 }),
     );
+    if (bootstrap) writeFileSync(`${out}.config-yaml`, JSON.stringify(bootstrap));
     console.log(out);
   }
 }
