@@ -22,7 +22,7 @@
 //
 // Refused, because in a cluster they would be skipped or ignored silently: a patch that
 // matches nothing or that this renderer cannot place, a BOOTSTRAP patch (istiod ignores
-// them since 1.21), a WasmPlugin selecting no Deployment of the inputs, a WasmPlugin url not
+// them since 1.21), a WasmPlugin or an EnvoyFilter selecting no Deployment of the inputs, a WasmPlugin url not
 // pinned by sha256 digest, the sidecar.istio.io/bootstrapOverride annotation on a gateway pod
 // (the gateway injection template ignores it), a custom bootstrap that is missing or not
 // JSON. Also refused, as kvguard's own requirements for gateway pods (envoy-config/README.md):
@@ -255,6 +255,15 @@ function podProxy(d) {
 const STANDIN = { "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config" };
 // Filters istiod puts before the WasmPlugins of phase STATS (metadata exchange, authn, authz).
 const BEFORE_STATS = new Set(["istio.metadata_exchange", "envoy.filters.http.ext_authz", "envoy.filters.http.jwt_authn", "istio_authn", "envoy.filters.http.rbac"]);
+
+// An EnvoyFilter whose workloadSelector picks no gateway pod of the inputs applies to nothing.
+for (const ef of envoyFilters) {
+  const want = Object.entries(ef.o.spec.workloadSelector?.labels ?? {});
+  const hit = deployments.some(
+    (d) => d.o.metadata.namespace === ef.o.metadata.namespace && want.every(([k, v]) => d.o.spec.template?.metadata?.labels?.[k] === v),
+  );
+  if (!hit) die(`${ref(ef)}: its workloadSelector ${JSON.stringify(ef.o.spec.workloadSelector ?? {})} picks no Deployment of the inputs (istiod would apply it to nothing)`);
+}
 
 const base = parseAllDocuments(readFileSync(opt.base, "utf8"))[0].toJS();
 mkdirSync(opt.out, { recursive: true });
