@@ -1,5 +1,5 @@
 // Checks that the compose stack and the Envoy file it mounts describe one topology:
-// the Envoy config is envoy/local.yaml (the one the native demo runs), the wasm is mounted
+// the Envoy config is envoy/local.yaml (the one the by-hand recipe runs), the wasm is mounted
 // where that file names it, and the ports of its clusters are the ports the services in
 // compose.yaml listen on (Envoy `engine` → kvguard-control proxy or the lossy hop,
 // `kvguard_control` → kvguard-control admin, kvguard-control → vLLM).
@@ -37,7 +37,7 @@ const envoyMount = mounts("envoy").find((m) => m.target === "/etc/envoy/envoy.ya
 if (!envoyMount) errors.push(`${file}: envoy does not mount a config at /etc/envoy/envoy.yaml`);
 else {
   const envoyFile = resolve(dir, envoyMount.src);
-  if (!/envoy\/local\.yaml$/.test(envoyFile)) errors.push(`${file}: envoy mounts ${envoyMount.src}, not envoy/local.yaml (the demo's file)`);
+  if (!/envoy\/local\.yaml$/.test(envoyFile)) errors.push(`${file}: envoy mounts ${envoyMount.src}, not envoy/local.yaml (the one-machine file)`);
   if (!existsSync(envoyFile)) errors.push(`${file}: ${envoyFile} does not exist`);
   else {
     const envoy = parse(readFileSync(envoyFile, "utf8"));

@@ -9,13 +9,15 @@
 // Listener and admin ports are 0 and every cluster points at a closed port: nothing on the
 // machine is reached, nothing fixed is bound.
 //
-// Usage: node envoy-stats.mjs --envoy BIN --config RENDERED.yaml --metrics METRICS.md
-import { spawn } from "node:child_process";
-import { readFileSync, writeFileSync, mkdtempSync, rmSync, existsSync } from "node:fs";
-import { tmpdir } from "node:os";
-import { join } from "node:path";
-import { createServer } from "node:net";
-import { parse, stringify } from "yaml";
+// With --config-yaml FILE, Envoy also gets that file's text as --config-yaml (how pilot-agent
+// hands an Istio gateway its custom bootstrap), and the config is made plain text first
+// (TLS off, see envoy-run.mjs: the rendered gateway's certificates come from an SDS server
+// that does not exist here).
+//
+// Usage: node envoy-stats.mjs --envoy BIN --config RENDERED.yaml --metrics METRICS.md [--config-yaml FILE]
+import { readFileSync } from "node:fs";
+import { parse } from "yaml";
+import { closedPort, plaintext, pointClustersAt, sleep, startEnvoy } from "./envoy-run.mjs";
 
 const args = process.argv.slice(2);
 const opt = {};
@@ -26,78 +28,24 @@ function fail(msg) {
   console.error(`FAIL ${msg}`);
   process.exit(1);
 }
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
-
-// A port that nothing listens on: bind, note, close.
-async function closedPort() {
-  return new Promise((resolve, reject) => {
-    const s = createServer();
-    s.once("error", reject);
-    s.listen(0, "127.0.0.1", () => {
-      const { port } = s.address();
-      s.close(() => resolve(port));
-    });
-  });
-}
 
 const known = new Set(
   [...readFileSync(opt.metrics, "utf8").matchAll(/^\| `([a-zA-Z_][a-zA-Z0-9_]*)` \|/gm)].map((m) => m[1]),
 );
 
 const cfg = parse(readFileSync(opt.config, "utf8"));
-const dead = await closedPort();
-cfg.admin.address.socket_address.port_value = 0;
-for (const l of cfg.static_resources.listeners) {
-  l.address.socket_address.address = "127.0.0.1";
-  l.address.socket_address.port_value = 0;
+pointClustersAt(cfg, await closedPort());
+const extra = [];
+if (opt["config-yaml"]) {
+  plaintext(cfg);
+  extra.push("--config-yaml", readFileSync(opt["config-yaml"], "utf8"));
 }
-for (const c of cfg.static_resources.clusters) {
-  for (const e of c.load_assignment?.endpoints ?? []) {
-    for (const lb of e.lb_endpoints ?? []) {
-      const sa = lb.endpoint?.address?.socket_address;
-      if (sa) {
-        sa.address = "127.0.0.1";
-        sa.port_value = dead;
-      }
-    }
-  }
-}
-const dir = mkdtempSync(join(tmpdir(), "kvguard-envoy-stats-"));
-const cfgFile = join(dir, "envoy.yaml");
-const adminFile = join(dir, "admin.addr");
-writeFileSync(cfgFile, stringify(cfg, { lineWidth: 0 }));
-
-const envoy = spawn(
-  opt.envoy,
-  ["-c", cfgFile, "--disable-hot-restart", "--concurrency", "2", "--admin-address-path", adminFile, "-l", "warning"],
-  { stdio: ["ignore", "ignore", "pipe"] },
-);
-let log = "";
-envoy.stderr.on("data", (d) => (log += d));
-let exited = null;
-envoy.on("exit", (code) => (exited = code));
-const cleanup = () => {
-  if (exited === null) envoy.kill("SIGKILL");
-  rmSync(dir, { recursive: true, force: true });
-};
+let run = null;
+const cleanup = () => run?.stop();
 
 try {
-  let admin = null;
-  for (let i = 0; i < 200 && !admin; i++) {
-    if (exited !== null) throw new Error(`envoy exited (${exited}):\n${log.split("\n").slice(-15).join("\n")}`);
-    if (existsSync(adminFile)) admin = readFileSync(adminFile, "utf8").trim() || null;
-    if (!admin) await sleep(50);
-  }
-  if (!admin) throw new Error("envoy did not bind its admin port within 10 s");
-  let port = null;
-  for (let i = 0; i < 200 && !port; i++) {
-    try {
-      const ls = await (await fetch(`http://${admin}/listeners?format=json`)).json();
-      port = ls.listener_statuses?.[0]?.local_address?.socket_address?.port_value || null;
-    } catch {}
-    if (!port) await sleep(50);
-  }
-  if (!port) throw new Error("envoy did not bind its listener within 10 s");
+  run = await startEnvoy(opt.envoy, cfg, extra);
+  const { admin, port } = run;
   const paths = ["/v1/chat/completions", "/v1/completions"];
   for (const p of paths) {
     await fetch(`http://127.0.0.1:${port}${p}`, {
@@ -122,7 +70,7 @@ try {
     names.add(m[1]);
     if (/=\.=|_\.;|;\.;/.test(line) || !known.has(m[1])) bad.push(line);
   }
-  if (!names.size) throw new Error(`no kvguard_filter_ stats on /stats/prometheus:\n${log.split("\n").slice(-10).join("\n")}`);
+  if (!names.size) throw new Error(`no kvguard_filter_ stats on /stats/prometheus:\n${run.log()}`);
   if (!names.has("kvguard_filter_requests_tracked_total")) bad.push("(kvguard_filter_requests_tracked_total missing after tracked requests)");
   for (const b of bad) console.error(`FAIL not a documented name (stats_tags in ${opt.config} or METRICS.md): ${b}`);
   if (bad.length) {

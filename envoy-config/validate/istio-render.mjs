@@ -1,18 +1,37 @@
-// Renders the Envoy configuration that envoy-config/istio/ produces on an inference gateway,
-// so that `envoy --mode validate` can check what the EnvoyFilter patches and the WasmPlugins
-// would push: istio-gateway-base.yaml (what Istio generates for the Gateway/VirtualService/
-// DestinationRules) + every EnvoyFilter configPatch (Istio's semantics: ADD appends, MERGE
-// merges protobuf-style: messages recursively, repeated fields appended, scalars replaced)
-// + each WasmPlugin as an envoy.filters.http.wasm filter before the router (phase STATS).
-// One output file per WasmPlugin (observe, enforce: they select different pods).
+// Renders the Envoy configuration that envoy-config/istio/ would give an inference gateway
+// pod, so that `envoy --mode validate` can check it. A model of istiod and pilot-agent, not
+// them (envoy-config/README.md lists what it cannot prove):
 //
-// A patch this renderer cannot place, or one whose match selects nothing, is an error: in a
-// cluster Istio would skip it silently, and the gateway would run without it.
+//   istio-gateway-base.yaml   what istiod generates for the Gateway/VirtualService/
+//                             DestinationRules: listener, connection manager, the gateway's
+//                             HTTP filter chain, outbound clusters with Istio mTLS, SDS
+//   + the custom bootstrap    pilot-agent hands the file named by ISTIO_BOOTSTRAP_OVERRIDE (a
+//                             ConfigMap mounted into istio-proxy) to Envoy as --config-yaml,
+//                             which Envoy merges into the bootstrap; written next to the
+//                             output as <output>.config-yaml, for `envoy --config-yaml`
+//   + each WasmPlugin         an envoy.filters.http.wasm filter where istiod puts phase STATS
+//                             (after the authn/authz filters, before gRPC stats); istiod
+//                             delivers it by ECDS, here it is inline
+//   + EnvoyFilter patches     applied after that, with Istio's semantics (ADD appends; MERGE
+//                             merges protobuf-style: messages recursively, repeated fields
+//                             appended, scalars replaced; INSERT_FIRST / INSERT_BEFORE)
+//
+// One output per WasmPlugin, for the gateway Deployment its selector picks (observe and
+// enforce select different pods). Istio-only HTTP filters (istio.*) keep their names and
+// places with a no-op stand-in config that upstream Envoy loads.
+//
+// Refused, because in a cluster they would be skipped or ignored silently: a patch that
+// matches nothing or that this renderer cannot place, a BOOTSTRAP patch (istiod ignores
+// them since 1.21), a WasmPlugin or an EnvoyFilter selecting no Deployment of the inputs, a WasmPlugin url not
+// pinned by sha256 digest, the sidecar.istio.io/bootstrapOverride annotation on a gateway pod
+// (the gateway injection template ignores it), a custom bootstrap that is missing or not
+// JSON. Also refused, as kvguard's own requirements for gateway pods (envoy-config/README.md):
+// no `concurrency` in proxy.istio.io/config, or no EXIT_ON_ZERO_ACTIVE_CONNECTIONS drain.
 //
 // Usage: node istio-render.mjs --base BASE.yaml --wasm PATH --out DIR ISTIO.yaml...
 import { readFileSync, writeFileSync, mkdirSync } from "node:fs";
-import { join } from "node:path";
-import { parseAllDocuments, stringify } from "yaml";
+import { join, dirname, basename } from "node:path";
+import { parseAllDocuments, parse, stringify } from "yaml";
 
 const args = process.argv.slice(2);
 const opt = {};
@@ -32,15 +51,15 @@ function die(msg) {
 const isObj = (v) => v !== null && typeof v === "object" && !Array.isArray(v);
 const clone = (v) => JSON.parse(JSON.stringify(v));
 
-// Protobuf merge, as Istio's MERGE does it.
-function merge(dst, src) {
+// Protobuf merge, as Istio's MERGE (and pilot-agent's bootstrap override) does it.
+function merge(dst, src, where) {
   for (const [k, v] of Object.entries(src)) {
     if (Array.isArray(v) && Array.isArray(dst[k])) dst[k] = dst[k].concat(clone(v));
     else if (isObj(v) && isObj(dst[k])) {
       if (v["@type"] && dst[k]["@type"] && v["@type"] !== dst[k]["@type"]) {
-        die(`MERGE of ${k}: type ${v["@type"]} onto ${dst[k]["@type"]}`);
+        die(`${where}: MERGE of ${k}: type ${v["@type"]} onto ${dst[k]["@type"]}`);
       }
-      merge(dst[k], v);
+      merge(dst[k], v, where);
     } else dst[k] = clone(v);
   }
   return dst;
@@ -54,14 +73,30 @@ for (const f of files) {
     if (o) objects.push({ file: f, o });
   }
 }
-const envoyFilters = objects.filter((x) => x.o.kind === "EnvoyFilter");
-const wasmPlugins = objects.filter((x) => x.o.kind === "WasmPlugin");
+const ofKind = (kind) => objects.filter((x) => x.o.kind === kind);
+const envoyFilters = ofKind("EnvoyFilter");
+const wasmPlugins = ofKind("WasmPlugin");
+const deployments = ofKind("Deployment");
+const configMaps = ofKind("ConfigMap");
 if (!wasmPlugins.length) die("no WasmPlugin in the inputs");
+const ref = (x) => `${x.file}: ${x.o.kind} ${x.o.metadata?.namespace}/${x.o.metadata?.name}`;
 
 const listenerPort = (l) => l.address?.socket_address?.port_value;
+const hcms = (ls) =>
+  ls.flatMap((l) => l.filter_chains.flatMap((fc) => fc.filters.filter((f) => f.name === "envoy.filters.network.http_connection_manager")));
+
+function listenersOf(cfg, p, where) {
+  const lm = p.match?.listener ?? {};
+  const ls = cfg.static_resources.listeners.filter((l) => lm.portNumber === undefined || listenerPort(l) === lm.portNumber);
+  if (!ls.length) die(`${where}: ${p.applyTo} matches no listener (port ${lm.portNumber})`);
+  return ls;
+}
 
 function applyPatch(cfg, p, where) {
   const ctx = p.match?.context ?? "ANY";
+  if (p.applyTo === "BOOTSTRAP") {
+    die(`${where}: applyTo BOOTSTRAP: istiod ignores BOOTSTRAP patches (removed in Istio 1.21, still accepted); use a custom bootstrap (ISTIO_BOOTSTRAP_OVERRIDE from a ConfigMap, see istio/gateway.yaml)`);
+  }
   if (!["ANY", "GATEWAY"].includes(ctx)) return; // not for a gateway
   const op = p.patch?.operation;
   const value = p.patch?.value;
@@ -83,25 +118,20 @@ function applyPatch(cfg, p, where) {
         );
       });
       if (!hits.length) die(`${where}: CLUSTER MERGE matches no cluster (${JSON.stringify(m)})`);
-      hits.forEach((c) => merge(c, value));
+      hits.forEach((c) => merge(c, value, where));
       return;
     }
     case "LISTENER MERGE":
+      listenersOf(cfg, p, where).forEach((l) => merge(l, value, where));
+      return;
     case "NETWORK_FILTER MERGE": {
-      const lm = p.match?.listener ?? {};
-      const ls = sr.listeners.filter((l) => lm.portNumber === undefined || listenerPort(l) === lm.portNumber);
-      if (!ls.length) die(`${where}: ${p.applyTo} matches no listener (port ${lm.portNumber})`);
-      if (p.applyTo === "LISTENER") {
-        ls.forEach((l) => merge(l, value));
-        return;
-      }
-      const fname = lm.filterChain?.filter?.name;
+      const fname = p.match?.listener?.filterChain?.filter?.name;
       let n = 0;
-      for (const l of ls) {
+      for (const l of listenersOf(cfg, p, where)) {
         for (const fc of l.filter_chains) {
           for (const f of fc.filters) {
             if (fname === undefined || f.name === fname) {
-              merge(f, value);
+              merge(f, value, where);
               n++;
             }
           }
@@ -110,9 +140,25 @@ function applyPatch(cfg, p, where) {
       if (!n) die(`${where}: NETWORK_FILTER MERGE matches no filter named ${fname}`);
       return;
     }
-    case "BOOTSTRAP MERGE":
-      merge(cfg, value);
+    case "HTTP_FILTER INSERT_FIRST":
+    case "HTTP_FILTER INSERT_BEFORE": {
+      const fm = p.match?.listener?.filterChain?.filter ?? {};
+      if (fm.name !== undefined && fm.name !== "envoy.filters.network.http_connection_manager") {
+        die(`${where}: HTTP_FILTER under network filter ${fm.name}: only the connection manager has HTTP filters`);
+      }
+      const sub = fm.subFilter?.name;
+      if (op === "INSERT_BEFORE" && sub === undefined) die(`${where}: INSERT_BEFORE needs match.listener.filterChain.filter.subFilter.name`);
+      let n = 0;
+      for (const h of hcms(listenersOf(cfg, p, where))) {
+        const chain = h.typed_config.http_filters;
+        const at = op === "INSERT_FIRST" ? 0 : chain.findIndex((x) => x.name === sub);
+        if (at < 0) continue;
+        chain.splice(at, 0, clone(value));
+        n++;
+      }
+      if (!n) die(`${where}: HTTP_FILTER ${op} matches no connection manager${sub ? ` with an HTTP filter named ${sub}` : ""}`);
       return;
+    }
     default:
       die(`${where}: applyTo ${p.applyTo} with operation ${op} is not rendered by istio-render.mjs (add it, so that it is validated)`);
   }
@@ -120,8 +166,12 @@ function applyPatch(cfg, p, where) {
 
 function wasmFilter(wp) {
   const s = wp.spec;
-  if (s.type && s.type !== "HTTP") die(`WasmPlugin ${wp.metadata.name}: type ${s.type} not rendered`);
-  if (s.phase && s.phase !== "STATS") die(`WasmPlugin ${wp.metadata.name}: phase ${s.phase} not rendered`);
+  const where = `WasmPlugin ${wp.metadata.namespace}/${wp.metadata.name}`;
+  if (s.type && s.type !== "HTTP") die(`${where}: type ${s.type} not rendered`);
+  if (s.phase && s.phase !== "STATS") die(`${where}: phase ${s.phase} not rendered`);
+  if (!/^oci:\/\/[^@\s]+@sha256:[0-9a-f]{64}$/.test(s.url ?? "")) {
+    die(`${where}: url ${JSON.stringify(s.url)} is not pinned by digest (oci://<registry>/kvguard-filter@sha256:<64 hex>, the digest scripts/images prints): with a tag, pods that pulled at different times run different modules`);
+  }
   const env = s.vmConfig?.env ?? [];
   const host = env.filter((e) => (e.valueFrom ?? "INLINE") === "HOST").map((e) => e.name);
   const inline = Object.fromEntries(env.filter((e) => (e.valueFrom ?? "INLINE") === "INLINE").map((e) => [e.name, e.value ?? ""]));
@@ -153,24 +203,96 @@ function wasmFilter(wp) {
   };
 }
 
+// The Deployments whose pods a WasmPlugin's selector picks.
+function selectedDeployments(wp) {
+  const want = Object.entries(wp.spec.selector?.matchLabels ?? {});
+  if (wp.spec.targetRefs) die(`WasmPlugin ${wp.metadata.name}: targetRefs not rendered (selector only)`);
+  const hits = deployments.filter(
+    (d) =>
+      d.o.metadata.namespace === wp.metadata.namespace &&
+      want.every(([k, v]) => d.o.spec.template?.metadata?.labels?.[k] === v),
+  );
+  if (!hits.length) die(`WasmPlugin ${wp.metadata.namespace}/${wp.metadata.name}: its selector ${JSON.stringify(wp.spec.selector)} picks no Deployment of the inputs`);
+  return hits;
+}
+
+// What the gateway pod's proxy gets: pilot-agent's custom bootstrap and the proxy config.
+function podProxy(d) {
+  const where = ref(d);
+  const tpl = d.o.spec.template;
+  const ann = tpl.metadata?.annotations ?? {};
+  if (ann["sidecar.istio.io/bootstrapOverride"] !== undefined && ann["inject.istio.io/templates"] === "gateway") {
+    die(`${where}: sidecar.istio.io/bootstrapOverride is ignored by the gateway injection template; set ISTIO_BOOTSTRAP_OVERRIDE, the mount and the volume in the pod spec`);
+  }
+  const pc = parse(ann["proxy.istio.io/config"] ?? "") ?? {};
+  if (!Number.isInteger(pc.concurrency) || pc.concurrency < 1) {
+    die(`${where}: proxy.istio.io/config has no concurrency: Envoy would start one worker (one V8 VM of the filter) per node core`);
+  }
+  if (String(pc.proxyMetadata?.EXIT_ON_ZERO_ACTIVE_CONNECTIONS) !== "true") {
+    die(`${where}: proxy.istio.io/config lacks proxyMetadata.EXIT_ON_ZERO_ACTIVE_CONNECTIONS: "true": pilot-agent would kill Envoy terminationDrainDuration after SIGTERM, cutting every stream`);
+  }
+  const proxy = (tpl.spec.containers ?? []).find((c) => c.name === "istio-proxy");
+  if (!proxy) die(`${where}: no istio-proxy container`);
+  const path = (proxy.env ?? []).find((e) => e.name === "ISTIO_BOOTSTRAP_OVERRIDE")?.value;
+  if (!path) return { pc, bootstrap: null };
+  const mount = (proxy.volumeMounts ?? []).find((m) => m.mountPath === dirname(path));
+  if (!mount) die(`${where}: ISTIO_BOOTSTRAP_OVERRIDE ${path}: no volume mounted at ${dirname(path)}`);
+  const vol = (tpl.spec.volumes ?? []).find((v) => v.name === mount.name);
+  const cmName = vol?.configMap?.name;
+  if (!cmName) die(`${where}: volume ${mount.name} (custom bootstrap) is not a ConfigMap`);
+  const cm = configMaps.find((c) => c.o.metadata.name === cmName && c.o.metadata.namespace === d.o.metadata.namespace);
+  if (!cm) die(`${where}: ConfigMap ${cmName} (custom bootstrap) is not in the inputs`);
+  const text = cm.o.data?.[basename(path)];
+  if (text === undefined) die(`${ref(cm)}: no key ${basename(path)} (ISTIO_BOOTSTRAP_OVERRIDE ${path})`);
+  try {
+    return { pc, bootstrap: JSON.parse(text), from: `${ref(cm)} ${basename(path)}` };
+  } catch (e) {
+    return die(`${ref(cm)} ${basename(path)}: not JSON: ${e.message}`);
+  }
+}
+
+// Istio-only HTTP filters: same name and place, a config upstream Envoy loads that does nothing.
+const STANDIN = { "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config" };
+// Filters istiod puts before the WasmPlugins of phase STATS (metadata exchange, authn, authz).
+const BEFORE_STATS = new Set(["istio.metadata_exchange", "envoy.filters.http.ext_authz", "envoy.filters.http.jwt_authn", "istio_authn", "envoy.filters.http.rbac"]);
+
+// An EnvoyFilter whose workloadSelector picks no gateway pod of the inputs applies to nothing.
+for (const ef of envoyFilters) {
+  const want = Object.entries(ef.o.spec.workloadSelector?.labels ?? {});
+  const hit = deployments.some(
+    (d) => d.o.metadata.namespace === ef.o.metadata.namespace && want.every(([k, v]) => d.o.spec.template?.metadata?.labels?.[k] === v),
+  );
+  if (!hit) die(`${ref(ef)}: its workloadSelector ${JSON.stringify(ef.o.spec.workloadSelector ?? {})} picks no Deployment of the inputs (istiod would apply it to nothing)`);
+}
+
 const base = parseAllDocuments(readFileSync(opt.base, "utf8"))[0].toJS();
 mkdirSync(opt.out, { recursive: true });
 for (const { o: wp } of wasmPlugins) {
-  const cfg = clone(base);
-  for (const { file, o: ef } of envoyFilters) {
-    (ef.spec.configPatches ?? []).forEach((p, i) => applyPatch(cfg, p, `${file}: ${ef.metadata.name} configPatches[${i}]`));
-  }
-  for (const l of cfg.static_resources.listeners) {
-    for (const fc of l.filter_chains) {
-      for (const f of fc.filters) {
-        if (f.name !== "envoy.filters.network.http_connection_manager") continue;
-        const hf = f.typed_config.http_filters;
-        const router = hf.findIndex((x) => x.name === "envoy.filters.http.router");
-        hf.splice(router < 0 ? hf.length : Math.max(0, router - 2), 0, wasmFilter(wp));
+  for (const d of selectedDeployments(wp)) {
+    const { pc, bootstrap, from } = podProxy(d);
+    const cfg = clone(base);
+    for (const h of hcms(cfg.static_resources.listeners)) {
+      const chain = h.typed_config.http_filters;
+      const at = chain.findIndex((x) => !BEFORE_STATS.has(x.name));
+      chain.splice(at < 0 ? chain.length : at, 0, wasmFilter(wp));
+    }
+    for (const { file, o: ef } of envoyFilters) {
+      (ef.spec.configPatches ?? []).forEach((p, i) => applyPatch(cfg, p, `${file}: ${ef.metadata.name} configPatches[${i}]`));
+    }
+    for (const h of hcms(cfg.static_resources.listeners)) {
+      for (const f of h.typed_config.http_filters) {
+        if (f.name.startsWith("istio.")) f.typed_config = clone(STANDIN);
       }
     }
+    const out = join(opt.out, `istio-gateway-${wp.metadata.name}.yaml`);
+    writeFileSync(
+      out,
+      `# Rendered by istio-render.mjs from ${opt.base} and ${files.join(", ")}\n` +
+        `# WasmPlugin ${wp.metadata.name} on the pods of Deployment ${d.o.metadata.name} ` +
+        `(concurrency ${pc.concurrency}; custom bootstrap: ${from ?? "none"})\n` +
+        stringify(cfg, { lineWidth: 0 }),
+    );
+    if (bootstrap) writeFileSync(`${out}.config-yaml`, JSON.stringify(bootstrap));
+    console.log(out);
   }
-  const out = join(opt.out, `istio-gateway-${wp.metadata.name}.yaml`);
-  writeFileSync(out, `# Rendered by istio-render.mjs from ${opt.base} and ${files.join(", ")}\n` + stringify(cfg, { lineWidth: 0 }));
-  console.log(out);
 }

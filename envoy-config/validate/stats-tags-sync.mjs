@@ -1,6 +1,7 @@
 // The filter's labels must be extracted the same way everywhere: compares the stats_tags of
-// every Envoy config given (bootstrap `stats_config`, or an EnvoyFilter BOOTSTRAP patch)
-// that carries a tag for the filter's names (`_<label>=\.=`), and fails if they differ.
+// every Envoy config given (a bootstrap's `stats_config`, or a ConfigMap holding a custom
+// bootstrap as JSON, the Istio gateways' way) that carries a tag for the filter's names
+// (`_<label>=\.=`), and fails if they differ.
 // (validate/envoy-stats.mjs proves one of them against the real filter's names.)
 //
 // Usage: node stats-tags-sync.mjs FILE.yaml...
@@ -12,7 +13,12 @@ for (const f of process.argv.slice(2)) {
   for (const doc of parseAllDocuments(readFileSync(f, "utf8"))) {
     const o = doc.toJS();
     if (!o) continue;
-    const cands = [o.stats_config, ...(o.spec?.configPatches ?? []).filter((p) => p.applyTo === "BOOTSTRAP").map((p) => p.patch?.value?.stats_config)];
+    const cands = [o.stats_config];
+    if (o.kind === "ConfigMap") {
+      for (const [k, v] of Object.entries(o.data ?? {})) {
+        if (k.endsWith(".json")) cands.push(JSON.parse(v).stats_config);
+      }
+    }
     for (const sc of cands) {
       const tags = (sc?.stats_tags ?? []).filter((t) => /^\(_\w+=\\\.=/.test(t.regex ?? ""));
       if (tags.length) sets.push({ f, tags: tags.map((t) => `${t.tag_name} ${t.regex}`).sort() });
