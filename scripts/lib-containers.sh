@@ -1,0 +1,82 @@
+# Containers without a registry or systemd, for scripts/images, scripts/test-images and
+# scripts/test-compose. Source it after lib.sh: `. "$REPO/scripts/lib-containers.sh"`.
+#
+# What these machines need (Debian bookworm, root, hybrid cgroups, no systemd):
+# - Debian's podman 4.3, buildah, skopeo, docker-compose 1.29, mmdebstrap, iptables
+#   (containers_install installs the missing ones);
+# - a containers.conf of our own through CONTAINERS_CONF (no system file is edited):
+#   `runtime = "runc"` (crun refuses the hybrid cgroup layout) and default ulimits within
+#   what root may set here (podman's default asks for more nofile than the machine allows);
+# - a local Debian base image (no registry is reachable or needed): containers_base_image.
+
+KVGUARD_IMAGE_CACHE=${KVGUARD_IMAGE_CACHE:-$KVGUARD_CACHE/images}
+# The local stand-in for debian:bookworm-slim (kvguard's binaries are built on bookworm).
+KVGUARD_BASE_IMAGE=${KVGUARD_BASE_IMAGE:-localhost/kvguard/debian:bookworm-minbase}
+# The workspace version tags the images.
+KVGUARD_VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$REPO/Cargo.toml" | head -1)
+export KVGUARD_IMAGE_CACHE KVGUARD_BASE_IMAGE KVGUARD_VERSION
+
+# containers_install: the Debian packages, only those missing (idempotent, no apt-get when
+# everything is there).
+containers_install() {
+  local -A want=([podman]=podman [buildah]=buildah [skopeo]=skopeo
+    [docker-compose]=docker-compose [mmdebstrap]=mmdebstrap [iptables]=iptables
+    [jq]=jq [curl]=curl)
+  local missing=() cmd
+  for cmd in "${!want[@]}"; do
+    command -v "$cmd" >/dev/null 2>&1 || missing+=("${want[$cmd]}")
+  done
+  if [ "${#missing[@]}" -gt 0 ]; then
+    echo "installing ${missing[*]} (apt-get)"
+    local sudo=()
+    [ "$(id -u)" = 0 ] || sudo=(sudo)
+    "${sudo[@]}" apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends \
+      "${missing[@]}" >/dev/null || die "apt-get install ${missing[*]} failed"
+  fi
+}
+
+# containers_conf: writes the project's containers.conf and exports CONTAINERS_CONF.
+containers_conf() {
+  local dir=$KVGUARD_CACHE/containers
+  mkdir -p "$dir"
+  cat >"$dir/containers.conf" <<'EOF'
+# Written by kvguard's scripts/lib-containers.sh; used through CONTAINERS_CONF.
+[containers]
+# Root here may not raise limits beyond these (podman's default nofile is higher).
+default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
+
+[engine]
+# crun refuses the machine's hybrid cgroup layout; runc runs.
+runtime = "runc"
+EOF
+  export CONTAINERS_CONF=$dir/containers.conf
+}
+
+# containers_base_image: makes $KVGUARD_BASE_IMAGE unless podman has it: a Debian bookworm
+# minbase root file system (mmdebstrap, ~1 minute once; the tarball is cached under
+# $KVGUARD_IMAGE_CACHE, so later runs only import it, ~3 s).
+containers_base_image() {
+  podman image exists "$KVGUARD_BASE_IMAGE" && return 0
+  local tar=$KVGUARD_IMAGE_CACHE/debian-bookworm-minbase.tar
+  mkdir -p "$KVGUARD_IMAGE_CACHE"
+  if [ ! -s "$tar" ]; then
+    echo "making the Debian bookworm base image with mmdebstrap (once; cached in $tar)"
+    # Without documentation and locales, like debian:bookworm-slim.
+    mmdebstrap --variant=minbase --format=tar --quiet \
+      --dpkgopt='path-exclude=/usr/share/doc/*' \
+      --dpkgopt='path-exclude=/usr/share/man/*' \
+      --dpkgopt='path-exclude=/usr/share/locale/*' \
+      bookworm "$tar.tmp" || die "mmdebstrap bookworm failed (needs deb.debian.org)"
+    mv "$tar.tmp" "$tar"
+  fi
+  podman import --quiet --change 'CMD ["/bin/bash"]' "$tar" "$KVGUARD_BASE_IMAGE" >/dev/null ||
+    die "podman import $tar failed"
+}
+
+# containers_setup: all of the above.
+containers_setup() {
+  containers_install
+  containers_conf
+  containers_base_image
+}
