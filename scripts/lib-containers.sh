@@ -53,25 +53,33 @@ EOF
   export CONTAINERS_CONF=$dir/containers.conf
 }
 
-# containers_base_image: makes $KVGUARD_BASE_IMAGE unless podman has it: a Debian bookworm
-# minbase root file system (mmdebstrap, ~1 minute once; the tarball is cached under
-# $KVGUARD_IMAGE_CACHE, so later runs only import it, ~3 s).
-containers_base_image() {
-  podman image exists "$KVGUARD_BASE_IMAGE" && return 0
-  local tar=$KVGUARD_IMAGE_CACHE/debian-bookworm-minbase.tar
+# containers_debian_image TAG NAME [PACKAGE,...]: makes the local image TAG unless podman
+# has it: a Debian bookworm minbase root file system (mmdebstrap, about a minute once) with
+# PACKAGES added, without documentation and locales (like debian:bookworm-slim). The tarball
+# is cached as $KVGUARD_IMAGE_CACHE/NAME[-<hash of PACKAGES>].tar, so later runs only import
+# it (seconds) and a changed package list makes a new one.
+containers_debian_image() {
+  local tag=$1 name=$2 include=${3:-}
+  podman image exists "$tag" && return 0
+  [ -z "$include" ] || name=$name-$(printf %s "$include" | sha256sum | cut -c1-12)
+  local tar=$KVGUARD_IMAGE_CACHE/$name.tar
   mkdir -p "$KVGUARD_IMAGE_CACHE"
   if [ ! -s "$tar" ]; then
-    echo "making the Debian bookworm base image with mmdebstrap (once; cached in $tar)"
-    # Without documentation and locales, like debian:bookworm-slim.
-    mmdebstrap --variant=minbase --format=tar --quiet \
+    echo "making $tag with mmdebstrap (once; cached in $tar)"
+    mmdebstrap --variant=minbase --format=tar --quiet ${include:+--include="$include"} \
       --dpkgopt='path-exclude=/usr/share/doc/*' \
       --dpkgopt='path-exclude=/usr/share/man/*' \
       --dpkgopt='path-exclude=/usr/share/locale/*' \
       bookworm "$tar.tmp" || die "mmdebstrap bookworm failed (needs deb.debian.org)"
     mv "$tar.tmp" "$tar"
   fi
-  podman import --quiet --change 'CMD ["/bin/bash"]' "$tar" "$KVGUARD_BASE_IMAGE" >/dev/null ||
+  podman import --quiet --change 'CMD ["/bin/bash"]' "$tar" "$tag" >/dev/null ||
     die "podman import $tar failed"
+}
+
+# containers_base_image: $KVGUARD_BASE_IMAGE, the stand-in for debian:bookworm-slim.
+containers_base_image() {
+  containers_debian_image "$KVGUARD_BASE_IMAGE" debian-bookworm-minbase
 }
 
 # containers_setup: all of the above.
@@ -79,4 +87,14 @@ containers_setup() {
   containers_install
   containers_conf
   containers_base_image
+}
+
+# The runtime libraries a host Python (e.g. pyenv's) and the vLLM virtualenv load, g++ and openssl
+# (vLLM on CPU compiles its graphs with torch inductor, as the official CPU image can), on top
+# of minbase: the CPU profile's stand-in image mounts both and runs vLLM from them.
+KVGUARD_PYTHON_IMAGE=${KVGUARD_PYTHON_IMAGE:-localhost/kvguard/debian:bookworm-python-runtime}
+export KVGUARD_PYTHON_IMAGE
+containers_python_image() {
+  containers_debian_image "$KVGUARD_PYTHON_IMAGE" debian-bookworm-python-runtime \
+    libssl3,libffi8,libsqlite3-0,libbz2-1.0,liblzma5,libreadline8,libncursesw6,libnsl2,libuuid1,libgdbm6,libgomp1,libnuma1,g++,openssl
 }
