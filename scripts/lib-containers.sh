@@ -21,7 +21,7 @@ export KVGUARD_IMAGE_CACHE KVGUARD_BASE_IMAGE KVGUARD_VERSION
 containers_install() {
   local -A want=([podman]=podman [buildah]=buildah [skopeo]=skopeo
     [docker-compose]=docker-compose [mmdebstrap]=mmdebstrap [iptables]=iptables
-    [jq]=jq [curl]=curl)
+    [jq]=jq [curl]=curl [ss]=iproute2)
   local missing=() cmd
   for cmd in "${!want[@]}"; do
     command -v "$cmd" >/dev/null 2>&1 || missing+=("${want[$cmd]}")
