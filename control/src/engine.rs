@@ -39,6 +39,7 @@ pub struct HttpEngine {
     health_url: Uri,
     base: String,
     strategy: AbortStrategy,
+    api_key: Option<http::HeaderValue>,
 }
 
 impl HttpEngine {
@@ -57,6 +58,11 @@ impl HttpEngine {
             health_url: cfg.engine_health_url.clone(),
             base: cfg.engine.base.clone(),
             strategy: cfg.abort_strategy,
+            api_key: cfg.engine_api_key.as_ref().and_then(|k| {
+                let mut v = http::HeaderValue::from_str(&format!("Bearer {k}")).ok()?;
+                v.set_sensitive(true);
+                Some(v)
+            }),
         }
     }
 
@@ -70,6 +76,11 @@ impl HttpEngine {
         let mut b = Request::builder().method(method).uri(uri.clone());
         if body.is_some() {
             b = b.header(http::header::CONTENT_TYPE, "application/json");
+        }
+        if let Some(k) = &self.api_key {
+            // vLLM's --api-key guards /v1, /inference (its abort API); /metrics and
+            // /health are open, and a key there is ignored.
+            b = b.header(http::header::AUTHORIZATION, k.clone());
         }
         let req = b
             .body(Full::new(Bytes::from(body.unwrap_or_default())))

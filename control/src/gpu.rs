@@ -120,35 +120,6 @@ impl GpuProbe for NvmlProbe {
     }
 }
 
-/// A probe returning canned answers (tests, and `--no-nvml`).
-#[derive(Debug, Default)]
-pub struct FakeProbe {
-    answers: std::sync::Mutex<Vec<Result<GpuSnapshot, String>>>,
-}
-
-impl FakeProbe {
-    /// Answers these, in order; the last one repeats.
-    pub fn new(answers: Vec<Result<GpuSnapshot, String>>) -> Self {
-        FakeProbe {
-            answers: std::sync::Mutex::new(answers),
-        }
-    }
-}
-
-impl GpuProbe for FakeProbe {
-    fn sample(&self) -> Result<GpuSnapshot, String> {
-        let mut a = self
-            .answers
-            .lock()
-            .map_err(|_| "fake probe poisoned".to_owned())?;
-        match a.len() {
-            0 => Err("no answer".to_owned()),
-            1 => a[0].clone(),
-            _ => a.remove(0),
-        }
-    }
-}
-
 /// What `/v1/gpu` shows and the metrics read.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct GpuStatus {
@@ -174,6 +145,8 @@ pub struct GpuTracker {
     pub exported_devices: std::collections::HashSet<Vec<(&'static str, String)>>,
     /// Label sets last exported per process.
     pub exported_processes: std::collections::HashSet<Vec<(&'static str, String)>>,
+    /// When the last successful sample was folded in (quiet checkpoints).
+    pub last_ok_at: Option<std::time::Instant>,
 }
 
 impl GpuTracker {
@@ -228,6 +201,7 @@ impl GpuTracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::FakeProbe;
 
     pub(crate) fn snap(used: u64) -> GpuSnapshot {
         GpuSnapshot {

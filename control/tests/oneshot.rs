@@ -7,15 +7,14 @@ use axum::body::Body;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use kvguard_contract::{signature, AbortReason, Key, RequestId};
-use kvguard_control::clock::{Clock, ManualClock};
+use kvguard_control::clock::Clock;
 use kvguard_control::config::Config;
 use kvguard_control::engine::{BoxFut, Engine};
 use kvguard_control::expo::EngineFigures;
-use kvguard_control::gpu::{
-    DeviceMemory, FakeProbe, GpuProbe, GpuSnapshot, GpuTracker, ProcessMemory,
-};
+use kvguard_control::gpu::{DeviceMemory, GpuProbe, GpuSnapshot, GpuTracker, ProcessMemory};
 use kvguard_control::state::AppState;
-use kvguard_control::{admin, proxy, sampler, server};
+use kvguard_control::testing::{FakeProbe, ManualClock};
+use kvguard_control::{admin, proxy, reaper, sampler};
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Duration;
@@ -253,15 +252,15 @@ async fn reaper_on_an_injected_clock() {
         .unwrap();
     streaming.record_events(1, clock.now());
     clock.advance(Duration::from_secs(29));
-    server::reap_once(&st);
+    reaper::reap_once(&st);
     assert_eq!(queued.ended(), None);
     clock.advance(Duration::from_secs(1));
-    server::reap_once(&st);
+    reaper::reap_once(&st);
     assert_eq!(queued.ended(), Some(AbortReason::FirstTokenTimeout));
     assert_eq!(streaming.ended(), None);
     streaming.record_events(1, clock.now());
     clock.advance(Duration::from_secs(120));
-    server::reap_once(&st);
+    reaper::reap_once(&st);
     assert_eq!(streaming.ended(), Some(AbortReason::Stalled));
     // Ended ids are tombstoned: a late duplicate is refused.
     assert!(st
@@ -270,10 +269,10 @@ async fn reaper_on_an_injected_clock() {
     let old = st.admit(id("old"), "POST".into(), "/".into()).unwrap();
     clock.advance(Duration::from_secs(899));
     old.record_events(1, clock.now());
-    server::reap_once(&st);
+    reaper::reap_once(&st);
     assert_eq!(old.ended(), None);
     clock.advance(Duration::from_secs(1));
-    server::reap_once(&st);
+    reaper::reap_once(&st);
     assert_eq!(old.ended(), Some(AbortReason::MaxAge));
 }
 
@@ -288,7 +287,7 @@ async fn dry_run_reaper_counts_once_and_ends_nothing() {
         .unwrap();
     clock.advance(Duration::from_secs(5));
     for _ in 0..3 {
-        server::reap_once(&st);
+        reaper::reap_once(&st);
     }
     assert_eq!(e.ended(), None);
     assert!(!e.cancel_token().is_cancelled());
@@ -355,7 +354,9 @@ async fn nvml_logic_through_the_fake_probe_and_quiet_checkpoints() {
         });
         s.last_error = None;
     }
-    sampler::checkpoint(&st);
+    let window = sampler::QuietWindow::open(&st);
+    sampler::record_gpu(&st, Ok(snap(&[(10, 150)], 1100)));
+    sampler::checkpoint(&st, &window);
     let text = kvguard_control::metrics::encode(&st.registry);
     assert!(
         text.contains("kvguard_control_quiet_kv_usage 0.25"),
@@ -374,7 +375,7 @@ async fn nvml_logic_through_the_fake_probe_and_quiet_checkpoints() {
             "/".into(),
         )
         .unwrap();
-    sampler::checkpoint(&st);
+    sampler::checkpoint(&st, &sampler::QuietWindow::open(&st));
     let text = kvguard_control::metrics::encode(&st.registry);
     assert!(text.contains("kvguard_control_quiet_checkpoints_total 1"));
     assert!(text.contains("kvguard_control_orphans 2"));
