@@ -443,7 +443,12 @@ pub struct Config {
     pub no_nvml: bool,
     /// Post-abort deadline before the downstream side is cut.
     pub abort_flush_timeout: Duration,
+    /// Most signatures the replay memory holds ([`MAX_REPLAY_ENTRIES`]; not a flag).
+    pub max_replay_entries: usize,
 }
+
+/// Most signatures remembered for replay detection.
+pub const MAX_REPLAY_ENTRIES: usize = 100_000;
 
 impl Config {
     /// Validates flags. `secret_env` is the value of `KVGUARD_SECRET`, if set.
@@ -558,6 +563,7 @@ impl Config {
             worker_threads,
             no_nvml: args.no_nvml,
             abort_flush_timeout,
+            max_replay_entries: MAX_REPLAY_ENTRIES,
             stamp_key,
             secret_file: args.secret_file,
             stamp_key_file: args.stamp_key_file,

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 /// Most signatures remembered for replay detection.
-pub const MAX_REPLAY_ENTRIES: usize = 100_000;
+pub use crate::config::MAX_REPLAY_ENTRIES;
 
 /// Table, tombstones and replay memory, under one lock so that admission and abort see
 /// one consistent view (an abort cannot slip between a tombstone check and an insert).
@@ -127,7 +127,7 @@ impl AppState {
         let inner = Inner {
             table: HashMap::new(),
             tombstones: Tombstones::new(cfg.tombstone_ttl, cfg.max_tombstones),
-            replay: ReplayMemory::new(MAX_REPLAY_ENTRIES),
+            replay: ReplayMemory::new(cfg.max_replay_entries),
         };
         let keys = KeySet {
             accept: cfg.keys.clone(),
