@@ -602,3 +602,63 @@ async fn replay_memory_evictions_are_counted_and_refusals_are_logged_sparingly()
         "the held-back lines are counted"
     );
 }
+
+/// A clock that runs a hook (once) the next time it is read: it lets a test put an event
+/// exactly between two steps of a handler.
+struct HookClock {
+    inner: ManualClock,
+    hook: std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl Clock for HookClock {
+    fn now(&self) -> std::time::Instant {
+        let hook = self.hook.lock().unwrap().take();
+        if let Some(h) = hook {
+            h();
+        }
+        self.inner.now()
+    }
+    fn unix_secs(&self) -> u64 {
+        self.inner.unix_secs()
+    }
+}
+
+#[tokio::test]
+async fn an_abort_overtaken_by_its_request_mid_handler_ends_it() {
+    let cfg = Config::for_tests("http://127.0.0.1:9", vec![Key::try_new(KEY).unwrap()]).unwrap();
+    let clock = Arc::new(HookClock {
+        inner: ManualClock::new(NOW),
+        hook: std::sync::Mutex::new(None),
+    });
+    let st = AppState::new(
+        cfg,
+        clock.clone(),
+        Arc::new(FakeEngine),
+        GpuTracker::unavailable("test".into()),
+    );
+    let admitted = Arc::new(std::sync::Mutex::new(None));
+    // The request is admitted the moment the abort handler first reads the clock after
+    // verifying the signature: between its look-up and its tombstone, had they been apart.
+    let (st2, slot) = (st.clone(), admitted.clone());
+    let body = br#"{"request_id":"overtaken","reason":"downstream_reset"}"#;
+    let sig = signature::sign(&Key::try_new(KEY).unwrap(), NOW, body);
+    *clock.hook.lock().unwrap() = Some(Box::new(move || {
+        let e = st2.admit(
+            RequestId::try_new(b"overtaken").unwrap(),
+            "POST".into(),
+            "/".into(),
+        );
+        *slot.lock().unwrap() = Some(e);
+    }));
+    let (s, v) = call(admin::app(st.clone()), abort_req(body, Some(sig))).await;
+    let entry = admitted
+        .lock()
+        .unwrap()
+        .take()
+        .expect("the hook ran")
+        .expect("admitted");
+    // Either it was ended (200 aborted) or it was refused; never 404 while it runs.
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["aborted"], true, "{v}");
+    assert_eq!(entry.ended(), Some(AbortReason::DownstreamReset));
+}

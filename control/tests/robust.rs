@@ -119,9 +119,10 @@ async fn a_client_that_stops_reading_leaves_the_table_and_its_connection_is_clos
         let engine = script::spawn().await;
         let ctl = control(&engine.url(), |c| {
             c.limits.idle_timeout = Some(Duration::from_millis(300));
-            c.abort_flush_timeout = Duration::from_millis(500);
+            c.abort_flush_timeout = Duration::from_secs(2);
         })
         .await;
+        let admin = ctl.admin_addr;
         // HTTP/1.1, a 4 KiB receive buffer, and the client never reads past the head.
         let mut silent = client::silent_client(
             ctl.proxy_addr,
@@ -135,47 +136,21 @@ async fn a_client_that_stops_reading_leaves_the_table_and_its_connection_is_clos
         .unwrap();
         assert_eq!(silent.status(), Some(200));
         // Buffers fill, progress stops, the reaper ends it as stalled...
-        poll_until_async("stalled abort", T, Duration::from_millis(20), || async {
-            metric(
-                ctl.admin_addr,
-                "kvguard_control_aborts_total{reason=\"stalled\",outcome=\"aborted\"}",
-            )
-            .await
-            .filter(|v| *v == 1.0)
-        })
-        .await
-        .unwrap();
-        // ...and it leaves the table although its response body is still held by hyper.
-        poll_until_async("out of the table", T, Duration::from_millis(20), || async {
-            (inflight(ctl.admin_addr).await == 0).then_some(())
-        })
-        .await
-        .unwrap();
-        assert_eq!(
-            metric(ctl.admin_addr, "kvguard_control_inflight").await,
-            Some(0.0)
-        );
-        // After --abort-flush-timeout the connection is closed: reading drains what the
-        // buffers held, then ends.
-        poll_until_async("cut", T, Duration::from_millis(20), || async {
-            metric(
-                ctl.admin_addr,
-                "kvguard_control_downstream_cuts_total{scope=\"connection\"}",
-            )
-            .await
-            .filter(|v| *v == 1.0)
-        })
-        .await
-        .unwrap();
+        wait_metric(
+            admin,
+            "kvguard_control_aborts_total{reason=\"stalled\",outcome=\"aborted\"}",
+            1.0,
+        )
+        .await;
+        // ...and it has left the table at once, although hyper still holds its response
+        // body: its downstream side is cut only after the flush timeout.
+        assert_eq!(inflight(admin).await, 0);
+        assert_eq!(metric(admin, "kvguard_control_inflight").await, Some(0.0));
+        assert_eq!(metric(admin, CUT_H1).await, Some(0.0));
+        // Then the connection is closed (while the client still does not read): reading
+        // drains what the buffers held, then ends.
+        wait_metric(admin, CUT_H1, 1.0).await;
         silent.read_to_close(T).await.unwrap();
-        assert_eq!(
-            metric(
-                ctl.admin_addr,
-                "kvguard_control_downstream_cuts_total{scope=\"connection\"}"
-            )
-            .await,
-            Some(1.0)
-        );
         poll_until_async(
             "engine connection closed",
             T,
@@ -185,6 +160,17 @@ async fn a_client_that_stops_reading_leaves_the_table_and_its_connection_is_clos
         .await
         .unwrap();
         ctl.stop().await;
+    })
+    .await
+    .unwrap();
+}
+
+const CUT_H1: &str = "kvguard_control_downstream_cuts_total{scope=\"connection\"}";
+const CUT_H2: &str = "kvguard_control_downstream_cuts_total{scope=\"h2_stream\"}";
+
+async fn wait_metric(admin: SocketAddr, series: &str, value: f64) {
+    poll_until_async(series, T, Duration::from_millis(20), || async {
+        metric(admin, series).await.filter(|v| *v == value)
     })
     .await
     .unwrap();
@@ -206,7 +192,7 @@ async fn on_h2_only_the_stalled_stream_is_reset_and_the_connection_carries_on() 
         let engine = script::spawn().await;
         let ctl = control(&engine.url(), |c| {
             c.limits.idle_timeout = Some(Duration::from_millis(300));
-            c.abort_flush_timeout = Duration::from_millis(500);
+            c.abort_flush_timeout = Duration::from_secs(2);
         })
         .await;
         let tcp = tokio::net::TcpStream::connect(ctl.proxy_addr)
@@ -226,17 +212,17 @@ async fn on_h2_only_the_stalled_stream_is_reset_and_the_connection_carries_on() 
             .await
             .unwrap();
         assert_eq!(a.status(), 200);
-        poll_until_async("stalled abort", T, Duration::from_millis(20), || async {
-            metric(
-                ctl.admin_addr,
-                "kvguard_control_downstream_cuts_total{scope=\"h2_stream\"}",
-            )
-            .await
-            .filter(|v| *v == 1.0)
-        })
-        .await
-        .unwrap();
-        assert_eq!(inflight(ctl.admin_addr).await, 0);
+        let admin = ctl.admin_addr;
+        wait_metric(
+            admin,
+            "kvguard_control_aborts_total{reason=\"stalled\",outcome=\"aborted\"}",
+            1.0,
+        )
+        .await;
+        // Out of the table at once, before its stream is reset.
+        assert_eq!(inflight(admin).await, 0);
+        assert_eq!(metric(admin, CUT_H2).await, Some(0.0));
+        wait_metric(admin, CUT_H2, 1.0).await;
         // A was reset: reading it ends in an error after what was buffered.
         let read_a = tokio::time::timeout(T, a.into_body().collect())
             .await
@@ -255,14 +241,7 @@ async fn on_h2_only_the_stalled_stream_is_reset_and_the_connection_carries_on() 
             .unwrap()
             .to_bytes();
         assert!(body.ends_with(b"data: [DONE]\n\n"), "{body:?}");
-        assert_eq!(
-            metric(
-                ctl.admin_addr,
-                "kvguard_control_downstream_cuts_total{scope=\"connection\"}"
-            )
-            .await,
-            Some(0.0)
-        );
+        assert_eq!(metric(admin, CUT_H1).await, Some(0.0));
         conn_task.abort();
         ctl.stop().await;
     })
