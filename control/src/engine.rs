@@ -110,7 +110,7 @@ impl HttpEngine {
             AbortStrategy::Sglang => ("/abort_request", serde_json::json!({ "rid": id.as_str() })),
             AbortStrategy::VllmScaleOut => (
                 "/inference/v1/abort_requests",
-                serde_json::json!({ "request_ids": id.vllm_engine_ids() }),
+                serde_json::json!({ "request_ids": vllm_abort_ids(id) }),
             ),
         };
         let uri: Uri = format!("{}{path}", self.base).parse().ok()?;
@@ -169,6 +169,19 @@ impl Engine for HttpEngine {
     }
 }
 
+/// The ids vLLM 0.32 knows a request by, for its abort API: a completion's sequence is
+/// `cmpl-<id>-<prompt index>` (`-0` for one prompt), a chat completion's `chatcmpl-<id>`;
+/// `cmpl-<id>` is kept for older versions. The sequences of a batched completion's other
+/// prompts are ended by the closed connection.
+pub fn vllm_abort_ids(id: &RequestId) -> [String; 3] {
+    let id = id.as_str();
+    [
+        format!("cmpl-{id}-0"),
+        format!("chatcmpl-{id}"),
+        format!("cmpl-{id}"),
+    ]
+}
+
 /// An error and its sources, `: `-separated (hyper's client errors hide the cause).
 pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut s = e.to_string();
@@ -210,7 +223,10 @@ mod tests {
             u.to_string(),
             "http://127.0.0.1:9/inference/v1/abort_requests"
         );
-        assert_eq!(b, br#"{"request_ids":["cmpl-abc","chatcmpl-abc"]}"#);
+        assert_eq!(
+            b,
+            br#"{"request_ids":["cmpl-abc-0","chatcmpl-abc","cmpl-abc"]}"#
+        );
         // The connection strategy never calls the engine.
         assert!(engine("connection").abort(id.clone()).await.is_ok());
         // Nothing listens on port 9 (discard): an error, not a hang or a panic.

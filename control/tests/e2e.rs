@@ -602,7 +602,11 @@ async fn engine_abort_apis_per_strategy_and_dry_run() {
             (
                 AbortStrategy::VllmScaleOut,
                 "vllm",
-                vec!["cmpl-vl-1".to_owned(), "chatcmpl-vl-1".to_owned()],
+                vec![
+                    "cmpl-vl-1-0".to_owned(),
+                    "chatcmpl-vl-1".to_owned(),
+                    "cmpl-vl-1".to_owned(),
+                ],
             ),
         ] {
             let ctl = control(&sim.url(), |c| c.abort_strategy = strategy).await;
