@@ -504,12 +504,20 @@ async fn control_in_process(
 /// A long streamed completion sent straight to vLLM with request id `id`, read until
 /// vLLM runs it.
 async fn running_on_vllm(v: &Vllm, addr: SocketAddr, id: &str) -> client::SseStream {
-    let mut s = client::stream_sse(addr, "/v1/completions", &completion(LONG), &[("x-request-id", id)], false)
-        .await
-        .unwrap();
+    let mut s = client::stream_sse(
+        addr,
+        "/v1/completions",
+        &completion(LONG),
+        &[("x-request-id", id)],
+        false,
+    )
+    .await
+    .unwrap();
     assert_eq!(s.status, 200);
     s.read_events(3, W).await.unwrap();
-    v.wait_figures("one running", W, |f| f.running == 1.0).await.unwrap();
+    v.wait_figures("one running", W, |f| f.running == 1.0)
+        .await
+        .unwrap();
     s
 }
 
@@ -533,9 +541,13 @@ async fn vllm_scale_out_abort_api_frees_the_sequence_while_its_client_stays_conn
             .await
             .unwrap_or_else(|e| panic!("{e} (is vLLM started with --enable-scale-out?)"));
         let called = Instant::now();
-        v.wait_figures("vLLM frees it through its abort API", Duration::from_secs(5), |f| f.running == 0.0)
-            .await
-            .unwrap();
+        v.wait_figures(
+            "vLLM frees it through its abort API",
+            Duration::from_secs(5),
+            |f| f.running == 0.0,
+        )
+        .await
+        .unwrap();
         eprintln!("abort API: freed {:?} after the call", called.elapsed());
         wait_vllm_aborted(&v, "cmpl-scale-out-direct").await;
         let _ = s.collect(W).await;
@@ -543,10 +555,13 @@ async fn vllm_scale_out_abort_api_frees_the_sequence_while_its_client_stays_conn
 
         // Through kvguard-control with --abort-strategy vllm-scale-out: a signed abort
         // ends it, the engine call succeeds, vLLM frees the sequence.
-        let ctl = control_in_process(&v, kvguard_control::config::AbortStrategy::VllmScaleOut).await;
+        let ctl =
+            control_in_process(&v, kvguard_control::config::AbortStrategy::VllmScaleOut).await;
         let mut s = running_on_vllm(&v, ctl.proxy_addr, "scale-out-ctl").await;
         let key = kvguard_contract::Key::try_new(stack::SECRET.as_bytes()).unwrap();
-        let body = serde_json::to_vec(&json!({"request_id": "scale-out-ctl", "reason": "operator"})).unwrap();
+        let body =
+            serde_json::to_vec(&json!({"request_id": "scale-out-ctl", "reason": "operator"}))
+                .unwrap();
         let t = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
@@ -564,15 +579,24 @@ async fn vllm_scale_out_abort_api_frees_the_sequence_while_its_client_stays_conn
         .await
         .unwrap();
         assert_eq!(r.status, 200, "{}", r.text());
-        v.wait_figures("vLLM frees it", Duration::from_secs(2), |f| f.running == 0.0)
-            .await
-            .unwrap();
-        let _ = s.collect(W).await;
-        poll_until_async("the engine call is counted as aborted", W, Duration::from_millis(50), || async {
-            let m = client::get(ctl.admin_addr, "/metrics").await.ok()?.text();
-            m.contains("kvguard_control_aborts_total{reason=\"operator\",outcome=\"aborted\"} 1")
-                .then_some(())
+        v.wait_figures("vLLM frees it", Duration::from_secs(2), |f| {
+            f.running == 0.0
         })
+        .await
+        .unwrap();
+        let _ = s.collect(W).await;
+        poll_until_async(
+            "the engine call is counted as aborted",
+            W,
+            Duration::from_millis(50),
+            || async {
+                let m = client::get(ctl.admin_addr, "/metrics").await.ok()?.text();
+                m.contains(
+                    "kvguard_control_aborts_total{reason=\"operator\",outcome=\"aborted\"} 1",
+                )
+                .then_some(())
+            },
+        )
         .await
         .unwrap();
         ctl.stop().await;
@@ -585,8 +609,10 @@ async fn vllm_scale_out_abort_api_frees_the_sequence_while_its_client_stays_conn
 /// Sends a long non-streaming completion through `entry` (held by the lossy hop before
 /// its head too), waits until vLLM generates it, and leaves.
 async fn leave_non_streaming(v: &Vllm, entry: SocketAddr, st: &Stack) -> Instant {
-    let body = serde_json::to_vec(&json!({"model": "tiny", "prompt": "kvguard e2e", "stream": false,
-                                          "max_tokens": LONG, "ignore_eos": true}))
+    let body = serde_json::to_vec(
+        &json!({"model": "tiny", "prompt": "kvguard e2e", "stream": false,
+                                          "max_tokens": LONG, "ignore_eos": true}),
+    )
     .unwrap();
     // The client waits for the whole answer (none comes before ~25 s of generation)...
     let waiting = tokio::spawn(async move {
@@ -594,7 +620,10 @@ async fn leave_non_streaming(v: &Vllm, entry: SocketAddr, st: &Stack) -> Instant
             entry,
             hyper::Method::POST,
             "/v1/completions",
-            &[("content-type", "application/json"), (kvguard_integration::lossy::HOLD_HEADER, "1")],
+            &[
+                ("content-type", "application/json"),
+                (kvguard_integration::lossy::HOLD_HEADER, "1"),
+            ],
             body,
             false,
             T,
@@ -622,7 +651,12 @@ async fn a_non_streaming_request_left_behind_the_lossy_hop_is_freed_on_vllm() {
         let end = Instant::now() + Duration::from_secs(3);
         while Instant::now() < end {
             let f = v.figures().await.unwrap();
-            assert_eq!(f.running, 1.0, "without the filter it should keep running\n{}", st.logs(40));
+            assert_eq!(
+                f.running,
+                1.0,
+                "without the filter it should keep running\n{}",
+                st.logs(40)
+            );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         drop(st);
@@ -630,10 +664,15 @@ async fn a_non_streaming_request_left_behind_the_lossy_hop_is_freed_on_vllm() {
         // Envoy + filter → lossy hop → kvguard-control → vLLM: freed within 2 s.
         let st = Stack::start(filter_opts(v.addr(), 30_000)).await.unwrap();
         let left = leave_non_streaming(&v, st.entry(), &st).await;
-        v.wait_figures("vLLM frees it within 2 s", Duration::from_secs(2), |f| f.running == 0.0 && f.waiting == 0.0)
-            .await
-            .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
-        eprintln!("non-streaming, generating: freed {:?} after the client left", left.elapsed());
+        v.wait_figures("vLLM frees it within 2 s", Duration::from_secs(2), |f| {
+            f.running == 0.0 && f.waiting == 0.0
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+        eprintln!(
+            "non-streaming, generating: freed {:?} after the client left",
+            left.elapsed()
+        );
         wait_control_aborts(&st, "downstream_reset", 1.0).await;
         v.wait_idle(W).await.unwrap();
     })
