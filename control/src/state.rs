@@ -368,6 +368,7 @@ impl AppState {
     /// The part of ending that happens outside the lock: the client stream and the engine
     /// connection, the downstream deadline, the engine's abort API, the log line.
     fn finish_end(self: &Arc<Self>, entry: &Arc<Entry>, reason: AbortReason, via: &'static str) {
+        entry.end();
         self.arm_downstream_deadline(entry);
         let this = self.clone();
         let entry = entry.clone();

@@ -310,6 +310,27 @@ async fn keys_rotate_without_a_restart_json_logs_and_sigint() {
         .await
         .unwrap();
         assert_eq!(abort_with(admin, "r-after-error", NEW).await, 404);
+        // SIGHUP re-reads the files at once, changed or not (here: the broken file again).
+        let errors = metric(admin, "kvguard_control_key_reloads_total{result=\"error\"}")
+            .await
+            .unwrap();
+        child.signal(1).unwrap();
+        poll_until_async(
+            "SIGHUP reload",
+            Duration::from_secs(10),
+            Duration::from_millis(50),
+            || async {
+                metric(admin, "kvguard_control_key_reloads_total{result=\"error\"}")
+                    .await
+                    .filter(|v| *v > errors)
+            },
+        )
+        .await
+        .unwrap();
+        assert!(
+            child.ensure_running().is_ok(),
+            "SIGHUP does not end the process"
+        );
         child.signal(2).unwrap();
         let status = child
             .wait_exit_async(Duration::from_secs(10))

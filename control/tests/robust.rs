@@ -384,3 +384,52 @@ async fn a_hung_nvml_call_delays_nothing_and_is_not_piled_on() {
     .await
     .unwrap();
 }
+
+#[tokio::test]
+async fn the_engine_api_key_goes_on_kvguard_controls_own_engine_calls_only() {
+    bounded("test", LIMIT, async {
+        let engine = script::spawn().await;
+        let dir = std::env::temp_dir().join(format!("kvguard-engine-key-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("engine-key");
+        std::fs::write(&file, "vllm-api-key-123\n").unwrap();
+        let api_key = kvguard_control::config::read_engine_api_key(&file).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let ctl = control(&engine.url(), |c| {
+            c.abort_strategy = AbortStrategy::VllmScaleOut;
+            c.engine_api_key = Some(api_key);
+        })
+        .await;
+        let mut s = client::stream_sse(
+            ctl.proxy_addr,
+            "/flood",
+            &json!({}),
+            &[("x-request-id", "keyed")],
+            false,
+        )
+        .await
+        .unwrap();
+        s.next_data(T).await.unwrap().unwrap();
+        let (status, _) = abort(ctl.admin_addr, "keyed", "operator").await;
+        assert_eq!(status, 200);
+        wait_metric(
+            ctl.admin_addr,
+            "kvguard_control_aborts_total{reason=\"operator\",outcome=\"aborted\"}",
+            1.0,
+        )
+        .await;
+        let seen = engine.seen.lock().unwrap().clone();
+        let auth_of = |path: &str| seen.iter().find(|(p, _)| p == path).map(|(_, a)| a.clone());
+        assert_eq!(
+            auth_of("/inference/v1/abort_requests"),
+            Some(Some("Bearer vllm-api-key-123".to_owned())),
+            "{seen:?}"
+        );
+        // The proxied request carries the client's headers only.
+        assert_eq!(auth_of("/flood"), Some(None), "{seen:?}");
+        drop(s);
+        ctl.stop().await;
+    })
+    .await
+    .unwrap();
+}

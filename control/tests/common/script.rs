@@ -26,6 +26,8 @@ use tokio::sync::mpsc;
 pub struct Script {
     pub addr: SocketAddr,
     pub cut: Arc<AtomicU64>,
+    /// Every request's path and `authorization` header, in order.
+    pub seen: Arc<std::sync::Mutex<Vec<(String, Option<String>)>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -121,14 +123,20 @@ pub async fn spawn() -> Script {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let cut = Arc::new(AtomicU64::new(0));
-    let c = cut.clone();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (c, sn) = (cut.clone(), seen.clone());
     let task = tokio::spawn(async move {
         loop {
             let Ok((s, _)) = l.accept().await else { return };
-            let c = c.clone();
+            let (c, sn) = (c.clone(), sn.clone());
             tokio::spawn(async move {
                 let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
                     let c = c.clone();
+                    let auth = req
+                        .headers()
+                        .get("authorization")
+                        .map(|v| v.to_str().unwrap_or("?").to_owned());
+                    sn.lock().unwrap().push((req.uri().path().to_owned(), auth));
                     async move { Ok::<_, Infallible>(respond(req.uri().path(), c)) }
                 });
                 let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
@@ -137,5 +145,10 @@ pub async fn spawn() -> Script {
             });
         }
     });
-    Script { addr, cut, task }
+    Script {
+        addr,
+        cut,
+        seen,
+        task,
+    }
 }
