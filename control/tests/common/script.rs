@@ -23,11 +23,14 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::sync::mpsc;
 
+/// Requests seen: path and `authorization` header.
+pub type Seen = Arc<std::sync::Mutex<Vec<(String, Option<String>)>>>;
+
 pub struct Script {
     pub addr: SocketAddr,
     pub cut: Arc<AtomicU64>,
     /// Every request's path and `authorization` header, in order.
-    pub seen: Arc<std::sync::Mutex<Vec<(String, Option<String>)>>>,
+    pub seen: Seen,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -123,7 +126,7 @@ pub async fn spawn() -> Script {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let cut = Arc::new(AtomicU64::new(0));
-    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen: Seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let (c, sn) = (cut.clone(), seen.clone());
     let task = tokio::spawn(async move {
         loop {
