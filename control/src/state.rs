@@ -18,9 +18,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-/// Most signatures remembered for replay detection.
-pub use crate::config::MAX_REPLAY_ENTRIES;
-
 /// Table, tombstones and replay memory, under one lock so that admission and abort see
 /// one consistent view (an abort cannot slip between a tombstone check and an insert).
 #[derive(Debug)]
@@ -163,11 +160,6 @@ impl AppState {
     /// Every entry in flight.
     pub fn entries(&self) -> Vec<Arc<Entry>> {
         self.inner().table.values().cloned().collect()
-    }
-
-    /// The entry for `id`, if in flight.
-    pub fn entry(&self, id: &RequestId) -> Option<Arc<Entry>> {
-        self.inner().table.get(id).cloned()
     }
 
     /// Whether shutdown has begun.

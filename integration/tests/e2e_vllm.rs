@@ -679,3 +679,88 @@ async fn a_non_streaming_request_left_behind_the_lossy_hop_is_freed_on_vllm() {
     .await
     .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_non_streaming_request_left_behind_the_lossy_hop_is_freed_on_vllm() {
+    bounded("non-streaming queued", T, async {
+        let Some((v, _turn)) = vllm("non_streaming_queued").await else {
+            return;
+        };
+        // Two requests straight to vLLM with distinct 7900-token prompts fill its KV pool
+        // (512 blocks of 32) for several seconds, so a third with a 2000-token prompt waits.
+        let hog = |t: u32| {
+            let body = serde_json::to_vec(
+                &json!({"model": "tiny", "prompt": vec![t; 7900], "max_tokens": 290,
+                                                  "ignore_eos": true}),
+            )
+            .unwrap();
+            let addr = v.addr();
+            tokio::spawn(async move {
+                client::request(
+                    addr,
+                    hyper::Method::POST,
+                    "/v1/completions",
+                    &[("content-type", "application/json")],
+                    body,
+                    false,
+                    T,
+                )
+                .await
+            })
+        };
+        let hogs = [hog(7), hog(8)];
+        v.wait_figures("the KV pool full", W, |f| {
+            f.running == 2.0 && f.kv_usage > 0.9
+        })
+        .await
+        .unwrap();
+        let st = Stack::start(filter_opts(v.addr(), 30_000)).await.unwrap();
+        let entry = st.entry();
+        let body = serde_json::to_vec(
+            &json!({"model": "tiny", "prompt": vec![9u32; 2000], "max_tokens": 100,
+                                              "ignore_eos": true}),
+        )
+        .unwrap();
+        let waiting = tokio::spawn(async move {
+            client::request(
+                entry,
+                hyper::Method::POST,
+                "/v1/completions",
+                &[
+                    ("content-type", "application/json"),
+                    (kvguard_integration::lossy::HOLD_HEADER, "1"),
+                ],
+                body,
+                false,
+                T,
+            )
+            .await
+        });
+        v.wait_figures("one queued", W, |f| f.running == 2.0 && f.waiting == 1.0)
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+        waiting.abort();
+        let _ = waiting.await;
+        let left = Instant::now();
+        // Out of vLLM's queue while the two others still run.
+        v.wait_figures(
+            "vLLM drops the queued one within 2 s",
+            Duration::from_secs(2),
+            |f| f.waiting == 0.0 && f.running == 2.0,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+        eprintln!(
+            "non-streaming, queued: freed {:?} after the client left",
+            left.elapsed()
+        );
+        wait_control_aborts(&st, "downstream_reset", 1.0).await;
+        for h in hogs {
+            let r = h.await.unwrap().unwrap();
+            assert_eq!(r.status, 200, "the other requests complete untouched");
+        }
+        v.wait_idle(W).await.unwrap();
+    })
+    .await
+    .unwrap();
+}
