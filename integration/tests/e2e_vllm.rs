@@ -497,6 +497,7 @@ async fn control_in_process(
     let mut cfg = kvguard_control::Config::for_tests(&engine.url(), vec![key]).unwrap();
     cfg.abort_strategy = strategy;
     cfg.limits = kvguard_control::config::Limits::default();
+    cfg.engine_api_key = vllm_api_key();
     let deps = kvguard_control::Deps::real(&cfg);
     kvguard_control::Server::start(cfg, deps).await.unwrap()
 }
@@ -504,21 +505,28 @@ async fn control_in_process(
 /// A long streamed completion sent straight to vLLM with request id `id`, read until
 /// vLLM runs it.
 async fn running_on_vllm(v: &Vllm, addr: SocketAddr, id: &str) -> client::SseStream {
-    let mut s = client::stream_sse(
-        addr,
-        "/v1/completions",
-        &completion(LONG),
-        &[("x-request-id", id)],
-        false,
-    )
-    .await
-    .unwrap();
+    let bearer = vllm_api_key().map(|k| format!("Bearer {k}"));
+    let mut headers = vec![("x-request-id", id)];
+    if let Some(b) = &bearer {
+        headers.push(("authorization", b.as_str()));
+    }
+    let mut s = client::stream_sse(addr, "/v1/completions", &completion(LONG), &headers, false)
+        .await
+        .unwrap();
     assert_eq!(s.status, 200);
     s.read_events(3, W).await.unwrap();
     v.wait_figures("one running", W, |f| f.running == 1.0)
         .await
         .unwrap();
     s
+}
+
+/// `KVGUARD_VLLM_API_KEY_FILE`: the shared vLLM runs with `--api-key` (`VLLM_API_KEY`)
+/// holding this file's key. Only the tests in this section use it (the suite's one
+/// server runs without a key); set it for a run against a guarded vLLM.
+fn vllm_api_key() -> Option<String> {
+    let p = std::env::var_os("KVGUARD_VLLM_API_KEY_FILE")?;
+    Some(std::fs::read_to_string(p).unwrap().trim().to_owned())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -532,10 +540,17 @@ async fn vllm_scale_out_abort_api_frees_the_sequence_while_its_client_stays_conn
         // is the sequence being freed.
         let mut cfg = kvguard_control::Config::for_tests(&v.url(), vec![]).unwrap();
         cfg.abort_strategy = kvguard_control::config::AbortStrategy::VllmScaleOut;
-        let engine = kvguard_control::engine::HttpEngine::new(&cfg);
         use kvguard_control::engine::Engine as _;
         let mut s = running_on_vllm(&v, v.addr(), "scale-out-direct").await;
         let id = kvguard_contract::RequestId::try_new(b"scale-out-direct").unwrap();
+        if vllm_api_key().is_some() {
+            // Guarded by --api-key: without the key the call is refused.
+            let unkeyed = kvguard_control::engine::HttpEngine::new(&cfg);
+            let e = unkeyed.abort(id.clone()).await.unwrap_err();
+            assert!(e.contains("401"), "{e}");
+            cfg.engine_api_key = vllm_api_key();
+        }
+        let engine = kvguard_control::engine::HttpEngine::new(&cfg);
         engine
             .abort(id)
             .await
