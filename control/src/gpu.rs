@@ -41,13 +41,6 @@ pub struct GpuSnapshot {
     pub devices: Vec<DeviceMemory>,
 }
 
-impl GpuSnapshot {
-    /// Used memory summed over devices.
-    pub fn used_bytes(&self) -> u64 {
-        self.devices.iter().map(|d| d.used_bytes).sum()
-    }
-}
-
 /// Where GPU memory figures come from.
 pub trait GpuProbe: Send + Sync + 'static {
     /// Samples every device. Blocking (NVML calls are synchronous): run it off the
@@ -236,7 +229,7 @@ mod tests {
         assert!(t.status().nvml_available);
         assert_eq!(t.status().sampled_at_unix, Some(3));
         // The last answer repeats.
-        assert_eq!(probe.sample().unwrap().used_bytes(), 300);
+        assert_eq!(probe.sample().unwrap().devices[0].used_bytes, 300);
     }
 
     #[test]
