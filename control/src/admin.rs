@@ -1,7 +1,7 @@
 //! The admin listener: the abort API (contract §3), the in-flight table, GPU and engine
 //! status, metrics, health and readiness.
 
-use crate::state::AppState;
+use crate::state::{AbortFound, AppState};
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
@@ -12,9 +12,22 @@ use kvguard_contract::abort::MAX_ABORT_BODY;
 use kvguard_contract::signature::{self, SignatureError};
 use kvguard_contract::{AbortAnswer, AbortRequest, ABORT_PATH, SIGNATURE_HEADER};
 use serde_json::json;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
+use tower_http::limit::RequestBodyLimitLayer;
+use tower_http::timeout::TimeoutLayer;
 
-/// The admin listener's router.
+/// Deadline for a whole admin request, body included (408 beyond): a slow sender cannot
+/// hold one of the listener's connection slots for long.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// Deadline for a client to send its request head on the admin listener.
+pub const HEAD_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Refused abort calls are logged at most once per this period (with the count since).
+pub const REFUSAL_LOG_PERIOD: Duration = Duration::from_secs(10);
+
+/// The admin listener's router: every request bounded in time ([`REQUEST_TIMEOUT`]) and
+/// in body size (the abort body's limit).
 pub fn app(state: Arc<AppState>) -> Router {
     Router::new()
         .route(ABORT_PATH, post(abort))
@@ -24,8 +37,49 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
+        .layer(RequestBodyLimitLayer::new(MAX_ABORT_BODY))
+        .layer(TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            REQUEST_TIMEOUT,
+        ))
         .with_state(state)
 }
+
+/// Lets one log line through per period and counts the ones held back (a flood of bad
+/// calls must not flood the log).
+#[derive(Debug, Default)]
+pub struct LogLimiter {
+    next_ms: AtomicU64,
+    held: AtomicU64,
+}
+
+impl LogLimiter {
+    /// `Some(lines held back since the last one)` if a line may be logged at `now_ms`.
+    pub fn admit(&self, now_ms: u64, period: Duration) -> Option<u64> {
+        let next = self.next_ms.load(Ordering::Acquire);
+        let period_ms = u64::try_from(period.as_millis()).unwrap_or(u64::MAX);
+        if now_ms >= next
+            && self
+                .next_ms
+                .compare_exchange(
+                    next,
+                    now_ms.saturating_add(period_ms),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_ok()
+        {
+            return Some(self.held.swap(0, Ordering::AcqRel));
+        }
+        self.held.fetch_add(1, Ordering::AcqRel);
+        None
+    }
+}
+
+static REFUSALS: LogLimiter = LogLimiter {
+    next_ms: AtomicU64::new(0),
+    held: AtomicU64::new(0),
+};
 
 fn refuse(status: StatusCode, error: &str, message: String) -> Response {
     (status, Json(json!({ "error": error, "message": message }))).into_response()
@@ -49,8 +103,18 @@ async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
         .headers
         .get(SIGNATURE_HEADER)
         .map(HeaderValue::as_bytes);
-    let verified = signature::verify(&st.cfg.keys, sig_header, &body, now_unix).and_then(|sig| {
-        if st.inner().replay.check_and_remember(&sig, now_unix) {
+    let keys = st.keys();
+    let verified = signature::verify(&keys.accept, sig_header, &body, now_unix).and_then(|sig| {
+        let (fresh, evicted) = {
+            let mut inner = st.inner();
+            let before = inner.replay.evicted();
+            let fresh = inner.replay.check_and_remember(&sig, now_unix);
+            (fresh, inner.replay.evicted() - before)
+        };
+        if evicted > 0 {
+            st.metrics.replay_evicted.inc_by(evicted);
+        }
+        if fresh {
             Ok(sig)
         } else {
             Err(SignatureError::Replay)
@@ -63,11 +127,15 @@ async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
             return refuse(StatusCode::CONFLICT, "replay", e.to_string());
         }
         st.metrics.abort_api("unauthorized");
-        tracing::error!(
-            why = e.as_str(),
-            keys = st.cfg.keys.len(),
-            "abort call refused: {e}"
-        );
+        let now_ms = st.clock.unix_secs().saturating_mul(1000);
+        if let Some(held) = REFUSALS.admit(now_ms, REFUSAL_LOG_PERIOD) {
+            tracing::warn!(
+                why = e.as_str(),
+                keys = keys.accept.len(),
+                refused_since_last_line = held,
+                "abort call refused: {e} (one line per {REFUSAL_LOG_PERIOD:?} at most; every refusal is counted in kvguard_control_abort_api_answers_total{{result=\"unauthorized\"}})"
+            );
+        }
         return refuse(StatusCode::UNAUTHORIZED, "unauthorized", e.to_string());
     }
     let (abort, id) = match AbortRequest::parse(&body) {
@@ -85,32 +153,27 @@ async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
         aborted,
         already_aborted: already,
     };
-    if let Some(entry) = st.entry(&id) {
-        if st.cfg.dry_run {
-            st.end_request(&entry, reason, "abort_api");
+    match st.abort_or_tombstone(&id, reason) {
+        AbortFound::Observed => {
             st.metrics.abort_api("dry_run");
             // Observe only: found, but not ended.
-            return (StatusCode::OK, Json(answer(true, false, false))).into_response();
+            (StatusCode::OK, Json(answer(true, false, false))).into_response()
         }
-        if entry.ended().is_some() {
+        AbortFound::Ended => {
+            st.metrics.abort_api("aborted");
+            tracing::info!(request_id = %id, reason = %reason, sender_age_ms = abort.age_ms, sender_tokens = abort.tokens, sender_idle_ms = abort.idle_ms, sender_gone_ms = abort.gone_ms, "abort call: ended");
+            (StatusCode::OK, Json(answer(true, true, false))).into_response()
+        }
+        AbortFound::Already => {
             st.metrics.abort_api("already_aborted");
-            return (StatusCode::OK, Json(answer(true, false, true))).into_response();
+            (StatusCode::OK, Json(answer(true, false, true))).into_response()
         }
-        st.end_request(&entry, reason, "abort_api");
-        st.metrics.abort_api("aborted");
-        tracing::info!(request_id = %id, reason = %reason, sender_age_ms = abort.age_ms, sender_tokens = abort.tokens, "abort call: ended");
-        return (StatusCode::OK, Json(answer(true, true, false))).into_response();
+        AbortFound::NotFound => {
+            st.metrics.abort_api("not_found");
+            tracing::info!(request_id = %id, reason = %reason, "abort call for an id not in flight: tombstoned");
+            (StatusCode::NOT_FOUND, Json(answer(false, false, false))).into_response()
+        }
     }
-    let now = st.clock.now();
-    let tomb = st.inner().tombstones.get(&id, now);
-    if tomb.is_some() {
-        st.metrics.abort_api("already_aborted");
-        return (StatusCode::OK, Json(answer(true, false, true))).into_response();
-    }
-    st.tombstone(id.clone(), reason);
-    st.metrics.abort_api("not_found");
-    tracing::info!(request_id = %id, reason = %reason, "abort call for an id not in flight: tombstoned");
-    (StatusCode::NOT_FOUND, Json(answer(false, false, false))).into_response()
 }
 
 async fn requests(State(st): State<Arc<AppState>>) -> Response {

@@ -1,8 +1,7 @@
 //! Time, behind a trait so that the reaper, tombstones and replay memory can be tested
-//! with an injected clock.
+//! with an injected clock (`testing::ManualClock`, feature `test-support`).
 
-use std::sync::Mutex;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 /// A source of monotonic and wall-clock time.
 pub trait Clock: Send + Sync + 'static {
@@ -25,44 +24,5 @@ impl Clock for SystemClock {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0)
-    }
-}
-
-/// A clock that moves only when told (tests).
-#[derive(Debug)]
-pub struct ManualClock {
-    base: Instant,
-    base_unix: u64,
-    offset: Mutex<Duration>,
-}
-
-impl ManualClock {
-    /// Starts at the real now and the given unix time.
-    pub fn new(base_unix: u64) -> Self {
-        ManualClock {
-            base: Instant::now(),
-            base_unix,
-            offset: Mutex::new(Duration::ZERO),
-        }
-    }
-
-    /// Moves time forward.
-    pub fn advance(&self, d: Duration) {
-        if let Ok(mut o) = self.offset.lock() {
-            *o += d;
-        }
-    }
-
-    fn offset(&self) -> Duration {
-        self.offset.lock().map(|o| *o).unwrap_or_default()
-    }
-}
-
-impl Clock for ManualClock {
-    fn now(&self) -> Instant {
-        self.base + self.offset()
-    }
-    fn unix_secs(&self) -> u64 {
-        self.base_unix + self.offset().as_secs()
     }
 }

@@ -9,7 +9,7 @@ use http::Uri;
 use kvguard_contract::Key;
 use std::fmt;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Exit status for bad flags (`EX_USAGE`).
@@ -94,8 +94,9 @@ pub struct Args {
         default_value = "connection"
     )]
     pub abort_strategy: AbortStrategy,
-    /// Hard cap on a request's age (humantime, `off` or `0` disables).
-    #[arg(long, env = "KVGUARD_MAX_AGE", default_value = "15m")]
+    /// Hard cap on a request's age, whatever its progress (humantime; `off`, the default,
+    /// or `0` disables): a cap cuts streams that are still progressing.
+    #[arg(long, env = "KVGUARD_MAX_AGE", default_value = "off")]
     pub max_age: String,
     /// Abort a stream with no data event for this long, counted from the first one.
     #[arg(long, env = "KVGUARD_IDLE_TIMEOUT", default_value = "120s")]
@@ -145,18 +146,20 @@ pub struct Args {
     /// Do not load NVML (machines where it must not be touched).
     #[arg(long, env = "KVGUARD_NO_NVML", default_value_t = false)]
     pub no_nvml: bool,
-    /// Engine connections kept connected ahead of time (each still carries exactly one
-    /// request, then closes); 0 (the default) connects on each request's path.
-    #[arg(long, env = "KVGUARD_ENGINE_PREWARM", default_value_t = 0)]
-    pub engine_prewarm: usize,
-    /// Oldest a pre-connected, unused engine connection may get before it is replaced
-    /// (keep it below the engine's idle-connection timeouts).
-    #[arg(long, env = "KVGUARD_ENGINE_PREWARM_MAX_IDLE", default_value = "2s")]
-    pub engine_prewarm_max_idle: String,
+    /// After kvguard ends a request, how long its client may take to read the end (the
+    /// final SSE event) before the downstream side is cut: the HTTP/2 stream is reset,
+    /// an HTTP/1.1 connection closed.
+    #[arg(long, env = "KVGUARD_ABORT_FLUSH_TIMEOUT", default_value = "2s")]
+    pub abort_flush_timeout: String,
+    /// File holding the one key that signs the x-kvguard-control response stamp (watched
+    /// like --secret-file). Required with --advertise unless the only key is KVGUARD_SECRET.
+    #[arg(long, env = "KVGUARD_STAMP_KEY_FILE")]
+    pub stamp_key_file: Option<PathBuf>,
+    /// File holding the engine's API key (vLLM --api-key), sent as `Authorization: Bearer`
+    /// on kvguard-control's own calls to the engine (abort API, metrics, health).
+    #[arg(long, env = "KVGUARD_ENGINE_API_KEY_FILE")]
+    pub engine_api_key_file: Option<PathBuf>,
 }
-
-/// Most pre-connected engine connections (`--engine-prewarm`).
-pub const MAX_ENGINE_PREWARM: usize = 256;
 
 /// A flag that failed validation: exit 64 naming it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -320,6 +323,54 @@ pub fn parse_secret_file(text: &[u8]) -> Result<Vec<Key>, ConfigError> {
     Ok(keys)
 }
 
+/// Reads one file of keys (`--secret-file`, `--stamp-key-file`), naming `flag` on error.
+fn read_key_file(flag: &'static str, path: &Path) -> Result<Vec<Key>, ConfigError> {
+    let text = std::fs::read(path)
+        .map_err(|e| ConfigError::new(flag, format!("cannot read {}: {e}", path.display())))?;
+    parse_secret_file(&text).map_err(|e| ConfigError::new(flag, e.message))
+}
+
+/// The keys accepted on abort calls: `--secret-file`'s, then `KVGUARD_SECRET`.
+pub fn accepted_keys(
+    secret_file: Option<&Path>,
+    env_key: Option<&Key>,
+) -> Result<Vec<Key>, ConfigError> {
+    let mut keys = match secret_file {
+        Some(p) => read_key_file("--secret-file", p)?,
+        None => Vec::new(),
+    };
+    keys.extend(env_key.cloned());
+    Ok(keys)
+}
+
+/// The stamp-signing key: `--stamp-key-file` holds exactly one.
+pub fn read_stamp_key(path: &Path) -> Result<Key, ConfigError> {
+    const FLAG: &str = "--stamp-key-file";
+    let mut keys = read_key_file(FLAG, path)?;
+    match (keys.pop(), keys.is_empty()) {
+        (Some(k), true) => Ok(k),
+        _ => Err(ConfigError::new(
+            FLAG,
+            format!("{} must hold exactly one key", path.display()),
+        )),
+    }
+}
+
+/// The engine's API key: the file's content, trimmed, one line, printable ASCII.
+pub fn read_engine_api_key(path: &Path) -> Result<String, ConfigError> {
+    const FLAG: &str = "--engine-api-key-file";
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError::new(FLAG, format!("cannot read {}: {e}", path.display())))?;
+    let key = text.trim();
+    if key.is_empty() || !key.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(ConfigError::new(
+            FLAG,
+            format!("{}: one line of printable ASCII expected", path.display()),
+        ));
+    }
+    Ok(key.to_owned())
+}
+
 /// The reaper's limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Limits {
@@ -346,8 +397,18 @@ pub struct Config {
     pub engine_health_url: Uri,
     /// Stamp address, if any.
     pub advertise: Option<SocketAddr>,
-    /// Accepted keys (the first one signs stamps). Empty: every abort call is refused (401).
+    /// Accepted keys at start. Empty: every abort call is refused (401).
     pub keys: Vec<Key>,
+    /// The key signing the response stamp at start.
+    pub stamp_key: Option<Key>,
+    /// `--secret-file`, watched for changes.
+    pub secret_file: Option<PathBuf>,
+    /// `--stamp-key-file`, watched for changes.
+    pub stamp_key_file: Option<PathBuf>,
+    /// `KVGUARD_SECRET` at start (kept across reloads of the files).
+    pub env_key: Option<Key>,
+    /// The engine's API key (`--engine-api-key-file`).
+    pub engine_api_key: Option<String>,
     /// Abort strategy.
     pub abort_strategy: AbortStrategy,
     /// Reaper limits.
@@ -380,11 +441,14 @@ pub struct Config {
     pub worker_threads: usize,
     /// Skip NVML.
     pub no_nvml: bool,
-    /// Pre-connected engine connections kept ready (0: none).
-    pub engine_prewarm: usize,
-    /// Age at which an unused pre-connected engine connection is replaced.
-    pub engine_prewarm_max_idle: Duration,
+    /// Post-abort deadline before the downstream side is cut.
+    pub abort_flush_timeout: Duration,
+    /// Most signatures the replay memory holds ([`MAX_REPLAY_ENTRIES`]; not a flag).
+    pub max_replay_entries: usize,
 }
+
+/// Most signatures remembered for replay detection.
+pub const MAX_REPLAY_ENTRIES: usize = 100_000;
 
 impl Config {
     /// Validates flags. `secret_env` is the value of `KVGUARD_SECRET`, if set.
@@ -406,19 +470,13 @@ impl Config {
             Some(u) => http_url("--engine-health-url", u)?,
             None => http_url("--engine-url", &format!("{}/health", engine.base))?,
         };
-        let mut keys = Vec::new();
-        if let Some(path) = &args.secret_file {
-            let text = std::fs::read(path).map_err(|e| {
-                ConfigError::new(
-                    "--secret-file",
-                    format!("cannot read {}: {e}", path.display()),
-                )
-            })?;
-            keys.extend(parse_secret_file(&text)?);
-        }
-        if let Some(s) = secret_env {
-            keys.push(Key::try_new(&s).map_err(|e| ConfigError::new(SECRET_ENV, e.to_string()))?);
-        }
+        let env_key = match secret_env {
+            Some(s) => {
+                Some(Key::try_new(&s).map_err(|e| ConfigError::new(SECRET_ENV, e.to_string()))?)
+            }
+            None => None,
+        };
+        let keys = accepted_keys(args.secret_file.as_deref(), env_key.as_ref())?;
         let advertise = match &args.advertise {
             Some(a) => Some(parse_advertise(a)?),
             None => None,
@@ -429,6 +487,21 @@ impl Config {
                 "the stamp is signed: give --secret-file or KVGUARD_SECRET too",
             ));
         }
+        let stamp_key =
+            match (&args.stamp_key_file, advertise) {
+                (Some(path), _) => Some(read_stamp_key(path)?),
+                (None, Some(_)) if args.secret_file.is_none() => env_key.clone(),
+                (None, Some(_)) => return Err(ConfigError::new(
+                    "--advertise",
+                    "name the key that signs the x-kvguard-control stamp with --stamp-key-file \
+                     (with --secret-file the signing key is never guessed)",
+                )),
+                (None, None) => None,
+            };
+        let engine_api_key = match &args.engine_api_key_file {
+            Some(path) => Some(read_engine_api_key(path)?),
+            None => None,
+        };
         let limits = Limits {
             max_age: parse_optional_duration("--max-age", &args.max_age)?,
             idle_timeout: parse_optional_duration("--idle-timeout", &args.idle_timeout)?,
@@ -453,20 +526,8 @@ impl Config {
         if args.max_request_body == 0 {
             return Err(ConfigError::new("--max-request-body", "must be at least 1"));
         }
-        if args.engine_prewarm > MAX_ENGINE_PREWARM {
-            return Err(ConfigError::new(
-                "--engine-prewarm",
-                format!("at most {MAX_ENGINE_PREWARM} (0 disables)"),
-            ));
-        }
-        let engine_prewarm_max_idle =
-            parse_required_duration("--engine-prewarm-max-idle", &args.engine_prewarm_max_idle)?;
-        if engine_prewarm_max_idle < Duration::from_millis(10) {
-            return Err(ConfigError::new(
-                "--engine-prewarm-max-idle",
-                "at least 10ms",
-            ));
-        }
+        let abort_flush_timeout =
+            parse_required_duration("--abort-flush-timeout", &args.abort_flush_timeout)?;
         tracing_subscriber::EnvFilter::try_new(&args.log)
             .map_err(|e| ConfigError::new("--log", format!("{:?}: {e}", args.log)))?;
         let worker_threads = match args.worker_threads {
@@ -501,13 +562,18 @@ impl Config {
             addr_file: args.addr_file,
             worker_threads,
             no_nvml: args.no_nvml,
-            engine_prewarm: args.engine_prewarm,
-            engine_prewarm_max_idle,
+            abort_flush_timeout,
+            max_replay_entries: MAX_REPLAY_ENTRIES,
+            stamp_key,
+            secret_file: args.secret_file,
+            stamp_key_file: args.stamp_key_file,
+            env_key,
+            engine_api_key,
         })
     }
 
     /// A configuration for tests: loopback port 0 listeners, the given engine, defaults
-    /// elsewhere, one key.
+    /// elsewhere, these keys (the first also signs stamps).
     pub fn for_tests(engine_url: &str, keys: Vec<Key>) -> Result<Config, ConfigError> {
         let args = Args::try_parse_from([
             "kvguard-control",
@@ -521,6 +587,7 @@ impl Config {
         ])
         .map_err(|e| ConfigError::new("args", e.to_string()))?;
         let mut c = Config::try_new(args, None)?;
+        c.stamp_key = keys.first().cloned();
         c.keys = keys;
         Ok(c)
     }
@@ -546,7 +613,10 @@ mod tests {
             c.engine_metrics_url.to_string(),
             "http://127.0.0.1:8000/metrics"
         );
-        assert_eq!(c.limits.max_age, Some(Duration::from_secs(900)));
+        assert_eq!(
+            c.limits.max_age, None,
+            "no default may cut a progressing stream"
+        );
         assert_eq!(c.limits.idle_timeout, Some(Duration::from_secs(120)));
         assert_eq!(c.limits.first_token_timeout, None);
         assert_eq!(c.sample_interval, Duration::from_secs(5));
@@ -555,20 +625,7 @@ mod tests {
         assert_eq!(c.abort_strategy, AbortStrategy::Connection);
         assert!(c.keys.is_empty());
         assert!(!c.dry_run);
-        assert_eq!(c.engine_prewarm, 0);
-        assert_eq!(c.engine_prewarm_max_idle, Duration::from_secs(2));
-        let c = Config::try_new(
-            args(&[
-                "--engine-prewarm",
-                "4",
-                "--engine-prewarm-max-idle",
-                "750ms",
-            ]),
-            None,
-        )
-        .unwrap();
-        assert_eq!(c.engine_prewarm, 4);
-        assert_eq!(c.engine_prewarm_max_idle, Duration::from_millis(750));
+        assert_eq!(c.abort_flush_timeout, Duration::from_secs(2));
     }
 
     #[test]
@@ -589,14 +646,11 @@ mod tests {
             (&["--tombstone-ttl", "0"], "--tombstone-ttl"),
             (&["--max-inflight", "0"], "--max-inflight"),
             (&["--secret-file", "/nonexistent/kvguard"], "--secret-file"),
-            (&["--engine-prewarm", "257"], "--engine-prewarm"),
+            (&["--abort-flush-timeout", "off"], "--abort-flush-timeout"),
+            (&["--stamp-key-file", "/nonexistent/k"], "--stamp-key-file"),
             (
-                &["--engine-prewarm-max-idle", "off"],
-                "--engine-prewarm-max-idle",
-            ),
-            (
-                &["--engine-prewarm-max-idle", "1ms"],
-                "--engine-prewarm-max-idle",
+                &["--engine-api-key-file", "/nonexistent/k"],
+                "--engine-api-key-file",
             ),
         ];
         for (a, flag) in cases {
@@ -648,8 +702,50 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.keys.len(), 1);
+        assert_eq!(
+            c.stamp_key,
+            c.keys.first().cloned(),
+            "the only key, from the environment"
+        );
         assert_eq!(c.advertise.unwrap().port(), 9902);
         assert!(parse_advertise("10.0.0.1:0").is_err());
+        // With a secret file the signing key is named, never guessed.
+        let dir = std::env::temp_dir().join(format!("kvguard-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let secrets = dir.join("secrets");
+        let stamp = dir.join("stamp");
+        std::fs::write(
+            &secrets,
+            "kvguard-new-key-0123456789\nkvguard-old-key-0123456789\n",
+        )
+        .unwrap();
+        std::fs::write(&stamp, "kvguard-old-key-0123456789\n").unwrap();
+        let (sf, kf) = (secrets.to_str().unwrap(), stamp.to_str().unwrap());
+        let e = Config::try_new(
+            args(&["--advertise", "10.0.0.7:9902", "--secret-file", sf]),
+            None,
+        )
+        .unwrap_err();
+        assert_eq!(e.flag, "--advertise");
+        assert!(e.message.contains("--stamp-key-file"), "{e}");
+        let c = Config::try_new(
+            args(&[
+                "--advertise",
+                "10.0.0.7:9902",
+                "--secret-file",
+                sf,
+                "--stamp-key-file",
+                kf,
+            ]),
+            None,
+        )
+        .unwrap();
+        assert_eq!(c.keys.len(), 2);
+        assert_eq!(c.stamp_key, Some(c.keys[1].clone()));
+        // A stamp file with two keys is refused.
+        let e = Config::try_new(args(&["--stamp-key-file", sf]), None).unwrap_err();
+        assert_eq!(e.flag, "--stamp-key-file");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -39,6 +39,7 @@ pub struct HttpEngine {
     health_url: Uri,
     base: String,
     strategy: AbortStrategy,
+    api_key: Option<http::HeaderValue>,
 }
 
 impl HttpEngine {
@@ -57,6 +58,11 @@ impl HttpEngine {
             health_url: cfg.engine_health_url.clone(),
             base: cfg.engine.base.clone(),
             strategy: cfg.abort_strategy,
+            api_key: cfg.engine_api_key.as_ref().and_then(|k| {
+                let mut v = http::HeaderValue::from_str(&format!("Bearer {k}")).ok()?;
+                v.set_sensitive(true);
+                Some(v)
+            }),
         }
     }
 
@@ -70,6 +76,11 @@ impl HttpEngine {
         let mut b = Request::builder().method(method).uri(uri.clone());
         if body.is_some() {
             b = b.header(http::header::CONTENT_TYPE, "application/json");
+        }
+        if let Some(k) = &self.api_key {
+            // vLLM's --api-key guards /v1, /inference (its abort API); /metrics and
+            // /health are open, and a key there is ignored.
+            b = b.header(http::header::AUTHORIZATION, k.clone());
         }
         let req = b
             .body(Full::new(Bytes::from(body.unwrap_or_default())))
@@ -99,7 +110,7 @@ impl HttpEngine {
             AbortStrategy::Sglang => ("/abort_request", serde_json::json!({ "rid": id.as_str() })),
             AbortStrategy::VllmScaleOut => (
                 "/inference/v1/abort_requests",
-                serde_json::json!({ "request_ids": id.vllm_engine_ids() }),
+                serde_json::json!({ "request_ids": vllm_abort_ids(id) }),
             ),
         };
         let uri: Uri = format!("{}{path}", self.base).parse().ok()?;
@@ -158,6 +169,19 @@ impl Engine for HttpEngine {
     }
 }
 
+/// The ids vLLM 0.32 knows a request by, for its abort API: a completion's sequence is
+/// `cmpl-<id>-<prompt index>` (`-0` for one prompt), a chat completion's `chatcmpl-<id>`;
+/// `cmpl-<id>` is kept for older versions. The sequences of a batched completion's other
+/// prompts are ended by the closed connection.
+pub fn vllm_abort_ids(id: &RequestId) -> [String; 3] {
+    let id = id.as_str();
+    [
+        format!("cmpl-{id}-0"),
+        format!("chatcmpl-{id}"),
+        format!("cmpl-{id}"),
+    ]
+}
+
 /// An error and its sources, `: `-separated (hyper's client errors hide the cause).
 pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut s = e.to_string();
@@ -199,7 +223,10 @@ mod tests {
             u.to_string(),
             "http://127.0.0.1:9/inference/v1/abort_requests"
         );
-        assert_eq!(b, br#"{"request_ids":["cmpl-abc","chatcmpl-abc"]}"#);
+        assert_eq!(
+            b,
+            br#"{"request_ids":["cmpl-abc-0","chatcmpl-abc","cmpl-abc"]}"#
+        );
         // The connection strategy never calls the engine.
         assert!(engine("connection").abort(id.clone()).await.is_ok());
         // Nothing listens on port 9 (discard): an error, not a hang or a panic.

@@ -41,13 +41,6 @@ pub struct GpuSnapshot {
     pub devices: Vec<DeviceMemory>,
 }
 
-impl GpuSnapshot {
-    /// Used memory summed over devices.
-    pub fn used_bytes(&self) -> u64 {
-        self.devices.iter().map(|d| d.used_bytes).sum()
-    }
-}
-
 /// Where GPU memory figures come from.
 pub trait GpuProbe: Send + Sync + 'static {
     /// Samples every device. Blocking (NVML calls are synchronous): run it off the
@@ -120,35 +113,6 @@ impl GpuProbe for NvmlProbe {
     }
 }
 
-/// A probe returning canned answers (tests, and `--no-nvml`).
-#[derive(Debug, Default)]
-pub struct FakeProbe {
-    answers: std::sync::Mutex<Vec<Result<GpuSnapshot, String>>>,
-}
-
-impl FakeProbe {
-    /// Answers these, in order; the last one repeats.
-    pub fn new(answers: Vec<Result<GpuSnapshot, String>>) -> Self {
-        FakeProbe {
-            answers: std::sync::Mutex::new(answers),
-        }
-    }
-}
-
-impl GpuProbe for FakeProbe {
-    fn sample(&self) -> Result<GpuSnapshot, String> {
-        let mut a = self
-            .answers
-            .lock()
-            .map_err(|_| "fake probe poisoned".to_owned())?;
-        match a.len() {
-            0 => Err("no answer".to_owned()),
-            1 => a[0].clone(),
-            _ => a.remove(0),
-        }
-    }
-}
-
 /// What `/v1/gpu` shows and the metrics read.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct GpuStatus {
@@ -174,6 +138,8 @@ pub struct GpuTracker {
     pub exported_devices: std::collections::HashSet<Vec<(&'static str, String)>>,
     /// Label sets last exported per process.
     pub exported_processes: std::collections::HashSet<Vec<(&'static str, String)>>,
+    /// When the last successful sample was folded in (quiet checkpoints).
+    pub last_ok_at: Option<std::time::Instant>,
 }
 
 impl GpuTracker {
@@ -228,6 +194,7 @@ impl GpuTracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::FakeProbe;
 
     pub(crate) fn snap(used: u64) -> GpuSnapshot {
         GpuSnapshot {
@@ -262,7 +229,7 @@ mod tests {
         assert!(t.status().nvml_available);
         assert_eq!(t.status().sampled_at_unix, Some(3));
         // The last answer repeats.
-        assert_eq!(probe.sample().unwrap().used_bytes(), 300);
+        assert_eq!(probe.sample().unwrap().devices[0].used_bytes, 300);
     }
 
     #[test]

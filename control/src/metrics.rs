@@ -3,11 +3,15 @@
 //! (prometheus-client appends `_total` to counters.)
 
 use kvguard_contract::AbortReason;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
 
 /// A float gauge.
 pub type FGauge = Gauge<f64, AtomicU64>;
@@ -53,19 +57,20 @@ pub struct Metrics {
     /// Data events (SSE) / lines (NDJSON) proxied.
     pub data_events: Counter,
     /// Engine KV-cache usage, 0..1.
-    pub engine_kv_usage_ratio: FGauge,
+    pub engine_kv_usage_ratio: MaybeGauge,
     /// Engine running sequences.
-    pub engine_requests_running: FGauge,
+    pub engine_requests_running: MaybeGauge,
     /// Engine waiting sequences.
-    pub engine_requests_waiting: FGauge,
+    pub engine_requests_waiting: MaybeGauge,
     /// Engine preemptions (a counter following the engine's own).
     pub engine_preemptions: Counter<f64, AtomicU64>,
     /// Failed scrapes.
     pub engine_scrape_errors: Counter,
     /// 1 when the last scrape succeeded.
     pub engine_up: Gauge,
-    /// Engine running − kvguard in flight, floored at 0.
-    pub orphans: FGauge,
+    /// Engine running + waiting − kvguard in flight, floored at 0 (absent while the
+    /// engine's figures are unknown).
+    pub orphans: MaybeGauge,
     /// 1 when NVML answers.
     pub nvml_available: Gauge,
     /// Per device total memory.
@@ -88,18 +93,14 @@ pub struct Metrics {
     pub engine_process_open_fds: Gauge,
     /// Engine process resident memory.
     pub engine_process_resident_memory: Gauge,
-    /// Pre-connected engine connections ready now.
-    pub engine_pool_idle: Gauge,
-    /// Engine connections taken for a request: `result` = `hit` (pre-connected) or
-    /// `miss` (none ready: dialled on the request's path).
-    pub engine_pool_takes: Family<L1, Counter>,
-    /// Pre-connected connections discarded unused: `reason` = `aged`, `peer_closed`.
-    pub engine_pool_discards: Family<L1, Counter>,
-    /// Requests sent again on a new connection because the pre-connected one closed
-    /// before the request was written.
-    pub engine_pool_retries: Counter,
-    /// Failed background pre-connects.
-    pub engine_pool_dial_errors: Counter,
+    /// Downstream sides cut after the post-abort deadline, by `scope`.
+    pub downstream_cuts: Family<L1, Counter>,
+    /// NVML calls that did not return within their deadline.
+    pub nvml_timeouts: Counter,
+    /// Signatures forgotten early by the replay memory (it was full).
+    pub replay_evicted: Counter,
+    /// Key file reloads by `result` = `ok`, `error` (the old keys stay).
+    pub key_reloads: Family<L1, Counter>,
 }
 
 impl Metrics {
@@ -166,19 +167,17 @@ impl Metrics {
             "SSE data events and NDJSON lines proxied",
             m.data_events.clone()
         );
-        r!(reg, "engine_kv_usage_ratio", "Engine KV-cache usage 0..1 (vllm:kv_cache_usage_perc, vllm:gpu_cache_usage_perc, sglang:token_usage)", m.engine_kv_usage_ratio.clone());
-        r!(
-            reg,
-            "engine_requests_running",
-            "Engine running sequences (vllm:num_requests_running, sglang:num_running_reqs)",
-            m.engine_requests_running.clone()
-        );
-        r!(
-            reg,
-            "engine_requests_waiting",
-            "Engine waiting sequences (vllm:num_requests_waiting, sglang:num_queue_reqs)",
-            m.engine_requests_waiting.clone()
-        );
+        reg.register_collector(Box::new(MaybeGaugeCollector { name: "kvguard_control_engine_kv_usage_ratio", help: "Engine KV-cache usage 0..1 (vllm:kv_cache_usage_perc, vllm:gpu_cache_usage_perc, sglang:token_usage)", gauge: m.engine_kv_usage_ratio.clone() }));
+        reg.register_collector(Box::new(MaybeGaugeCollector {
+            name: "kvguard_control_engine_requests_running",
+            help: "Engine running sequences (vllm:num_requests_running, sglang:num_running_reqs)",
+            gauge: m.engine_requests_running.clone(),
+        }));
+        reg.register_collector(Box::new(MaybeGaugeCollector {
+            name: "kvguard_control_engine_requests_waiting",
+            help: "Engine waiting sequences (vllm:num_requests_waiting, sglang:num_queue_reqs)",
+            gauge: m.engine_requests_waiting.clone(),
+        }));
         r!(
             reg,
             "engine_preemptions",
@@ -197,12 +196,7 @@ impl Metrics {
             "1 when the last scrape of the engine's metrics succeeded",
             m.engine_up.clone()
         );
-        r!(
-            reg,
-            "orphans",
-            "Engine running sequences minus requests in flight through kvguard (floored at 0)",
-            m.orphans.clone()
-        );
+        reg.register_collector(Box::new(MaybeGaugeCollector { name: "kvguard_control_orphans", help: "Engine running plus waiting sequences minus requests in flight through kvguard (floored at 0; absent while the engine does not answer; assumes one kvguard-control per engine)", gauge: m.orphans.clone() }));
         r!(
             reg,
             "nvml_available",
@@ -271,40 +265,34 @@ impl Metrics {
         );
         r!(
             reg,
-            "engine_pool_idle",
-            "Pre-connected engine connections ready now (--engine-prewarm)",
-            m.engine_pool_idle.clone()
+            "downstream_cuts",
+            "Downstream sides cut because the client did not take the end of its request within --abort-flush-timeout, by scope (h2_stream reset, connection closed)",
+            m.downstream_cuts.clone()
         );
         r!(
             reg,
-            "engine_pool_takes",
-            "Engine connections taken for a request: result=hit (pre-connected) or miss (dialled on the request's path)",
-            m.engine_pool_takes.clone()
+            "nvml_timeouts",
+            "NVML calls that did not return within their deadline (no other call is started while one is outstanding)",
+            m.nvml_timeouts.clone()
         );
         r!(
             reg,
-            "engine_pool_discards",
-            "Pre-connected engine connections discarded unused, by reason (aged, peer_closed)",
-            m.engine_pool_discards.clone()
+            "replay_evicted",
+            "Abort signatures forgotten before their window ended because the replay memory was full",
+            m.replay_evicted.clone()
         );
         r!(
             reg,
-            "engine_pool_retries",
-            "Requests sent again on a new connection because the pre-connected one closed before the request was written",
-            m.engine_pool_retries.clone()
-        );
-        r!(
-            reg,
-            "engine_pool_dial_errors",
-            "Failed background pre-connects to the engine",
-            m.engine_pool_dial_errors.clone()
+            "key_reloads",
+            "Reloads of --secret-file / --stamp-key-file by result (error: the keys in use stay)",
+            m.key_reloads.clone()
         );
         // Pre-create the closed label sets so dashboards see zeros, not gaps.
-        for res in POOL_TAKE_RESULTS {
-            let _ = m.engine_pool_takes.get_or_create(&[("result", res)]);
+        for scope in ["h2_stream", "connection"] {
+            let _ = m.downstream_cuts.get_or_create(&[("scope", scope)]);
         }
-        for reason in POOL_DISCARD_REASONS {
-            let _ = m.engine_pool_discards.get_or_create(&[("reason", reason)]);
+        for res in ["ok", "error"] {
+            let _ = m.key_reloads.get_or_create(&[("result", res)]);
         }
         for reason in AbortReason::ALL {
             for o in [
@@ -368,17 +356,10 @@ impl Metrics {
         self.abort_api.get_or_create(&[("result", result)]).inc();
     }
 
-    /// Counts an engine connection taken for a request (`hit` or `miss`).
-    pub fn pool_take(&self, result: &'static str) {
-        self.engine_pool_takes
-            .get_or_create(&[("result", result)])
-            .inc();
-    }
-
-    /// Counts a pre-connected connection discarded unused (`aged` or `peer_closed`).
-    pub fn pool_discard(&self, reason: &'static str) {
-        self.engine_pool_discards
-            .get_or_create(&[("reason", reason)])
+    /// Counts a downstream side cut after the post-abort deadline.
+    pub fn downstream_cut(&self, scope: &'static str) {
+        self.downstream_cuts
+            .get_or_create(&[("scope", scope)])
             .inc();
     }
 
@@ -399,15 +380,56 @@ pub const ABORT_API_RESULTS: [&str; 7] = [
     "replay",
 ];
 
-/// The engine pool's take `result` label values.
-pub const POOL_TAKE_RESULTS: [&str; 2] = ["hit", "miss"];
+/// Orphans: sequences the engine holds (running and waiting) that no request in flight
+/// through kvguard accounts for, floored at 0. Exact only with one kvguard-control in
+/// front of the engine (other clients' sequences count as orphans).
+pub fn orphans(engine_running: f64, engine_waiting: f64, inflight: usize) -> f64 {
+    (engine_running + engine_waiting - inflight as f64).max(0.0)
+}
 
-/// The engine pool's discard `reason` label values.
-pub const POOL_DISCARD_REASONS: [&str; 2] = ["aged", "peer_closed"];
+/// A float gauge whose series exists only while its value is known: cleared, it
+/// disappears from `/metrics` (never a stale value, never a made-up 0).
+#[derive(Debug, Clone, Default)]
+pub struct MaybeGauge(Arc<Mutex<Option<f64>>>);
 
-/// Orphans: engine running − kvguard in flight, floored at 0.
-pub fn orphans(engine_running: f64, inflight: usize) -> f64 {
-    (engine_running - inflight as f64).max(0.0)
+impl MaybeGauge {
+    /// Sets the value.
+    pub fn set(&self, v: f64) {
+        *self.lock() = Some(v);
+    }
+
+    /// Removes the series.
+    pub fn clear(&self) {
+        *self.lock() = None;
+    }
+
+    /// The value, if known.
+    pub fn get(&self) -> Option<f64> {
+        *self.lock()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<f64>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A [`MaybeGauge`] under its name, as the registry encodes it.
+#[derive(Debug)]
+struct MaybeGaugeCollector {
+    name: &'static str,
+    help: &'static str,
+    gauge: MaybeGauge,
+}
+
+impl Collector for MaybeGaugeCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        if let Some(v) = self.gauge.get() {
+            let g = ConstGauge::new(v);
+            let me = encoder.encode_descriptor(self.name, self.help, None, g.metric_type())?;
+            g.encode(me)?;
+        }
+        Ok(())
+    }
 }
 
 /// Encodes the registry in the OpenMetrics text format.
@@ -425,9 +447,11 @@ mod tests {
 
     #[test]
     fn orphan_gauge() {
-        assert_eq!(orphans(5.0, 3), 2.0);
-        assert_eq!(orphans(2.0, 3), 0.0);
-        assert_eq!(orphans(0.0, 0), 0.0);
+        assert_eq!(orphans(5.0, 0.0, 3), 2.0);
+        assert_eq!(orphans(2.0, 0.0, 3), 0.0);
+        assert_eq!(orphans(0.0, 0.0, 0), 0.0);
+        // A leaked running sequence is not hidden behind a queued one in flight.
+        assert_eq!(orphans(1.0, 1.0, 1), 1.0);
     }
 
     #[test]
@@ -452,13 +476,9 @@ mod tests {
         );
         assert!(text.contains("kvguard_control_nvml_available 0"));
         for name in [
-            "kvguard_control_engine_kv_usage_ratio",
-            "kvguard_control_engine_requests_running",
-            "kvguard_control_engine_requests_waiting",
             "kvguard_control_engine_preemptions_total",
             "kvguard_control_engine_scrape_errors_total",
             "kvguard_control_engine_up",
-            "kvguard_control_orphans",
             "kvguard_control_quiet_kv_usage",
             "kvguard_control_quiet_gpu_memory_bytes",
             "kvguard_control_quiet_checkpoint_timestamp_seconds",
@@ -466,15 +486,18 @@ mod tests {
             "kvguard_control_tombstones",
             "kvguard_control_engine_process_open_fds",
             "kvguard_control_engine_process_resident_memory_bytes",
-            "kvguard_control_engine_pool_idle",
-            "kvguard_control_engine_pool_takes_total{result=\"hit\"}",
-            "kvguard_control_engine_pool_takes_total{result=\"miss\"}",
-            "kvguard_control_engine_pool_discards_total{reason=\"aged\"}",
-            "kvguard_control_engine_pool_discards_total{reason=\"peer_closed\"}",
-            "kvguard_control_engine_pool_retries_total",
-            "kvguard_control_engine_pool_dial_errors_total",
+            "kvguard_control_nvml_timeouts_total",
+            "kvguard_control_replay_evicted_total",
+            "kvguard_control_downstream_cuts_total{scope=\"h2_stream\"}",
+            "kvguard_control_key_reloads_total{result=\"error\"}",
         ] {
             assert!(text.contains(&format!("\n{name}")), "{name} missing");
         }
+        // Unknown engine figures are absent, not 0; known ones appear.
+        assert!(!text.contains("kvguard_control_orphans"), "{text}");
+        m.orphans.set(2.0);
+        assert!(encode(&reg).contains("\nkvguard_control_orphans 2"));
+        m.orphans.clear();
+        assert!(!encode(&reg).contains("kvguard_control_orphans"));
     }
 }

@@ -1,10 +1,10 @@
 //! The proxy listener: every request is tracked by its `x-request-id` and streamed to the
 //! engine and back without buffering. Each request gets its own engine connection, so
 //! that ending it closes exactly its TCP connection (vLLM, TGI and llama.cpp abort the
-//! sequence when the client connection closes). The connection is usually one the
-//! [`crate::pool`] opened ahead of time, never used before and closed after.
+//! sequence when the client connection closes); it is opened on the request's path and
+//! closed after its one response.
 
-use crate::pool::SendError;
+use crate::downstream::Downstream;
 use crate::scan::{BodyKind, Scanner};
 use crate::state::{AppState, Refusal};
 use crate::table::Entry;
@@ -18,15 +18,58 @@ use http::{StatusCode, Version};
 use http_body::{Body as HttpBody, Frame};
 use http_body_util::Limited;
 use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
 use kvguard_contract::{sse, stamp, AbortReason, RequestId, CONTROL_HEADER, REQUEST_ID_HEADER};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::net::TcpStream;
+use tokio::task::AbortHandle;
 use tokio_util::sync::WaitForCancellationFutureOwned;
 
 /// Deadline for connecting to the engine.
-pub use crate::pool::CONNECT_TIMEOUT;
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why the engine gave no response head.
+#[derive(Debug)]
+enum SendError {
+    /// No connection to the engine (the message says why).
+    Unreachable(String),
+    /// The request was sent (or could not be) and failed before a response head.
+    Failed(hyper::Error),
+}
+
+/// Sends `req` on a new engine connection of its own; `attach` receives the connection
+/// task's handle before anything is sent (aborting it closes the connection).
+async fn send_to_engine(
+    authority: &str,
+    req: http::Request<Body>,
+    attach: impl FnOnce(AbortHandle),
+) -> Result<http::Response<Incoming>, SendError> {
+    let tcp = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(authority)).await {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => return Err(SendError::Unreachable(e.to_string())),
+        Err(_) => {
+            return Err(SendError::Unreachable(format!(
+                "no connection within {CONNECT_TIMEOUT:?}"
+            )))
+        }
+    };
+    let _ = tcp.set_nodelay(true);
+    let (mut sender, conn) = hyper::client::conn::http1::Builder::new()
+        .handshake::<_, Body>(TokioIo::new(tcp))
+        .await
+        .map_err(|e| SendError::Unreachable(e.to_string()))?;
+    let task = tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "engine connection ended with an error");
+        }
+    });
+    attach(task.abort_handle());
+    sender.send_request(req).await.map_err(SendError::Failed)
+}
 
 /// The proxy listener's router: every path goes to the engine.
 pub fn app(state: Arc<AppState>) -> Router {
@@ -100,6 +143,7 @@ impl Drop for Guard {
     fn drop(&mut self) {
         self.state.remove(&self.entry);
         self.entry.close_engine_conn();
+        self.entry.finish();
         let cause = if self.entry.ended().is_some() && self.cause != Some("complete") {
             "aborted"
         } else {
@@ -213,6 +257,9 @@ async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {
         }
     };
     st.metrics.request("tracked");
+    if let Some(d) = Downstream::current() {
+        entry.set_downstream(d);
+    }
     let mut guard = Guard {
         state: st.clone(),
         entry: entry.clone(),
@@ -283,19 +330,16 @@ async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {
         )
     };
 
-    // Its own engine connection (pre-connected if one is ready): closing it ends exactly
-    // this request. The handle is attached before anything is sent.
+    // Its own engine connection: closing it ends exactly this request. The handle is
+    // attached before anything is sent; the sender is dropped with the response head, so
+    // the connection closes once this one response ends.
     let sent = tokio::select! {
         biased;
         _ = cancelled.cancelled() => { guard.cause = Some("aborted"); return aborted(&entry); }
-        r = st.pool.request(ureq, |h| entry.set_conn(h)) => r,
+        r = send_to_engine(&st.cfg.engine.authority, ureq, |h| entry.set_conn(h)) => r,
     };
     let resp = match sent {
-        Ok((resp, conn)) => {
-            // No second request on it: once this response ends, the connection closes.
-            drop(conn);
-            Ok(resp)
-        }
+        Ok(resp) => Ok(resp),
         Err(SendError::Unreachable(e)) => {
             guard.cause = Some("engine_unreachable");
             return engine_down(e);
@@ -340,7 +384,7 @@ async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {
             .map(HeaderValue::as_bytes),
     );
     entry.record_response(rparts.status.as_u16(), kind, st.clock.now());
-    if let (Some(addr), Some(key)) = (st.cfg.advertise, st.cfg.keys.first()) {
+    if let (Some(addr), Some(key)) = (st.cfg.advertise, st.keys().stamp.as_ref()) {
         let v = stamp::stamp(key, addr, &id, st.clock.unix_secs());
         if let Ok(v) = HeaderValue::from_str(&v) {
             rparts.headers.insert(CONTROL_HEADER, v);
@@ -425,12 +469,21 @@ impl HttpBody for TrackedBody {
         match Pin::new(inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
-                    let n = this.scanner.feed(data);
-                    if n > 0 {
-                        this.guard
-                            .entry
-                            .record_events(n, this.guard.state.clock.now());
-                        this.guard.state.metrics.data_events.inc_by(n);
+                    if this.scanner.kind() == BodyKind::Other {
+                        // Nothing to count in it: any frame is progress.
+                        if !data.is_empty() {
+                            this.guard
+                                .entry
+                                .record_progress(this.guard.state.clock.now());
+                        }
+                    } else {
+                        let n = this.scanner.feed(data);
+                        if n > 0 {
+                            this.guard
+                                .entry
+                                .record_events(n, this.guard.state.clock.now());
+                            this.guard.state.metrics.data_events.inc_by(n);
+                        }
                     }
                 }
                 Poll::Ready(Some(Ok(frame)))

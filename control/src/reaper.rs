@@ -1,10 +1,42 @@
 //! GPU-side reaping, independent of any gateway: max age, idle (stalled) streams and
-//! first-token timeouts, judged on an injected clock.
+//! first-token timeouts, judged on an injected clock; the loop that applies them.
 
 use crate::config::Limits;
+use crate::state::AppState;
 use crate::table::Times;
 use kvguard_contract::AbortReason;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// Runs the reaper every [`tick`] until `stop`.
+pub fn spawn(st: Arc<AppState>, stop: CancellationToken) {
+    let every = tick(&st.cfg.limits);
+    tokio::spawn(async move {
+        let mut iv = tokio::time::interval(every);
+        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = iv.tick() => {}
+            }
+            reap_once(&st);
+        }
+    });
+}
+
+/// One pass over the in-flight table (ended requests have left it already), then the
+/// expired tombstones.
+pub fn reap_once(st: &Arc<AppState>) {
+    let now = st.clock.now();
+    let limits = st.cfg.limits;
+    for e in st.entries() {
+        if let Some(reason) = verdict(&e.times(), now, &limits) {
+            st.end_request(&e, reason, "reaper");
+        }
+    }
+    st.purge_tombstones();
+}
 
 /// Whether a request is due to be ended at `now`, and why. Checked in order: max age
 /// (from the start), first-token timeout (from the start, until the first data event),
@@ -49,7 +81,8 @@ pub fn tick(limits: &Limits) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::{Clock, ManualClock};
+    use crate::clock::Clock;
+    use crate::testing::ManualClock;
 
     fn limits(max_age: u64, idle: u64, first: Option<u64>) -> Limits {
         Limits {

@@ -1,5 +1,6 @@
-//! Periodic sampling: engine metrics (and health), NVML, the engine process, quiet
-//! checkpoints and the orphan gauge.
+//! Periodic sampling: engine metrics (and health), the engine process, quiet checkpoints
+//! and the orphan gauge; NVML in a task of its own, so that a hung driver call delays
+//! nothing else.
 
 use crate::expo::EngineFigures;
 use crate::gpu::{GpuProbe, GpuSnapshot};
@@ -7,20 +8,105 @@ use crate::metrics::orphans;
 use crate::state::AppState;
 use std::collections::HashSet;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// Longest an NVML call may take before it counts as hung (at most one sample interval).
+pub const NVML_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The period a quiet checkpoint covers: from one sample to the next. The checkpoint is
+/// taken only if no request was admitted during it and none was in flight (beyond
+/// `--quiet-max-inflight`) at either end, so none ran during the engine scrape.
+#[derive(Debug, Clone, Copy)]
+pub struct QuietWindow {
+    admissions: u64,
+    quiet_at_start: bool,
+    opened: Instant,
+}
+
+impl QuietWindow {
+    /// Opens a window now.
+    pub fn open(st: &AppState) -> QuietWindow {
+        QuietWindow {
+            admissions: st.admissions(),
+            quiet_at_start: st.inflight() <= st.cfg.quiet_max_inflight,
+            opened: st.clock.now(),
+        }
+    }
+
+    /// Whether it was quiet from its opening until now.
+    pub fn quiet_until_now(&self, st: &AppState) -> bool {
+        self.quiet_at_start
+            && st.admissions() == self.admissions
+            && st.inflight() <= st.cfg.quiet_max_inflight
+    }
+}
+
+/// Runs the engine sampler every `--sample-interval` until `stop`.
+pub fn spawn(st: Arc<AppState>, stop: CancellationToken) {
+    tokio::spawn(async move {
+        let mut iv = tokio::time::interval(st.cfg.sample_interval);
+        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut window = QuietWindow::open(&st);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = iv.tick() => {}
+            }
+            sample_once(&st, &mut window).await;
+        }
+    });
+}
+
+/// Runs the NVML sampler every `--sample-interval` until `stop`. At most one call is
+/// outstanding: a call that does not return within [`NVML_TIMEOUT`] is counted
+/// (`nvml_timeouts_total`), NVML is reported unavailable, and no other call starts until
+/// it returns (a blocking call cannot be cancelled; piling more on a hung driver would
+/// only use up threads).
+pub fn spawn_gpu(st: Arc<AppState>, probe: Arc<dyn GpuProbe>, stop: CancellationToken) {
+    tokio::spawn(async move {
+        let every = st.cfg.sample_interval;
+        let deadline = NVML_TIMEOUT.min(every);
+        let mut iv = tokio::time::interval(every);
+        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let busy = Arc::new(AtomicBool::new(false));
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = iv.tick() => {}
+            }
+            if busy.swap(true, Ordering::AcqRel) {
+                continue;
+            }
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let p = probe.clone();
+            let b = busy.clone();
+            tokio::task::spawn_blocking(move || {
+                let r = p.sample();
+                b.store(false, Ordering::Release);
+                let _ = tx.send(r);
+            });
+            let result = match tokio::time::timeout(deadline, rx).await {
+                Ok(Ok(r)) => r,
+                Ok(Err(_)) => Err("NVML sample task failed".to_owned()),
+                Err(_) => {
+                    st.metrics.nvml_timeouts.inc();
+                    Err(format!("an NVML call did not return within {deadline:?} (hung driver?); no other call is made until it returns"))
+                }
+            };
+            record_gpu(&st, result);
+        }
+    });
+}
 
 static PROC_WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// One sampling round.
-pub async fn sample_once(st: &Arc<AppState>, probe: Option<&Arc<dyn GpuProbe>>) {
+/// One sampling round: the engine, the engine process, then the checkpoint over the
+/// window since the previous round (a new window opens).
+pub async fn sample_once(st: &Arc<AppState>, window: &mut QuietWindow) {
     scrape_engine(st).await;
-    if let Some(p) = probe {
-        let p = p.clone();
-        let result = tokio::task::spawn_blocking(move || p.sample())
-            .await
-            .unwrap_or_else(|e| Err(format!("NVML sample task failed: {e}")));
-        record_gpu(st, result);
-    }
     if let Some(pid) = st.cfg.engine_pid {
         match crate::procfs::read(Path::new("/proc"), pid) {
             Ok(s) => {
@@ -39,7 +125,8 @@ pub async fn sample_once(st: &Arc<AppState>, probe: Option<&Arc<dyn GpuProbe>>) 
             }
         }
     }
-    checkpoint(st);
+    checkpoint(st, window);
+    *window = QuietWindow::open(st);
 }
 
 async fn scrape_engine(st: &Arc<AppState>) {
@@ -50,14 +137,15 @@ async fn scrape_engine(st: &Arc<AppState>) {
             let figures = EngineFigures::from_text(&text);
             let flavour = EngineFigures::flavour(&text);
             let m = &st.metrics;
-            if let Some(v) = figures.kv_usage {
-                m.engine_kv_usage_ratio.set(v);
-            }
-            if let Some(v) = figures.running {
-                m.engine_requests_running.set(v);
-            }
-            if let Some(v) = figures.waiting {
-                m.engine_requests_waiting.set(v);
+            for (gauge, v) in [
+                (&m.engine_kv_usage_ratio, figures.kv_usage),
+                (&m.engine_requests_running, figures.running),
+                (&m.engine_requests_waiting, figures.waiting),
+            ] {
+                match v {
+                    Some(v) => gauge.set(v),
+                    None => gauge.clear(),
+                }
             }
             m.engine_up.set(1);
             if let Ok(mut s) = st.engine_status.lock() {
@@ -83,8 +171,13 @@ async fn scrape_engine(st: &Arc<AppState>) {
             }
         }
         Err(e) => {
-            st.metrics.engine_scrape_errors.inc();
-            st.metrics.engine_up.set(0);
+            let m = &st.metrics;
+            m.engine_scrape_errors.inc();
+            m.engine_up.set(0);
+            // No figures while the engine does not answer: no stale value stays exported.
+            m.engine_kv_usage_ratio.clear();
+            m.engine_requests_running.clear();
+            m.engine_requests_waiting.clear();
             // Metrics may be disabled or on another port: the health URL still says
             // whether the engine is reachable.
             let health = st.engine.health().await;
@@ -93,12 +186,14 @@ async fn scrape_engine(st: &Arc<AppState>) {
                     Ok(()) => {
                         s.last_ok = Some(st.clock.now());
                         s.last_error = None;
+                        s.figures = None;
                     }
                     Err(h) => {
                         if s.last_error.is_none() {
                             tracing::warn!(error = %e, health = %h, "engine unreachable");
                         }
                         s.last_error = Some(format!("{e}; {h}"));
+                        s.figures = None;
                     }
                 }
             }
@@ -112,6 +207,9 @@ pub fn record_gpu(st: &AppState, result: Result<GpuSnapshot, String>) {
     let Ok(mut g) = st.gpu.lock() else {
         return;
     };
+    if result.is_ok() {
+        g.last_ok_at = Some(st.clock.now());
+    }
     g.record(result, now_unix);
     let status = g.status().clone();
     let m = &st.metrics;
@@ -147,24 +245,23 @@ pub fn record_gpu(st: &AppState, result: Result<GpuSnapshot, String>) {
     g.exported_processes = live_proc;
 }
 
-/// A quiet checkpoint when few enough requests are in flight; updates the orphan gauge.
-pub fn checkpoint(st: &AppState) {
+/// Updates the orphan gauge, and takes a quiet checkpoint if `window` was quiet through
+/// (no admission, nothing in flight beyond `--quiet-max-inflight` at either end): the
+/// engine's KV usage of this round's scrape, GPU memory of an NVML sample taken within the
+/// window.
+pub fn checkpoint(st: &AppState, window: &QuietWindow) {
     let inflight = st.inflight();
-    let (figures, engine_ok) = st
-        .engine_status
-        .lock()
-        .map(|s| (s.figures, s.last_error.is_none()))
-        .unwrap_or((None, false));
-    let figures = if engine_ok { figures } else { None };
-    if let Some(running) = figures.and_then(|f| f.running) {
-        st.metrics.orphans.set(orphans(running, inflight));
+    let figures = st.engine_status.lock().ok().and_then(|s| s.figures);
+    match figures.and_then(|f| f.running.map(|r| (r, f.waiting.unwrap_or(0.0)))) {
+        Some((running, waiting)) => st.metrics.orphans.set(orphans(running, waiting, inflight)),
+        None => st.metrics.orphans.clear(),
     }
-    if inflight > st.cfg.quiet_max_inflight {
+    if !window.quiet_until_now(st) {
         return;
     }
     let gpu_used = st.gpu.lock().ok().and_then(|g| {
         let s = g.status();
-        s.nvml_available
+        (s.nvml_available && g.last_ok_at.is_some_and(|t| t >= window.opened))
             .then(|| s.devices.iter().map(|d| d.used_bytes).sum::<u64>())
     });
     let kv = figures.and_then(|f| f.kv_usage);

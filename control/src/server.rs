@@ -3,14 +3,16 @@
 use crate::admin;
 use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
+use crate::downstream::{Downstream, Scope, StreamExecutor};
 use crate::engine::{Engine, HttpEngine};
 use crate::gpu::{GpuProbe, GpuTracker, NvmlProbe};
+use crate::keys;
 use crate::proxy;
 use crate::reaper;
 use crate::sampler;
 use crate::state::AppState;
 use axum::Router;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
@@ -107,10 +109,10 @@ impl Server {
             engine = %st.cfg.engine.base,
             strategy = st.cfg.abort_strategy.as_str(),
             dry_run = st.cfg.dry_run,
-            keys = st.cfg.keys.len(),
+            keys = st.keys().accept.len(),
             "kvguard-control listening proxy={proxy_addr} admin={admin_addr}"
         );
-        if st.cfg.keys.is_empty() {
+        if st.keys().accept.is_empty() {
             tracing::warn!("no key configured (--secret-file, KVGUARD_SECRET): every abort call will be refused with 401; the reaper still works");
         }
         if let Some(path) = addr_file {
@@ -122,10 +124,13 @@ impl Server {
                 .map_err(|e| format!("--addr-file {}: {e}", path.display()))?;
         }
 
-        st.pool.start();
         let background = CancellationToken::new();
-        spawn_reaper(st.clone(), background.clone());
-        spawn_sampler(st.clone(), deps.gpu_probe, background.clone());
+        reaper::spawn(st.clone(), background.clone());
+        keys::spawn_watcher(st.clone(), background.clone());
+        sampler::spawn(st.clone(), background.clone());
+        if let Some(probe) = deps.gpu_probe {
+            sampler::spawn_gpu(st.clone(), probe, background.clone());
+        }
 
         let proxy_stop = CancellationToken::new();
         let admin_stop = CancellationToken::new();
@@ -139,12 +144,14 @@ impl Server {
             proxy::app(st.clone()),
             proxy_stop.clone(),
             max_conns,
+            HEADER_READ_TIMEOUT,
         ));
         let admin_task = tokio::spawn(accept_loop(
             admin_l,
             admin::app(st.clone()),
             admin_stop.clone(),
             MAX_ADMIN_CONNECTIONS,
+            admin::HEAD_READ_TIMEOUT,
         ));
         let shutdown = CancellationToken::new();
         let sd = shutdown.clone();
@@ -154,7 +161,6 @@ impl Server {
             let drain = st2.cfg.drain_timeout;
             tracing::info!(inflight = st2.inflight(), drain_timeout = ?drain, "shutting down: no new connections, draining");
             st2.start_draining();
-            st2.pool.close();
             proxy_stop.cancel();
             if let Ok(graceful) = proxy_task.await {
                 let shut = graceful.shutdown();
@@ -206,11 +212,11 @@ impl Server {
     }
 }
 
-fn builder() -> auto::Builder<TokioExecutor> {
-    let mut b = auto::Builder::new(TokioExecutor::new());
+fn builder(header_read_timeout: Duration) -> auto::Builder<StreamExecutor> {
+    let mut b = auto::Builder::new(StreamExecutor);
     b.http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .header_read_timeout(header_read_timeout)
         .max_buf_size(MAX_HEADER_BYTES)
         .max_headers(MAX_HEADERS);
     b.http2()
@@ -222,7 +228,9 @@ fn builder() -> auto::Builder<TokioExecutor> {
 }
 
 /// Accepts connections (HTTP/1.1 and h2c) until `stop`; returns the graceful-shutdown
-/// handle of the connections it started.
+/// handle of the connections it started. Each connection task (and, through
+/// [`StreamExecutor`], each h2 stream) runs in a [`Downstream`] scope, so that a request
+/// whose client does not take its end can be cut.
 ///
 /// At most `max_conns` connections are open at once: at the bound, accepting pauses (the
 /// kernel backlog holds the rest) instead of running out of file descriptors.
@@ -231,9 +239,10 @@ async fn accept_loop(
     app: Router,
     stop: CancellationToken,
     max_conns: usize,
+    header_read_timeout: Duration,
 ) -> GracefulShutdown {
     let graceful = GracefulShutdown::new();
-    let builder = builder();
+    let builder = builder(header_read_timeout);
     let slots = Arc::new(tokio::sync::Semaphore::new(max_conns));
     loop {
         let permit = tokio::select! {
@@ -262,57 +271,13 @@ async fn accept_loop(
             .serve_connection_with_upgrades(TokioIo::new(stream), svc)
             .into_owned();
         let fut = graceful.watch(conn);
-        tokio::spawn(async move {
+        tokio::spawn(Downstream::new(Scope::Connection).run(async move {
             if let Err(e) = fut.await {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
             drop(permit);
-        });
+        }));
     }
     drop(listener);
     graceful
-}
-
-fn spawn_reaper(st: Arc<AppState>, stop: CancellationToken) {
-    let tick = reaper::tick(&st.cfg.limits);
-    tokio::spawn(async move {
-        let mut iv = tokio::time::interval(tick);
-        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => break,
-                _ = iv.tick() => {}
-            }
-            reap_once(&st);
-        }
-    });
-}
-
-/// One reaper pass over the in-flight table.
-pub fn reap_once(st: &Arc<AppState>) {
-    let now = st.clock.now();
-    let limits = st.cfg.limits;
-    for e in st.entries() {
-        if e.ended().is_some() {
-            continue;
-        }
-        if let Some(reason) = reaper::verdict(&e.times(), now, &limits) {
-            st.end_request(&e, reason, "reaper");
-        }
-    }
-    st.purge_tombstones();
-}
-
-fn spawn_sampler(st: Arc<AppState>, probe: Option<Arc<dyn GpuProbe>>, stop: CancellationToken) {
-    tokio::spawn(async move {
-        let mut iv = tokio::time::interval(st.cfg.sample_interval);
-        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => break,
-                _ = iv.tick() => {}
-            }
-            sampler::sample_once(&st, probe.as_ref()).await;
-        }
-    });
 }

@@ -1,5 +1,6 @@
-//! Shared state: configuration, the in-flight table, tombstones, replay memory, engine and
-//! GPU status, metrics; and how a request is ended.
+//! Shared state: configuration, keys, the in-flight table, tombstones, replay memory,
+//! engine and GPU status, metrics; and how a request is ended (abort API, reaper,
+//! shutdown, a superseding retry).
 
 use crate::clock::Clock;
 use crate::config::Config;
@@ -7,19 +8,15 @@ use crate::engine::Engine;
 use crate::expo::{EngineFigures, EngineFlavour};
 use crate::gpu::GpuTracker;
 use crate::metrics::{outcome, Metrics};
-use crate::pool::{EnginePool, TcpDial};
 use crate::replay::ReplayMemory;
 use crate::table::Entry;
 use crate::tombstones::{Tombstone, Tombstones};
-use kvguard_contract::{AbortReason, RequestId};
+use kvguard_contract::{AbortReason, Key, RequestId};
 use prometheus_client::registry::Registry;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
-
-/// Most signatures remembered for replay detection.
-pub const MAX_REPLAY_ENTRIES: usize = 100_000;
 
 /// Table, tombstones and replay memory, under one lock so that admission and abort see
 /// one consistent view (an abort cannot slip between a tombstone check and an insert).
@@ -46,6 +43,29 @@ pub struct EngineStatus {
     pub flavour: Option<EngineFlavour>,
     /// Last preemption count seen (for the counter's deltas).
     pub last_preemptions: Option<f64>,
+}
+
+/// What an abort call found ([`AppState::abort_or_tombstone`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AbortFound {
+    /// In flight: ended by this call.
+    Ended,
+    /// In flight, `--dry-run`: observed only.
+    Observed,
+    /// Already ended, or tombstoned.
+    Already,
+    /// Not in flight: tombstoned now.
+    NotFound,
+}
+
+/// The keys kvguard-control uses: those it accepts on abort calls, and the one it signs
+/// its response stamp with.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeySet {
+    /// Accepted on `POST /v1/abort` (any of them).
+    pub accept: Vec<Key>,
+    /// Signs the `x-kvguard-control` stamp.
+    pub stamp: Option<Key>,
 }
 
 /// Why a request was not admitted.
@@ -75,10 +95,10 @@ pub struct AppState {
     pub gpu: Mutex<GpuTracker>,
     /// Engine status.
     pub engine_status: Mutex<EngineStatus>,
-    /// Pre-connected engine connections (`--engine-prewarm`); filled once started.
-    pub pool: Arc<EnginePool>,
     inner: Mutex<Inner>,
+    keys: RwLock<Arc<KeySet>>,
     seq: AtomicU64,
+    admissions: AtomicU64,
     draining: AtomicBool,
 }
 
@@ -104,16 +124,14 @@ impl AppState {
         let inner = Inner {
             table: HashMap::new(),
             tombstones: Tombstones::new(cfg.tombstone_ttl, cfg.max_tombstones),
-            replay: ReplayMemory::new(MAX_REPLAY_ENTRIES),
+            replay: ReplayMemory::new(cfg.max_replay_entries),
         };
-        let pool = EnginePool::new(
-            TcpDial::new(cfg.engine.authority.clone()),
-            cfg.engine_prewarm,
-            cfg.engine_prewarm_max_idle,
-            metrics.clone(),
-        );
+        let keys = KeySet {
+            accept: cfg.keys.clone(),
+            stamp: cfg.stamp_key.clone(),
+        };
         Arc::new(AppState {
-            pool,
+            keys: RwLock::new(Arc::new(keys)),
             cfg,
             clock,
             metrics,
@@ -123,6 +141,7 @@ impl AppState {
             engine_status: Mutex::new(EngineStatus::default()),
             inner: Mutex::new(inner),
             seq: AtomicU64::new(1),
+            admissions: AtomicU64::new(0),
             draining: AtomicBool::new(false),
         })
     }
@@ -143,11 +162,6 @@ impl AppState {
         self.inner().table.values().cloned().collect()
     }
 
-    /// The entry for `id`, if in flight.
-    pub fn entry(&self, id: &RequestId) -> Option<Arc<Entry>> {
-        self.inner().table.get(id).cloned()
-    }
-
     /// Whether shutdown has begun.
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Acquire)
@@ -159,8 +173,8 @@ impl AppState {
     }
 
     /// Admits a request: refuses tombstoned ids and a full table; a request whose id is
-    /// already in flight supersedes the older one (a retry of the same logical request:
-    /// the older attempt is orphaned and is ended).
+    /// already in flight supersedes the older attempt (a retry of the same logical
+    /// request, see [`AppState::supersede`]).
     pub fn admit(
         self: &Arc<Self>,
         id: RequestId,
@@ -190,20 +204,41 @@ impl AppState {
                 return Err(Refusal::Full(self.cfg.max_inflight));
             }
             inner.table.insert(id, entry.clone());
+            self.admissions.fetch_add(1, Ordering::AcqRel);
             self.metrics.inflight.set(inner.table.len() as i64);
             old
         };
         if let Some(old) = superseded {
-            self.metrics.superseded.inc();
-            tracing::warn!(request_id = %old.id, "a request with an id already in flight arrived; ending the older one (reason timeout)");
-            self.end_request(&old, AbortReason::Timeout, "superseded");
+            self.supersede(&old);
         }
         Ok(entry)
+    }
+
+    /// Ends an attempt a retry with the same id replaced: only its engine connection is
+    /// closed (and its client stream ended). Its id now belongs to the live retry, so it
+    /// is neither tombstoned nor passed to the engine's abort API (either would end the
+    /// retry). `--dry-run`: counted only.
+    fn supersede(self: &Arc<Self>, old: &Arc<Entry>) {
+        self.metrics.superseded.inc();
+        if self.cfg.dry_run {
+            tracing::info!(request_id = %old.id, "a retry with the same id arrived; would close the older attempt (dry run)");
+            return;
+        }
+        if !old.mark_ended(AbortReason::Timeout) {
+            return;
+        }
+        tracing::info!(request_id = %old.id, "a retry with the same id arrived; closed the older attempt's engine connection");
+        old.end();
+        self.arm_downstream_deadline(old);
     }
 
     /// Removes an entry (only this one, not a newer one with the same id).
     pub fn remove(&self, entry: &Entry) {
         let mut inner = self.inner();
+        self.remove_locked(&mut inner, entry);
+    }
+
+    fn remove_locked(&self, inner: &mut Inner, entry: &Entry) {
         if inner
             .table
             .get(&entry.id)
@@ -218,6 +253,16 @@ impl AppState {
     pub fn tombstone(&self, id: RequestId, reason: AbortReason) {
         let now = self.clock.now();
         let mut inner = self.inner();
+        self.tombstone_locked(&mut inner, id, reason, now);
+    }
+
+    fn tombstone_locked(
+        &self,
+        inner: &mut Inner,
+        id: RequestId,
+        reason: AbortReason,
+        now: Instant,
+    ) {
         let before = inner.tombstones.evicted();
         inner.tombstones.insert(id, reason, now);
         let evicted = inner.tombstones.evicted() - before;
@@ -235,40 +280,93 @@ impl AppState {
         self.metrics.tombstones.set(inner.tombstones.len() as i64);
     }
 
-    /// Ends a request in flight for `reason` (`via`: `abort_api`, `reaper`, `shutdown`,
-    /// `superseded`, for the log). Returns `false` if it was already being ended.
+    /// What the abort API does for `id`, decided under one lock: the request is in flight
+    /// (it is ended), already ended (tombstoned), or not yet here (it is tombstoned, so it
+    /// is refused when it arrives). An abort racing its request's admission therefore
+    /// either ends it or refuses it, never answers 404 while it runs.
+    pub fn abort_or_tombstone(self: &Arc<Self>, id: &RequestId, reason: AbortReason) -> AbortFound {
+        let now = self.clock.now();
+        let mut inner = self.inner();
+        if let Some(entry) = inner.table.get(id).cloned() {
+            if self.cfg.dry_run {
+                drop(inner);
+                self.observe(&entry, reason, "abort_api");
+                return AbortFound::Observed;
+            }
+            if !entry.mark_ended(reason) {
+                return AbortFound::Already;
+            }
+            self.remove_locked(&mut inner, &entry);
+            self.tombstone_locked(&mut inner, id.clone(), reason, now);
+            drop(inner);
+            self.finish_end(&entry, reason, "abort_api");
+            return AbortFound::Ended;
+        }
+        if inner.tombstones.get(id, now).is_some() {
+            return AbortFound::Already;
+        }
+        self.tombstone_locked(&mut inner, id.clone(), reason, now);
+        AbortFound::NotFound
+    }
+
+    /// Ends a request in flight for `reason` (`via`: `reaper`, `shutdown`, for the log).
+    /// Returns `false` if it was already being ended.
     ///
-    /// Enforce mode: the client's stream gets the final SSE event and ends, the engine
-    /// connection is closed (vLLM, TGI, llama.cpp abort on disconnect), the engine's own
-    /// abort is called per strategy, the id is tombstoned. `--dry-run`: logged and counted
-    /// once per request, nothing else.
+    /// Enforce mode: the entry leaves the table and its id is tombstoned at once; the
+    /// client's stream gets the final SSE event and ends, the engine connection is closed
+    /// (vLLM, TGI, llama.cpp abort on disconnect), the engine's own abort is called per
+    /// strategy, and if the client does not take its end within `--abort-flush-timeout`
+    /// the downstream side is cut ([`crate::downstream`]). `--dry-run`: logged and
+    /// counted once per request, nothing else.
     pub fn end_request(
         self: &Arc<Self>,
         entry: &Arc<Entry>,
         reason: AbortReason,
         via: &'static str,
     ) -> bool {
-        let age_ms = self
+        if self.cfg.dry_run && via != "shutdown" {
+            self.observe(entry, reason, via);
+            return false;
+        }
+        {
+            let now = self.clock.now();
+            let mut inner = self.inner();
+            if !entry.mark_ended(reason) {
+                return false;
+            }
+            self.remove_locked(&mut inner, entry);
+            self.tombstone_locked(&mut inner, entry.id.clone(), reason, now);
+        }
+        self.finish_end(entry, reason, via);
+        true
+    }
+
+    /// `--dry-run`: what would be ended, logged and counted once per request.
+    fn observe(&self, entry: &Entry, reason: AbortReason, via: &'static str) {
+        if entry.mark_observed() {
+            self.metrics.abort(reason, outcome::DRY_RUN);
+            tracing::info!(request_id = %entry.id, reason = %reason, via, strategy = self.cfg.abort_strategy.as_str(), outcome = outcome::DRY_RUN, age_ms = self.age_ms(entry), events = entry.events(), "would end request (dry run)");
+        }
+    }
+
+    fn age_ms(&self, entry: &Entry) -> u64 {
+        let age = self
             .clock
             .now()
-            .saturating_duration_since(entry.times().started)
-            .as_millis();
-        let strategy = self.cfg.abort_strategy.as_str();
-        if self.cfg.dry_run && via != "shutdown" {
-            if entry.mark_observed() {
-                self.metrics.abort(reason, outcome::DRY_RUN);
-                tracing::info!(request_id = %entry.id, reason = %reason, via, strategy, outcome = outcome::DRY_RUN, age_ms = age_ms as u64, events = entry.events(), "would end request (dry run)");
-            }
-            return false;
-        }
-        if !entry.mark_ended(reason) {
-            return false;
-        }
+            .saturating_duration_since(entry.times().started);
+        u64::try_from(age.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The part of ending that happens outside the lock: the client stream and the engine
+    /// connection, the downstream deadline, the engine's abort API, the log line.
+    fn finish_end(self: &Arc<Self>, entry: &Arc<Entry>, reason: AbortReason, via: &'static str) {
         entry.end();
-        self.tombstone(entry.id.clone(), reason);
+        self.arm_downstream_deadline(entry);
         let this = self.clone();
         let entry = entry.clone();
+        let age_ms = self.age_ms(&entry);
         let events = entry.events();
+        let strategy = self.cfg.abort_strategy.as_str();
         tokio::spawn(async move {
             let (outcome, error) = match this.engine.abort(entry.id.clone()).await {
                 Ok(()) => (outcome::ABORTED, None),
@@ -277,14 +375,56 @@ impl AppState {
             this.metrics.abort(reason, outcome);
             match error {
                 None => {
-                    tracing::info!(request_id = %entry.id, reason = %reason, via, strategy, outcome, age_ms = age_ms as u64, events, "ended request")
+                    tracing::info!(request_id = %entry.id, reason = %reason, via, strategy, outcome, age_ms, events, "ended request")
                 }
                 Some(e) => {
-                    tracing::warn!(request_id = %entry.id, reason = %reason, via, strategy, outcome, age_ms = age_ms as u64, events, error = %e, "ended request; the engine's abort call failed (the connection was closed)")
+                    tracing::warn!(request_id = %entry.id, reason = %reason, via, strategy, outcome, age_ms, events, error = %e, "ended request; the engine's abort call failed (the connection was closed)")
                 }
             }
         });
-        true
+    }
+
+    /// Cuts the request's downstream side if its response is still not gone after
+    /// `--abort-flush-timeout` (a client that stopped reading never takes the final event).
+    fn arm_downstream_deadline(&self, entry: &Arc<Entry>) {
+        let Some(down) = entry.downstream().cloned() else {
+            return;
+        };
+        let entry = entry.clone();
+        let grace = self.cfg.abort_flush_timeout;
+        let metrics = self.metrics.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = entry.finished_token().cancelled() => {}
+                _ = tokio::time::sleep(grace) => {
+                    let scope = down.scope().as_str();
+                    metrics.downstream_cut(scope);
+                    tracing::info!(request_id = %entry.id, scope, "the client did not take the end of its request within --abort-flush-timeout; cut its downstream side");
+                    down.cut();
+                }
+            }
+        });
+    }
+
+    /// Successful admissions so far (quiet checkpoints: none may happen during a sample).
+    pub fn admissions(&self) -> u64 {
+        self.admissions.load(Ordering::Acquire)
+    }
+
+    /// The keys in use now (reloaded when the key files change).
+    pub fn keys(&self) -> Arc<KeySet> {
+        self.keys
+            .read()
+            .map(|k| k.clone())
+            .unwrap_or_else(|p| p.into_inner().clone())
+    }
+
+    /// Replaces the keys in use.
+    pub fn set_keys(&self, keys: KeySet) {
+        match self.keys.write() {
+            Ok(mut k) => *k = Arc::new(keys),
+            Err(p) => *p.into_inner() = Arc::new(keys),
+        }
     }
 
     /// Whether the engine answered recently: within three sample intervals (at least 1 s).

@@ -1,11 +1,12 @@
 //! The in-flight table: every proxied request keyed by its request id, with its clocks,
 //! its progress and the handles that end it.
 
+use crate::downstream::Downstream;
 use crate::scan::BodyKind;
 use kvguard_contract::{AbortReason, RequestId};
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::task::AbortHandle;
 use tokio_util::sync::CancellationToken;
@@ -49,6 +50,8 @@ pub struct Entry {
     observed: AtomicBool,
     cancel: CancellationToken,
     conn: Mutex<Option<AbortHandle>>,
+    finished: CancellationToken,
+    downstream: OnceLock<Downstream>,
 }
 
 /// The JSON row of `GET /v1/requests`.
@@ -110,6 +113,8 @@ impl Entry {
             observed: AtomicBool::new(false),
             cancel: CancellationToken::new(),
             conn: Mutex::new(None),
+            finished: CancellationToken::new(),
+            downstream: OnceLock::new(),
         }
     }
 
@@ -141,10 +146,18 @@ impl Entry {
         }
     }
 
-    /// Records the engine's response head at `now`. A body that is neither SSE nor
-    /// NDJSON (a non-streaming JSON answer, an error) comes only once the engine is done
-    /// generating, so its head counts as progress: the first-token timeout no longer
-    /// applies to it.
+    /// Records progress without a countable event at `now`: a frame of a body that is
+    /// neither SSE nor NDJSON (a flowing `text/plain` or `application/octet-stream`).
+    pub fn record_progress(&self, now: Instant) {
+        if let Ok(mut p) = self.progress.lock() {
+            p.first_data.get_or_insert(now);
+            p.last_data = Some(now);
+        }
+    }
+
+    /// Records the engine's response head at `now`. For a body that is neither SSE nor
+    /// NDJSON (a non-streaming JSON answer, an error, a flowing `text/plain`) the head
+    /// counts as progress, and so does each of its frames ([`Entry::record_progress`]).
     pub fn record_response(&self, status: u16, kind: BodyKind, now: Instant) {
         if let Ok(mut p) = self.progress.lock() {
             p.status = Some(status);
@@ -202,6 +215,26 @@ impl Entry {
                 h.abort();
             }
         }
+    }
+
+    /// Attaches the downstream task the request runs in (once).
+    pub fn set_downstream(&self, d: Downstream) {
+        let _ = self.downstream.set(d);
+    }
+
+    /// The downstream task the request runs in, if known.
+    pub fn downstream(&self) -> Option<&Downstream> {
+        self.downstream.get()
+    }
+
+    /// Marks the response as gone (finished, or dropped by hyper).
+    pub fn finish(&self) {
+        self.finished.cancel();
+    }
+
+    /// Cancelled once the response is gone.
+    pub fn finished_token(&self) -> &CancellationToken {
+        &self.finished
     }
 
     /// Ends it: cancels the token (the proxy sends the SSE event and ends the stream) and

@@ -162,34 +162,180 @@ async fn real_binary_serves_reports_idle_rss_and_drains_on_sigterm() {
     .unwrap();
 }
 
+/// Writes `text` as `name` the way Kubernetes updates a Secret volume: a new timestamped
+/// directory, then `..data` swapped to it by a rename; `name` is a symlink through `..data`.
+fn k8s_secret_write(dir: &std::path::Path, name: &str, text: &str, gen: u32) {
+    let data = dir.join(format!("..gen-{gen}"));
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::write(data.join(name), text).unwrap();
+    let tmp = dir.join("..data_tmp");
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(format!("..gen-{gen}"), &tmp).unwrap();
+    std::fs::rename(&tmp, dir.join("..data")).unwrap();
+    let link = dir.join(name);
+    if std::fs::symlink_metadata(&link).is_err() {
+        std::os::unix::fs::symlink(format!("..data/{name}"), &link).unwrap();
+    }
+}
+
+const OLD: &[u8] = KEY;
+const NEW: &[u8] = b"kvguard-new-key-0123456789";
+
+async fn abort_with(admin: SocketAddr, id: &str, k: &[u8]) -> u16 {
+    let key = kvguard_contract::Key::try_new(k).unwrap();
+    let body = serde_json::json!({"request_id": id, "reason": "operator"});
+    abort_signed(admin, &body, Some(&key), now_unix()).await.0
+}
+
+/// The stamp of a proxied response, verified against one key.
+async fn stamp_signed_by(proxy: SocketAddr, id: &str, k: &[u8]) -> bool {
+    let r = client::request(
+        proxy,
+        hyper::Method::POST,
+        "/v1/completions",
+        &[("x-request-id", id), ("content-type", "application/json")],
+        serde_json::to_vec(&completion(1)).unwrap(),
+        false,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    let v = r.header("x-kvguard-control").unwrap().to_owned();
+    let key = kvguard_contract::Key::try_new(k).unwrap();
+    let rid = kvguard_contract::RequestId::try_new(id.as_bytes()).unwrap();
+    kvguard_contract::stamp::verify(&[key], v.as_bytes(), &rid).is_ok()
+}
+
 #[tokio::test]
-async fn json_logs_secret_file_and_sigint() {
-    bounded("test", Duration::from_secs(30), async {
-        let dir = tempfile_dir();
-        let secret = dir.join("secret");
-        std::fs::write(&secret, b"# rotation: new first\nkvguard-new-key-0123456789\nkvguard-control-test-key-0123456789\n").unwrap();
+async fn keys_rotate_without_a_restart_json_logs_and_sigint() {
+    bounded("test", Duration::from_secs(60), async {
+        let sim = sim(slow_sim()).await;
+        let dir = tempfile_dir().join("rotation");
+        let _ = std::fs::remove_dir_all(&dir);
+        let (secrets, stamp) = (dir.join("secrets"), dir.join("stamp"));
+        std::fs::create_dir_all(&secrets).unwrap();
+        std::fs::create_dir_all(&stamp).unwrap();
+        let old = String::from_utf8(OLD.to_vec()).unwrap();
+        let new = String::from_utf8(NEW.to_vec()).unwrap();
+        k8s_secret_write(&secrets, "keys", &format!("# the old key only\n{old}\n"), 1);
+        k8s_secret_write(&stamp, "key", &format!("{old}\n"), 1);
         let mut cmd = Command::new(BIN);
         cmd.args([
-            "--listen", "127.0.0.1:0",
-            "--admin-listen", "127.0.0.1:0",
-            "--engine-url", "http://127.0.0.1:9",
-            "--log-format", "json",
-            "--secret-file", secret.to_str().unwrap(),
-            "--advertise", "127.0.0.1:9902",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--engine-url",
+            &sim.url(),
+            "--log-format",
+            "json",
+            "--secret-file",
+            secrets.join("keys").to_str().unwrap(),
+            "--stamp-key-file",
+            stamp.join("key").to_str().unwrap(),
+            "--advertise",
+            "127.0.0.1:9902",
             "--no-nvml",
         ]);
         let mut child = ChildGuard::spawn("kvguard-control-json", cmd).unwrap();
-        let log = child.wait_for_log("kvguard-control listening", Duration::from_secs(10)).await.unwrap();
-        let line = log.lines().find(|l| l.contains("kvguard-control listening")).unwrap();
+        let log = child
+            .wait_for_log("kvguard-control listening", Duration::from_secs(10))
+            .await
+            .unwrap();
+        let line = log
+            .lines()
+            .find(|l| l.contains("kvguard-control listening"))
+            .unwrap();
         let j: serde_json::Value = serde_json::from_str(line).unwrap();
         assert_eq!(j["level"], "INFO");
-        assert_eq!(j["keys"], 2);
-        let (_, admin) = parse_listening(j["message"].as_str().unwrap());
-        // The older key (second line) is accepted too.
-        let (status, _) = abort(admin, "rotated", "operator").await;
-        assert_eq!(status, 404);
+        assert_eq!(j["keys"], 1);
+        let (proxy, admin) = parse_listening(j["message"].as_str().unwrap());
+        assert_eq!(abort_with(admin, "r0", NEW).await, 401);
+        assert!(stamp_signed_by(proxy, "s0", OLD).await);
+        // 1. Add the new key (symlink swap, no signal): accepted once the file is re-read.
+        k8s_secret_write(&secrets, "keys", &format!("{new}\n{old}\n"), 2);
+        poll_until_async(
+            "new key accepted",
+            Duration::from_secs(10),
+            Duration::from_millis(100),
+            || async {
+                (abort_with(admin, &format!("r{}", now_unix()), NEW).await == 404).then_some(())
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            abort_with(admin, "r-old", OLD).await,
+            404,
+            "the old key still works"
+        );
+        // 3. Switch signing: the stamp file names the new key.
+        k8s_secret_write(&stamp, "key", &format!("{new}\n"), 2);
+        poll_until_async(
+            "stamps signed by the new key",
+            Duration::from_secs(10),
+            Duration::from_millis(100),
+            || async {
+                stamp_signed_by(proxy, &format!("s{}", now_unix()), NEW)
+                    .await
+                    .then_some(())
+            },
+        )
+        .await
+        .unwrap();
+        // 4. Remove the old key.
+        k8s_secret_write(&secrets, "keys", &format!("{new}\n"), 3);
+        poll_until_async(
+            "old key refused",
+            Duration::from_secs(10),
+            Duration::from_millis(100),
+            || async {
+                (abort_with(admin, &format!("o{}", now_unix()), OLD).await == 401).then_some(())
+            },
+        )
+        .await
+        .unwrap();
+        // A broken file keeps the keys in use.
+        k8s_secret_write(&secrets, "keys", "short\n", 4);
+        poll_until_async(
+            "reload error counted",
+            Duration::from_secs(10),
+            Duration::from_millis(100),
+            || async {
+                metric(admin, "kvguard_control_key_reloads_total{result=\"error\"}")
+                    .await
+                    .filter(|v| *v >= 1.0)
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!(abort_with(admin, "r-after-error", NEW).await, 404);
+        // SIGHUP re-reads the files at once, changed or not (here: the broken file again).
+        let errors = metric(admin, "kvguard_control_key_reloads_total{result=\"error\"}")
+            .await
+            .unwrap();
+        child.signal(1).unwrap();
+        poll_until_async(
+            "SIGHUP reload",
+            Duration::from_secs(10),
+            Duration::from_millis(50),
+            || async {
+                metric(admin, "kvguard_control_key_reloads_total{result=\"error\"}")
+                    .await
+                    .filter(|v| *v > errors)
+            },
+        )
+        .await
+        .unwrap();
+        assert!(
+            child.ensure_running().is_ok(),
+            "SIGHUP does not end the process"
+        );
         child.signal(2).unwrap();
-        let status = child.wait_exit_async(Duration::from_secs(10)).await.unwrap();
+        let status = child
+            .wait_exit_async(Duration::from_secs(10))
+            .await
+            .unwrap();
         assert!(status.success(), "{status}");
     })
     .await

@@ -7,15 +7,14 @@ use axum::body::Body;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use kvguard_contract::{signature, AbortReason, Key, RequestId};
-use kvguard_control::clock::{Clock, ManualClock};
+use kvguard_control::clock::Clock;
 use kvguard_control::config::Config;
 use kvguard_control::engine::{BoxFut, Engine};
 use kvguard_control::expo::EngineFigures;
-use kvguard_control::gpu::{
-    DeviceMemory, FakeProbe, GpuProbe, GpuSnapshot, GpuTracker, ProcessMemory,
-};
+use kvguard_control::gpu::{DeviceMemory, GpuProbe, GpuSnapshot, GpuTracker, ProcessMemory};
 use kvguard_control::state::AppState;
-use kvguard_control::{admin, proxy, sampler, server};
+use kvguard_control::testing::{FakeProbe, ManualClock};
+use kvguard_control::{admin, proxy, reaper, sampler};
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Duration;
@@ -253,15 +252,15 @@ async fn reaper_on_an_injected_clock() {
         .unwrap();
     streaming.record_events(1, clock.now());
     clock.advance(Duration::from_secs(29));
-    server::reap_once(&st);
+    reaper::reap_once(&st);
     assert_eq!(queued.ended(), None);
     clock.advance(Duration::from_secs(1));
-    server::reap_once(&st);
+    reaper::reap_once(&st);
     assert_eq!(queued.ended(), Some(AbortReason::FirstTokenTimeout));
     assert_eq!(streaming.ended(), None);
     streaming.record_events(1, clock.now());
     clock.advance(Duration::from_secs(120));
-    server::reap_once(&st);
+    reaper::reap_once(&st);
     assert_eq!(streaming.ended(), Some(AbortReason::Stalled));
     // Ended ids are tombstoned: a late duplicate is refused.
     assert!(st
@@ -270,10 +269,10 @@ async fn reaper_on_an_injected_clock() {
     let old = st.admit(id("old"), "POST".into(), "/".into()).unwrap();
     clock.advance(Duration::from_secs(899));
     old.record_events(1, clock.now());
-    server::reap_once(&st);
+    reaper::reap_once(&st);
     assert_eq!(old.ended(), None);
     clock.advance(Duration::from_secs(1));
-    server::reap_once(&st);
+    reaper::reap_once(&st);
     assert_eq!(old.ended(), Some(AbortReason::MaxAge));
 }
 
@@ -288,7 +287,7 @@ async fn dry_run_reaper_counts_once_and_ends_nothing() {
         .unwrap();
     clock.advance(Duration::from_secs(5));
     for _ in 0..3 {
-        server::reap_once(&st);
+        reaper::reap_once(&st);
     }
     assert_eq!(e.ended(), None);
     assert!(!e.cancel_token().is_cancelled());
@@ -355,7 +354,9 @@ async fn nvml_logic_through_the_fake_probe_and_quiet_checkpoints() {
         });
         s.last_error = None;
     }
-    sampler::checkpoint(&st);
+    let window = sampler::QuietWindow::open(&st);
+    sampler::record_gpu(&st, Ok(snap(&[(10, 150)], 1100)));
+    sampler::checkpoint(&st, &window);
     let text = kvguard_control::metrics::encode(&st.registry);
     assert!(
         text.contains("kvguard_control_quiet_kv_usage 0.25"),
@@ -374,7 +375,7 @@ async fn nvml_logic_through_the_fake_probe_and_quiet_checkpoints() {
             "/".into(),
         )
         .unwrap();
-    sampler::checkpoint(&st);
+    sampler::checkpoint(&st, &sampler::QuietWindow::open(&st));
     let text = kvguard_control::metrics::encode(&st.registry);
     assert!(text.contains("kvguard_control_quiet_checkpoints_total 1"));
     assert!(text.contains("kvguard_control_orphans 2"));
@@ -391,4 +392,273 @@ async fn nvml_logic_through_the_fake_probe_and_quiet_checkpoints() {
     assert_eq!(s, StatusCode::OK);
     assert_eq!(v["nvml_available"], false);
     assert_eq!(v["unavailable_reason"], "NVML: driver gone");
+}
+
+/// An engine whose scrape answers a settable text (or fails) and can be held until released.
+#[derive(Default)]
+struct ScriptedEngine {
+    text: std::sync::Mutex<Option<String>>,
+    hold: std::sync::Mutex<Option<Arc<tokio::sync::Semaphore>>>,
+    entered: tokio::sync::Notify,
+}
+
+impl ScriptedEngine {
+    fn answer(&self, text: Option<&str>) {
+        *self.text.lock().unwrap() = text.map(str::to_owned);
+    }
+}
+
+impl Engine for ScriptedEngine {
+    fn scrape(&self) -> BoxFut<'_, Result<String, String>> {
+        Box::pin(async move {
+            let hold = self.hold.lock().unwrap().clone();
+            if let Some(h) = hold {
+                self.entered.notify_one();
+                let _ = h.acquire().await.unwrap();
+            }
+            self.text
+                .lock()
+                .unwrap()
+                .clone()
+                .ok_or_else(|| "down".to_owned())
+        })
+    }
+    fn health(&self) -> BoxFut<'_, Result<(), String>> {
+        Box::pin(async { Err("down".into()) })
+    }
+    fn abort(&self, _id: RequestId) -> BoxFut<'_, Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+fn scripted_state() -> (Arc<AppState>, Arc<ScriptedEngine>) {
+    let cfg = Config::for_tests("http://127.0.0.1:9", vec![Key::try_new(KEY).unwrap()]).unwrap();
+    let engine = Arc::new(ScriptedEngine::default());
+    let st = AppState::new(
+        cfg,
+        Arc::new(ManualClock::new(NOW)),
+        engine.clone(),
+        GpuTracker::unavailable("test".into()),
+    );
+    (st, engine)
+}
+
+fn series(st: &AppState, name: &str) -> Option<String> {
+    let text = kvguard_control::metrics::encode(&st.registry);
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .map(|l| l[name.len() + 1..].to_owned())
+}
+
+const VLLM_1_RUNNING_1_WAITING: &str = "vllm:num_requests_running{engine=\"0\"} 1\nvllm:num_requests_waiting{engine=\"0\"} 1\nvllm:kv_cache_usage_perc{engine=\"0\"} 0.5\n";
+
+#[tokio::test]
+async fn orphans_count_waiting_sequences_and_vanish_while_the_engine_is_unknown() {
+    let (st, engine) = scripted_state();
+    let mut window = sampler::QuietWindow::open(&st);
+    // One request in flight through kvguard, queued in the engine; one running sequence
+    // nobody holds: a leak, not hidden behind the queue.
+    let _queued = st
+        .admit(
+            RequestId::try_new(b"queued").unwrap(),
+            "POST".into(),
+            "/".into(),
+        )
+        .unwrap();
+    engine.answer(Some(VLLM_1_RUNNING_1_WAITING));
+    sampler::sample_once(&st, &mut window).await;
+    assert_eq!(
+        series(&st, "kvguard_control_orphans").as_deref(),
+        Some("1.0")
+    );
+    assert_eq!(
+        series(&st, "kvguard_control_engine_up").as_deref(),
+        Some("1")
+    );
+    // The engine stops answering: no stale or made-up figure, engine_up 0.
+    engine.answer(None);
+    sampler::sample_once(&st, &mut window).await;
+    assert_eq!(series(&st, "kvguard_control_orphans"), None);
+    assert_eq!(series(&st, "kvguard_control_engine_requests_running"), None);
+    assert_eq!(series(&st, "kvguard_control_engine_kv_usage_ratio"), None);
+    assert_eq!(
+        series(&st, "kvguard_control_engine_up").as_deref(),
+        Some("0")
+    );
+    engine.answer(Some(VLLM_1_RUNNING_1_WAITING));
+    sampler::sample_once(&st, &mut window).await;
+    assert_eq!(
+        series(&st, "kvguard_control_orphans").as_deref(),
+        Some("1.0")
+    );
+}
+
+#[tokio::test]
+async fn a_request_during_the_scrape_spoils_the_quiet_checkpoint() {
+    let (st, engine) = scripted_state();
+    engine.answer(Some(VLLM_1_RUNNING_1_WAITING));
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    *engine.hold.lock().unwrap() = Some(gate.clone());
+    let mut window = sampler::QuietWindow::open(&st);
+    let st2 = st.clone();
+    let sampling = tokio::spawn(async move {
+        sampler::sample_once(&st2, &mut window).await;
+        window
+    });
+    // While the engine is being scraped, a request is admitted and ends.
+    engine.entered.notified().await;
+    let e = st
+        .admit(
+            RequestId::try_new(b"brief").unwrap(),
+            "POST".into(),
+            "/".into(),
+        )
+        .unwrap();
+    st.remove(&e);
+    gate.add_permits(1);
+    let mut window = sampling.await.unwrap();
+    assert_eq!(
+        series(&st, "kvguard_control_quiet_checkpoints_total").as_deref(),
+        Some("0")
+    );
+    // A round with nothing admitted and nothing in flight is quiet.
+    gate.add_permits(1);
+    sampler::sample_once(&st, &mut window).await;
+    assert_eq!(
+        series(&st, "kvguard_control_quiet_checkpoints_total").as_deref(),
+        Some("1")
+    );
+    assert_eq!(
+        series(&st, "kvguard_control_quiet_kv_usage").as_deref(),
+        Some("0.5")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_racing_its_request_ends_it_or_refuses_it_never_404_while_it_runs() {
+    let (st, _clock) = state(|c| c.max_tombstones = 1_000_000);
+    let mut bad = Vec::new();
+    for i in 0..3000u32 {
+        let id = RequestId::try_new(format!("race-{i}").as_bytes()).unwrap();
+        let barrier = Arc::new(std::sync::Barrier::new(2));
+        let (st1, id1, b1) = (st.clone(), id.clone(), barrier.clone());
+        let admit = tokio::task::spawn_blocking(move || {
+            b1.wait();
+            st1.admit(id1, "POST".into(), "/".into())
+        });
+        let (st2, id2, b2) = (st.clone(), id.clone(), barrier);
+        let abort = tokio::task::spawn_blocking(move || {
+            b2.wait();
+            st2.abort_or_tombstone(&id2, AbortReason::DownstreamReset)
+        });
+        let (admitted, found) = (admit.await.unwrap(), abort.await.unwrap());
+        if let (Ok(entry), kvguard_control::state::AbortFound::NotFound) = (&admitted, found) {
+            if entry.ended().is_none() {
+                bad.push(i);
+            }
+        }
+        if let Ok(e) = admitted {
+            st.remove(&e);
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "404 answered while the request runs: {} of 3000 races ({:?}...)",
+        bad.len(),
+        &bad[..bad.len().min(5)]
+    );
+}
+
+#[tokio::test]
+async fn replay_memory_evictions_are_counted_and_refusals_are_logged_sparingly() {
+    let (st, _clock) = state(|c| c.max_replay_entries = 2);
+    let key = Key::try_new(KEY).unwrap();
+    let app = admin::app(st.clone());
+    for i in 0..3 {
+        let body = format!(r#"{{"request_id":"e{i}","reason":"stalled","idle_ms":5,"gone_ms":7}}"#);
+        let (s, _) = call(
+            app.clone(),
+            abort_req(
+                body.as_bytes(),
+                Some(signature::sign(&key, NOW, body.as_bytes())),
+            ),
+        )
+        .await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "idle_ms and gone_ms are accepted");
+    }
+    assert_eq!(
+        series(&st, "kvguard_control_replay_evicted_total").as_deref(),
+        Some("1")
+    );
+    let l = admin::LogLimiter::default();
+    let period = Duration::from_secs(10);
+    assert_eq!(l.admit(1_000, period), Some(0));
+    for t in 1_001..1_100 {
+        assert_eq!(l.admit(t, period), None);
+    }
+    assert_eq!(
+        l.admit(11_000, period),
+        Some(99),
+        "the held-back lines are counted"
+    );
+}
+
+/// A clock that runs a hook (once) the next time it is read: it lets a test put an event
+/// exactly between two steps of a handler.
+struct HookClock {
+    inner: ManualClock,
+    hook: std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl Clock for HookClock {
+    fn now(&self) -> std::time::Instant {
+        let hook = self.hook.lock().unwrap().take();
+        if let Some(h) = hook {
+            h();
+        }
+        self.inner.now()
+    }
+    fn unix_secs(&self) -> u64 {
+        self.inner.unix_secs()
+    }
+}
+
+#[tokio::test]
+async fn an_abort_overtaken_by_its_request_mid_handler_ends_it() {
+    let cfg = Config::for_tests("http://127.0.0.1:9", vec![Key::try_new(KEY).unwrap()]).unwrap();
+    let clock = Arc::new(HookClock {
+        inner: ManualClock::new(NOW),
+        hook: std::sync::Mutex::new(None),
+    });
+    let st = AppState::new(
+        cfg,
+        clock.clone(),
+        Arc::new(FakeEngine),
+        GpuTracker::unavailable("test".into()),
+    );
+    let admitted = Arc::new(std::sync::Mutex::new(None));
+    // The request is admitted the moment the abort handler first reads the clock after
+    // verifying the signature: between its look-up and its tombstone, had they been apart.
+    let (st2, slot) = (st.clone(), admitted.clone());
+    let body = br#"{"request_id":"overtaken","reason":"downstream_reset"}"#;
+    let sig = signature::sign(&Key::try_new(KEY).unwrap(), NOW, body);
+    *clock.hook.lock().unwrap() = Some(Box::new(move || {
+        let e = st2.admit(
+            RequestId::try_new(b"overtaken").unwrap(),
+            "POST".into(),
+            "/".into(),
+        );
+        *slot.lock().unwrap() = Some(e);
+    }));
+    let (s, v) = call(admin::app(st.clone()), abort_req(body, Some(sig))).await;
+    let entry = admitted
+        .lock()
+        .unwrap()
+        .take()
+        .expect("the hook ran")
+        .expect("admitted");
+    // Either it was ended (200 aborted) or it was refused; never 404 while it runs.
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["aborted"], true, "{v}");
+    assert_eq!(entry.ended(), Some(AbortReason::DownstreamReset));
 }

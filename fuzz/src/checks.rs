@@ -370,11 +370,11 @@ pub fn abort_request(data: &[u8]) {
 
 mod control_api {
     use super::*;
-    use kvguard_control::clock::ManualClock;
     use kvguard_control::config::Config as ControlConfig;
     use kvguard_control::engine::{BoxFut, Engine as ControlEngine};
     use kvguard_control::gpu::GpuTracker;
     use kvguard_control::state::AppState;
+    use kvguard_control::testing::ManualClock;
     use std::sync::OnceLock;
     use tower::ServiceExt;
 

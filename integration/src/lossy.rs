@@ -3,6 +3,11 @@
 //! response back, and when the client goes away keeps reading the upstream response to
 //! its end — like the buffering gateways and routers that cause the KV leak (see
 //! DESIGN.md). A test instrument, not a product.
+//!
+//! A request carrying [`HOLD_HEADER`]`: 1` is also held before its response head: the
+//! upstream request is sent from a task of its own, so a client that leaves while the
+//! upstream has not answered yet (a queued or generating non-streaming request) leaves
+//! it running too.
 
 use crate::http::{bytes_response, read_body, ChannelBody, RespBody};
 use anyhow::{Context, Result};
@@ -94,6 +99,9 @@ pub async fn spawn(config: LossyConfig) -> Result<LossyHandle> {
     Ok(LossyHandle { server, counters })
 }
 
+/// Request header asking the hop to hide a client's close before the response head too.
+pub const HOLD_HEADER: &str = "x-lossy-hold";
+
 const HOP_BY_HOP: [&str; 8] = [
     "connection",
     "keep-alive",
@@ -143,16 +151,62 @@ async fn forward(
     let Ok(up_req) = b.body(Full::new(body)) else {
         return bad_gateway("building the upstream request".into());
     };
-    let resp = match send_upstream(&cfg, up_req).await {
-        Ok(r) => r,
-        Err(e) => {
-            c.upstream_errors.fetch_add(1, Ordering::Relaxed);
-            return bad_gateway(format!("upstream: {e:#}"));
+    let hold = parts.headers.get(HOLD_HEADER).is_some_and(|v| v == "1");
+    let answer = if hold {
+        // Sent and pumped from a task of its own: dropping this handler (the client left
+        // before the head) does not drop the upstream request.
+        let (htx, hrx) = tokio::sync::oneshot::channel();
+        let (cfg, c) = (cfg.clone(), c.clone());
+        tokio::spawn(async move {
+            let r = match send_upstream(&cfg, up_req).await {
+                Ok(resp) => {
+                    let (rparts, rbody) = resp.into_parts();
+                    Ok((rparts, pump(rbody, c)))
+                }
+                Err(e) => {
+                    c.upstream_errors.fetch_add(1, Ordering::Relaxed);
+                    Err(e)
+                }
+            };
+            let _ = htx.send(r);
+        });
+        match hrx.await {
+            Ok(r) => r,
+            Err(_) => Err(anyhow::anyhow!("the upstream task ended")),
+        }
+    } else {
+        match send_upstream(&cfg, up_req).await {
+            Ok(resp) => {
+                let (rparts, rbody) = resp.into_parts();
+                Ok((rparts, pump(rbody, c)))
+            }
+            Err(e) => {
+                c.upstream_errors.fetch_add(1, Ordering::Relaxed);
+                Err(e)
+            }
         }
     };
-    let (rparts, mut rbody) = resp.into_parts();
+    let (rparts, rx) = match answer {
+        Ok(a) => a,
+        Err(e) => return bad_gateway(format!("upstream: {e:#}")),
+    };
+    let mut out = Response::new(ChannelBody { rx, taken: None }.boxed());
+    *out.status_mut() = rparts.status;
+    for (k, v) in &rparts.headers {
+        if !HOP_BY_HOP.contains(&k.as_str()) && k != "content-length" {
+            out.headers_mut().append(k, v.clone());
+        }
+    }
+    out
+}
+
+/// Reads the upstream body to its end whatever the client does (detached), passing it on
+/// while the client is there.
+fn pump(
+    mut rbody: Incoming,
+    c: Arc<Counters>,
+) -> mpsc::UnboundedReceiver<Result<Bytes, std::io::Error>> {
     let (tx, rx) = mpsc::unbounded_channel::<Result<Bytes, std::io::Error>>();
-    // The pump is detached: it reads the upstream to the end whatever the client does.
     tokio::spawn(async move {
         let mut gone = false;
         loop {
@@ -189,14 +243,7 @@ async fn forward(
             }
         }
     });
-    let mut out = Response::new(ChannelBody { rx, taken: None }.boxed());
-    *out.status_mut() = rparts.status;
-    for (k, v) in &rparts.headers {
-        if !HOP_BY_HOP.contains(&k.as_str()) && k != "content-length" {
-            out.headers_mut().append(k, v.clone());
-        }
-    }
-    out
+    rx
 }
 
 async fn send_upstream(cfg: &LossyConfig, req: Request<Full<Bytes>>) -> Result<Response<Incoming>> {

@@ -166,6 +166,9 @@ pub struct VllmOptions {
     pub max_num_seqs: u32,
     /// `VLLM_CPU_OMP_THREADS_BIND` (CPU list for the OpenMP threads).
     pub omp_bind: String,
+    /// `--enable-scale-out`: serve `POST /inference/v1/abort_requests` (kvguard-control's
+    /// `vllm-scale-out` strategy). Routes only: on by default for the suite's one server.
+    pub enable_scale_out: bool,
     /// Extra arguments.
     pub extra_args: Vec<String>,
     /// Bound on start-up (model load, warm-up, `/health`).
@@ -181,6 +184,7 @@ impl Default for VllmOptions {
             num_blocks: 512,
             max_num_seqs: 64,
             omp_bind: default_omp_bind(),
+            enable_scale_out: true,
             extra_args: Vec::new(),
             ready_timeout: Duration::from_secs(240),
         }
@@ -224,6 +228,7 @@ impl Vllm {
             .args(["--dtype", "bfloat16", "--disable-uvicorn-access-log"])
             // "Aborted request(s) cmpl-<id>..." lines: the tests check which id was ended.
             .arg("--enable-log-requests")
+            .args(opts.enable_scale_out.then_some("--enable-scale-out"))
             .args(&opts.extra_args)
             .env("HF_HUB_OFFLINE", "1")
             .env("VLLM_CPU_KVCACHE_SPACE", "1")

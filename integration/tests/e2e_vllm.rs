@@ -503,3 +503,298 @@ async fn control_max_age_ends_a_long_request_and_vllm_frees_it() {
     .await
     .unwrap();
 }
+
+// kvguard-control on real vLLM: engine abort API, non-streaming
+
+/// kvguard-control in this process, in front of `engine` (its reaper off: what ends a
+/// request here is the test's abort).
+async fn control_in_process(
+    engine: &Vllm,
+    strategy: kvguard_control::config::AbortStrategy,
+) -> kvguard_control::Server {
+    let key = kvguard_contract::Key::try_new(stack::SECRET.as_bytes()).unwrap();
+    let mut cfg = kvguard_control::Config::for_tests(&engine.url(), vec![key]).unwrap();
+    cfg.abort_strategy = strategy;
+    cfg.limits = kvguard_control::config::Limits::default();
+    cfg.engine_api_key = vllm_api_key();
+    let deps = kvguard_control::Deps::real(&cfg);
+    kvguard_control::Server::start(cfg, deps).await.unwrap()
+}
+
+/// A long streamed completion sent straight to vLLM with request id `id`, read until
+/// vLLM runs it.
+async fn running_on_vllm(v: &Vllm, addr: SocketAddr, id: &str) -> client::SseStream {
+    let bearer = vllm_api_key().map(|k| format!("Bearer {k}"));
+    let mut headers = vec![("x-request-id", id)];
+    if let Some(b) = &bearer {
+        headers.push(("authorization", b.as_str()));
+    }
+    let mut s = client::stream_sse(addr, "/v1/completions", &completion(LONG), &headers, false)
+        .await
+        .unwrap();
+    assert_eq!(s.status, 200);
+    s.read_events(3, W).await.unwrap();
+    v.wait_figures("one running", W, |f| f.running == 1.0)
+        .await
+        .unwrap();
+    s
+}
+
+/// `KVGUARD_VLLM_API_KEY_FILE`: the shared vLLM runs with `--api-key` (`VLLM_API_KEY`)
+/// holding this file's key. Only the tests in this section use it (the suite's one
+/// server runs without a key); set it for a run against a guarded vLLM.
+fn vllm_api_key() -> Option<String> {
+    let p = std::env::var_os("KVGUARD_VLLM_API_KEY_FILE")?;
+    Some(std::fs::read_to_string(p).unwrap().trim().to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_scale_out_abort_api_frees_the_sequence_while_its_client_stays_connected() {
+    bounded("scale-out abort", T, async {
+        let Some((v, _turn)) = vllm("vllm_scale_out_abort_api").await else {
+            return;
+        };
+        // The engine's own abort API alone (the client keeps its connection to vLLM open):
+        // vLLM 0.32 answers 200 for any id and aborts in the background, so what counts
+        // is the sequence being freed.
+        let mut cfg = kvguard_control::Config::for_tests(&v.url(), vec![]).unwrap();
+        cfg.abort_strategy = kvguard_control::config::AbortStrategy::VllmScaleOut;
+        use kvguard_control::engine::Engine as _;
+        let mut s = running_on_vllm(&v, v.addr(), "scale-out-direct").await;
+        let id = kvguard_contract::RequestId::try_new(b"scale-out-direct").unwrap();
+        if vllm_api_key().is_some() {
+            // Guarded by --api-key: without the key the call is refused.
+            let unkeyed = kvguard_control::engine::HttpEngine::new(&cfg);
+            let e = unkeyed.abort(id.clone()).await.unwrap_err();
+            assert!(e.contains("401"), "{e}");
+            cfg.engine_api_key = vllm_api_key();
+        }
+        let engine = kvguard_control::engine::HttpEngine::new(&cfg);
+        engine
+            .abort(id)
+            .await
+            .unwrap_or_else(|e| panic!("{e} (is vLLM started with --enable-scale-out?)"));
+        let called = Instant::now();
+        v.wait_figures(
+            "vLLM frees it through its abort API",
+            Duration::from_secs(5),
+            |f| f.running == 0.0,
+        )
+        .await
+        .unwrap();
+        eprintln!("abort API: freed {:?} after the call", called.elapsed());
+        wait_vllm_aborted(&v, "cmpl-scale-out-direct").await;
+        let _ = s.collect(W).await;
+        v.wait_idle(W).await.unwrap();
+
+        // Through kvguard-control with --abort-strategy vllm-scale-out: a signed abort
+        // ends it, the engine call succeeds, vLLM frees the sequence.
+        let ctl =
+            control_in_process(&v, kvguard_control::config::AbortStrategy::VllmScaleOut).await;
+        let mut s = running_on_vllm(&v, ctl.proxy_addr, "scale-out-ctl").await;
+        let key = kvguard_contract::Key::try_new(stack::SECRET.as_bytes()).unwrap();
+        let body =
+            serde_json::to_vec(&json!({"request_id": "scale-out-ctl", "reason": "operator"}))
+                .unwrap();
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let sig = kvguard_contract::signature::sign(&key, t, &body);
+        let r = client::request(
+            ctl.admin_addr,
+            hyper::Method::POST,
+            "/v1/abort",
+            &[("x-kvguard-signature", sig.as_str())],
+            body,
+            false,
+            W,
+        )
+        .await
+        .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        v.wait_figures("vLLM frees it", Duration::from_secs(2), |f| {
+            f.running == 0.0
+        })
+        .await
+        .unwrap();
+        let _ = s.collect(W).await;
+        poll_until_async(
+            "the engine call is counted as aborted",
+            W,
+            Duration::from_millis(50),
+            || async {
+                let m = client::get(ctl.admin_addr, "/metrics").await.ok()?.text();
+                m.contains(
+                    "kvguard_control_aborts_total{reason=\"operator\",outcome=\"aborted\"} 1",
+                )
+                .then_some(())
+            },
+        )
+        .await
+        .unwrap();
+        ctl.stop().await;
+        v.wait_idle(W).await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+/// Sends a long non-streaming completion through `entry` (held by the lossy hop before
+/// its head too), waits until vLLM generates it, and leaves.
+async fn leave_non_streaming(v: &Vllm, entry: SocketAddr, st: &Stack) -> Instant {
+    let body = serde_json::to_vec(
+        &json!({"model": "tiny", "prompt": "kvguard e2e", "stream": false,
+                                          "max_tokens": LONG, "ignore_eos": true}),
+    )
+    .unwrap();
+    // The client waits for the whole answer (none comes before ~25 s of generation)...
+    let waiting = tokio::spawn(async move {
+        client::request(
+            entry,
+            hyper::Method::POST,
+            "/v1/completions",
+            &[
+                ("content-type", "application/json"),
+                (kvguard_integration::lossy::HOLD_HEADER, "1"),
+            ],
+            body,
+            false,
+            T,
+        )
+        .await
+    });
+    v.wait_figures("one generating", W, |f| f.running == 1.0)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+    // ...and leaves while it is generating.
+    waiting.abort();
+    let _ = waiting.await;
+    Instant::now()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_streaming_request_left_behind_the_lossy_hop_is_freed_on_vllm() {
+    bounded("non-streaming", T, async {
+        let Some((v, _turn)) = vllm("non_streaming_left").await else {
+            return;
+        };
+        // Without kvguard's filter the hop keeps the request alive after the client left.
+        let st = Stack::start(leak_opts(v.addr())).await.unwrap();
+        leave_non_streaming(&v, st.entry(), &st).await;
+        let end = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < end {
+            let f = v.figures().await.unwrap();
+            assert_eq!(
+                f.running,
+                1.0,
+                "without the filter it should keep running\n{}",
+                st.logs(40)
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        drop(st);
+        v.wait_idle(W).await.unwrap();
+        // Envoy + filter → lossy hop → kvguard-control → vLLM: freed within 2 s.
+        let st = Stack::start(filter_opts(v.addr(), 30_000)).await.unwrap();
+        let left = leave_non_streaming(&v, st.entry(), &st).await;
+        v.wait_figures("vLLM frees it within 2 s", Duration::from_secs(2), |f| {
+            f.running == 0.0 && f.waiting == 0.0
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+        eprintln!(
+            "non-streaming, generating: freed {:?} after the client left",
+            left.elapsed()
+        );
+        wait_control_aborts(&st, "downstream_reset", 1.0).await;
+        v.wait_idle(W).await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_non_streaming_request_left_behind_the_lossy_hop_is_freed_on_vllm() {
+    bounded("non-streaming queued", T, async {
+        let Some((v, _turn)) = vllm("non_streaming_queued").await else {
+            return;
+        };
+        // Two requests straight to vLLM with distinct 7900-token prompts fill its KV pool
+        // (512 blocks of 32) for several seconds, so a third with a 2000-token prompt waits.
+        let hog = |t: u32| {
+            let body = serde_json::to_vec(
+                &json!({"model": "tiny", "prompt": vec![t; 7900], "max_tokens": 290,
+                                                  "ignore_eos": true}),
+            )
+            .unwrap();
+            let addr = v.addr();
+            tokio::spawn(async move {
+                client::request(
+                    addr,
+                    hyper::Method::POST,
+                    "/v1/completions",
+                    &[("content-type", "application/json")],
+                    body,
+                    false,
+                    T,
+                )
+                .await
+            })
+        };
+        let hogs = [hog(7), hog(8)];
+        v.wait_figures("the KV pool full", W, |f| {
+            f.running == 2.0 && f.kv_usage > 0.9
+        })
+        .await
+        .unwrap();
+        let st = Stack::start(filter_opts(v.addr(), 30_000)).await.unwrap();
+        let entry = st.entry();
+        let body = serde_json::to_vec(
+            &json!({"model": "tiny", "prompt": vec![9u32; 2000], "max_tokens": 100,
+                                              "ignore_eos": true}),
+        )
+        .unwrap();
+        let waiting = tokio::spawn(async move {
+            client::request(
+                entry,
+                hyper::Method::POST,
+                "/v1/completions",
+                &[
+                    ("content-type", "application/json"),
+                    (kvguard_integration::lossy::HOLD_HEADER, "1"),
+                ],
+                body,
+                false,
+                T,
+            )
+            .await
+        });
+        v.wait_figures("one queued", W, |f| f.running == 2.0 && f.waiting == 1.0)
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+        waiting.abort();
+        let _ = waiting.await;
+        let left = Instant::now();
+        // Out of vLLM's queue while the two others still run.
+        v.wait_figures(
+            "vLLM drops the queued one within 2 s",
+            Duration::from_secs(2),
+            |f| f.waiting == 0.0 && f.running == 2.0,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+        eprintln!(
+            "non-streaming, queued: freed {:?} after the client left",
+            left.elapsed()
+        );
+        wait_control_aborts(&st, "downstream_reset", 1.0).await;
+        for h in hogs {
+            let r = h.await.unwrap().unwrap();
+            assert_eq!(r.status, 200, "the other requests complete untouched");
+        }
+        v.wait_idle(W).await.unwrap();
+    })
+    .await
+    .unwrap();
+}

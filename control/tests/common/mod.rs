@@ -2,6 +2,8 @@
 //! in front of the workspace's engine simulator (`kvguard_integration::sim`).
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod script;
+
 use kvguard_contract::{signature, Key};
 use kvguard_control::config::Config;
 use kvguard_control::{Deps, Server};
