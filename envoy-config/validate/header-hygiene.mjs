@@ -99,6 +99,8 @@ function prepare(vmUp) {
           pc.mode = "enforce";
           pc.control_target_cluster ??= "kvguard_control_replica";
           pc.control_target_cidrs = ["127.0.0.1"];
+          // The stand-in replica listens on a free port, not the default admin port 9902.
+          pc.control_target_ports = [replicaPort];
           c.value = JSON.stringify(pc);
         }
         if (!vmUp) hcm.http_filters = hcm.http_filters.filter((f) => !isKvguard(f));
