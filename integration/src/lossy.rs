@@ -158,33 +158,14 @@ async fn forward(
         let (htx, hrx) = tokio::sync::oneshot::channel();
         let (cfg, c) = (cfg.clone(), c.clone());
         tokio::spawn(async move {
-            let r = match send_upstream(&cfg, up_req).await {
-                Ok(resp) => {
-                    let (rparts, rbody) = resp.into_parts();
-                    Ok((rparts, pump(rbody, c)))
-                }
-                Err(e) => {
-                    c.upstream_errors.fetch_add(1, Ordering::Relaxed);
-                    Err(e)
-                }
-            };
-            let _ = htx.send(r);
+            let _ = htx.send(send_and_pump(&cfg, up_req, c).await);
         });
         match hrx.await {
             Ok(r) => r,
             Err(_) => Err(anyhow::anyhow!("the upstream task ended")),
         }
     } else {
-        match send_upstream(&cfg, up_req).await {
-            Ok(resp) => {
-                let (rparts, rbody) = resp.into_parts();
-                Ok((rparts, pump(rbody, c)))
-            }
-            Err(e) => {
-                c.upstream_errors.fetch_add(1, Ordering::Relaxed);
-                Err(e)
-            }
-        }
+        send_and_pump(&cfg, up_req, c.clone()).await
     };
     let (rparts, rx) = match answer {
         Ok(a) => a,
@@ -198,6 +179,27 @@ async fn forward(
         }
     }
     out
+}
+
+/// The upstream's answer head and its body, pumped by [`pump`]; a failed send is counted.
+async fn send_and_pump(
+    cfg: &LossyConfig,
+    up_req: Request<Full<Bytes>>,
+    c: Arc<Counters>,
+) -> Result<(
+    hyper::http::response::Parts,
+    mpsc::UnboundedReceiver<Result<Bytes, std::io::Error>>,
+)> {
+    match send_upstream(cfg, up_req).await {
+        Ok(resp) => {
+            let (rparts, rbody) = resp.into_parts();
+            Ok((rparts, pump(rbody, c)))
+        }
+        Err(e) => {
+            c.upstream_errors.fetch_add(1, Ordering::Relaxed);
+            Err(e)
+        }
+    }
 }
 
 /// Reads the upstream body to its end whatever the client does (detached), passing it on
