@@ -1,0 +1,485 @@
+//! End to end behind the real hops people run, on the engine simulator:
+//! client → Envoy [+ kvguard filter] → LiteLLM proxy 1.108.7 or vllm-router 0.1.17 (real
+//! processes, `scripts/setup-hops`) → kvguard-control (real binary) → simulator.
+//!
+//! What each hop does with a client that leaves, and whether the request id survives it,
+//! is measured here (docs/DESIGN.md, "Hops"): LiteLLM does not pass the disconnect of a
+//! non-streaming request on (the baseline leak, asserted), and kvguard frees it; streams
+//! are unharmed; LiteLLM's retries and fallbacks resend the same id and meet
+//! kvguard-control's superseding rule; vllm-router passes disconnects on, and kvguard adds
+//! nothing that hurts there.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use kvguard_integration::client;
+use kvguard_integration::demo::stack::{self, Stack, StackOptions};
+use kvguard_integration::hops::{HopKind, LiteLlmOptions};
+use kvguard_integration::sim::{self, EndKind, RequestRecord, SeqState, SimConfig, SimHandle};
+use kvguard_integration::wait::bounded;
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+/// Per test; LiteLLM alone may take a minute to start on a loaded machine.
+const T: Duration = Duration::from_secs(300);
+const W: Duration = Duration::from_secs(20);
+/// How soon after the client left kvguard must have freed the sequence: the filter's
+/// abort goes out from `on_log` at once; the rest is one signed call and a closed
+/// connection. Generous for a loaded 2-core machine; the figure is printed.
+const FREE_WITHIN: Duration = Duration::from_secs(5);
+
+fn off() -> Vec<String> {
+    ["--idle-timeout", "off", "--max-age", "off"]
+        .map(String::from)
+        .to_vec()
+}
+
+fn litellm() -> HopKind {
+    HopKind::LiteLlm(LiteLlmOptions::kvguard("tiny"))
+}
+
+/// The stack with `hop`, with or without the filter at the edge; kvguard-control's own
+/// clocks off, so only the disconnect path can end a sequence.
+async fn stack_with(sim: &SimHandle, hop: HopKind, kvguard: bool) -> Stack {
+    let filter = kvguard.then(|| stack::filter_config(60_000, 0));
+    let mut o = StackOptions::new(sim.addr(), filter);
+    o.control_args = off();
+    o.real_hop = Some(hop);
+    Stack::start(o).await.unwrap()
+}
+
+fn chat(stream: bool, max_tokens: u32) -> Value {
+    json!({"model": "tiny", "messages": [{"role": "user", "content": "kvguard hop"}],
+           "stream": stream, "max_tokens": max_tokens})
+}
+
+fn completion(stream: bool, max_tokens: u32) -> Value {
+    json!({"model": "tiny", "prompt": "x", "stream": stream, "max_tokens": max_tokens})
+}
+
+async fn control_aborts(st: &Stack, reason: &str) -> f64 {
+    st.control
+        .aborts_by_reason()
+        .await
+        .unwrap()
+        .get(reason)
+        .copied()
+        .unwrap_or_else(|| panic!("kvguard-control exports no {reason:?} aborts"))
+}
+
+async fn control_counter(st: &Stack, name: &str) -> f64 {
+    let text = st.control.metrics_text().await.unwrap();
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (k, v) = l.split_once(' ')?;
+            (k == name).then(|| v.trim().parse::<f64>().ok()).flatten()
+        })
+        .unwrap_or_else(|| panic!("kvguard-control's /metrics has no {name}:\n{text}"))
+}
+
+/// Sends a non-streaming request through `st` on a raw connection (the client will
+/// leave by closing it).
+async fn abandonable(st: &Stack, path: &str, body: &Value) -> client::SilentClient {
+    client::silent_client(st.entry(), path, body, &[], 1 << 20, false)
+        .await
+        .unwrap()
+}
+
+/// The one record of the simulator whose state matches `pred` (a fresh simulator per
+/// test: the request behind the hop is found by what it is doing).
+async fn the_request(
+    sim: &SimHandle,
+    st: &Stack,
+    what: &str,
+    pred: impl Fn(&RequestRecord) -> bool,
+) -> RequestRecord {
+    let s = sim
+        .wait_state(what, W, |s| {
+            s.requests.iter().filter(|r| pred(r)).count() == 1
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+    s.requests.into_iter().find(|r| pred(r)).unwrap()
+}
+
+async fn ended(sim: &SimHandle, st: &Stack, id: &str, within: Duration) -> RequestRecord {
+    let s = sim
+        .wait_state(&format!("{id} ends"), within, |s| {
+            s.request(id).is_some_and(|r| r.ended.is_some())
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+    s.request(id).unwrap().clone()
+}
+
+/// A non-streaming request (200 tokens at 20 tokens/s: 10 s) whose client leaves 1 s into
+/// generation. Returns the record and how long after the client left it ended.
+async fn nonstream_leaves_while_generating(kvguard: bool) -> (RequestRecord, Duration, Stack) {
+    let sim = sim::spawn(SimConfig {
+        token_rate: 20.0,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let st = stack_with(&sim, litellm(), kvguard).await;
+    let c = abandonable(&st, "/v1/chat/completions", &chat(false, 200)).await;
+    let r = the_request(&sim, &st, "the request generates", |r| {
+        r.state == SeqState::Running && r.tokens_sent >= 20
+    })
+    .await;
+    // The id kvguard-control keys on is the one the engine got (LiteLLM forwarded it).
+    assert_eq!(r.headers.get("x-request-id"), Some(&r.request_id), "{r:?}");
+    c.close();
+    let left = Instant::now();
+    let within = if kvguard { FREE_WITHIN } else { W };
+    let rec = ended(&sim, &st, &r.request_id, within).await;
+    let took = left.elapsed();
+    drop(sim);
+    (rec, took, st)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn litellm_non_streaming_client_leaves_while_generating_leaks_without_kvguard() {
+    bounded("litellm baseline leak, generating", T, async {
+        let (r, took, _st) = nonstream_leaves_while_generating(false).await;
+        eprintln!("litellm, no kvguard: the sequence ran {took:?} after its client left");
+        assert_eq!(r.ended, Some(EndKind::Length), "{r:?}");
+        assert_eq!(r.tokens_sent, 200, "{r:?}");
+        assert!(
+            took >= Duration::from_secs(5),
+            "ended {took:?} after the client left: LiteLLM passed the disconnect on"
+        );
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn litellm_non_streaming_client_leaves_while_generating_kvguard_frees_it() {
+    bounded("litellm + kvguard, generating", T, async {
+        let (r, took, st) = nonstream_leaves_while_generating(true).await;
+        eprintln!("litellm + kvguard: the sequence ended {took:?} after its client left");
+        assert_eq!(r.ended, Some(EndKind::Disconnected), "{r:?}");
+        assert!(r.tokens_sent < 200, "{r:?}");
+        assert_eq!(control_aborts(&st, "downstream_reset").await, 1.0);
+    })
+    .await
+    .unwrap();
+}
+
+/// A non-streaming request queued behind a stream that fills the pool, whose client leaves
+/// while it waits. Returns its record (after it ended) and the stream's end.
+async fn nonstream_leaves_while_queued(kvguard: bool) -> (RequestRecord, Stack) {
+    // 8 blocks × 16 tokens: one request of 120 tokens fills the pool (6 s at 20/s).
+    let sim = sim::spawn(SimConfig {
+        kv_blocks: 8,
+        block_size: 16,
+        token_rate: 20.0,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let st = stack_with(&sim, litellm(), kvguard).await;
+    let mut a = client::stream_sse(
+        st.entry(),
+        "/v1/completions",
+        &completion(true, 120),
+        &[],
+        false,
+    )
+    .await
+    .unwrap();
+    a.read_events(1, W).await.unwrap();
+    let c = abandonable(&st, "/v1/completions", &completion(false, 100)).await;
+    let b = the_request(&sim, &st, "B queued behind A", |r| {
+        r.state == SeqState::Waiting
+    })
+    .await;
+    c.close();
+    let within = if kvguard { FREE_WITHIN } else { W };
+    let rec = ended(&sim, &st, &b.request_id, within).await;
+    let evs = a.collect(W).await.unwrap();
+    assert!(
+        evs.last().unwrap().is_done(),
+        "the stream in front was cut: {evs:?}"
+    );
+    (rec, st)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn litellm_non_streaming_client_leaves_while_queued_leaks_without_kvguard() {
+    bounded("litellm baseline leak, queued", T, async {
+        let (r, _st) = nonstream_leaves_while_queued(false).await;
+        // Admitted once the stream in front ended, and generated to the end for nobody.
+        assert!(r.started_ms.is_some(), "{r:?}");
+        assert_eq!(r.ended, Some(EndKind::Length), "{r:?}");
+        assert_eq!(r.tokens_sent, 100, "{r:?}");
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn litellm_non_streaming_client_leaves_while_queued_kvguard_frees_it() {
+    bounded("litellm + kvguard, queued", T, async {
+        let (r, st) = nonstream_leaves_while_queued(true).await;
+        assert_eq!(r.ended, Some(EndKind::Disconnected), "{r:?}");
+        assert_eq!(r.started_ms, None, "admitted after its client left: {r:?}");
+        assert_eq!(r.tokens_sent, 0);
+        assert_eq!(control_aborts(&st, "downstream_reset").await, 1.0);
+    })
+    .await
+    .unwrap();
+}
+
+/// Streams behind `hop` with kvguard: one client leaves after 5 events; the healthy
+/// streams beside it (chat and completions) and a non-streaming request complete, and a
+/// request sent after the abort is served.
+async fn streams_are_unharmed(hop: HopKind) {
+    let sim = sim::spawn(SimConfig {
+        token_rate: 50.0,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let st = stack_with(&sim, hop, true).await;
+    let e = st.entry();
+    let mut healthy = Vec::new();
+    for body in [chat(true, 150), completion(true, 150)] {
+        let path = if body.get("messages").is_some() {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        };
+        healthy.push(
+            client::stream_sse(e, path, &body, &[], false)
+                .await
+                .unwrap(),
+        );
+    }
+    let mut gone = client::stream_sse(e, "/v1/chat/completions", &chat(true, 400), &[], false)
+        .await
+        .unwrap();
+    gone.read_events(5, W).await.unwrap();
+    let g = the_request(&sim, &st, "the leaving stream runs", |r| {
+        r.max_tokens == 400 && r.state == SeqState::Running
+    })
+    .await;
+    gone.disconnect();
+    let r = ended(&sim, &st, &g.request_id, FREE_WITHIN).await;
+    assert_eq!(r.ended, Some(EndKind::Disconnected), "{r:?}");
+    for mut s in healthy {
+        let evs = s.collect(W).await.unwrap();
+        assert!(
+            evs.last().unwrap().is_done(),
+            "a stream someone reads was cut: {evs:?}\n{}",
+            st.logs(40)
+        );
+        let data = evs.iter().filter(|e| !e.comment && !e.is_done()).count();
+        assert!(data >= 150, "{data} data events");
+    }
+    // After the abort (and any late second abort of the same id): a new non-streaming
+    // request completes in full.
+    let resp = client::post_json(e, "/v1/chat/completions", &chat(false, 30), &[])
+        .await
+        .unwrap();
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    assert_eq!(
+        resp.json().unwrap()["usage"]["completion_tokens"],
+        30,
+        "{}",
+        resp.text()
+    );
+    let s = sim.state();
+    let others: Vec<_> = s
+        .requests
+        .iter()
+        .filter(|r| r.request_id != g.request_id)
+        .collect();
+    assert_eq!(others.len(), 3, "{others:?}");
+    for o in others {
+        assert_eq!(o.ended, Some(EndKind::Length), "{o:?}");
+    }
+    assert!(
+        s.abort_calls
+            .iter()
+            .all(|c| c.ids == [g.request_id.clone()]),
+        "an engine abort named another request: {:?}",
+        s.abort_calls
+    );
+    assert!(control_aborts(&st, "downstream_reset").await <= 1.0);
+    assert_eq!(control_aborts(&st, "stalled").await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn litellm_streams_are_unharmed_by_kvguard() {
+    bounded("litellm streams", T, streams_are_unharmed(litellm()))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_router_streams_are_unharmed_by_kvguard() {
+    bounded(
+        "vllm-router streams",
+        T,
+        streams_are_unharmed(HopKind::VllmRouter),
+    )
+    .await
+    .unwrap();
+}
+
+/// LiteLLM resends a request whose first attempt hangs (no first token within the
+/// per-attempt timeout) — a retry (`num_retries`) or a fallback deployment — with the same
+/// `x-request-id`. kvguard-control must let the second attempt through (no tombstone, no
+/// engine abort by id) and end the first one; the client gets the whole answer.
+async fn resent_attempts_are_served(o: LiteLlmOptions) {
+    let sim = sim::spawn(SimConfig::default()).await.unwrap();
+    let st = stack_with(&sim, HopKind::LiteLlm(o), true).await;
+    let resp = client::request(
+        st.entry(),
+        hyper::Method::POST,
+        "/v1/chat/completions",
+        &[
+            ("content-type", "application/json"),
+            ("x-sim-delay-first-ms", "60000"),
+            ("x-sim-first-attempts", "1"),
+        ],
+        serde_json::to_vec(&chat(false, 20)).unwrap(),
+        false,
+        W * 3,
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status, 200, "{}\n{}", resp.text(), st.logs(40));
+    assert_eq!(resp.json().unwrap()["usage"]["completion_tokens"], 20);
+    let s = sim
+        .wait_state("every attempt ended", W, |s| {
+            s.requests.len() >= 2 && s.requests.iter().all(|r| r.ended.is_some())
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+    let id = &s.requests[0].request_id;
+    assert!(
+        s.requests.iter().all(|r| &r.request_id == id),
+        "the attempts carry different ids: {:?}",
+        s.requests
+    );
+    let (last, earlier) = s.requests.split_last().unwrap();
+    assert_eq!(last.ended, Some(EndKind::Length), "{last:?}");
+    for r in earlier {
+        assert_eq!(r.ended, Some(EndKind::Disconnected), "{r:?}");
+        assert_eq!(r.tokens_sent, 0, "{r:?}");
+    }
+    assert!(s.abort_calls.is_empty(), "{:?}", s.abort_calls);
+    let superseded = control_counter(&st, "kvguard_control_superseded_total").await;
+    let tombstones = control_counter(&st, "kvguard_control_tombstones").await;
+    eprintln!(
+        "{} attempts of {id}; kvguard-control superseded {superseded}, tombstones {tombstones}",
+        s.requests.len()
+    );
+    assert_eq!(tombstones, 0.0);
+    assert_eq!(control_aborts(&st, "downstream_reset").await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn litellm_retry_with_the_same_id_is_served() {
+    let mut o = LiteLlmOptions::kvguard("tiny");
+    o.num_retries = 1;
+    o.timeout_s = Some(2.0);
+    bounded("litellm retry", T, resent_attempts_are_served(o))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn litellm_fallback_with_the_same_id_is_served() {
+    let mut o = LiteLlmOptions::kvguard("tiny");
+    o.fallback = true;
+    o.timeout_s = Some(2.0);
+    bounded("litellm fallback", T, resent_attempts_are_served(o))
+        .await
+        .unwrap();
+}
+
+/// LiteLLM at its defaults does not forward `x-request-id`: the engine (and so
+/// kvguard-control) sees an id of its own, not the edge's. The shipped example sets
+/// `forward_client_headers_to_llm_api: true` (checked in every test above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn litellm_at_its_defaults_does_not_forward_the_request_id() {
+    bounded("litellm default headers", T, async {
+        let sim = sim::spawn(SimConfig::default()).await.unwrap();
+        let mut o = LiteLlmOptions::kvguard("tiny");
+        o.forward_client_headers = false;
+        let st = stack_with(&sim, HopKind::LiteLlm(o), true).await;
+        let resp = client::post_json(
+            st.entry(),
+            "/v1/chat/completions",
+            &chat(false, 5),
+            &[("x-request-id", "client-chosen")],
+        )
+        .await
+        .unwrap();
+        assert_eq!(resp.status, 200, "{}", resp.text());
+        let s = sim.state();
+        assert_eq!(s.requests.len(), 1, "{:?}", s.requests);
+        assert_eq!(
+            s.requests[0].headers.get("x-request-id"),
+            None,
+            "{:?}",
+            s.requests[0]
+        );
+    })
+    .await
+    .unwrap();
+}
+
+/// vllm-router passes a non-streaming client's disconnect on by itself (measured without
+/// kvguard), and forwards `x-request-id`; with kvguard the request is freed the same way
+/// and nothing else is touched.
+async fn vllm_router_non_streaming_leave(kvguard: bool) -> Duration {
+    let sim = sim::spawn(SimConfig {
+        token_rate: 20.0,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let st = stack_with(&sim, HopKind::VllmRouter, kvguard).await;
+    let c = abandonable(&st, "/v1/completions", &completion(false, 200)).await;
+    let r = the_request(&sim, &st, "the request generates", |r| {
+        r.state == SeqState::Running && r.tokens_sent >= 20
+    })
+    .await;
+    assert_eq!(r.headers.get("x-request-id"), Some(&r.request_id), "{r:?}");
+    c.close();
+    let left = Instant::now();
+    let rec = ended(&sim, &st, &r.request_id, FREE_WITHIN).await;
+    assert_eq!(rec.ended, Some(EndKind::Disconnected), "{rec:?}");
+    let took = left.elapsed();
+    // A request after it is served in full.
+    let resp = client::post_json(st.entry(), "/v1/completions", &completion(false, 10), &[])
+        .await
+        .unwrap();
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    assert_eq!(resp.json().unwrap()["usage"]["completion_tokens"], 10);
+    took
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_router_passes_a_non_streaming_disconnect_on_by_itself() {
+    bounded("vllm-router, no kvguard", T, async {
+        let took = vllm_router_non_streaming_leave(false).await;
+        eprintln!("vllm-router, no kvguard: freed {took:?} after the client left");
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_router_non_streaming_disconnect_with_kvguard_is_freed_once() {
+    bounded("vllm-router + kvguard", T, async {
+        let took = vllm_router_non_streaming_leave(true).await;
+        eprintln!("vllm-router + kvguard: freed {took:?} after the client left");
+    })
+    .await
+    .unwrap();
+}
