@@ -11,7 +11,7 @@
 use crate::proc::ChildGuard;
 use anyhow::{bail, Context, Result};
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// The LiteLLM release the suite runs (`integration/hops/requirements.txt`).
@@ -129,6 +129,15 @@ pub struct Hop {
 pub enum HopKind {
     /// LiteLLM's proxy with these settings.
     LiteLlm(LiteLlmOptions),
+    /// LiteLLM's proxy with a config file as shipped (e.g. `envoy-config/litellm/`), and
+    /// environment variables for its `os.environ/…` values. `{upstream}` in a value is
+    /// replaced by the upstream's address.
+    LiteLlmFile {
+        /// The config file.
+        path: PathBuf,
+        /// Extra environment.
+        env: Vec<(String, String)>,
+    },
     /// vllm-router, round robin over the one upstream.
     VllmRouter,
 }
@@ -137,7 +146,7 @@ impl HopKind {
     /// `litellm` or `vllm-router`.
     pub fn name(&self) -> &'static str {
         match self {
-            HopKind::LiteLlm(_) => "litellm",
+            HopKind::LiteLlm(_) | HopKind::LiteLlmFile { .. } => "litellm",
             HopKind::VllmRouter => "vllm-router",
         }
     }
@@ -149,22 +158,32 @@ impl Hop {
         let port = crate::demo::stack::closed_port().await?.port();
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
         match kind {
-            HopKind::LiteLlm(o) => Self::litellm(upstream, addr, o).await,
+            HopKind::LiteLlm(o) => {
+                let dir = tempfile::Builder::new()
+                    .prefix("kvguard-litellm-")
+                    .tempdir()?;
+                let conf = dir.path().join("config.yaml");
+                std::fs::write(&conf, litellm_config(upstream, o))
+                    .with_context(|| format!("writing {}", conf.display()))?;
+                Self::litellm(addr, &conf, &[]).await
+            }
+            HopKind::LiteLlmFile { path, env } => {
+                let env: Vec<(String, String)> = env
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.replace("{upstream}", &upstream.to_string())))
+                    .collect();
+                Self::litellm(addr, path, &env).await
+            }
             HopKind::VllmRouter => Self::vllm_router(upstream, addr).await,
         }
     }
 
-    async fn litellm(upstream: SocketAddr, addr: SocketAddr, o: &LiteLlmOptions) -> Result<Hop> {
+    async fn litellm(addr: SocketAddr, conf: &Path, env: &[(String, String)]) -> Result<Hop> {
         let bin = venv_bin("litellm")?;
-        let conf_dir = tempfile::Builder::new()
-            .prefix("kvguard-litellm-")
-            .tempdir()?;
-        let conf = conf_dir.path().join("config.yaml");
-        std::fs::write(&conf, litellm_config(upstream, o))
-            .with_context(|| format!("writing {}", conf.display()))?;
         let mut cmd = std::process::Command::new(bin);
+        cmd.envs(env.iter().map(|(k, v)| (k, v)));
         cmd.arg("--config")
-            .arg(&conf)
+            .arg(conf)
             .args(["--host", "127.0.0.1", "--port"])
             .arg(addr.port().to_string())
             .args(["--num_workers", "1"])
@@ -180,7 +199,7 @@ impl Hop {
         };
         hop.wait_ready("/health/readiness").await?;
         // The config file is read at start-up; keep it beside the log for a failed test.
-        let _ = std::fs::copy(&conf, hop.guard.dir().join("config.yaml"));
+        let _ = std::fs::copy(conf, hop.guard.dir().join("config.yaml"));
         Ok(hop)
     }
 

@@ -480,3 +480,69 @@ async fn vllm_router_non_streaming_disconnect_with_kvguard_is_freed_once() {
     .await
     .unwrap();
 }
+
+/// The shipped example, `envoy-config/litellm/config.yaml`, as it is: with it the edge's
+/// request id reaches kvguard-control, so a non-streaming request abandoned while
+/// generating is freed by kvguard, and a stream beside it completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shipped_litellm_config_passes_the_request_id_and_kvguard_frees_the_request() {
+    bounded("shipped litellm config", T, async {
+        const KEY: &str = "sk-kvguard-e2e-0123456789abcdef";
+        let sim = sim::spawn(SimConfig {
+            model: "my-model".into(),
+            token_rate: 20.0,
+            ..SimConfig::default()
+        })
+        .await
+        .unwrap();
+        let path = kvguard_integration::paths::repo_root()
+            .unwrap()
+            .join("envoy-config/litellm/config.yaml");
+        let env = [
+            ("KVGUARD_CONTROL_URL", "http://{upstream}/v1"),
+            ("ENGINE_API_KEY", "unused"),
+            ("LITELLM_MASTER_KEY", KEY),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .to_vec();
+        let st = stack_with(&sim, HopKind::LiteLlmFile { path, env }, true).await;
+        let auth = format!("Bearer {KEY}");
+        let hdrs = [("authorization", auth.as_str())];
+        let mut body = chat(false, 200);
+        body["model"] = json!("my-model");
+        let c = client::silent_client(
+            st.entry(),
+            "/v1/chat/completions",
+            &body,
+            &hdrs,
+            1 << 20,
+            false,
+        )
+        .await
+        .unwrap();
+        let mut sbody = chat(true, 60);
+        sbody["model"] = json!("my-model");
+        let mut s = client::stream_sse(st.entry(), "/v1/chat/completions", &sbody, &hdrs, false)
+            .await
+            .unwrap();
+        assert_eq!(s.status, 200, "{}", st.logs(40));
+        let r = the_request(&sim, &st, "the abandoned request generates", |r| {
+            !r.stream && r.state == SeqState::Running && r.tokens_sent >= 20
+        })
+        .await;
+        assert_eq!(r.headers.get("x-request-id"), Some(&r.request_id), "{r:?}");
+        c.close();
+        let left = Instant::now();
+        let rec = ended(&sim, &st, &r.request_id, FREE_WITHIN).await;
+        eprintln!(
+            "shipped config: freed {:?} after the client left",
+            left.elapsed()
+        );
+        assert_eq!(rec.ended, Some(EndKind::Disconnected), "{rec:?}");
+        let evs = s.collect(W * 2).await.unwrap();
+        assert!(evs.last().unwrap().is_done(), "{evs:?}");
+        assert_eq!(control_aborts(&st, "downstream_reset").await, 1.0);
+    })
+    .await
+    .unwrap();
+}
