@@ -546,3 +546,54 @@ async fn shipped_litellm_config_passes_the_request_id_and_kvguard_frees_the_requ
     .await
     .unwrap();
 }
+
+/// Without kvguard: a streaming client that leaves after 5 events — does the hop close its
+/// upstream by itself? Returns how long after the client left the engine saw it.
+async fn streaming_leave_without_kvguard(hop: HopKind) -> Duration {
+    let sim = sim::spawn(SimConfig {
+        token_rate: 20.0,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let st = stack_with(&sim, hop, false).await;
+    let mut s = client::stream_sse(
+        st.entry(),
+        "/v1/chat/completions",
+        &chat(true, 200),
+        &[],
+        false,
+    )
+    .await
+    .unwrap();
+    s.read_events(5, W).await.unwrap();
+    let r = the_request(&sim, &st, "the stream runs", |r| {
+        r.state == SeqState::Running
+    })
+    .await;
+    s.disconnect();
+    let left = Instant::now();
+    let rec = ended(&sim, &st, &r.request_id, FREE_WITHIN).await;
+    assert_eq!(rec.ended, Some(EndKind::Disconnected), "{rec:?}");
+    left.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn litellm_passes_a_streaming_disconnect_on_by_itself() {
+    bounded("litellm stream leave, no kvguard", T, async {
+        let took = streaming_leave_without_kvguard(litellm()).await;
+        eprintln!("litellm, no kvguard: stream freed {took:?} after the client left");
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_router_passes_a_streaming_disconnect_on_by_itself() {
+    bounded("vllm-router stream leave, no kvguard", T, async {
+        let took = streaming_leave_without_kvguard(HopKind::VllmRouter).await;
+        eprintln!("vllm-router, no kvguard: stream freed {took:?} after the client left");
+    })
+    .await
+    .unwrap();
+}
