@@ -807,6 +807,21 @@ async fn a_queued_non_streaming_request_left_behind_the_lossy_hop_is_freed_on_vl
 
 use kvguard_integration::hops::{HopKind, LiteLlmOptions};
 
+/// The stream ended at `max_tokens` (`finish_reason: length`): it was read to its end.
+/// (LiteLLM re-chunks a stream and drops chunks without text, so events are not tokens.)
+fn assert_finished_at_length(evs: &[client::SseEvent]) {
+    let finish = evs
+        .iter()
+        .filter_map(|e| e.json())
+        .filter_map(|j| {
+            j["choices"][0]["finish_reason"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .last();
+    assert_eq!(finish.as_deref(), Some("length"), "{evs:?}");
+}
+
 fn with_hop(mut o: StackOptions, hop: HopKind) -> StackOptions {
     o.real_hop = Some(hop);
     o
@@ -901,8 +916,7 @@ async fn litellm_on_vllm_non_streaming_left_leaks_without_kvguard_and_is_freed_w
             "the stream beside it was cut: {evs:?}\n{}",
             st.logs(40)
         );
-        let data = evs.iter().filter(|e| !e.comment && !e.is_done()).count();
-        assert!(data >= 200, "{data} data events");
+        assert_finished_at_length(&evs);
         assert_eq!(control_aborts(&st, "downstream_reset").await, 1.0);
         v.wait_idle(W).await.unwrap();
     })
@@ -958,8 +972,7 @@ async fn vllm_router_on_vllm_passes_disconnects_and_kvguard_cuts_nothing_else() 
             "a stream someone reads was cut: {evs:?}\n{}",
             st.logs(40)
         );
-        let data = evs.iter().filter(|e| !e.comment && !e.is_done()).count();
-        assert!(data >= 200, "{data} data events");
+        assert_finished_at_length(&evs);
         v.wait_idle(W).await.unwrap();
     })
     .await
