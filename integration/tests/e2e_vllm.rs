@@ -812,13 +812,14 @@ use kvguard_integration::hops::{HopKind, LiteLlmOptions};
 fn assert_finished_at_length(evs: &[client::SseEvent]) {
     let finish = evs
         .iter()
+        .rev()
         .filter_map(|e| e.json())
         .filter_map(|j| {
             j["choices"][0]["finish_reason"]
                 .as_str()
                 .map(str::to_string)
         })
-        .last();
+        .next();
     assert_eq!(finish.as_deref(), Some("length"), "{evs:?}");
 }
 
