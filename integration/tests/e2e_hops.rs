@@ -597,3 +597,48 @@ async fn vllm_router_passes_a_streaming_disconnect_on_by_itself() {
     .await
     .unwrap();
 }
+
+/// `scripts/demo --hop litellm`, short: without kvguard the non-streaming requests whose
+/// client left keep generating (orphan-seconds), with kvguard they do not; nothing a
+/// client reads is cut in either run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_through_litellm_shows_the_non_streaming_leak_and_kvguard_closes_it() {
+    use kvguard_integration::demo::{self, DemoConfig, EngineKind, Hop, Mode};
+    bounded("demo through litellm", T, async {
+        let mut cfg = DemoConfig::new(EngineKind::Sim);
+        cfg.hop = Hop::Litellm;
+        cfg.nonstream_share = 0.3;
+        cfg.arrival_s = 12.0;
+        cfg.drain_s = 10.0;
+        cfg.max_tokens = 300;
+        cfg.seed = 7;
+        let quiet = |_s: String| {};
+        let res = demo::run_demo(&cfg, &[Mode::Leak, Mode::Kvguard], None, &quiet)
+            .await
+            .unwrap();
+        eprintln!("{}", demo::table(&res));
+        let leak = res.leak.as_ref().unwrap();
+        let kvg = res.kvguard.as_ref().unwrap();
+        assert!(
+            leak.nonstream_left > 0,
+            "the plan leaves non-streaming requests"
+        );
+        assert_eq!(leak.nonstream_left, kvg.nonstream_left);
+        assert!(
+            leak.nonstream_orphan_seconds > 2.0,
+            "LiteLLM did not leak: {}",
+            leak.nonstream_orphan_seconds
+        );
+        assert!(
+            kvg.nonstream_orphan_seconds < 1.0,
+            "kvguard left orphans: {}",
+            kvg.nonstream_orphan_seconds
+        );
+        assert_eq!(kvg.nonstream_orphans_at_end, 0);
+        assert_eq!(leak.false_aborts, 0, "{:?}", leak.false_abort_samples);
+        assert_eq!(kvg.false_aborts, 0, "{:?}", kvg.false_abort_samples);
+        demo::verdict(&res).unwrap();
+    })
+    .await
+    .unwrap();
+}
