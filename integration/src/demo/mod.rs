@@ -184,6 +184,13 @@ impl DemoConfig {
         }
     }
 
+    /// Whether streams are chat and non-streaming requests completions (see
+    /// [`workload::plan`]): with non-streaming requests, or behind a real hop, which does
+    /// not return the edge's request id to the client, so orphans are counted by path.
+    pub fn split_by_path(&self) -> bool {
+        self.nonstream_share > 0.0 || self.hop != Hop::Lossy
+    }
+
     /// The simulator's configuration for this demo.
     pub fn sim_config(&self) -> SimConfig {
         SimConfig {
@@ -399,7 +406,7 @@ pub async fn run_once(
     let mut last_seen: HashMap<String, f64> = HashMap::new();
     // Non-streaming requests at the engine beyond the non-streaming clients still
     // connected: requests whose client left (they carry no id the client could read).
-    let mut nonstream_orphan_s = 0.0;
+    let (mut nonstream_orphan_s, mut stream_orphan_s) = (0.0, 0.0);
     let mut next_progress = t0;
     let period = Duration::from_millis(cfg.sample_ms);
     let mut tick = tokio::time::interval(period);
@@ -420,11 +427,13 @@ pub async fn run_once(
         for id in &ids {
             last_seen.insert(id.clone(), t);
         }
-        if cfg.nonstream_share > 0.0 {
-            let n = nonstream_inflight(&st).await?;
+        if cfg.split_by_path() {
+            let (streams, nonstream) = inflight_by_kind(&st).await?;
+            let p = period.as_secs_f64();
             let open = live.nonstream_clients.load(Ordering::Relaxed);
-            let orphans = n.saturating_sub(open);
-            nonstream_orphan_s += orphans as f64 * period.as_secs_f64();
+            nonstream_orphan_s += nonstream.saturating_sub(open) as f64 * p;
+            let open = live.clients.load(Ordering::Relaxed);
+            stream_orphan_s += streams.saturating_sub(open) as f64 * p;
         }
         let s = Sample {
             t,
@@ -478,12 +487,18 @@ pub async fn run_once(
             .filter(|c| c.outcome == "disconnected" && plan.get(c.index).is_some_and(|p| !p.stream))
             .count(),
         nonstream_orphan_seconds: nonstream_orphan_s,
-        nonstream_orphans_at_end: match cfg.nonstream_share > 0.0 {
-            true => nonstream_inflight(&st).await?,
-            false => 0,
-        },
         ..RunResult::default()
     };
+    // Behind a real hop the client gets no `x-request-id` back: count by path instead.
+    let by_path = cfg.split_by_path() && clients.iter().all(|c| c.request_id.is_none());
+    if cfg.split_by_path() {
+        let (streams, nonstream) = inflight_by_kind(&st).await?;
+        r.nonstream_orphans_at_end = nonstream;
+        if by_path {
+            r.orphan_seconds = stream_orphan_s;
+            r.orphans_at_end = streams;
+        }
+    }
     let mut ttft = Vec::new();
     for c in &clients {
         match c.outcome.as_str() {
@@ -674,19 +689,21 @@ pub async fn run_demo(
     Ok(out)
 }
 
-/// Non-streaming requests in kvguard-control's in-flight table (by path: the demo's
-/// streams are chat when the plan has non-streaming requests).
-async fn nonstream_inflight(st: &Stack) -> Result<usize> {
+/// Streams and non-streaming requests in kvguard-control's in-flight table, told apart
+/// by path ([`DemoConfig::split_by_path`]).
+async fn inflight_by_kind(st: &Stack) -> Result<(usize, usize)> {
     let v = crate::client::get_json(st.control.admin, "/v1/requests")
         .await
         .context("kvguard-control's /v1/requests")?;
-    Ok(v["requests"]
+    let rows = v["requests"]
         .as_array()
         .map(Vec::as_slice)
-        .unwrap_or_default()
+        .unwrap_or_default();
+    let nonstream = rows
         .iter()
         .filter(|r| r["path"].as_str() == Some(workload::NONSTREAM_PATH))
-        .count())
+        .count();
+    Ok((rows.len() - nonstream, nonstream))
 }
 
 fn pct(x: f64) -> String {

@@ -74,11 +74,12 @@ pub fn plan(cfg: &DemoConfig) -> Vec<Planned> {
                 (Kind::Stall(_), EngineKind::Vllm) => tokens.max(1800),
                 _ => tokens,
             };
-            // With non-streaming requests in the plan (`--hop litellm`), streams are chat
-            // and non-streaming ones completions, so that kvguard-control's in-flight
-            // table tells them apart by path. No draw without them: the plan is unchanged.
+            // With non-streaming requests in the plan or a real hop (`--hop litellm`),
+            // streams are chat and non-streaming ones completions, so that
+            // kvguard-control's in-flight table tells them apart by path. No draw without
+            // non-streaming requests: the plan's randomness is unchanged.
             let stream = cfg.nonstream_share <= 0.0 || rng.unit() >= cfg.nonstream_share;
-            let (chat, kind) = match (cfg.nonstream_share > 0.0, stream) {
+            let (chat, kind) = match (cfg.split_by_path(), stream) {
                 (false, _) => (i % 2 == 0, kind),
                 (true, true) => (true, kind),
                 (true, false) => (
