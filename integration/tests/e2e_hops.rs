@@ -472,7 +472,7 @@ async fn vllm_router_passes_a_non_streaming_disconnect_on_by_itself() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn vllm_router_non_streaming_disconnect_with_kvguard_is_freed_once() {
+async fn vllm_router_non_streaming_disconnect_with_kvguard_is_freed_and_the_next_request_served() {
     bounded("vllm-router + kvguard", T, async {
         let took = vllm_router_non_streaming_leave(true).await;
         eprintln!("vllm-router + kvguard: freed {took:?} after the client left");
