@@ -25,6 +25,8 @@ export KVGUARD_CACHE=${KVGUARD_CACHE:-$HOME/.cache/kvguard}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$KVGUARD_CACHE/target}
 export KVGUARD_VENV=${KVGUARD_VENV:-$REPO/.venv}
 export KVGUARD_VLLM_VENV=${KVGUARD_VLLM_VENV:-$KVGUARD_CACHE/vllm-venv}
+# The real LLM hops (LiteLLM, vllm-router): scripts/setup-hops; the e2e suites find them here.
+export KVGUARD_HOPS_VENV=${KVGUARD_HOPS_VENV:-$KVGUARD_CACHE/hops-venv}
 export PIP_CACHE_DIR=${PIP_CACHE_DIR:-$KVGUARD_CACHE/pip}
 export KVGUARD_FIXTURES=${KVGUARD_FIXTURES:-$REPO/integration/fixtures}
 mkdir -p "$KVGUARD_CACHE"

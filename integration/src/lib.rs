@@ -10,6 +10,7 @@
 //! - [`envoy`] runs a real Envoy with (or without) the kvguard filter.
 //! - [`client`] small HTTP/SSE client helpers, including disconnecting and silent clients.
 //! - [`clock_shim`] an `LD_PRELOAD` library that shifts a process's wall clock at run time.
+//! - [`hops`] real hops (LiteLLM's proxy, vllm-router) run as child processes.
 //! - [`lossy`] a reverse proxy that does not pass client disconnects on (the leak).
 //! - [`load`] the load generator behind the `kvguard-load` binary.
 //! - [`vllm`] real vLLM on CPU: the tiny random-weight model, one server per suite run.
@@ -23,6 +24,7 @@ pub mod client;
 pub mod clock_shim;
 pub mod demo;
 pub mod envoy;
+pub mod hops;
 pub mod load;
 pub mod lossy;
 pub mod paths;

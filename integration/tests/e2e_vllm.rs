@@ -798,3 +798,184 @@ async fn a_queued_non_streaming_request_left_behind_the_lossy_hop_is_freed_on_vl
     .await
     .unwrap();
 }
+
+// Real hops on real vLLM: LiteLLM, vllm-router
+//
+// client → Envoy [+ kvguard filter] → LiteLLM proxy 1.108.7 or vllm-router 0.1.17 (real
+// processes from `scripts/setup-hops`) → kvguard-control → vLLM. The facts these check are
+// in docs/DESIGN.md, "Hops" (measured on the simulator by e2e_hops.rs as well).
+
+use kvguard_integration::hops::{HopKind, LiteLlmOptions};
+
+/// The stream ended at `max_tokens` (`finish_reason: length`): it was read to its end.
+/// (LiteLLM re-chunks a stream and drops chunks without text, so events are not tokens.)
+fn assert_finished_at_length(evs: &[client::SseEvent]) {
+    let finish = evs
+        .iter()
+        .rev()
+        .filter_map(|e| e.json())
+        .filter_map(|j| {
+            j["choices"][0]["finish_reason"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .next();
+    assert_eq!(finish.as_deref(), Some("length"), "{evs:?}");
+}
+
+fn with_hop(mut o: StackOptions, hop: HopKind) -> StackOptions {
+    o.real_hop = Some(hop);
+    o
+}
+
+/// Sends a long non-streaming completion through `entry`, waits until vLLM generates it
+/// (`running` one more than `before`), and leaves.
+async fn leave_non_streaming_behind_hop(
+    v: &Vllm,
+    entry: SocketAddr,
+    st: &Stack,
+    before: f64,
+) -> Instant {
+    let body = serde_json::to_vec(
+        &json!({"model": "tiny", "prompt": "kvguard hop", "stream": false,
+                "max_tokens": LONG, "ignore_eos": true}),
+    )
+    .unwrap();
+    let waiting = tokio::spawn(async move {
+        client::request(
+            entry,
+            hyper::Method::POST,
+            "/v1/completions",
+            &[("content-type", "application/json")],
+            body,
+            false,
+            T,
+        )
+        .await
+    });
+    v.wait_figures("the non-streaming request generates", W, |f| {
+        f.running == before + 1.0
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+    waiting.abort();
+    let _ = waiting.await;
+    Instant::now()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn litellm_on_vllm_non_streaming_left_leaks_without_kvguard_and_is_freed_with_it() {
+    bounded("litellm on vLLM", T + Duration::from_secs(200), async {
+        let Some((v, _turn)) = vllm("litellm_non_streaming").await else {
+            return;
+        };
+        let hop = || HopKind::LiteLlm(LiteLlmOptions::kvguard(v.model()));
+        // Without kvguard's filter LiteLLM keeps the upstream call after the client left.
+        let st = Stack::start(with_hop(leak_opts(v.addr()), hop()))
+            .await
+            .unwrap();
+        leave_non_streaming_behind_hop(&v, st.entry(), &st, 0.0).await;
+        let end = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < end {
+            let f = v.figures().await.unwrap();
+            assert_eq!(
+                f.running,
+                1.0,
+                "without the filter LiteLLM should keep it running\n{}",
+                st.logs(40)
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        drop(st);
+        v.wait_idle(W).await.unwrap();
+        // With kvguard: a stream someone reads runs beside it and completes untouched.
+        let st = Stack::start(with_hop(filter_opts(v.addr(), 30_000), hop()))
+            .await
+            .unwrap();
+        let mut healthy =
+            client::stream_sse(st.entry(), "/v1/chat/completions", &chat(200), &[], false)
+                .await
+                .unwrap();
+        healthy.read_events(1, W).await.unwrap();
+        v.wait_figures("the stream runs", W, |f| f.running == 1.0)
+            .await
+            .unwrap();
+        let left = leave_non_streaming_behind_hop(&v, st.entry(), &st, 1.0).await;
+        v.wait_figures("vLLM frees it", Duration::from_secs(5), |f| {
+            f.running <= 1.0
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+        eprintln!(
+            "litellm on vLLM, non-streaming: freed {:?} after the client left",
+            left.elapsed()
+        );
+        wait_control_aborts(&st, "downstream_reset", 1.0).await;
+        let evs = healthy.collect(LONG_STREAM).await.unwrap();
+        assert!(
+            evs.last().unwrap().is_done(),
+            "the stream beside it was cut: {evs:?}\n{}",
+            st.logs(40)
+        );
+        assert_finished_at_length(&evs);
+        assert_eq!(control_aborts(&st, "downstream_reset").await, 1.0);
+        v.wait_idle(W).await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_router_on_vllm_passes_disconnects_and_kvguard_cuts_nothing_else() {
+    bounded("vllm-router on vLLM", T, async {
+        let Some((v, _turn)) = vllm("vllm_router").await else {
+            return;
+        };
+        let st = Stack::start(with_hop(filter_opts(v.addr(), 30_000), HopKind::VllmRouter))
+            .await
+            .unwrap();
+        let mut healthy =
+            client::stream_sse(st.entry(), "/v1/completions", &completion(200), &[], false)
+                .await
+                .unwrap();
+        healthy.read_events(1, W).await.unwrap();
+        let mut gone =
+            client::stream_sse(st.entry(), "/v1/chat/completions", &chat(LONG), &[], false)
+                .await
+                .unwrap();
+        gone.read_events(3, W).await.unwrap();
+        v.wait_figures("two streams run", W, |f| f.running == 2.0)
+            .await
+            .unwrap();
+        gone.disconnect();
+        v.wait_figures(
+            "vLLM frees the stream that left",
+            Duration::from_secs(5),
+            |f| f.running <= 1.0,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+        let left = leave_non_streaming_behind_hop(&v, st.entry(), &st, 1.0).await;
+        v.wait_figures(
+            "vLLM frees the request that left",
+            Duration::from_secs(5),
+            |f| f.running <= 1.0,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+        eprintln!(
+            "vllm-router on vLLM, non-streaming: freed {:?} after the client left",
+            left.elapsed()
+        );
+        let evs = healthy.collect(LONG_STREAM).await.unwrap();
+        assert!(
+            evs.last().unwrap().is_done(),
+            "a stream someone reads was cut: {evs:?}\n{}",
+            st.logs(40)
+        );
+        assert_finished_at_length(&evs);
+        v.wait_idle(W).await.unwrap();
+    })
+    .await
+    .unwrap();
+}

@@ -41,6 +41,14 @@ struct Args {
     /// RNG seed.
     #[arg(long)]
     seed: Option<u64>,
+    /// The hop between Envoy and kvguard-control: `lossy` (the suite's hop that passes no
+    /// disconnect on, default) or `litellm` (LiteLLM's proxy 1.108.7 as shipped in
+    /// envoy-config/litellm/, installed by scripts/setup-hops).
+    #[arg(long, default_value = "lossy")]
+    hop: String,
+    /// Share of requests sent without streaming (default 0; 0.3 with `--hop litellm`).
+    #[arg(long)]
+    nonstream_share: Option<f64>,
     /// Output directory (results.json, table.txt).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -93,6 +101,17 @@ async fn demo(a: Args) -> Result<()> {
     if let Some(x) = a.seed {
         cfg.seed = x;
     }
+    cfg.hop = match a.hop.as_str() {
+        "lossy" => demo::Hop::Lossy,
+        "litellm" => demo::Hop::Litellm,
+        other => bail!("--hop {other:?}: expected lossy or litellm"),
+    };
+    cfg.nonstream_share = match (a.nonstream_share, cfg.hop) {
+        (Some(x), _) if (0.0..=1.0).contains(&x) => x,
+        (Some(x), _) => bail!("--nonstream-share {x}: expected a share between 0 and 1"),
+        (None, demo::Hop::Litellm) => 0.3,
+        (None, demo::Hop::Lossy) => 0.0,
+    };
     let modes: Vec<Mode> = match a.only.as_deref() {
         None => vec![Mode::Leak, Mode::Kvguard],
         Some("leak") => vec![Mode::Leak],

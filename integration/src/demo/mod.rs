@@ -114,6 +114,25 @@ pub struct DemoConfig {
     pub sim_kv_blocks: u32,
     /// Simulator: tokens per second per stream.
     pub sim_token_rate: f64,
+    /// The hop between Envoy and kvguard-control.
+    #[serde(default)]
+    pub hop: Hop,
+    /// Share of requests sent without streaming (`"stream": false`, `/v1/completions`);
+    /// 0 = all stream (then the plan is the same as before this option existed).
+    #[serde(default)]
+    pub nonstream_share: f64,
+}
+
+/// The hop between Envoy and kvguard-control in the demo (`--hop`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Hop {
+    /// The suite's lossy hop ([`crate::lossy`]): passes no disconnect on.
+    #[default]
+    Lossy,
+    /// LiteLLM's proxy as shipped for kvguard ([`crate::hops`]): passes a streaming
+    /// client's disconnect on, not a non-streaming one's.
+    Litellm,
 }
 
 impl DemoConfig {
@@ -136,6 +155,8 @@ impl DemoConfig {
                 control_idle: "6s".into(),
                 sim_kv_blocks: 800,
                 sim_token_rate: 40.0,
+                hop: Hop::Lossy,
+                nonstream_share: 0.0,
             },
             EngineKind::Vllm => DemoConfig {
                 engine,
@@ -157,8 +178,17 @@ impl DemoConfig {
                 control_idle: "20s".into(),
                 sim_kv_blocks: 0,
                 sim_token_rate: 0.0,
+                hop: Hop::Lossy,
+                nonstream_share: 0.0,
             },
         }
+    }
+
+    /// Whether streams are chat and non-streaming requests completions (see
+    /// [`workload::plan`]): with non-streaming requests, or behind a real hop, which does
+    /// not return the edge's request id to the client, so orphans are counted by path.
+    pub fn split_by_path(&self) -> bool {
+        self.nonstream_share > 0.0 || self.hop != Hop::Lossy
     }
 
     /// The simulator's configuration for this demo.
@@ -263,6 +293,19 @@ pub struct RunResult {
     pub hop_clients_gone: u64,
     /// Bytes the hop kept reading for gone clients.
     pub hop_bytes_after_gone: u64,
+    /// Non-streaming requests sent (`nonstream_share`).
+    #[serde(default)]
+    pub nonstream_sent: usize,
+    /// Non-streaming requests whose client left before the answer.
+    #[serde(default)]
+    pub nonstream_left: usize,
+    /// Engine time on non-streaming requests whose client had left (s): samples of
+    /// kvguard-control's in-flight non-streaming requests beyond the connected clients.
+    #[serde(default)]
+    pub nonstream_orphan_seconds: f64,
+    /// Non-streaming requests at the engine at the end whose client had left.
+    #[serde(default)]
+    pub nonstream_orphans_at_end: usize,
     /// Per-client records.
     pub clients: Vec<ClientRecord>,
     /// Wall time of the run (s).
@@ -284,6 +327,8 @@ pub struct DemoResults {
 #[derive(Default)]
 struct Live {
     clients: AtomicUsize,
+    /// Non-streaming clients with their connection open.
+    nonstream_clients: AtomicUsize,
     sent: AtomicUsize,
     done: AtomicUsize,
 }
@@ -312,6 +357,11 @@ pub async fn run_once(
     };
     opts.control_args
         .extend(["--sample-interval".into(), "1s".into()]);
+    if cfg.hop == Hop::Litellm {
+        opts.real_hop = Some(crate::hops::HopKind::LiteLlm(
+            crate::hops::LiteLlmOptions::kvguard("tiny"),
+        ));
+    }
     let st = Stack::start(opts).await.context("starting the stack")?;
     let baseline = crate::vllm::engine_figures(engine)
         .await
@@ -333,7 +383,12 @@ pub async fn run_once(
                 let (live, records, cfg) = (live.clone(), records.clone(), cfg2.clone());
                 tasks.spawn(async move {
                     live.sent.fetch_add(1, Ordering::Relaxed);
-                    let r = workload::client(&cfg, entry, &p, t0, &live.clients).await;
+                    let r = if p.stream {
+                        workload::client(&cfg, entry, &p, t0, &live.clients).await
+                    } else {
+                        workload::nonstream_client(&cfg, entry, &p, t0, &live.nonstream_clients)
+                            .await
+                    };
                     live.done.fetch_add(1, Ordering::Relaxed);
                     if let Ok(mut g) = records.lock() {
                         g.push(r);
@@ -349,6 +404,9 @@ pub async fn run_once(
     let end = t0 + Duration::from_secs_f64(cfg.arrival_s + cfg.drain_s);
     let mut series = Vec::new();
     let mut last_seen: HashMap<String, f64> = HashMap::new();
+    // Non-streaming requests at the engine beyond the non-streaming clients still
+    // connected: requests whose client left (they carry no id the client could read).
+    let (mut nonstream_orphan_s, mut stream_orphan_s) = (0.0, 0.0);
     let mut next_progress = t0;
     let period = Duration::from_millis(cfg.sample_ms);
     let mut tick = tokio::time::interval(period);
@@ -368,6 +426,14 @@ pub async fn run_once(
             .with_context(|| format!("kvguard-control's /v1/requests at {t:.1}s"))?;
         for id in &ids {
             last_seen.insert(id.clone(), t);
+        }
+        if cfg.split_by_path() {
+            let (streams, nonstream) = inflight_by_kind(&st).await?;
+            let p = period.as_secs_f64();
+            let open = live.nonstream_clients.load(Ordering::Relaxed);
+            nonstream_orphan_s += nonstream.saturating_sub(open) as f64 * p;
+            let open = live.clients.load(Ordering::Relaxed);
+            stream_orphan_s += streams.saturating_sub(open) as f64 * p;
         }
         let s = Sample {
             t,
@@ -415,8 +481,24 @@ pub async fn run_once(
         },
         requests: plan.len(),
         kv_baseline: baseline.kv_usage,
+        nonstream_sent: plan.iter().filter(|p| !p.stream).count(),
+        nonstream_left: clients
+            .iter()
+            .filter(|c| c.outcome == "disconnected" && plan.get(c.index).is_some_and(|p| !p.stream))
+            .count(),
+        nonstream_orphan_seconds: nonstream_orphan_s,
         ..RunResult::default()
     };
+    // Behind a real hop the client gets no `x-request-id` back: count by path instead.
+    let by_path = cfg.split_by_path() && clients.iter().all(|c| c.request_id.is_none());
+    if cfg.split_by_path() {
+        let (streams, nonstream) = inflight_by_kind(&st).await?;
+        r.nonstream_orphans_at_end = nonstream;
+        if by_path {
+            r.orphan_seconds = stream_orphan_s;
+            r.orphans_at_end = streams;
+        }
+    }
     let mut ttft = Vec::new();
     for c in &clients {
         match c.outcome.as_str() {
@@ -543,10 +625,13 @@ pub fn verdict(res: &DemoResults) -> Result<()> {
         }
     }
     if let (Some(leak), Some(kvg)) = (&res.leak, &res.kvguard) {
-        if kvg.orphan_seconds >= leak.orphan_seconds {
+        // Streams and non-streaming requests left by their clients together.
+        let orphan = |r: &RunResult| r.orphan_seconds + r.nonstream_orphan_seconds;
+        if orphan(kvg) >= orphan(leak) {
             wrong.push(format!(
                 "kvguard's orphan-seconds {:.1} are not below the run without it ({:.1})",
-                kvg.orphan_seconds, leak.orphan_seconds
+                orphan(kvg),
+                orphan(leak)
             ));
         }
     }
@@ -602,6 +687,23 @@ pub async fn run_demo(
         }
     }
     Ok(out)
+}
+
+/// Streams and non-streaming requests in kvguard-control's in-flight table, told apart
+/// by path ([`DemoConfig::split_by_path`]).
+async fn inflight_by_kind(st: &Stack) -> Result<(usize, usize)> {
+    let v = crate::client::get_json(st.control.admin, "/v1/requests")
+        .await
+        .context("kvguard-control's /v1/requests")?;
+    let rows = v["requests"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    let nonstream = rows
+        .iter()
+        .filter(|r| r["path"].as_str() == Some(workload::NONSTREAM_PATH))
+        .count();
+    Ok((rows.len() - nonstream, nonstream))
 }
 
 fn pct(x: f64) -> String {
@@ -687,6 +789,23 @@ pub fn table(res: &DemoResults) -> String {
             continue;
         }
         rows.push((format!("aborts: {k}"), g(a).to_string(), g(b).to_string()));
+    }
+    if a.nonstream_sent + b.nonstream_sent > 0 {
+        rows.push((
+            "non-streaming requests sent / left by their client".into(),
+            format!("{} / {}", a.nonstream_sent, a.nonstream_left),
+            format!("{} / {}", b.nonstream_sent, b.nonstream_left),
+        ));
+        rows.push((
+            "non-streaming left: orphan-seconds (leaked)".into(),
+            format!("{:.1}", a.nonstream_orphan_seconds),
+            format!("{:.1}", b.nonstream_orphan_seconds),
+        ));
+        rows.push((
+            "non-streaming left: still in the engine at the end".into(),
+            a.nonstream_orphans_at_end.to_string(),
+            b.nonstream_orphans_at_end.to_string(),
+        ));
     }
     let total = |r: &RunResult| r.aborts_by_reason.values().sum::<f64>().to_string();
     rows.push(("aborts: all reasons".into(), total(a), total(b)));

@@ -1,5 +1,6 @@
 //! The end-to-end stack of the demo and the e2e suites, assembled from the harness:
-//! client → Envoy [+ kvguard filter] → lossy hop → kvguard-control → engine.
+//! client → Envoy [+ kvguard filter] → lossy hop or a real hop (LiteLLM, vllm-router) →
+//! kvguard-control → engine.
 //!
 //! Every piece is a real process or the workspace's own instrument: Envoy
 //! ([`crate::envoy::Envoy`]), the lossy hop ([`crate::lossy`], in process), kvguard-control
@@ -7,6 +8,7 @@
 //! or real vLLM, started by the caller).
 
 use crate::envoy::{Envoy, EnvoyOptions};
+use crate::hops::{Hop, HopKind};
 use crate::lossy::{self, LossyConfig, LossyHandle};
 use crate::proc::ChildGuard;
 use crate::receiver::{self, Behaviour, Receiver, ReceiverConfig};
@@ -225,6 +227,9 @@ pub struct StackOptions {
     pub abort_tap: bool,
     /// Envoy `--concurrency`.
     pub envoy_concurrency: u32,
+    /// A real hop (LiteLLM, vllm-router) between Envoy and kvguard-control; when set it
+    /// takes the place of the lossy hop (`lossy` is then ignored).
+    pub real_hop: Option<HopKind>,
 }
 
 impl StackOptions {
@@ -239,6 +244,7 @@ impl StackOptions {
             abort_target: None,
             abort_tap: false,
             envoy_concurrency: 1,
+            real_hop: None,
         }
     }
 }
@@ -249,6 +255,8 @@ pub struct Stack {
     pub envoy: Envoy,
     /// The lossy hop, when in the path.
     pub hop: Option<LossyHandle>,
+    /// The real hop, when `StackOptions::real_hop` asked for one.
+    pub real_hop: Option<Hop>,
     /// kvguard-control.
     pub control: Control,
     /// The recording tap in front of the abort endpoint (`StackOptions::abort_tap`).
@@ -262,7 +270,13 @@ impl Stack {
     pub async fn start(opts: StackOptions) -> Result<Stack> {
         let any: SocketAddr = SocketAddr::from(([127, 0, 0, 1], 0));
         let control = Control::start(opts.engine, any, any, &opts.control_args).await?;
-        let (hop, upstream) = if opts.lossy {
+        let real_hop = match &opts.real_hop {
+            Some(kind) => Some(Hop::start(kind, control.proxy).await?),
+            None => None,
+        };
+        let (hop, upstream) = if let Some(h) = &real_hop {
+            (None, h.addr())
+        } else if opts.lossy {
             let h = lossy::spawn(LossyConfig {
                 listen: None,
                 upstream: control.proxy,
@@ -297,6 +311,7 @@ impl Stack {
         Ok(Stack {
             envoy,
             hop,
+            real_hop,
             control,
             abort_tap,
             opts,
@@ -314,8 +329,12 @@ impl Stack {
             let l: Vec<&str> = s.lines().collect();
             l[l.len().saturating_sub(n)..].join("\n")
         };
+        let hop = match &self.real_hop {
+            Some(h) => format!("\n----- {} -----\n{}", h.kind(), tail(h.log())),
+            None => String::new(),
+        };
         format!(
-            "----- envoy -----\n{}\n----- kvguard-control -----\n{}",
+            "----- envoy -----\n{}\n----- kvguard-control -----\n{}{hop}",
             tail(self.envoy.log()),
             tail(self.control.log())
         )

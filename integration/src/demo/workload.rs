@@ -47,6 +47,9 @@ pub struct Planned {
     pub chat: bool,
     /// What the client does.
     pub kind: Kind,
+    /// Streaming (`"stream": true`); a non-streaming request is a completion that
+    /// completes or is left (never a stall), sent by [`nonstream_client`].
+    pub stream: bool,
 }
 
 /// The plan for `cfg` (deterministic in `cfg.seed`): steady arrivals at `cfg.rate`.
@@ -71,18 +74,39 @@ pub fn plan(cfg: &DemoConfig) -> Vec<Planned> {
                 (Kind::Stall(_), EngineKind::Vllm) => tokens.max(1800),
                 _ => tokens,
             };
+            // With non-streaming requests in the plan or a real hop (`--hop litellm`),
+            // streams are chat and non-streaming ones completions, so that
+            // kvguard-control's in-flight table tells them apart by path. No draw without
+            // non-streaming requests: the plan's randomness is unchanged.
+            let stream = cfg.nonstream_share <= 0.0 || rng.unit() >= cfg.nonstream_share;
+            let (chat, kind) = match (cfg.split_by_path(), stream) {
+                (false, _) => (i % 2 == 0, kind),
+                (true, true) => (true, kind),
+                (true, false) => (
+                    false,
+                    match kind {
+                        Kind::Stall(_) => Kind::Complete,
+                        k => k,
+                    },
+                ),
+            };
             Planned {
                 index: i,
                 at: Duration::from_secs_f64(i as f64 / cfg.rate),
                 tokens,
-                chat: i % 2 == 0,
+                chat,
                 kind,
+                stream,
             }
         })
         .collect()
 }
 
 fn body(p: &Planned) -> serde_json::Value {
+    if !p.stream {
+        return json!({"model": "tiny", "prompt": format!("demo request {}", p.index),
+                      "stream": false, "max_tokens": p.tokens, "ignore_eos": true});
+    }
     if p.chat {
         json!({"model": "tiny", "messages": [{"role": "user", "content": format!("demo request {}", p.index)}],
                "stream": true, "max_tokens": p.tokens, "ignore_eos": true})
@@ -224,6 +248,82 @@ pub async fn client(
                 }
                 return rec;
             }
+        }
+    }
+}
+
+/// The path non-streaming requests use (streams use chat when the plan has both).
+pub const NONSTREAM_PATH: &str = "/v1/completions";
+
+/// Runs one planned non-streaming request through `entry`: `Complete` waits for the whole
+/// answer (bounded); `Disconnect(k)` leaves after about the time `k` tokens take (the
+/// client never sees a token: the answer comes at the end). `connected` counts it while
+/// its connection is open.
+pub async fn nonstream_client(
+    cfg: &DemoConfig,
+    entry: SocketAddr,
+    p: &Planned,
+    t0: Instant,
+    connected: &AtomicUsize,
+) -> ClientRecord {
+    let since = |t: Instant| (t - t0).as_secs_f64();
+    let sent = Instant::now();
+    let mut rec = ClientRecord {
+        index: p.index,
+        plan: p.kind.label().into(),
+        sent_s: since(sent),
+        ..ClientRecord::default()
+    };
+    let _live = Connected::new(connected);
+    let body = match serde_json::to_vec(&body(p)) {
+        Ok(b) => b,
+        Err(e) => {
+            rec.outcome = "error".into();
+            rec.error = Some(e.to_string());
+            return rec;
+        }
+    };
+    let req = client::request(
+        entry,
+        hyper::Method::POST,
+        NONSTREAM_PATH,
+        &[("content-type", "application/json")],
+        body,
+        false,
+        Duration::from_secs(120),
+    );
+    let leave_after = match (p.kind, cfg.engine) {
+        (Kind::Disconnect(k), EngineKind::Sim) => Some(f64::from(k) / cfg.sim_token_rate.max(1.0)),
+        // vLLM on CPU: ~60 tokens/s for the suite's model.
+        (Kind::Disconnect(k), EngineKind::Vllm) => Some(f64::from(k) / 60.0),
+        _ => None,
+    };
+    match leave_after {
+        Some(s) => match tokio::time::timeout(Duration::from_secs_f64(s), req).await {
+            Err(_) => {
+                rec.outcome = "disconnected".into();
+                rec.gone_s = Some(since(Instant::now()));
+            }
+            Ok(r) => record_answer(&mut rec, r),
+        },
+        None => record_answer(&mut rec, req.await),
+    }
+    rec
+}
+
+fn record_answer(rec: &mut ClientRecord, r: anyhow::Result<client::Resp>) {
+    match r {
+        Ok(r) if r.status == 200 => {
+            rec.request_id = r.header("x-request-id").map(str::to_string);
+            rec.outcome = "done".into();
+        }
+        Ok(r) => {
+            rec.outcome = "error".into();
+            rec.error = Some(format!("status {}", r.status));
+        }
+        Err(e) => {
+            rec.outcome = "closed".into();
+            rec.error = Some(format!("{e:#}"));
         }
     }
 }

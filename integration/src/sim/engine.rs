@@ -31,6 +31,8 @@ struct Inner {
     success: BTreeMap<&'static str, u64>,
     abort_calls: Vec<AbortApiCall>,
     shut_down: bool,
+    /// Arrivals per request id of requests that carry `x-sim-first-attempts`.
+    attempts: HashMap<String, u32>,
 }
 
 /// The shared simulator engine (behind [`super::SimHandle`]).
@@ -69,6 +71,7 @@ impl Sim {
                 success: BTreeMap::new(),
                 abort_calls: Vec::new(),
                 shut_down: false,
+                attempts: HashMap::new(),
             }),
         }
     }
@@ -87,6 +90,15 @@ impl Sim {
 
     pub(crate) fn now_ms(&self) -> u64 {
         u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Counts one more arrival of `request_id` and returns its ordinal (1 = first). Only
+    /// requests with `x-sim-first-attempts` are counted (a retrying hop resends the id).
+    pub(crate) fn attempt(&self, request_id: &str) -> u32 {
+        let mut g = self.lock();
+        let n = g.attempts.entry(request_id.to_string()).or_insert(0);
+        *n += 1;
+        *n
     }
 
     /// Queues a sequence (FIFO) and admits what fits.

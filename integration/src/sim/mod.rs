@@ -14,7 +14,9 @@
 //!   keep-alives, forever), `x-sim-delay-first-ms`, `x-sim-tokens` (force the length),
 //!   `x-sim-rate` (tokens/s), `x-sim-keepalive-ms` (0 = none), `x-sim-reset-after: <n>`
 //!   (after n tokens the engine resets the stream: h2 RST_STREAM, HTTP/1.1 connection
-//!   closed mid-body), `x-sim-status: <code>` (answer that error at once, vLLM-shaped).
+//!   closed mid-body), `x-sim-status: <code>` (answer that error at once, vLLM-shaped),
+//!   `x-sim-first-attempts: <k>` (stall, first-token delay, reset and status apply to the
+//!   first k arrivals of the request id only: a hop's retry of it is served normally).
 //! - `GET /metrics` with vLLM's names, `GET /health`, `GET /sim/state` ([`SimState`]),
 //!   SGLang-style `POST /abort_request {"rid"}` and vLLM-style
 //!   `POST /inference/v1/abort_requests {"request_ids": [..]}`.

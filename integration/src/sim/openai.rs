@@ -213,6 +213,17 @@ async fn completion_inner(
         Ok(h) => h,
         Err(e) => return err_reply(400, &e, "BadRequestError", None),
     };
+    // `x-sim-first-attempts: k`: the fault headers (stall, first-token delay, reset,
+    // status) apply to the first k arrivals of this request id only; later ones (a hop's
+    // retry or fallback) are served normally.
+    let first_attempts = match header_num::<u32>(&req, "x-sim-first-attempts") {
+        Ok(k) => k,
+        Err(e) => return err_reply(400, &e, "BadRequestError", None),
+    };
+    let (stall_after, delay_first, reset_after, status) = match first_attempts {
+        Some(k) if sim.attempt(&request_id) > k => (None, None, None, None),
+        _ => (stall_after, delay_first, reset_after, status),
+    };
     if let Some(code) = status.filter(|c| *c != 200) {
         let typ = match code {
             400 => "BadRequestError",
