@@ -64,9 +64,26 @@ async fn interruptible<T>(fut: impl std::future::Future<Output = Result<T>>) -> 
     }
 }
 
+/// Creates `<out>`'s directory and proves it writable before anything is measured, so a
+/// bad `--out` fails in a second instead of after the whole run.
+fn ensure_writable_out(out: &std::path::Path) -> Result<()> {
+    let dir = match out.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&dir)
+        .with_context(|| format!("--out {}: creating {}", out.display(), dir.display()))?;
+    let probe = dir.join(format!(".kvguard-bench-write-test-{}", std::process::id()));
+    std::fs::write(&probe, b"")
+        .with_context(|| format!("--out {}: {} is not writable", out.display(), dir.display()))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let a = Args::parse();
+    ensure_writable_out(&a.out)?;
     if let Some(json) = &a.render {
         let res: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json)?)?;
         let with = |ext: &str| {
