@@ -408,8 +408,194 @@ mod tests {
     }
 
     #[test]
+    fn names_in_promql() {
+        assert_eq!(
+            promql_names("sum by (reason) (rate(kvguard_control_aborts_total{outcome=\"aborted\"}[5m])) / on (job) kvguard:requests:rate10m > 0.05"),
+            vec!["kvguard_control_aborts_total", "kvguard:requests:rate10m"]
+        );
+        assert_eq!(
+            promql_names("(up == 0) and on (job, instance) group by (job) (vllm:generation_tokens_total) offset 6h"),
+            vec!["up", "vllm:generation_tokens_total"]
+        );
+    }
+
+    #[test]
     fn listen_address_from_log() {
         let log = "ts=x level=info component=web msg=\"Start listening for connections\" address=127.0.0.1:0\nts=y caller=tls_config.go:232 level=info component=web msg=\"Listening on\" address=127.0.0.1:42119\n";
         assert_eq!(listen_addr(log), Some("127.0.0.1:42119".parse().unwrap()));
+    }
+}
+
+/// One query of a dashboard panel.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PanelQuery {
+    /// The panel's title.
+    pub panel: String,
+    /// The query, variables substituted.
+    pub expr: String,
+}
+
+/// Every panel query of a Grafana dashboard (rows' nested panels included), with `$var`
+/// and `${var}` replaced by `vars`.
+pub fn dashboard_queries(dash: &Value, vars: &[(&str, &str)]) -> Vec<PanelQuery> {
+    fn walk(panels: &Value, vars: &[(&str, &str)], out: &mut Vec<PanelQuery>) {
+        for p in panels.as_array().map(Vec::as_slice).unwrap_or_default() {
+            let title = p["title"].as_str().unwrap_or("").to_string();
+            for t in p["targets"]
+                .as_array()
+                .map(Vec::as_slice)
+                .unwrap_or_default()
+            {
+                if let Some(e) = t["expr"].as_str() {
+                    let mut expr = e.to_string();
+                    for (k, v) in vars {
+                        expr = expr
+                            .replace(&format!("${{{k}}}"), v)
+                            .replace(&format!("${k}"), v);
+                    }
+                    out.push(PanelQuery {
+                        panel: title.clone(),
+                        expr,
+                    });
+                }
+            }
+            walk(&p["panels"], vars, out);
+        }
+    }
+    let mut out = Vec::new();
+    walk(&dash["panels"], vars, &mut out);
+    out
+}
+
+/// The metric and recording-rule names a PromQL expression reads (functions,
+/// aggregations, keywords, label matchers, ranges and strings left out).
+pub fn promql_names(expr: &str) -> Vec<String> {
+    const WORDS: [&str; 18] = [
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "offset",
+        "bool",
+        "and",
+        "or",
+        "unless",
+        "atan2",
+        "inf",
+        "nan",
+        "Inf",
+        "NaN",
+        "start",
+        "end",
+    ];
+    // Aggregations may be followed by `by (...)` before their parenthesis.
+    const AGGREGATIONS: [&str; 12] = [
+        "sum",
+        "min",
+        "max",
+        "avg",
+        "group",
+        "stddev",
+        "stdvar",
+        "count",
+        "count_values",
+        "bottomk",
+        "topk",
+        "quantile",
+    ];
+    // Blank out strings, label matchers and ranges.
+    let mut s = String::with_capacity(expr.len());
+    let mut depth_brace = 0;
+    let mut depth_bracket = 0;
+    let mut quote: Option<char> = None;
+    for c in expr.chars() {
+        match (quote, c) {
+            (Some(q), _) if c == q => quote = None,
+            (Some(_), _) => {}
+            (None, '"' | '\'' | '`') => quote = Some(c),
+            (None, '{') => depth_brace += 1,
+            (None, '}') => depth_brace -= 1,
+            (None, '[') => depth_bracket += 1,
+            (None, ']') => depth_bracket -= 1,
+            (None, _) if depth_brace == 0 && depth_bracket == 0 => {
+                s.push(c);
+                continue;
+            }
+            _ => {}
+        }
+        s.push(' ');
+    }
+    let chars: Vec<char> = s.chars().collect();
+    let mut names = Vec::new();
+    let mut i = 0;
+    let mut skip_list = false;
+    while i < chars.len() {
+        let c = chars[i];
+        let prev = if i > 0 { chars[i - 1] } else { ' ' };
+        if (c.is_ascii_alphabetic() || c == '_' || c == ':')
+            && !(prev.is_ascii_alphanumeric() || prev == '_' || prev == '.' || prev == ':')
+        {
+            let start = i;
+            while i < chars.len()
+                && (chars[i].is_ascii_alphanumeric() || chars[i] == '_' || chars[i] == ':')
+            {
+                i += 1;
+            }
+            let word: String = chars[start..i].iter().collect();
+            let mut j = i;
+            while j < chars.len() && chars[j] == ' ' {
+                j += 1;
+            }
+            let call = j < chars.len() && chars[j] == '(';
+            if [
+                "by",
+                "without",
+                "on",
+                "ignoring",
+                "group_left",
+                "group_right",
+            ]
+            .contains(&word.as_str())
+            {
+                skip_list = call;
+            } else if skip_list {
+                // label names inside by (...) and friends
+            } else if !call
+                && !WORDS.contains(&word.as_str())
+                && !AGGREGATIONS.contains(&word.as_str())
+            {
+                names.push(word);
+            }
+            continue;
+        }
+        if c == ')' {
+            skip_list = false;
+        }
+        i += 1;
+    }
+    names
+}
+
+impl Prometheus {
+    /// Samples in an instant query's result (vector or matrix series; 1 for a scalar).
+    pub async fn result_len(&self, expr: &str) -> Result<usize> {
+        let d = self.query(expr).await?;
+        Ok(match d["resultType"].as_str() {
+            Some("scalar") | Some("string") => 1,
+            _ => d["result"].as_array().map_or(0, Vec::len),
+        })
+    }
+
+    /// Every metric name Prometheus has ingested.
+    pub async fn metric_names(&self) -> Result<std::collections::BTreeSet<String>> {
+        let d = self.api("/api/v1/label/__name__/values").await?;
+        Ok(d.as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|v| v.as_str().map(str::to_string))
+            .collect())
     }
 }
