@@ -20,6 +20,7 @@
 //! (kvguard-control's `kvguard_control_aborts_total`), false aborts (a client that meant to
 //! read to the end and did not get `[DONE]`).
 
+pub mod observe;
 pub mod stack;
 mod workload;
 
@@ -114,6 +115,10 @@ pub struct DemoConfig {
     pub sim_kv_blocks: u32,
     /// Simulator: tokens per second per stream.
     pub sim_token_rate: f64,
+    /// Run each scenario under a real Prometheus with the shipped rules time-scaled
+    /// ([`observe`]): alert timeline, dashboard queries, scraped names.
+    #[serde(default)]
+    pub prometheus: bool,
 }
 
 impl DemoConfig {
@@ -136,6 +141,7 @@ impl DemoConfig {
                 control_idle: "6s".into(),
                 sim_kv_blocks: 800,
                 sim_token_rate: 40.0,
+                prometheus: false,
             },
             EngineKind::Vllm => DemoConfig {
                 engine,
@@ -157,6 +163,7 @@ impl DemoConfig {
                 control_idle: "20s".into(),
                 sim_kv_blocks: 0,
                 sim_token_rate: 0.0,
+                prometheus: false,
             },
         }
     }
@@ -267,6 +274,9 @@ pub struct RunResult {
     pub clients: Vec<ClientRecord>,
     /// Wall time of the run (s).
     pub wall_s: f64,
+    /// What Prometheus saw (`DemoConfig::prometheus`).
+    #[serde(default)]
+    pub observed: Option<observe::Observed>,
 }
 
 /// Both runs and the settings.
@@ -313,6 +323,15 @@ pub async fn run_once(
     opts.control_args
         .extend(["--sample-interval".into(), "1s".into()]);
     let st = Stack::start(opts).await.context("starting the stack")?;
+    let mut observer = match cfg.prometheus {
+        true => Some(
+            observe::Observer::start(&st, engine)
+                .await
+                .context("starting Prometheus on the stack")?,
+        ),
+        false => None,
+    };
+    let mut probed = false;
     let baseline = crate::vllm::engine_figures(engine)
         .await
         .context("the engine's /metrics before the run")?;
@@ -378,6 +397,15 @@ pub async fn run_once(
             inflight: ids.len(),
         };
         series.push(s);
+        if let Some(o) = observer.as_mut() {
+            o.poll(t).await.context("Prometheus's alerts")?;
+            if !probed && t >= cfg.arrival_s {
+                probed = true;
+                o.probe_dashboard()
+                    .await
+                    .context("the dashboard's queries")?;
+            }
+        }
         if Instant::now() >= next_progress {
             next_progress += Duration::from_secs(5);
             progress(format!(
@@ -480,6 +508,17 @@ pub async fn run_once(
         let s = h.stats();
         r.hop_clients_gone = s.clients_gone;
         r.hop_bytes_after_gone = s.bytes_after_client_gone;
+    }
+    if let Some(mut o) = observer {
+        o.poll(end_t)
+            .await
+            .context("Prometheus's alerts at the end")?;
+        if !probed {
+            o.probe_dashboard()
+                .await
+                .context("the dashboard's queries")?;
+        }
+        r.observed = Some(o.seen);
     }
     r.series = series;
     r.clients = clients;
