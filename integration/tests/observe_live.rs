@@ -19,24 +19,22 @@ use std::collections::BTreeSet;
 /// kvguard) makes fire within a minute-long scaled run.
 const LEAK_ALERTS: [&str; 2] = ["KvguardOrphanedStreams", "KvguardCoverageFalling"];
 
-/// Dashboard panels that cannot have data in this stack, with the reason (checked in
-/// [`check_no_data_reason`]).
-const NO_DATA_HERE: [(&str, &str); 4] = [
+/// Why a dashboard panel cannot have data in this stack (checked by [`check_reason`]).
+#[derive(Debug, Clone, Copy)]
+enum NoData {
+    /// kvguard-control runs with `--no-nvml`: `kvguard_control_nvml_available == 0`.
+    NoGpu,
+    /// The simulator exports no `vllm:generation_tokens_total` (real vLLM does).
+    NoTokenCounter,
+}
+
+/// Dashboard panels that cannot have data here, with the reason.
+const NO_DATA_HERE: [(&str, NoData); 3] = [
+    ("GPU memory used / total", NoData::NoGpu),
+    ("GPU memory per process", NoData::NoGpu),
     (
-        "GPU memory used / total",
-        "kvguard-control runs with --no-nvml: no GPU",
-    ),
-    (
-        "GPU memory per process",
-        "kvguard-control runs with --no-nvml: no GPU",
-    ),
-    (
-        "Quiet GPU memory slope (per hour, 6 h window)",
-        "no GPU: no quiet GPU-memory checkpoint",
-    ),
-    (
-        "GPU memory at quiet points",
-        "no GPU: no quiet GPU-memory checkpoint",
+        "Generated tokens /s against engine uptime (vLLM)",
+        NoData::NoTokenCounter,
     ),
 ];
 
@@ -114,27 +112,33 @@ fn check_dashboard(o: &Observed) {
         "dashboard queries without data while the load ran:\n{}",
         unexpected.join("\n")
     );
-    // Each listed panel exists (a stale list entry would hide nothing, but lies).
-    for (panel, _) in NO_DATA_HERE {
+    // Each listed panel exists and is empty for its reason (a stale entry would lie).
+    for (panel, why) in NO_DATA_HERE {
         assert!(
             o.panels.iter().any(|p| p.query.panel == panel),
             "NO_DATA_HERE names {panel:?}, not a panel of the dashboard"
         );
+        assert!(
+            empty.contains(panel),
+            "{panel:?} has data: drop it from NO_DATA_HERE"
+        );
+        check_reason(o, why);
     }
-    check_no_data_reason(o, &empty);
 }
 
-/// The reason of every [`NO_DATA_HERE`] entry holds: no GPU (NVML unavailable).
-fn check_no_data_reason(o: &Observed, _empty: &BTreeSet<String>) {
-    let nvml = o
-        .figures
-        .get("kvguard_control_nvml_available")
-        .copied()
-        .expect("nvml_available read");
-    assert_eq!(
-        nvml, 0.0,
-        "NVML is available: the GPU panels must have data"
-    );
+/// The reason holds in this run.
+fn check_reason(o: &Observed, why: NoData) {
+    match why {
+        NoData::NoGpu => assert_eq!(
+            o.figures.get("kvguard_control_nvml_available"),
+            Some(&0.0),
+            "NVML is available: the GPU panels must have data"
+        ),
+        NoData::NoTokenCounter => assert!(
+            !o.scraped_names.contains("vllm:generation_tokens_total"),
+            "the engine exports vllm:generation_tokens_total: the throughput panel must have data"
+        ),
+    }
 }
 
 fn check_names(o: &Observed) {
@@ -220,9 +224,21 @@ async fn leak_alerts_fire_without_kvguard_and_never_with_it() {
     let leak = observed(res.leak.as_ref().unwrap());
     let kvg = observed(res.kvguard.as_ref().unwrap());
     eprintln!(
-        "without kvguard:\n{}with kvguard:\n{}",
+        "without kvguard:\n{}{:?}\nwith kvguard:\n{}{:?}",
         observe::timeline(&leak.alerts),
-        observe::timeline(&kvg.alerts)
+        leak.figures,
+        observe::timeline(&kvg.alerts),
+        kvg.figures
+    );
+    for p in kvg.panels.iter().filter(|p| p.samples == 0) {
+        eprintln!("empty panel query {:?}: {}", p.query.panel, p.query.expr);
+    }
+    eprintln!(
+        "scraped kvguard names: {:?}",
+        kvg.scraped_names
+            .iter()
+            .filter(|n| n.starts_with("kvguard"))
+            .collect::<Vec<_>>()
     );
     let (fl, fk) = (fired(leak), fired(kvg));
     for a in LEAK_ALERTS {

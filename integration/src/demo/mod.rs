@@ -322,6 +322,9 @@ pub async fn run_once(
     };
     opts.control_args
         .extend(["--sample-interval".into(), "1s".into()]);
+    if cfg.prometheus {
+        opts.envoy_extra_yaml = Some(observe::shipped_stats_config()?);
+    }
     let st = Stack::start(opts).await.context("starting the stack")?;
     let mut observer = match cfg.prometheus {
         true => Some(
@@ -518,6 +521,9 @@ pub async fn run_once(
                 .await
                 .context("the dashboard's queries")?;
         }
+        o.finish()
+            .await
+            .context("Prometheus's figures at the end")?;
         r.observed = Some(o.seen);
     }
     r.series = series;

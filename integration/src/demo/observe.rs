@@ -18,6 +18,31 @@ pub const SCRAPE: Duration = Duration::from_secs(1);
 /// The shipped rules' windows and `for:` are divided by this: 15 min → 15 s, 5 min → 5 s.
 pub const SCALE: u32 = 60;
 
+/// The `stats_config` block of the shipped `envoy-config/envoy/local.yaml` (its
+/// `stats_tags` turn the filter's tag-encoded stat names into Prometheus labels), for
+/// the demo's Envoy.
+pub fn shipped_stats_config() -> Result<String> {
+    let path = crate::paths::repo_root()?.join("envoy-config/envoy/local.yaml");
+    let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
+    let mut out = String::new();
+    let mut inside = false;
+    for line in text.lines() {
+        if line.starts_with("stats_config:") {
+            inside = true;
+        } else if inside && !line.is_empty() && !line.starts_with(' ') && !line.starts_with('#') {
+            break;
+        }
+        if inside {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    if !out.contains("tag_name") {
+        anyhow::bail!("no stats_config with stats_tags in {}", path.display());
+    }
+    Ok(out)
+}
+
 /// When an alert first reached a state during a run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AlertMark {

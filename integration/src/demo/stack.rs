@@ -225,6 +225,9 @@ pub struct StackOptions {
     pub abort_tap: bool,
     /// Envoy `--concurrency`.
     pub envoy_concurrency: u32,
+    /// YAML Envoy merges over its bootstrap (`--config-yaml`), e.g. the shipped
+    /// `stats_config` ([`super::observe::shipped_stats_config`]).
+    pub envoy_extra_yaml: Option<String>,
 }
 
 impl StackOptions {
@@ -239,6 +242,7 @@ impl StackOptions {
             abort_target: None,
             abort_tap: false,
             envoy_concurrency: 1,
+            envoy_extra_yaml: None,
         }
     }
 }
@@ -292,6 +296,7 @@ impl Stack {
         eo.per_connection_buffer_limit_bytes = opts.buffer_limit;
         eo.downstream_sndbuf = opts.buffer_limit;
         eo.concurrency = opts.envoy_concurrency;
+        eo.extra_yaml = opts.envoy_extra_yaml.clone();
         eo.component_log_level = Some("wasm:info".into());
         let envoy = Envoy::start(eo).await?;
         Ok(Stack {
