@@ -39,7 +39,7 @@ const NO_DATA_HERE: [(&str, NoData); 3] = [
 ];
 
 /// Names the rules and dashboard use that no process of this stack exports.
-const NOT_SCRAPED_HERE: [(&str, &str); 4] = [
+const NOT_SCRAPED_HERE: [(&str, &str); 6] = [
     (
         "kube_pod_container_resource_requests",
         "kube-state-metrics (Kubernetes only)",
@@ -56,12 +56,22 @@ const NOT_SCRAPED_HERE: [(&str, &str); 4] = [
         "kvguard_control_gpu_process_memory_used_bytes",
         "NVML only (--no-nvml here)",
     ),
+    (
+        "kvguard_control_gpu_memory_used_bytes",
+        "NVML only (--no-nvml here)",
+    ),
+    (
+        "kvguard_control_gpu_memory_total_bytes",
+        "NVML only (--no-nvml here)",
+    ),
 ];
 
 fn cfg(seed: u64) -> DemoConfig {
     let mut c = DemoConfig::new(EngineKind::Sim);
     c.arrival_s = 30.0;
-    c.drain_s = 10.0;
+    // Long enough for the 15 s `for:` after the last arrival: without kvguard the stalled
+    // streams' requests stay open behind the hop through the drain.
+    c.drain_s = 20.0;
     c.seed = seed;
     c.prometheus = true;
     c
