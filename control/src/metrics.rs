@@ -112,6 +112,8 @@ pub struct Metrics {
     pub orphan_ends: Family<L1, Counter>,
     /// Open engine connections (one per proxied request).
     pub engine_connections: Gauge,
+    /// LoRA adapters the engine lists in `/v1/models` (absent while unknown).
+    pub engine_lora_adapters: MaybeGauge,
 }
 
 impl Metrics {
@@ -405,6 +407,11 @@ fn register_leak_signals(m: &Metrics, reg: &mut Registry) {
         "Engine connections open (one per proxied request, closed when it ends)",
         m.engine_connections.clone(),
     );
+    reg.register_collector(Box::new(MaybeGaugeCollector {
+        name: "kvguard_control_engine_lora_adapters",
+        help: "LoRA adapters the engine lists in GET /v1/models (models whose parent is the base model); absent while unknown",
+        gauge: m.engine_lora_adapters.clone(),
+    }));
     for reason in AbortReason::ALL {
         let l = [("reason", reason.as_str())];
         let _ = m.orphan_seconds.get_or_create(&l);
