@@ -45,6 +45,13 @@ def main() -> None:
                  label=f"running ({LABELS[key]})")
         ax2.plot(t, [s["waiting"] for s in r["series"]], color=COLORS[key], lw=1.5, ls="--",
                  label=f"waiting ({LABELS[key]})")
+    # Alerts that fired (kvguard-demo --prometheus): a marker at the time, per run.
+    for key, r in runs:
+        marks = [m for m in (r.get("observed") or {}).get("alerts", []) if m["state"] == "firing"]
+        for i, m in enumerate(sorted(marks, key=lambda m: m["t"])):
+            ax.axvline(m["t"], color=COLORS[key], ls="-.", lw=1, alpha=0.7)
+            ax.text(m["t"], 104 - 6 * i, f" {m['name']} fires ({LABELS[key]})",
+                    color=COLORS[key], fontsize=7, va="bottom")
     for a in (ax, ax2):
         a.axvline(cfg["arrival_s"], color="grey", ls=":", lw=1)
         a.grid(alpha=0.3)

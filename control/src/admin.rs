@@ -153,7 +153,10 @@ async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
         aborted,
         already_aborted: already,
     };
-    match st.abort_or_tombstone(&id, reason) {
+    let gone = abort
+        .gone_ms
+        .map(|ms| (std::time::Duration::from_millis(ms), abort.tokens));
+    match st.abort_or_tombstone(&id, reason, gone) {
         AbortFound::Observed => {
             st.metrics.abort_api("dry_run");
             // Observe only: found, but not ended.

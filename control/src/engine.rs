@@ -30,6 +30,24 @@ pub trait Engine: Send + Sync + 'static {
     fn health(&self) -> BoxFut<'_, Result<(), String>>;
     /// Calls the engine's own abort for `id` (nothing for the `connection` strategy).
     fn abort(&self, id: RequestId) -> BoxFut<'_, Result<(), String>>;
+    /// The body of the engine's `GET /v1/models` (the loaded LoRA adapters). Engines
+    /// without one answer an error, and the adapter count stays absent.
+    fn models(&self) -> BoxFut<'_, Result<String, String>> {
+        Box::pin(async { Err("no /v1/models".to_owned()) })
+    }
+}
+
+/// LoRA adapters in a `GET /v1/models` answer: vLLM lists each loaded adapter as a model
+/// whose `parent` is the base model (the base model's `parent` is null). `None` when the
+/// body is not such a list.
+pub fn lora_adapters(models: &str) -> Option<u64> {
+    let v: serde_json::Value = serde_json::from_str(models).ok()?;
+    let data = v.get("data")?.as_array()?;
+    Some(
+        data.iter()
+            .filter(|m| m.get("parent").is_some_and(|p| !p.is_null()))
+            .count() as u64,
+    )
 }
 
 /// The engine over HTTP.
@@ -149,6 +167,21 @@ impl Engine for HttpEngine {
         })
     }
 
+    fn models(&self) -> BoxFut<'_, Result<String, String>> {
+        Box::pin(async move {
+            let uri: Uri = format!("{}/v1/models", self.base)
+                .parse()
+                .map_err(|e| format!("{}/v1/models: {e}", self.base))?;
+            let (status, body) = self
+                .call(Method::GET, uri.clone(), None, 1024 * 1024)
+                .await?;
+            if !(200..300).contains(&status) {
+                return Err(format!("{uri}: status {status}"));
+            }
+            String::from_utf8(body.to_vec()).map_err(|_| format!("{uri}: not UTF-8"))
+        })
+    }
+
     fn abort(&self, id: RequestId) -> BoxFut<'_, Result<(), String>> {
         Box::pin(async move {
             let Some((uri, body)) = self.abort_call(&id) else {
@@ -200,6 +233,21 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lora_adapters_are_models_with_a_parent() {
+        // vLLM's /v1/models with one LoRA module loaded (--lora-modules sql=/path).
+        let two = r#"{"object":"list","data":[
+            {"id":"base","object":"model","root":"base","parent":null,"max_model_len":2048},
+            {"id":"sql","object":"model","root":"/path","parent":"base"}]}"#;
+        assert_eq!(lora_adapters(two), Some(1));
+        assert_eq!(
+            lora_adapters(r#"{"object":"list","data":[{"id":"base","object":"model"}]}"#),
+            Some(0)
+        );
+        assert_eq!(lora_adapters("not json"), None);
+        assert_eq!(lora_adapters(r#"{"error":"unauthorized"}"#), None);
+    }
 
     fn engine(strategy: &str) -> HttpEngine {
         let mut cfg = Config::for_tests("http://127.0.0.1:9", vec![]).unwrap();

@@ -101,6 +101,19 @@ pub struct Metrics {
     pub replay_evicted: Counter,
     /// Key file reloads by `result` = `ok`, `error` (the old keys stay).
     pub key_reloads: Family<L1, Counter>,
+
+    // ---- Leak cost and engine connections (register_leak_signals) ----
+    /// Engine seconds spent on requests after their client had gone, by abort `reason`.
+    pub orphan_seconds: Family<L1, Counter<f64, AtomicU64>>,
+    /// Data events (tokens, one per event at vLLM's default stream interval) streamed
+    /// after the client had gone, by abort `reason`.
+    pub wasted_tokens: Family<L1, Counter>,
+    /// Orphans whose cost was counted, by abort `reason` (the denominator).
+    pub orphan_ends: Family<L1, Counter>,
+    /// Open engine connections (one per proxied request).
+    pub engine_connections: Gauge,
+    /// LoRA adapters the engine lists in `/v1/models` (absent while unknown).
+    pub engine_lora_adapters: MaybeGauge,
 }
 
 impl Metrics {
@@ -287,6 +300,7 @@ impl Metrics {
             "Reloads of --secret-file / --stamp-key-file by result (error: the keys in use stay)",
             m.key_reloads.clone()
         );
+        register_leak_signals(&m, reg);
         // Pre-create the closed label sets so dashboards see zeros, not gaps.
         for scope in ["h2_stream", "connection"] {
             let _ = m.downstream_cuts.get_or_create(&[("scope", scope)]);
@@ -366,6 +380,58 @@ impl Metrics {
     /// Counts a proxied request's admission.
     pub fn request(&self, result: &'static str) {
         self.requests.get_or_create(&[("result", result)]).inc();
+    }
+}
+
+// ---- Leak cost and engine connections ----
+
+/// Registers the orphan-cost counters and the engine-connection gauge.
+fn register_leak_signals(m: &Metrics, reg: &mut Registry) {
+    reg.register(
+        "kvguard_control_orphan_seconds",
+        "Engine seconds spent on requests after their client had gone: from the departure the abort's sender reported (gone_ms) to the engine connection closing, by abort reason",
+        m.orphan_seconds.clone(),
+    );
+    reg.register(
+        "kvguard_control_wasted_tokens",
+        "Data events (one per token at vLLM's default stream interval) streamed after the client had gone, beyond those the sender passed on, by abort reason; streams only (a non-streaming answer's tokens are unknowable before it completes)",
+        m.wasted_tokens.clone(),
+    );
+    reg.register(
+        "kvguard_control_orphan_ends",
+        "Requests ended after their client had gone whose cost is in orphan_seconds, by abort reason",
+        m.orphan_ends.clone(),
+    );
+    reg.register(
+        "kvguard_control_engine_connections",
+        "Engine connections open (one per proxied request, closed when it ends)",
+        m.engine_connections.clone(),
+    );
+    reg.register_collector(Box::new(MaybeGaugeCollector {
+        name: "kvguard_control_engine_lora_adapters",
+        help: "LoRA adapters the engine lists in GET /v1/models (models whose parent is the base model); absent while unknown",
+        gauge: m.engine_lora_adapters.clone(),
+    }));
+    for reason in AbortReason::ALL {
+        let l = [("reason", reason.as_str())];
+        let _ = m.orphan_seconds.get_or_create(&l);
+        let _ = m.wasted_tokens.get_or_create(&l);
+        let _ = m.orphan_ends.get_or_create(&l);
+    }
+}
+
+impl Metrics {
+    /// Counts an orphan's cost: `seconds` of engine time and, for a stream, `events`
+    /// produced after its client had gone.
+    pub fn orphan_cost(&self, reason: AbortReason, seconds: f64, events: Option<u64>) {
+        let l = [("reason", reason.as_str())];
+        self.orphan_seconds
+            .get_or_create(&l)
+            .inc_by(seconds.max(0.0));
+        self.orphan_ends.get_or_create(&l).inc();
+        if let Some(n) = events {
+            self.wasted_tokens.get_or_create(&l).inc_by(n);
+        }
     }
 }
 
@@ -490,9 +556,22 @@ mod tests {
             "kvguard_control_replay_evicted_total",
             "kvguard_control_downstream_cuts_total{scope=\"h2_stream\"}",
             "kvguard_control_key_reloads_total{result=\"error\"}",
+            "kvguard_control_orphan_seconds_total{reason=\"downstream_reset\"} 0",
+            "kvguard_control_wasted_tokens_total{reason=\"stalled\"} 0",
+            "kvguard_control_orphan_ends_total{reason=\"stalled\"} 0",
+            "kvguard_control_engine_connections 0",
         ] {
             assert!(text.contains(&format!("\n{name}")), "{name} missing");
         }
+        m.orphan_cost(AbortReason::DownstreamReset, 1.5, Some(4));
+        m.orphan_cost(AbortReason::DownstreamReset, 0.5, None);
+        let t = encode(&reg);
+        assert!(
+            t.contains("kvguard_control_orphan_seconds_total{reason=\"downstream_reset\"} 2.0"),
+            "{t}"
+        );
+        assert!(t.contains("kvguard_control_wasted_tokens_total{reason=\"downstream_reset\"} 4"));
+        assert!(t.contains("kvguard_control_orphan_ends_total{reason=\"downstream_reset\"} 2"));
         // Unknown engine figures are absent, not 0; known ones appear.
         assert!(!text.contains("kvguard_control_orphans"), "{text}");
         m.orphans.set(2.0);

@@ -47,6 +47,7 @@ async fn send_to_engine(
     authority: &str,
     req: http::Request<Body>,
     attach: impl FnOnce(AbortHandle),
+    open_conns: prometheus_client::metrics::gauge::Gauge,
 ) -> Result<http::Response<Incoming>, SendError> {
     let tcp = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(authority)).await {
         Ok(Ok(t)) => t,
@@ -62,13 +63,33 @@ async fn send_to_engine(
         .handshake::<_, Body>(TokioIo::new(tcp))
         .await
         .map_err(|e| SendError::Unreachable(e.to_string()))?;
+    // Counted from the handshake until the connection task ends (closed or aborted).
+    let open = OpenConn::new(open_conns);
     let task = tokio::spawn(async move {
+        let _open = open;
         if let Err(e) = conn.await {
             tracing::debug!(error = %e, "engine connection ended with an error");
         }
     });
     attach(task.abort_handle());
     sender.send_request(req).await.map_err(SendError::Failed)
+}
+
+/// One open engine connection in `kvguard_control_engine_connections`, for as long as
+/// it lives.
+struct OpenConn(prometheus_client::metrics::gauge::Gauge);
+
+impl OpenConn {
+    fn new(g: prometheus_client::metrics::gauge::Gauge) -> OpenConn {
+        g.inc();
+        OpenConn(g)
+    }
+}
+
+impl Drop for OpenConn {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 /// The proxy listener's router: every path goes to the engine.
@@ -143,6 +164,7 @@ impl Drop for Guard {
     fn drop(&mut self) {
         self.state.remove(&self.entry);
         self.entry.close_engine_conn();
+        self.state.count_orphan_cost(&self.entry);
         self.entry.finish();
         let cause = if self.entry.ended().is_some() && self.cause != Some("complete") {
             "aborted"
@@ -336,7 +358,7 @@ async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {
     let sent = tokio::select! {
         biased;
         _ = cancelled.cancelled() => { guard.cause = Some("aborted"); return aborted(&entry); }
-        r = send_to_engine(&st.cfg.engine.authority, ureq, |h| entry.set_conn(h)) => r,
+        r = send_to_engine(&st.cfg.engine.authority, ureq, |h| entry.set_conn(h), st.metrics.engine_connections.clone()) => r,
     };
     let resp = match sent {
         Ok(resp) => Ok(resp),

@@ -107,6 +107,7 @@ static PROC_WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBoo
 /// window since the previous round (a new window opens).
 pub async fn sample_once(st: &Arc<AppState>, window: &mut QuietWindow) {
     scrape_engine(st).await;
+    count_lora_adapters(st).await;
     if let Some(pid) = st.cfg.engine_pid {
         match crate::procfs::read(Path::new("/proc"), pid) {
             Ok(s) => {
@@ -127,6 +128,22 @@ pub async fn sample_once(st: &Arc<AppState>, window: &mut QuietWindow) {
     }
     checkpoint(st, window);
     *window = QuietWindow::open(st);
+}
+
+/// `kvguard_control_engine_lora_adapters` from the engine's `/v1/models` (cleared when it
+/// does not answer such a list).
+async fn count_lora_adapters(st: &Arc<AppState>) {
+    match st
+        .engine
+        .models()
+        .await
+        .ok()
+        .as_deref()
+        .and_then(crate::engine::lora_adapters)
+    {
+        Some(n) => st.metrics.engine_lora_adapters.set(n as f64),
+        None => st.metrics.engine_lora_adapters.clear(),
+    }
 }
 
 async fn scrape_engine(st: &Arc<AppState>) {

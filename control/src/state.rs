@@ -9,7 +9,7 @@ use crate::expo::{EngineFigures, EngineFlavour};
 use crate::gpu::GpuTracker;
 use crate::metrics::{outcome, Metrics};
 use crate::replay::ReplayMemory;
-use crate::table::Entry;
+use crate::table::{ClientGone, Entry};
 use crate::tombstones::{Tombstone, Tombstones};
 use kvguard_contract::{AbortReason, Key, RequestId};
 use prometheus_client::registry::Registry;
@@ -284,10 +284,25 @@ impl AppState {
     /// (it is ended), already ended (tombstoned), or not yet here (it is tombstoned, so it
     /// is refused when it arrives). An abort racing its request's admission therefore
     /// either ends it or refuses it, never answers 404 while it runs.
-    pub fn abort_or_tombstone(self: &Arc<Self>, id: &RequestId, reason: AbortReason) -> AbortFound {
+    ///
+    /// `gone`: how long ago the sender saw the client go and how many data events it had
+    /// passed on (the abort body's `gone_ms`, `tokens`), for the orphan's cost.
+    pub fn abort_or_tombstone(
+        self: &Arc<Self>,
+        id: &RequestId,
+        reason: AbortReason,
+        gone: Option<(Duration, u64)>,
+    ) -> AbortFound {
         let now = self.clock.now();
         let mut inner = self.inner();
         if let Some(entry) = inner.table.get(id).cloned() {
+            if let Some((ago, delivered)) = gone {
+                entry.mark_client_gone(ClientGone {
+                    at: now.checked_sub(ago).unwrap_or(now),
+                    delivered,
+                    reason,
+                });
+            }
             if self.cfg.dry_run {
                 drop(inner);
                 self.observe(&entry, reason, "abort_api");
@@ -361,6 +376,7 @@ impl AppState {
     /// connection, the downstream deadline, the engine's abort API, the log line.
     fn finish_end(self: &Arc<Self>, entry: &Arc<Entry>, reason: AbortReason, via: &'static str) {
         entry.end();
+        self.count_orphan_cost(entry);
         self.arm_downstream_deadline(entry);
         let this = self.clone();
         let entry = entry.clone();
@@ -382,6 +398,16 @@ impl AppState {
                 }
             }
         });
+    }
+
+    /// Adds an ended request's orphan cost (if its client was known to have gone) to
+    /// `kvguard_control_orphan_seconds_total` / `wasted_tokens_total` under the abort's
+    /// reason. Called where the engine connection closes (an end by kvguard, or the
+    /// response ending by itself: `--dry-run`, or an abort that lost the race).
+    pub fn count_orphan_cost(&self, entry: &Entry) {
+        if let Some(c) = entry.take_orphan_cost(self.clock.now()) {
+            self.metrics.orphan_cost(c.reason, c.seconds, c.events);
+        }
     }
 
     /// Cuts the request's downstream side if its response is still not gone after

@@ -52,6 +52,32 @@ pub struct Entry {
     conn: Mutex<Option<AbortHandle>>,
     finished: CancellationToken,
     downstream: OnceLock<Downstream>,
+    client_gone: Mutex<Option<ClientGone>>,
+}
+
+/// When the client of a request went away, as the abort's sender reported it
+/// (`gone_ms`, `tokens` of the abort body).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientGone {
+    /// When it went, on this process's clock.
+    pub at: Instant,
+    /// Data events the sender had passed to the client.
+    pub delivered: u64,
+    /// The abort's reason.
+    pub reason: AbortReason,
+}
+
+/// What an orphan cost: engine time and, for a stream, data events produced after its
+/// client had gone ([`Entry::take_orphan_cost`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OrphanCost {
+    /// The abort's reason.
+    pub reason: AbortReason,
+    /// From the client's departure to the engine connection closing.
+    pub seconds: f64,
+    /// Data events proxied beyond those the client got; `None` for a body that is not a
+    /// stream (a non-streaming answer's tokens are unknowable before it completes).
+    pub events: Option<u64>,
 }
 
 /// The JSON row of `GET /v1/requests`.
@@ -115,6 +141,7 @@ impl Entry {
             conn: Mutex::new(None),
             finished: CancellationToken::new(),
             downstream: OnceLock::new(),
+            client_gone: Mutex::new(None),
         }
     }
 
@@ -244,6 +271,30 @@ impl Entry {
         self.close_engine_conn();
     }
 
+    /// Records that its client went away (first report wins).
+    pub fn mark_client_gone(&self, gone: ClientGone) {
+        if let Ok(mut g) = self.client_gone.lock() {
+            g.get_or_insert(gone);
+        }
+    }
+
+    /// The orphan's cost if its client is known to have gone, measured at `closed` (the
+    /// engine connection closing); once: later calls return `None`.
+    pub fn take_orphan_cost(&self, closed: Instant) -> Option<OrphanCost> {
+        let gone = self.client_gone.lock().ok()?.take()?;
+        let (events, kind) = self
+            .progress
+            .lock()
+            .map(|p| (p.events, p.kind))
+            .unwrap_or((0, None));
+        let streaming = matches!(kind, Some(BodyKind::Sse | BodyKind::Ndjson));
+        Some(OrphanCost {
+            reason: gone.reason,
+            seconds: closed.saturating_duration_since(gone.at).as_secs_f64(),
+            events: streaming.then(|| events.saturating_sub(gone.delivered)),
+        })
+    }
+
     /// The JSON view at `now`.
     pub fn view(&self, now: Instant) -> EntryView {
         let (first, last, events, kind, status) = self
@@ -303,5 +354,57 @@ mod tests {
         assert_eq!(v.first_data_ms, Some(1000));
         assert!(e.mark_observed());
         assert!(!e.mark_observed());
+    }
+
+    #[test]
+    fn orphan_cost_from_the_client_leaving_to_the_close_once() {
+        let t0 = Instant::now();
+        let e = Entry::new(
+            RequestId::try_new(b"r").unwrap(),
+            1,
+            "POST".into(),
+            "/v1/completions".into(),
+            t0,
+            100,
+        );
+        assert_eq!(e.take_orphan_cost(t0), None);
+        e.record_response(200, BodyKind::Sse, t0);
+        e.record_events(5, t0 + Duration::from_secs(1));
+        e.mark_client_gone(ClientGone {
+            at: t0 + Duration::from_secs(1),
+            delivered: 5,
+            reason: AbortReason::DownstreamReset,
+        });
+        // A later report does not move the departure.
+        e.mark_client_gone(ClientGone {
+            at: t0 + Duration::from_secs(2),
+            delivered: 6,
+            reason: AbortReason::Stalled,
+        });
+        e.record_events(7, t0 + Duration::from_secs(3));
+        let c = e
+            .take_orphan_cost(t0 + Duration::from_millis(3500))
+            .unwrap();
+        assert_eq!(c.seconds, 2.5);
+        assert_eq!(c.events, Some(7));
+        assert_eq!(c.reason, AbortReason::DownstreamReset);
+        assert_eq!(e.take_orphan_cost(t0 + Duration::from_secs(9)), None);
+
+        // Not a stream: time only.
+        let n = Entry::new(
+            RequestId::try_new(b"n").unwrap(),
+            2,
+            "POST".into(),
+            "/v1/completions".into(),
+            t0,
+            100,
+        );
+        n.mark_client_gone(ClientGone {
+            at: t0,
+            delivered: 0,
+            reason: AbortReason::DownstreamReset,
+        });
+        let c = n.take_orphan_cost(t0 + Duration::from_secs(2)).unwrap();
+        assert_eq!((c.seconds, c.events), (2.0, None));
     }
 }

@@ -549,7 +549,7 @@ async fn an_abort_racing_its_request_ends_it_or_refuses_it_never_404_while_it_ru
         let (st2, id2, b2) = (st.clone(), id.clone(), barrier);
         let abort = tokio::task::spawn_blocking(move || {
             b2.wait();
-            st2.abort_or_tombstone(&id2, AbortReason::DownstreamReset)
+            st2.abort_or_tombstone(&id2, AbortReason::DownstreamReset, None)
         });
         let (admitted, found) = (admit.await.unwrap(), abort.await.unwrap());
         if let (Ok(entry), kvguard_control::state::AbortFound::NotFound) = (&admitted, found) {

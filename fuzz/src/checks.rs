@@ -624,6 +624,7 @@ impl Metrics for FakeHost {
     fn add(&mut self, m: Metric, delta: i64) {
         *self.metrics.entry(m.index()).or_default() += delta;
     }
+    fn record(&mut self, _m: Metric, _value: u64) {}
 }
 
 /// Target `filter_engine`: the per-VM engine fed any sequence of host callbacks.

@@ -3,6 +3,7 @@
 //!
 //! - [`paths`] finds the binaries and fixtures (Envoy, the wasm, kvguard-control).
 //! - [`proc`] runs child processes that are always killed, even when a test panics.
+//! - [`prom`] a real Prometheus scraping the stack, with the shipped rules time-scaled.
 //! - [`wait`] bounded polling.
 //! - [`sim`] the workspace's one engine simulator (vLLM-like OpenAI streaming API, paged
 //!   KV pool with admission control, vLLM metric names, abort APIs).
@@ -29,6 +30,7 @@ pub mod load;
 pub mod lossy;
 pub mod paths;
 pub mod proc;
+pub mod prom;
 pub mod receiver;
 pub mod sim;
 pub mod vllm;

@@ -45,6 +45,11 @@ pub struct Job {
 }
 
 impl Job {
+    /// When it was decided (host clock, ms).
+    pub fn queued_ms(&self) -> u64 {
+        self.queued_ms
+    }
+
     /// A new job decided at `now_ms`.
     pub fn new(
         id: RequestId,

@@ -111,6 +111,19 @@ pub fn apply<S: Streams + ?Sized>(actions: &[Action], s: &mut S) -> Applied {
 /// host anomaly, not that many readers stalling at once); then what is still idle closes.
 pub const MIN_STALL_THRESHOLD: usize = 8;
 
+/// The per-request histograms, recorded once at the request's end (three host calls per
+/// request at most): time to the first data event, the largest gap between data events
+/// (streams of two events or more), and the duration.
+fn record_request_histograms<P: Platform + ?Sized>(p: &mut P, req: &Request, now: u64) {
+    if let Some(first) = req.first_event_ms {
+        p.record(Metric::FirstTokenMs, first.saturating_sub(req.start_ms));
+    }
+    if req.events >= 2 {
+        p.record(Metric::MaxTokenGapMs, req.max_gap_ms);
+    }
+    p.record(Metric::StreamDurationMs, now.saturating_sub(req.start_ms));
+}
+
 /// Stalls allowed within one idle window before closes are held: `max(8, 20 %)` of the
 /// streams tracked.
 pub fn stall_threshold(tracked: usize) -> usize {
@@ -444,10 +457,11 @@ impl Engine {
     ) -> Option<OutcomeTag> {
         let mut req = self.table.remove(&ctx)?;
         p.add(Metric::ActiveRequests, -1);
+        let now = p.now_ms();
+        record_request_histograms(p, &req, now);
         if req.aborted().is_some() {
             return req.outcome();
         }
-        let now = p.now_ms();
         match classify_end(&req, details, flags) {
             End::Completed => {
                 p.add(Metric::RequestsCompleted, 1);
@@ -627,7 +641,12 @@ impl Engine {
     }
 
     fn report_finished<P: Platform + ?Sized>(&mut self, p: &mut P) {
+        let now = p.now_ms();
         for f in self.finished.drain(..) {
+            p.record(
+                Metric::AbortRoundTripMs,
+                now.saturating_sub(f.job.queued_ms()),
+            );
             let level = match f.outcome {
                 Outcome::Aborted | Outcome::AlreadyAborted | Outcome::NotFound => Level::Info,
                 Outcome::Unauthorized | Outcome::DispatchError => Level::Error,
@@ -763,6 +782,30 @@ mod tests {
             None
         );
         assert_eq!(e.on_log(&mut h, 9, b"", 0), None);
+    }
+
+    #[test]
+    fn per_request_histograms_are_recorded_once_at_the_end() {
+        let (mut e, mut h) = engine("");
+        let t0 = h.now;
+        track(&mut e, &mut h, 1, "r1");
+        sse(&mut e, &mut h, 1);
+        let ev = b"data: {\"choices\":[{\"index\":0,\"finish_reason\":null}]}\n\n";
+        h.now = t0 + 100;
+        e.on_response_body(&mut h, 1, ev, 0, false);
+        h.now = t0 + 400;
+        e.on_response_body(&mut h, 1, ev, 0, false);
+        h.now = t0 + 450;
+        e.on_response_body(&mut h, 1, ev, 0, false);
+        // Nothing before the end: no host call per event.
+        assert!(h.observations.is_empty());
+        h.now = t0 + 500;
+        e.on_response_body(&mut h, 1, b"data: [DONE]\n\n", 0, false);
+        e.on_log(&mut h, 1, b"", 0);
+        assert_eq!(h.observed(Metric::FirstTokenMs), vec![100]);
+        assert_eq!(h.observed(Metric::MaxTokenGapMs), vec![300]);
+        assert_eq!(h.observed(Metric::StreamDurationMs), vec![500]);
+        assert_eq!(h.observations.len(), 3);
     }
 
     #[test]

@@ -14,6 +14,8 @@ pub enum Kind {
     Counter,
     /// Goes up and down (by `increment(±n)`, never `record`).
     Gauge,
+    /// Envoy histogram: each `record` is one observation (Envoy computes the buckets).
+    Histogram,
 }
 
 /// Why a matching request was not tracked.
@@ -210,6 +212,15 @@ pub enum Metric {
     HostErrors,
     /// Stall closes held one more idle window by the mass-stall valve.
     StallHolds,
+    // ---- Per-request histograms (one observation each, at the request's end) ----
+    /// Time to the first data event, ms.
+    FirstTokenMs,
+    /// The largest gap between two data events of one stream, ms.
+    MaxTokenGapMs,
+    /// Request start to its end (the access-log callback), ms.
+    StreamDurationMs,
+    /// Abort decided to its final answer (retries included), ms.
+    AbortRoundTripMs,
 }
 
 const R: usize = AbortReason::ALL.len();
@@ -228,10 +239,11 @@ const BASE_CLOSED: usize = BASE_WOULD + R;
 const BASE_MEMORY: usize = BASE_CLOSED + 1;
 const BASE_HOST: usize = BASE_MEMORY + 1;
 const BASE_HOLDS: usize = BASE_HOST + 1;
+const BASE_HIST: usize = BASE_HOLDS + 1;
 
 impl Metric {
     /// How many distinct metrics exist (for id caches).
-    pub const COUNT: usize = BASE_HOLDS + 1;
+    pub const COUNT: usize = BASE_HIST + 4;
 
     /// A dense index in `0..COUNT`.
     pub fn index(self) -> usize {
@@ -251,6 +263,10 @@ impl Metric {
             Metric::VmMemoryBytes => BASE_MEMORY,
             Metric::HostErrors => BASE_HOST,
             Metric::StallHolds => BASE_HOLDS,
+            Metric::FirstTokenMs => BASE_HIST,
+            Metric::MaxTokenGapMs => BASE_HIST + 1,
+            Metric::StreamDurationMs => BASE_HIST + 2,
+            Metric::AbortRoundTripMs => BASE_HIST + 3,
         }
     }
 
@@ -258,6 +274,10 @@ impl Metric {
     pub fn kind(self) -> Kind {
         match self {
             Metric::ActiveRequests | Metric::PendingAborts | Metric::VmMemoryBytes => Kind::Gauge,
+            Metric::FirstTokenMs
+            | Metric::MaxTokenGapMs
+            | Metric::StreamDurationMs
+            | Metric::AbortRoundTripMs => Kind::Histogram,
             _ => Kind::Counter,
         }
     }
@@ -288,6 +308,10 @@ impl Metric {
             Metric::VmMemoryBytes => format!("{PREFIX}vm_memory_bytes"),
             Metric::HostErrors => format!("{PREFIX}host_errors_total"),
             Metric::StallHolds => format!("{PREFIX}stall_holds_total"),
+            Metric::FirstTokenMs => format!("{PREFIX}first_token_ms"),
+            Metric::MaxTokenGapMs => format!("{PREFIX}max_token_gap_ms"),
+            Metric::StreamDurationMs => format!("{PREFIX}stream_duration_ms"),
+            Metric::AbortRoundTripMs => format!("{PREFIX}abort_round_trip_ms"),
         }
     }
 
@@ -312,6 +336,12 @@ impl Metric {
         v.push(Metric::VmMemoryBytes);
         v.push(Metric::HostErrors);
         v.push(Metric::StallHolds);
+        v.extend([
+            Metric::FirstTokenMs,
+            Metric::MaxTokenGapMs,
+            Metric::StreamDurationMs,
+            Metric::AbortRoundTripMs,
+        ]);
         v
     }
 }
@@ -320,6 +350,8 @@ impl Metric {
 pub trait Metrics {
     /// Adds `delta` (negative only for gauges).
     fn add(&mut self, m: Metric, delta: i64);
+    /// Records one observation of a [`Kind::Histogram`] metric.
+    fn record(&mut self, m: Metric, value: u64);
 }
 
 #[cfg(test)]
@@ -352,5 +384,10 @@ mod tests {
         );
         assert_eq!(Metric::ActiveRequests.kind(), Kind::Gauge);
         assert_eq!(Metric::StreamsClosed.kind(), Kind::Counter);
+        assert_eq!(Metric::FirstTokenMs.kind(), Kind::Histogram);
+        assert_eq!(
+            Metric::AbortRoundTripMs.name(),
+            "kvguard_filter_abort_round_trip_ms"
+        );
     }
 }

@@ -86,6 +86,10 @@ pub struct Request {
     pub observed: Option<AbortReason>,
     /// The control replica holding it (a verified stamp).
     pub target: Option<SocketAddr>,
+    /// When the first data event arrived.
+    pub first_event_ms: Option<u64>,
+    /// The largest gap between two data events so far, ms.
+    pub max_gap_ms: u64,
 }
 
 impl Request {
@@ -98,6 +102,8 @@ impl Request {
             held_until_ms: 0,
             limits,
             last_event_ms: None,
+            first_event_ms: None,
+            max_gap_ms: 0,
             events: 0,
             phase: Phase::Requested,
             observed: None,
@@ -203,6 +209,10 @@ impl Request {
     }
 
     fn progress(&mut self, events: u64, now_ms: u64) {
+        if let Some(last) = self.last_event_ms {
+            self.max_gap_ms = self.max_gap_ms.max(now_ms.saturating_sub(last));
+        }
+        self.first_event_ms.get_or_insert(now_ms);
         self.events += events;
         self.last_event_ms = Some(now_ms);
         self.held_until_ms = 0;

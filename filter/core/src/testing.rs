@@ -28,12 +28,23 @@ pub(crate) struct MockHost {
     pub calls: Vec<Recorded>,
     pub logs: Vec<(Level, String)>,
     pub metrics: Vec<i64>,
+    /// Histogram observations, in order.
+    pub observations: Vec<(Metric, u64)>,
     pub refuse: Option<DispatchError>,
 }
 
 impl MockHost {
     pub fn metric(&self, m: Metric) -> i64 {
         self.metrics.get(m.index()).copied().unwrap_or(0)
+    }
+
+    /// The observations of histogram `m`.
+    pub fn observed(&self, m: Metric) -> Vec<u64> {
+        self.observations
+            .iter()
+            .filter(|(x, _)| *x == m)
+            .map(|(_, v)| *v)
+            .collect()
     }
 }
 
@@ -71,5 +82,9 @@ impl Metrics for MockHost {
             self.metrics.resize(Metric::COUNT, 0);
         }
         self.metrics[m.index()] += delta;
+    }
+
+    fn record(&mut self, m: Metric, value: u64) {
+        self.observations.push((m, value));
     }
 }

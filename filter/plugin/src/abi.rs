@@ -130,6 +130,7 @@ mod imports {
             return_id: *mut u32,
         ) -> u32;
         pub fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
+        pub fn proxy_record_metric(metric_id: u32, value: u64) -> u32;
         pub fn proxy_get_shared_data(
             key_data: *const u8,
             key_size: usize,
@@ -233,6 +234,9 @@ mod imports {
         NOT_FOUND
     }
     pub unsafe fn proxy_increment_metric(_: u32, _: i64) -> u32 {
+        NOT_FOUND
+    }
+    pub unsafe fn proxy_record_metric(_: u32, _: u64) -> u32 {
         NOT_FOUND
     }
     pub unsafe fn proxy_get_shared_data(
@@ -455,7 +459,7 @@ pub fn reset_stream() -> Result<(), Status> {
     check(unsafe { proxy_close_stream(1) })
 }
 
-/// Defines a metric (0 = counter, 1 = gauge); returns its id.
+/// Defines a metric (0 = counter, 1 = gauge, 2 = histogram); returns its id.
 pub fn define_metric(kind: u32, name: &str) -> Result<u32, Status> {
     let mut id = 0u32;
     // SAFETY: `name` is live; a valid out-pointer.
@@ -467,6 +471,12 @@ pub fn define_metric(kind: u32, name: &str) -> Result<u32, Status> {
 pub fn increment_metric(id: u32, delta: i64) -> Result<(), Status> {
     // SAFETY: plain values.
     check(unsafe { proxy_increment_metric(id, delta) })
+}
+
+/// Records one observation of a histogram.
+pub fn record_metric(id: u32, value: u64) -> Result<(), Status> {
+    // SAFETY: plain values.
+    check(unsafe { proxy_record_metric(id, value) })
 }
 
 /// A shared-data value (shared by the VMs of one `vm_id`); `None` when absent.

@@ -113,6 +113,7 @@ impl EnvoyHost<'_> {
         let kind = match m.kind() {
             Kind::Counter => 0,
             Kind::Gauge => 1,
+            Kind::Histogram => 2,
         };
         let id = abi::define_metric(kind, &m.name()).ok()?;
         if let Some(slot) = self.metric_ids.get_mut(i) {
@@ -126,6 +127,12 @@ impl Metrics for EnvoyHost<'_> {
     fn add(&mut self, m: Metric, delta: i64) {
         if let Some(id) = self.metric_id(m) {
             let _ = abi::increment_metric(id, delta);
+        }
+    }
+
+    fn record(&mut self, m: Metric, value: u64) {
+        if let Some(id) = self.metric_id(m) {
+            let _ = abi::record_metric(id, value);
         }
     }
 }

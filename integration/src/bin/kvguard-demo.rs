@@ -49,6 +49,10 @@ struct Args {
     /// Share of requests sent without streaming (default 0; 0.3 with `--hop litellm`).
     #[arg(long)]
     nonstream_share: Option<f64>,
+    /// Run each scenario under a real Prometheus (the shipped rules and alerts, windows
+    /// divided by 60) and print when each alert fired.
+    #[arg(long)]
+    prometheus: bool,
     /// Output directory (results.json, table.txt).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -112,6 +116,7 @@ async fn demo(a: Args) -> Result<()> {
         (None, demo::Hop::Litellm) => 0.3,
         (None, demo::Hop::Lossy) => 0.0,
     };
+    cfg.prometheus = a.prometheus;
     let modes: Vec<Mode> = match a.only.as_deref() {
         None => vec![Mode::Leak, Mode::Kvguard],
         Some("leak") => vec![Mode::Leak],
@@ -154,10 +159,25 @@ async fn demo(a: Args) -> Result<()> {
     drop(own_vllm);
     let series = demo::series_table(&res, 5.0);
     let table = demo::table(&res);
-    let text = format!(
+    let mut text = format!(
         "engine KV usage and running / waiting requests over time (t = seconds since the first arrival; arrivals stop at {:.0}s)\n\n{series}\n{table}",
         cfg.arrival_s
     );
+    for r in [&res.leak, &res.kvguard].into_iter().flatten() {
+        if let Some(o) = &r.observed {
+            let tl = demo::observe::timeline(&o.alerts);
+            text.push_str(&format!(
+                "\nalerts ({}; shipped rules, windows and `for:` divided by {}):\n{}",
+                r.mode,
+                demo::observe::SCALE,
+                if tl.is_empty() {
+                    "  none\n".to_string()
+                } else {
+                    tl
+                }
+            ));
+        }
+    }
     println!("\n{text}");
     std::fs::write(out.join("table.txt"), &text)?;
     let json = serde_json::to_string_pretty(&res)?;

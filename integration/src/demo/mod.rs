@@ -20,6 +20,7 @@
 //! (kvguard-control's `kvguard_control_aborts_total`), false aborts (a client that meant to
 //! read to the end and did not get `[DONE]`).
 
+pub mod observe;
 pub mod stack;
 mod workload;
 
@@ -121,6 +122,10 @@ pub struct DemoConfig {
     /// 0 = all stream (then the plan is the same as before this option existed).
     #[serde(default)]
     pub nonstream_share: f64,
+    /// Run each scenario under a real Prometheus with the shipped rules time-scaled
+    /// ([`observe`]): alert timeline, dashboard queries, scraped names.
+    #[serde(default)]
+    pub prometheus: bool,
 }
 
 /// The hop between Envoy and kvguard-control in the demo (`--hop`).
@@ -157,6 +162,7 @@ impl DemoConfig {
                 sim_token_rate: 40.0,
                 hop: Hop::Lossy,
                 nonstream_share: 0.0,
+                prometheus: false,
             },
             EngineKind::Vllm => DemoConfig {
                 engine,
@@ -180,6 +186,7 @@ impl DemoConfig {
                 sim_token_rate: 0.0,
                 hop: Hop::Lossy,
                 nonstream_share: 0.0,
+                prometheus: false,
             },
         }
     }
@@ -310,6 +317,9 @@ pub struct RunResult {
     pub clients: Vec<ClientRecord>,
     /// Wall time of the run (s).
     pub wall_s: f64,
+    /// What Prometheus saw (`DemoConfig::prometheus`).
+    #[serde(default)]
+    pub observed: Option<observe::Observed>,
 }
 
 /// Both runs and the settings.
@@ -362,7 +372,19 @@ pub async fn run_once(
             crate::hops::LiteLlmOptions::kvguard("tiny"),
         ));
     }
+    if cfg.prometheus {
+        opts.envoy_extra_yaml = Some(observe::shipped_stats_config()?);
+    }
     let st = Stack::start(opts).await.context("starting the stack")?;
+    let mut observer = match cfg.prometheus {
+        true => Some(
+            observe::Observer::start(&st, engine)
+                .await
+                .context("starting Prometheus on the stack")?,
+        ),
+        false => None,
+    };
+    let mut probed = false;
     let baseline = crate::vllm::engine_figures(engine)
         .await
         .context("the engine's /metrics before the run")?;
@@ -444,6 +466,15 @@ pub async fn run_once(
             inflight: ids.len(),
         };
         series.push(s);
+        if let Some(o) = observer.as_mut() {
+            o.poll(t).await.context("Prometheus's alerts")?;
+            if !probed && t >= cfg.arrival_s {
+                probed = true;
+                o.probe_dashboard()
+                    .await
+                    .context("the dashboard's queries")?;
+            }
+        }
         if Instant::now() >= next_progress {
             next_progress += Duration::from_secs(5);
             progress(format!(
@@ -562,6 +593,20 @@ pub async fn run_once(
         let s = h.stats();
         r.hop_clients_gone = s.clients_gone;
         r.hop_bytes_after_gone = s.bytes_after_client_gone;
+    }
+    if let Some(mut o) = observer {
+        o.poll(end_t)
+            .await
+            .context("Prometheus's alerts at the end")?;
+        if !probed {
+            o.probe_dashboard()
+                .await
+                .context("the dashboard's queries")?;
+        }
+        o.finish()
+            .await
+            .context("Prometheus's figures at the end")?;
+        r.observed = Some(o.seen);
     }
     r.series = series;
     r.clients = clients;

@@ -230,6 +230,9 @@ pub struct StackOptions {
     /// A real hop (LiteLLM, vllm-router) between Envoy and kvguard-control; when set it
     /// takes the place of the lossy hop (`lossy` is then ignored).
     pub real_hop: Option<HopKind>,
+    /// YAML Envoy merges over its bootstrap (`--config-yaml`), e.g. the shipped
+    /// `stats_config` ([`super::observe::shipped_stats_config`]).
+    pub envoy_extra_yaml: Option<String>,
 }
 
 impl StackOptions {
@@ -245,6 +248,7 @@ impl StackOptions {
             abort_tap: false,
             envoy_concurrency: 1,
             real_hop: None,
+            envoy_extra_yaml: None,
         }
     }
 }
@@ -306,6 +310,7 @@ impl Stack {
         eo.per_connection_buffer_limit_bytes = opts.buffer_limit;
         eo.downstream_sndbuf = opts.buffer_limit;
         eo.concurrency = opts.envoy_concurrency;
+        eo.extra_yaml = opts.envoy_extra_yaml.clone();
         eo.component_log_level = Some("wasm:info".into());
         let envoy = Envoy::start(eo).await?;
         Ok(Stack {

@@ -1,0 +1,220 @@
+//! The demo under a real Prometheus ([`crate::prom`]): it scrapes the run's Envoy,
+//! kvguard-control and engine every [`SCRAPE`], evaluates the shipped rules and alerts
+//! with their windows divided by [`SCALE`], and the run records when each alert went
+//! pending and firing, what every dashboard panel's queries returned while the load ran,
+//! and which metric names the scrapes held.
+
+use super::stack::Stack;
+use crate::prom::{self, PanelQuery, PromOptions, Prometheus, Target};
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Scrape and evaluation interval.
+pub const SCRAPE: Duration = Duration::from_secs(1);
+
+/// The shipped rules' windows and `for:` are divided by this: 15 min → 15 s, 5 min → 5 s.
+pub const SCALE: u32 = 60;
+
+/// The `stats_config` block of the shipped `envoy-config/envoy/local.yaml` (its
+/// `stats_tags` turn the filter's tag-encoded stat names into Prometheus labels), for
+/// the demo's Envoy.
+pub fn shipped_stats_config() -> Result<String> {
+    let path = crate::paths::repo_root()?.join("envoy-config/envoy/local.yaml");
+    let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
+    let mut out = String::new();
+    let mut inside = false;
+    for line in text.lines() {
+        if line.starts_with("stats_config:") {
+            inside = true;
+        } else if inside && !line.is_empty() && !line.starts_with(' ') && !line.starts_with('#') {
+            break;
+        }
+        if inside {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    if !out.contains("tag_name") {
+        anyhow::bail!("no stats_config with stats_tags in {}", path.display());
+    }
+    Ok(out)
+}
+
+/// When an alert first reached a state during a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AlertMark {
+    /// `alertname`.
+    pub name: String,
+    /// `pending` or `firing`.
+    pub state: String,
+    /// Seconds since the run's first arrival.
+    pub t: f64,
+}
+
+/// What one dashboard query returned.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PanelResult {
+    /// The panel and its query (variables substituted).
+    pub query: PanelQuery,
+    /// Series (or 1 for a scalar) in the answer.
+    pub samples: usize,
+    /// Prometheus's error, if it refused the query.
+    pub error: Option<String>,
+}
+
+/// What Prometheus saw of one run.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Observed {
+    /// First pending and first firing time of each alert.
+    pub alerts: Vec<AlertMark>,
+    /// Every dashboard query, run once at the end of the arrival phase.
+    pub panels: Vec<PanelResult>,
+    /// Every metric name Prometheus had ingested at that point.
+    pub scraped_names: BTreeSet<String>,
+    /// The `instance` the dashboard's variable resolved to (kvguard-control's).
+    pub instance: String,
+    /// [`FIGURES`] at the end of the run (query → value; absent when empty).
+    pub figures: BTreeMap<String, f64>,
+    /// Alerting rules Prometheus had evaluated at the end (`health` = `ok`).
+    pub rules_evaluated: usize,
+    /// Rules whose last evaluation failed (`name: lastError`).
+    pub rule_errors: Vec<String>,
+}
+
+/// Figures read at the end of each run.
+pub const FIGURES: [&str; 5] = [
+    "sum(kvguard_control_orphan_seconds_total)",
+    "sum(kvguard_control_wasted_tokens_total)",
+    "sum(kvguard_control_orphan_ends_total)",
+    "max_over_time(kvguard:engine_requests_without_client[1h])",
+    "kvguard_control_nvml_available",
+];
+
+/// A Prometheus watching one run.
+pub struct Observer {
+    prom: Prometheus,
+    /// What it has seen so far.
+    pub seen: Observed,
+}
+
+impl Observer {
+    /// Starts Prometheus on `st`'s Envoy, kvguard-control and `engine`; waits for a first
+    /// good scrape of each.
+    pub async fn start(st: &Stack, engine: SocketAddr) -> Result<Observer> {
+        let opts = PromOptions {
+            targets: vec![
+                Target::new("envoy", st.envoy.admin_addr(), "/stats/prometheus"),
+                Target::new("kvguard-control", st.control.admin, "/metrics"),
+                Target::new("engine", engine, "/metrics"),
+            ],
+            interval: SCRAPE,
+            scale: SCALE,
+            rule_files: prom::shipped_rule_files()?,
+        };
+        let prom = Prometheus::start(&opts).await?;
+        prom.wait_targets_up(Duration::from_secs(30)).await?;
+        Ok(Observer {
+            prom,
+            seen: Observed {
+                instance: st.control.admin.to_string(),
+                ..Observed::default()
+            },
+        })
+    }
+
+    /// The server.
+    pub fn prometheus(&self) -> &Prometheus {
+        &self.prom
+    }
+
+    /// Reads `/api/v1/alerts` and marks each alert's first pending and firing time `t`.
+    pub async fn poll(&mut self, t: f64) -> Result<()> {
+        for a in self.prom.alerts().await? {
+            let known = self
+                .seen
+                .alerts
+                .iter()
+                .any(|m| m.name == a.name && m.state == a.state);
+            if !known {
+                self.seen.alerts.push(AlertMark {
+                    name: a.name,
+                    state: a.state,
+                    t,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs every query of the shipped dashboard (its `$instance` set to kvguard-control's)
+    /// and records the metric names ingested so far.
+    pub async fn probe_dashboard(&mut self) -> Result<()> {
+        let path = crate::paths::repo_root()?.join("envoy-config/grafana/kvguard-dashboard.json");
+        let dash: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(&path).with_context(|| path.display().to_string())?,
+        )?;
+        let instance = self.seen.instance.clone();
+        let mut out = Vec::new();
+        for q in prom::dashboard_queries(&dash, &[("instance", &instance)]) {
+            let (samples, error) = match self.prom.result_len(&q.expr).await {
+                Ok(n) => (n, None),
+                Err(e) => (0, Some(format!("{e:#}"))),
+            };
+            out.push(PanelResult {
+                query: q,
+                samples,
+                error,
+            });
+        }
+        self.seen.panels = out;
+        self.seen.scraped_names = self.prom.metric_names().await?;
+        Ok(())
+    }
+}
+
+impl Observer {
+    /// Reads [`FIGURES`] and the rules' health (at the end of a run).
+    pub async fn finish(&mut self) -> Result<()> {
+        for q in FIGURES {
+            let d = self.prom.query(q).await?;
+            let v = d["result"][0]["value"][1]
+                .as_str()
+                .and_then(|x| x.parse::<f64>().ok());
+            if let Some(v) = v {
+                self.seen.figures.insert(q.to_string(), v);
+            }
+        }
+        let rules = self.prom.rules().await?;
+        for g in rules["groups"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+        {
+            for r in g["rules"].as_array().map(Vec::as_slice).unwrap_or_default() {
+                if r["health"] == "ok" && r["type"] == "alerting" {
+                    self.seen.rules_evaluated += 1;
+                }
+                if r["health"] == "err" {
+                    self.seen.rule_errors.push(format!(
+                        "{}: {}",
+                        r["name"].as_str().unwrap_or(""),
+                        r["lastError"].as_str().unwrap_or("")
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The alert timeline of a run, one line per mark, in time order.
+pub fn timeline(marks: &[AlertMark]) -> String {
+    let mut m = marks.to_vec();
+    m.sort_by(|a, b| a.t.total_cmp(&b.t));
+    m.iter()
+        .map(|a| format!("{:>6.1}s  {:<8} {}\n", a.t, a.state, a.name))
+        .collect()
+}

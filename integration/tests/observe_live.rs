@@ -1,0 +1,294 @@
+//! The leak where operators look: the demo's scenarios (simulator) under a real Prometheus
+//! that scrapes Envoy, kvguard-control and the engine and evaluates the shipped rules and
+//! alerts with only their windows scaled down (integration/src/demo/observe.rs).
+//!
+//! - The leak alerts fire during the run without kvguard and never during the run with it.
+//! - A steady healthy run (no disconnects, no stalls) fires no alert at all.
+//! - Every dashboard query answers with data while the load runs, but for the panels listed
+//!   in [`NO_DATA_HERE`], whose reason is checked.
+//! - Every metric name the rules, alerts and dashboard use is in the live scrapes, but for
+//!   the names listed in [`NOT_SCRAPED_HERE`], whose reason is stated.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use kvguard_integration::demo::observe::{self, Observed};
+use kvguard_integration::demo::{self, DemoConfig, EngineKind, Mode, RunResult};
+use kvguard_integration::prom;
+use std::collections::BTreeSet;
+
+/// Alerts that a leak (clients gone behind a hop that does not pass disconnects on, no
+/// kvguard) makes fire within a minute-long scaled run.
+const LEAK_ALERTS: [&str; 2] = ["KvguardOrphanedStreams", "KvguardCoverageFalling"];
+
+/// Why a dashboard panel cannot have data in this stack (checked by [`check_reason`]).
+#[derive(Debug, Clone, Copy)]
+enum NoData {
+    /// kvguard-control runs with `--no-nvml`: `kvguard_control_nvml_available == 0`.
+    NoGpu,
+    /// The simulator exports no `vllm:generation_tokens_total` (real vLLM does).
+    NoTokenCounter,
+}
+
+/// Dashboard panels that cannot have data here, with the reason.
+const NO_DATA_HERE: [(&str, NoData); 3] = [
+    ("GPU memory used / total", NoData::NoGpu),
+    ("GPU memory per process", NoData::NoGpu),
+    (
+        "Generated tokens /s against engine uptime (vLLM)",
+        NoData::NoTokenCounter,
+    ),
+];
+
+/// Names the rules and dashboard use that no process of this stack exports.
+const NOT_SCRAPED_HERE: [(&str, &str); 6] = [
+    (
+        "kube_pod_container_resource_requests",
+        "kube-state-metrics (Kubernetes only)",
+    ),
+    (
+        "vllm:generation_tokens_total",
+        "real vLLM; the simulator exports no token counter",
+    ),
+    (
+        "process_start_time_seconds",
+        "real vLLM's Python client; the simulator has none",
+    ),
+    (
+        "kvguard_control_gpu_process_memory_used_bytes",
+        "NVML only (--no-nvml here)",
+    ),
+    (
+        "kvguard_control_gpu_memory_used_bytes",
+        "NVML only (--no-nvml here)",
+    ),
+    (
+        "kvguard_control_gpu_memory_total_bytes",
+        "NVML only (--no-nvml here)",
+    ),
+];
+
+fn cfg(seed: u64) -> DemoConfig {
+    let mut c = DemoConfig::new(EngineKind::Sim);
+    c.arrival_s = 30.0;
+    // Long enough for the 15 s `for:` after the last arrival: without kvguard the stalled
+    // streams' requests stay open behind the hop through the drain.
+    c.drain_s = 20.0;
+    c.seed = seed;
+    c.prometheus = true;
+    c
+}
+
+fn observed(r: &RunResult) -> &Observed {
+    r.observed.as_ref().expect("the run was observed")
+}
+
+fn fired(o: &Observed) -> BTreeSet<String> {
+    o.alerts
+        .iter()
+        .filter(|m| m.state == "firing")
+        .map(|m| m.name.clone())
+        .collect()
+}
+
+/// Panels whose queries all answered with at least one series.
+fn empty_panels(o: &Observed) -> BTreeSet<String> {
+    o.panels
+        .iter()
+        .filter(|p| p.samples == 0)
+        .map(|p| p.query.panel.clone())
+        .collect()
+}
+
+fn check_dashboard(o: &Observed) {
+    for p in &o.panels {
+        assert!(
+            p.error.is_none(),
+            "panel {:?}: Prometheus refused {:?}: {:?}",
+            p.query.panel,
+            p.query.expr,
+            p.error
+        );
+    }
+    assert!(!o.panels.is_empty(), "no dashboard query ran");
+    let allowed: BTreeSet<String> = NO_DATA_HERE.iter().map(|(p, _)| p.to_string()).collect();
+    let empty = empty_panels(o);
+    let unexpected: Vec<_> = o
+        .panels
+        .iter()
+        .filter(|p| p.samples == 0 && !allowed.contains(&p.query.panel))
+        .map(|p| format!("{:?}: {}", p.query.panel, p.query.expr))
+        .collect();
+    assert!(
+        unexpected.is_empty(),
+        "dashboard queries without data while the load ran:\n{}",
+        unexpected.join("\n")
+    );
+    // Each listed panel exists and is empty for its reason (a stale entry would lie).
+    for (panel, why) in NO_DATA_HERE {
+        assert!(
+            o.panels.iter().any(|p| p.query.panel == panel),
+            "NO_DATA_HERE names {panel:?}, not a panel of the dashboard"
+        );
+        assert!(
+            empty.contains(panel),
+            "{panel:?} has data: drop it from NO_DATA_HERE"
+        );
+        check_reason(o, why);
+    }
+}
+
+/// The reason holds in this run.
+fn check_reason(o: &Observed, why: NoData) {
+    match why {
+        NoData::NoGpu => assert_eq!(
+            o.figures.get("kvguard_control_nvml_available"),
+            Some(&0.0),
+            "NVML is available: the GPU panels must have data"
+        ),
+        NoData::NoTokenCounter => assert!(
+            !o.scraped_names.contains("vllm:generation_tokens_total"),
+            "the engine exports vllm:generation_tokens_total: the throughput panel must have data"
+        ),
+    }
+}
+
+fn check_names(o: &Observed) {
+    let root = kvguard_integration::paths::repo_root().unwrap();
+    let mut used = BTreeSet::new();
+    let mut recorded = BTreeSet::new();
+    for f in prom::shipped_rule_files().unwrap() {
+        let text = std::fs::read_to_string(&f).unwrap();
+        for line in text.lines() {
+            if let Some(r) = line.trim().strip_prefix("- record: ") {
+                recorded.insert(r.trim().to_string());
+            }
+        }
+        used.extend(
+            exprs_of_rules(&text)
+                .iter()
+                .flat_map(|e| prom::promql_names(e)),
+        );
+    }
+    let dash: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("envoy-config/grafana/kvguard-dashboard.json")).unwrap(),
+    )
+    .unwrap();
+    for q in prom::dashboard_queries(&dash, &[("instance", ".*")]) {
+        used.extend(prom::promql_names(&q.expr));
+    }
+    let exempt: BTreeSet<&str> = NOT_SCRAPED_HERE.iter().map(|(n, _)| *n).collect();
+    let missing: Vec<&String> = used
+        .iter()
+        .filter(|n| !recorded.contains(*n) && !exempt.contains(n.as_str()))
+        .filter(|n| !o.scraped_names.contains(*n))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "names used by the rules/dashboard that no live scrape holds: {missing:?}"
+    );
+    for n in &recorded {
+        assert!(
+            !n.is_empty() && n.contains(':'),
+            "recording rule name {n:?}"
+        );
+    }
+}
+
+/// The `expr:` values of a rule file (block scalars included).
+fn exprs_of_rules(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut lines = text.lines().peekable();
+    while let Some(l) = lines.next() {
+        let t = l.trim_start();
+        let Some(v) = t.strip_prefix("expr:") else {
+            continue;
+        };
+        let v = v.trim();
+        if v == "|" || v == ">-" || v == "|-" {
+            let indent = l.len() - t.len();
+            let mut e = String::new();
+            while let Some(n) = lines.peek() {
+                let nt = n.trim_start();
+                if !nt.is_empty() && n.len() - nt.len() <= indent {
+                    break;
+                }
+                e.push_str(nt);
+                e.push(' ');
+                lines.next();
+            }
+            out.push(e);
+        } else {
+            out.push(v.to_string());
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leak_alerts_fire_without_kvguard_and_never_with_it() {
+    let c = cfg(42);
+    let progress = |s: String| eprintln!("{s}");
+    let res = demo::run_demo(&c, &[Mode::Leak, Mode::Kvguard], None, &progress)
+        .await
+        .unwrap();
+    demo::verdict(&res).unwrap();
+    let leak = observed(res.leak.as_ref().unwrap());
+    let kvg = observed(res.kvguard.as_ref().unwrap());
+    eprintln!(
+        "without kvguard:\n{}{:?}\nwith kvguard:\n{}{:?}",
+        observe::timeline(&leak.alerts),
+        leak.figures,
+        observe::timeline(&kvg.alerts),
+        kvg.figures
+    );
+    for p in kvg.panels.iter().filter(|p| p.samples == 0) {
+        eprintln!("empty panel query {:?}: {}", p.query.panel, p.query.expr);
+    }
+    eprintln!(
+        "scraped kvguard names: {:?}",
+        kvg.scraped_names
+            .iter()
+            .filter(|n| n.starts_with("kvguard"))
+            .collect::<Vec<_>>()
+    );
+    let (fl, fk) = (fired(leak), fired(kvg));
+    for a in LEAK_ALERTS {
+        assert!(fl.contains(a), "{a} did not fire without kvguard: {fl:?}");
+        assert!(!fk.contains(a), "{a} fired with kvguard: {fk:?}");
+    }
+    // The orphans' cost, as kvguard-control counts it: engine time and streamed tokens
+    // between the client's departure (the filter's gone_ms) and the engine connection
+    // closing. Only the run with the filter knows when clients left.
+    let secs = kvg.figures["sum(kvguard_control_orphan_seconds_total)"];
+    let ends = kvg.figures["sum(kvguard_control_orphan_ends_total)"];
+    assert!(
+        ends > 0.0,
+        "no orphan cost counted with kvguard: {:?}",
+        kvg.figures
+    );
+    assert!(secs > 0.0 && secs / ends < 5.0, "{:?}", kvg.figures);
+    assert_eq!(leak.figures["sum(kvguard_control_orphan_ends_total)"], 0.0);
+    check_dashboard(kvg);
+    check_names(kvg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_steady_healthy_run_fires_no_alert() {
+    let mut c = cfg(7);
+    c.disconnect_share = 0.0;
+    c.stall_share = 0.0;
+    let progress = |s: String| eprintln!("{s}");
+    let res = demo::run_demo(&c, &[Mode::Kvguard], None, &progress)
+        .await
+        .unwrap();
+    demo::verdict(&res).unwrap();
+    let o = observed(res.kvguard.as_ref().unwrap());
+    eprintln!("{}", observe::timeline(&o.alerts));
+    assert!(
+        fired(o).is_empty(),
+        "alerts fired on a healthy run: {}",
+        observe::timeline(&o.alerts)
+    );
+    // Prometheus evaluated them (a rule that never ran would be silent too).
+    assert!(o.rules_evaluated > 0, "no alerting rule was evaluated");
+    assert_eq!(o.rule_errors, Vec::<String>::new());
+}
