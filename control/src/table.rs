@@ -3,7 +3,7 @@
 
 use crate::downstream::Downstream;
 use crate::scan::BodyKind;
-use kvguard_contract::{AbortReason, RequestId};
+use kvguard_contract::{AbortReason, InstanceId, RequestId};
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -52,6 +52,7 @@ pub struct Entry {
     conn: Mutex<Option<AbortHandle>>,
     finished: CancellationToken,
     downstream: OnceLock<Downstream>,
+    instance: OnceLock<InstanceId>,
 }
 
 /// The JSON row of `GET /v1/requests`.
@@ -115,7 +116,18 @@ impl Entry {
             conn: Mutex::new(None),
             finished: CancellationToken::new(),
             downstream: OnceLock::new(),
+            instance: OnceLock::new(),
         }
+    }
+
+    /// Records the gateway instance that carries this request (`x-kvguard-instance`).
+    pub fn set_instance(&self, id: InstanceId) {
+        let _ = self.instance.set(id);
+    }
+
+    /// The gateway instance that carries this request, if tagged.
+    pub fn instance(&self) -> Option<InstanceId> {
+        self.instance.get().copied()
     }
 
     /// The clocks.
