@@ -133,6 +133,8 @@ pub struct Engine {
     table: hashbrown::HashMap<u32, Box<Request>>,
     queue: AbortQueue,
     tick_on: bool,
+    /// The host needs the tick even with nothing tracked (lease renewals).
+    keep_ticking: bool,
     memory_reported: u64,
     finished: Vec<Finished>,
 }
@@ -194,6 +196,7 @@ impl Engine {
             table: hashbrown::HashMap::new(),
             queue,
             tick_on: false,
+            keep_ticking: false,
             memory_reported: 0,
             finished: Vec::new(),
         }
@@ -655,9 +658,15 @@ impl Engine {
         }
     }
 
-    /// Whether the tick should run: requests tracked, or aborts pending.
+    /// Keeps the tick on even with nothing tracked or pending (the host renews the
+    /// liveness lease on it).
+    pub fn keep_ticking(&mut self, on: bool) {
+        self.keep_ticking = on;
+    }
+
+    /// Whether the tick should run: requests tracked, aborts pending, or kept on.
     pub fn tick_wanted(&self) -> bool {
-        !self.table.is_empty() || self.queue.pending() > 0
+        self.keep_ticking || !self.table.is_empty() || self.queue.pending() > 0
     }
 
     /// If the tick must change, records it and returns the new period in ms (0 = off).

@@ -210,7 +210,40 @@ pub enum Metric {
     HostErrors,
     /// Stall closes held one more idle window by the mass-stall valve.
     StallHolds,
+    /// Liveness-lease renewals, by result (`sent`, `accepted`, `failed`).
+    LeaseRenewals(LeaseResult),
 }
+
+// ---- Liveness leases (contract §8) -------------------------------------------------------
+
+/// What became of a lease renewal (label `result`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseResult {
+    /// Dispatched.
+    Sent,
+    /// Answered 200.
+    Accepted,
+    /// Refused by the host, timed out, or answered anything but 200.
+    Failed,
+}
+
+impl LeaseResult {
+    const ALL: [LeaseResult; 3] = [
+        LeaseResult::Sent,
+        LeaseResult::Accepted,
+        LeaseResult::Failed,
+    ];
+    /// Label value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            LeaseResult::Sent => "sent",
+            LeaseResult::Accepted => "accepted",
+            LeaseResult::Failed => "failed",
+        }
+    }
+}
+
+// ---- end of liveness leases -------------------------------------------------------------
 
 const R: usize = AbortReason::ALL.len();
 const O: usize = Outcome::ALL.len();
@@ -228,10 +261,11 @@ const BASE_CLOSED: usize = BASE_WOULD + R;
 const BASE_MEMORY: usize = BASE_CLOSED + 1;
 const BASE_HOST: usize = BASE_MEMORY + 1;
 const BASE_HOLDS: usize = BASE_HOST + 1;
+const BASE_LEASE: usize = BASE_HOLDS + 1;
 
 impl Metric {
     /// How many distinct metrics exist (for id caches).
-    pub const COUNT: usize = BASE_HOLDS + 1;
+    pub const COUNT: usize = BASE_LEASE + LeaseResult::ALL.len();
 
     /// A dense index in `0..COUNT`.
     pub fn index(self) -> usize {
@@ -251,6 +285,7 @@ impl Metric {
             Metric::VmMemoryBytes => BASE_MEMORY,
             Metric::HostErrors => BASE_HOST,
             Metric::StallHolds => BASE_HOLDS,
+            Metric::LeaseRenewals(r) => BASE_LEASE + r as usize,
         }
     }
 
@@ -288,6 +323,7 @@ impl Metric {
             Metric::VmMemoryBytes => format!("{PREFIX}vm_memory_bytes"),
             Metric::HostErrors => format!("{PREFIX}host_errors_total"),
             Metric::StallHolds => format!("{PREFIX}stall_holds_total"),
+            Metric::LeaseRenewals(r) => tag("lease_renewals_total", "result", r.as_str()),
         }
     }
 
@@ -312,6 +348,7 @@ impl Metric {
         v.push(Metric::VmMemoryBytes);
         v.push(Metric::HostErrors);
         v.push(Metric::StallHolds);
+        v.extend(LeaseResult::ALL.map(Metric::LeaseRenewals));
         v
     }
 }

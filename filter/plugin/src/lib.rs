@@ -18,11 +18,12 @@ mod trap;
 
 use core::cell::RefCell;
 use kvguard_contract::signature::SIGNATURE_HEADER;
+use kvguard_contract::{InstanceId, INSTANCE_HEADER};
 use kvguard_contract::{CONTROL_HEADER, REQUEST_ID_HEADER};
 use kvguard_filter_core::engine::{self, BodyNeed, Engine, Streams, Verdict};
 use kvguard_filter_core::host::{Call, Clock, DispatchError, Host, Level};
 use kvguard_filter_core::metrics::{Kind, Metric, Metrics};
-use kvguard_filter_core::{Config, Mode, OutcomeTag};
+use kvguard_filter_core::{lease, Config, Mode, OutcomeTag};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
 use std::hash::{BuildHasher, Hasher};
@@ -42,6 +43,10 @@ struct Shared {
     queue_id: Option<u32>,
     /// The shared-data key of this plugin's mode (`kvguard.mode.<plugin name>`).
     mode_key: Option<String>,
+    /// This Envoy process's instance id (shared data [`lease::INSTANCE_KEY`]).
+    instance: Option<InstanceId>,
+    /// The token of this VM's renewal in flight.
+    lease_token: Option<u32>,
 }
 
 type SharedRef = Rc<RefCell<Shared>>;
@@ -281,6 +286,8 @@ fn init() {
                 metric_ids: Vec::new(),
                 queue_id: None,
                 mode_key: None,
+                instance: None,
+                lease_token: None,
             })),
         })
     });
@@ -300,6 +307,82 @@ impl Root {
     fn pump(&self) {
         let _ = with_engine(&self.shared, |e, p| e.pump(p));
         sync_tick(&self.shared);
+    }
+}
+
+impl Root {
+    /// Renews the lease if this VM wins the period's slot (one renewal per process per
+    /// period, whichever worker's tick comes first).
+    fn renew_lease(&self) {
+        let Some(Some((period, now, jitter))) = with_engine(&self.shared, |e, p| {
+            (e.cfg.lease_renew_ms > 0).then(|| (e.cfg.lease_renew_ms, p.now_ms(), random_seed()))
+        }) else {
+            return;
+        };
+        let (current, cas) = match abi::get_shared_data_cas(lease::SLOT_KEY) {
+            Ok(Some((v, cas))) => (Some(v), cas),
+            Ok(None) => (None, 0),
+            Err(_) => {
+                let _ = with_engine(&self.shared, |_, p| p.add(Metric::HostErrors, 1));
+                return;
+            }
+        };
+        let Some(slot) = lease::elect(current.as_deref(), now, period, jitter) else {
+            return;
+        };
+        match abi::set_shared_data_cas(lease::SLOT_KEY, &slot.value(), cas) {
+            Ok(()) => {}
+            // Another worker renews this period.
+            Err(abi::Status(abi::CAS_MISMATCH)) => return,
+            Err(_) => {
+                let _ = with_engine(&self.shared, |_, p| p.add(Metric::HostErrors, 1));
+                return;
+            }
+        }
+        // The id the process uses now (a VM that lost the first-start race adopts it).
+        sync_instance(&self.shared);
+        let Some(instance) = self.shared.try_borrow().ok().and_then(|s| s.instance) else {
+            return;
+        };
+        let token = with_engine(&self.shared, |e, p| {
+            lease::send(&e.cfg, p, instance, slot.counter)
+        })
+        .flatten();
+        if let Ok(mut s) = self.shared.try_borrow_mut() {
+            s.lease_token = token;
+        }
+    }
+}
+
+/// Reads this process's instance id from shared data, creating it if absent: 128 random
+/// bits, drawn once per Envoy process (per `vm_id`) and kept across VM reloads and module
+/// upgrades. Two VMs creating it at once both write; each re-reads and adopts the value
+/// that stayed.
+fn sync_instance(shared: &SharedRef) {
+    let read = || match abi::get_shared_data(lease::INSTANCE_KEY) {
+        Ok(Some(v)) => lease::parse_instance_value(&v),
+        _ => None,
+    };
+    let id = read().or_else(|| {
+        let mut bytes = [0u8; 16];
+        bytes[..8].copy_from_slice(&random_seed().to_le_bytes());
+        bytes[8..].copy_from_slice(&random_seed().to_le_bytes());
+        let fresh = InstanceId(bytes);
+        if abi::set_shared_data(lease::INSTANCE_KEY, &lease::instance_value(fresh)).is_err() {
+            abi::log(
+                abi::LogLevel::Warn,
+                "cannot write the lease instance id to shared data; this VM uses its own",
+            );
+            return Some(fresh);
+        }
+        abi::log(
+            abi::LogLevel::Info,
+            &format!("lease instance id {fresh} created for this Envoy process"),
+        );
+        read().or(Some(fresh))
+    });
+    if let Ok(mut s) = shared.try_borrow_mut() {
+        s.instance = id;
     }
 }
 
@@ -333,6 +416,17 @@ impl Context for Root {
         } else {
             Vec::new()
         };
+        let is_lease = match self.shared.try_borrow_mut() {
+            Ok(mut s) if s.lease_token == Some(token_id) => {
+                s.lease_token = None;
+                true
+            }
+            _ => false,
+        };
+        if is_lease {
+            let _ = with_engine(&self.shared, |_, p| lease::on_answer(p, status));
+            return;
+        }
         let _ = with_engine(&self.shared, |e, p| {
             e.on_abort_answer(p, token_id, status, &body)
         });
@@ -456,12 +550,23 @@ impl RootContext for Root {
                 let _ = p.metric_id(m);
             }
         });
+        let renew = with_engine(&self.shared, |e, _| {
+            let on = e.cfg.lease_renew_ms > 0;
+            e.keep_ticking(on);
+            on
+        })
+        .unwrap_or(false);
+        if renew {
+            sync_instance(&self.shared);
+        }
+        sync_tick(&self.shared);
         self.report_memory();
         true
     }
 
     fn on_tick(&mut self) {
         sync_mode(&self.shared);
+        self.renew_lease();
         let actions = with_engine(&self.shared, |e, p| {
             let a = e.tick(p);
             report_clock_errors(p);
@@ -531,7 +636,7 @@ impl HttpContext for Stream {
         // A client never speaks for kvguard: its stamp or signature headers go, on every
         // request, tracked or not (the edge's header mutation does the same; this is the
         // belt under it).
-        for h in [CONTROL_HEADER, SIGNATURE_HEADER] {
+        for h in [CONTROL_HEADER, SIGNATURE_HEADER, INSTANCE_HEADER] {
             let _ = abi::remove_header(abi::Map::RequestHeaders, h);
         }
         let path = abi::get_header(abi::Map::RequestHeaders, ":path")
@@ -547,6 +652,15 @@ impl HttpContext for Stream {
         match verdict {
             Some(Verdict::Tracked) => {
                 self.tracked = true;
+                // The gateway process that carries it (contract §8).
+                let instance = self.shared.try_borrow().ok().and_then(|s| s.instance);
+                if let Some(i) = instance {
+                    let _ = abi::replace_header(
+                        abi::Map::RequestHeaders,
+                        INSTANCE_HEADER,
+                        i.to_string().as_bytes(),
+                    );
+                }
                 sync_tick(&self.shared);
             }
             _ => set_outcome(OutcomeTag::Untracked),
