@@ -23,6 +23,7 @@ pub mod client;
 pub mod clock_shim;
 pub mod demo;
 pub mod envoy;
+pub mod gate;
 pub mod load;
 pub mod lossy;
 pub mod paths;
