@@ -853,7 +853,7 @@ mod tests {
         assert_eq!(h.calls[0].1, "kvguard");
         assert_eq!(
             body(&h, 0),
-            r#"{"request_id":"r1","reason":"downstream_reset","age_ms":700,"tokens":2,"idle_ms":700,"gone_ms":0}"#
+            r#"{"request_id":"r1","reason":"downstream_reset","age_ms":700,"tokens":2,"idle_ms":700,"gone_ms":0,"attempt":1}"#
         );
         let token = h.calls[0].0;
         e.on_abort_answer(
@@ -898,12 +898,12 @@ mod tests {
         e.on_log(&mut h, 1, b"downstream_remote_disconnect", flags::DC);
         h.now += 20;
         e.pump(&mut h);
-        assert!(body(&h, 0).ends_with(r#""idle_ms":320,"gone_ms":20}"#));
+        assert!(body(&h, 0).ends_with(r#""idle_ms":320,"gone_ms":20,"attempt":1}"#));
         let t = h.calls[0].0;
         e.on_abort_answer(&mut h, t, Some(503), b"");
         h.now += 5_000;
         e.tick(&mut h);
-        assert!(body(&h, 1).ends_with(r#""idle_ms":5320,"gone_ms":5020}"#));
+        assert!(body(&h, 1).ends_with(r#""idle_ms":5320,"gone_ms":5020,"attempt":2}"#));
     }
 
     #[test]
@@ -916,7 +916,7 @@ mod tests {
         );
         e.pump(&mut h);
         // No data event seen: no idle_ms.
-        assert!(body(&h, 0).ends_with(r#""tokens":0,"gone_ms":0}"#));
+        assert!(body(&h, 0).ends_with(r#""tokens":0,"gone_ms":0,"attempt":1}"#));
     }
 
     #[test]
@@ -945,7 +945,7 @@ mod tests {
         assert!(body(&h, 0).contains(r#""reason":"stalled""#));
         // Idle since its last data event (110 ms); the client was still connected.
         assert!(
-            body(&h, 0).ends_with(r#""idle_ms":110}"#),
+            body(&h, 0).ends_with(r#""idle_ms":110,"attempt":1}"#),
             "{}",
             body(&h, 0)
         );

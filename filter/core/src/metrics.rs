@@ -212,9 +212,11 @@ pub enum Metric {
     StallHolds,
     /// Liveness-lease renewals, by result (`sent`, `accepted`, `failed`).
     LeaseRenewals(LeaseResult),
+    /// Abort calls whose answer never came (the watchdog freed their slot).
+    AbortAnswersLost,
 }
 
-// ---- Liveness leases (contract §8) -------------------------------------------------------
+// ---- Liveness leases (contract §8) and lost abort answers -------------------------------------------------------
 
 /// What became of a lease renewal (label `result`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -262,10 +264,11 @@ const BASE_MEMORY: usize = BASE_CLOSED + 1;
 const BASE_HOST: usize = BASE_MEMORY + 1;
 const BASE_HOLDS: usize = BASE_HOST + 1;
 const BASE_LEASE: usize = BASE_HOLDS + 1;
+const BASE_LOST: usize = BASE_LEASE + LeaseResult::ALL.len();
 
 impl Metric {
     /// How many distinct metrics exist (for id caches).
-    pub const COUNT: usize = BASE_LEASE + LeaseResult::ALL.len();
+    pub const COUNT: usize = BASE_LOST + 1;
 
     /// A dense index in `0..COUNT`.
     pub fn index(self) -> usize {
@@ -286,6 +289,7 @@ impl Metric {
             Metric::HostErrors => BASE_HOST,
             Metric::StallHolds => BASE_HOLDS,
             Metric::LeaseRenewals(r) => BASE_LEASE + r as usize,
+            Metric::AbortAnswersLost => BASE_LOST,
         }
     }
 
@@ -324,6 +328,7 @@ impl Metric {
             Metric::HostErrors => format!("{PREFIX}host_errors_total"),
             Metric::StallHolds => format!("{PREFIX}stall_holds_total"),
             Metric::LeaseRenewals(r) => tag("lease_renewals_total", "result", r.as_str()),
+            Metric::AbortAnswersLost => format!("{PREFIX}abort_answers_lost_total"),
         }
     }
 
@@ -349,6 +354,7 @@ impl Metric {
         v.push(Metric::HostErrors);
         v.push(Metric::StallHolds);
         v.extend(LeaseResult::ALL.map(Metric::LeaseRenewals));
+        v.push(Metric::AbortAnswersLost);
         v
     }
 }
