@@ -356,6 +356,20 @@ impl AbortQueue {
         self.finish(job, outcome, Some(code), metrics, finished);
     }
 
+    /// Gives up every job (the VM stops before they could be delivered): each ends as
+    /// `failed`, and the pending gauge comes down.
+    pub fn abandon<M: Metrics + ?Sized>(&mut self, metrics: &mut M, finished: &mut Vec<Finished>) {
+        let jobs: Vec<Job> = self
+            .ready
+            .drain(..)
+            .chain(self.backoff.drain(..))
+            .chain(self.in_flight.drain().map(|(_, j)| j))
+            .collect();
+        for job in jobs {
+            self.finish(job, Outcome::Failed, None, metrics, finished);
+        }
+    }
+
     /// The earliest time a backing-off job is due, if any.
     #[cfg(test)]
     pub fn next_due_ms(&self) -> Option<u64> {

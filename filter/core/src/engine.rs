@@ -607,6 +607,15 @@ impl Engine {
         self.report_finished(p);
     }
 
+    /// The VM stops for good: every abort still pending is given up (`failed`, logged),
+    /// so the pending gauge does not stay up.
+    pub fn abandon_pending<P: Platform + ?Sized>(&mut self, p: &mut P) {
+        let mut finished = core::mem::take(&mut self.finished);
+        self.queue.abandon(p, &mut finished);
+        self.finished = finished;
+        self.report_finished(p);
+    }
+
     /// Whether the queue has something to send now.
     pub fn has_ready_aborts(&self, now_ms: u64) -> bool {
         self.queue.has_ready(now_ms)

@@ -33,6 +33,10 @@ use std::time::Duration;
 /// The filter-state key of the outcome (Envoy stores it as `wasm.kvguard.outcome`).
 pub const OUTCOME_PROPERTY: &str = "kvguard.outcome";
 
+/// Longest a stopping VM waits for its pending aborts: every abort ends (delivered or
+/// failed) within the queue's deadline; the rest is slack for the last call's timeout.
+const STOP_BOUND_MS: u64 = kvguard_filter_core::aborts::DEADLINE_MS + 5_000;
+
 /// Largest abort answer body read.
 const MAX_ANSWER_BODY: usize = 4096;
 
@@ -47,6 +51,9 @@ struct Shared {
     instance: Option<InstanceId>,
     /// The token of this VM's renewal in flight.
     lease_token: Option<u32>,
+    /// Since when (monotonic ms) the host has been stopping this VM (`on_done`) while
+    /// aborts were pending.
+    stopping_since: Option<u64>,
 }
 
 type SharedRef = Rc<RefCell<Shared>>;
@@ -288,6 +295,7 @@ fn init() {
                 mode_key: None,
                 instance: None,
                 lease_token: None,
+                stopping_since: None,
             })),
         })
     });
@@ -311,6 +319,43 @@ impl Root {
 }
 
 impl Root {
+    /// While the host stops this VM (`on_done` returned false): pumps the aborts, and once
+    /// none is pending or `STOP_BOUND_MS` passed, gives up what is left and tells the host
+    /// it is done. Returns whether the VM is stopping.
+    fn finish_stopping(&self) -> bool {
+        let Some(since) = self.shared.try_borrow().ok().and_then(|s| s.stopping_since) else {
+            return false;
+        };
+        let done = with_engine(&self.shared, |e, p| {
+            e.pump(p);
+            let now = p.now_ms();
+            let left = e.pending_aborts();
+            if left == 0 || now.saturating_sub(since) >= STOP_BOUND_MS {
+                if left > 0 {
+                    p.log(
+                        Level::Warn,
+                        &format!("stopping VM: {left} aborts undelivered after {STOP_BOUND_MS} ms, given up"),
+                    );
+                    e.abandon_pending(p);
+                } else {
+                    p.log(Level::Info, "stopping VM: every pending abort delivered");
+                }
+                e.report_memory(p, 0);
+                true
+            } else {
+                false
+            }
+        })
+        .unwrap_or(true);
+        if done {
+            let _ = abi::set_tick_period_ms(0);
+            if proxy_wasm::hostcalls::done().is_err() {
+                abi::log(abi::LogLevel::Warn, "proxy_done refused by the host");
+            }
+        }
+        true
+    }
+
     /// Renews the lease if this VM wins the period's slot (one renewal per process per
     /// period, whichever worker's tick comes first).
     fn renew_lease(&self) {
@@ -434,9 +479,34 @@ impl Context for Root {
     }
 
     fn on_done(&mut self) -> bool {
-        // The VM is going away: take its memory out of the shared gauge.
-        let _ = with_engine(&self.shared, |e, p| e.report_memory(p, 0));
-        true
+        // A config push, listener drain or module upgrade stops this VM: aborts queued,
+        // backing off or in flight would die with it. Keep it until they are delivered
+        // (the tick goes on pumping), at most `STOP_BOUND_MS`; then `proxy_done`.
+        let pending = with_engine(&self.shared, |e, p| {
+            let n = e.pending_aborts();
+            if n > 0 {
+                p.log(
+                    Level::Info,
+                    &format!("the host stops this VM with {n} aborts pending: delivering them first (at most {STOP_BOUND_MS} ms)"),
+                );
+                e.pump(p);
+            }
+            (n, p.now_ms())
+        });
+        match pending {
+            Some((n, now)) if n > 0 => {
+                if let Ok(mut s) = self.shared.try_borrow_mut() {
+                    s.stopping_since = Some(now);
+                }
+                sync_tick(&self.shared);
+                false
+            }
+            _ => {
+                // The VM is going away: take its memory out of the shared gauge.
+                let _ = with_engine(&self.shared, |e, p| e.report_memory(p, 0));
+                true
+            }
+        }
     }
 }
 
@@ -565,6 +635,9 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
+        if self.finish_stopping() {
+            return;
+        }
         sync_mode(&self.shared);
         self.renew_lease();
         let actions = with_engine(&self.shared, |e, p| {
