@@ -182,9 +182,12 @@ mod tests {
             .iter()
             .find(|(k, _)| *k == signature::SIGNATURE_HEADER)
             .unwrap();
-        assert!(
-            signature::verify_any_time(&[cfg.key.clone()], Some(sig.1.as_bytes()), body).is_ok()
-        );
+        assert!(signature::verify_any_time(
+            std::slice::from_ref(&cfg.key),
+            Some(sig.1.as_bytes()),
+            body
+        )
+        .is_ok());
         assert!(headers.contains(&(":path", "/v1/lease".to_owned())));
         on_answer(&mut h, Some(200));
         on_answer(&mut h, None);
