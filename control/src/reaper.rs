@@ -98,9 +98,7 @@ pub fn judge_leases(st: &Arc<AppState>) {
             .collect();
         let mut ended = 0u64;
         for e in &mine {
-            if !enforce
-                || (e.instance().is_none() && st.end_request(e, AbortReason::GatewayLost, "lease"))
-            {
+            if !enforce || st.end_request(e, AbortReason::GatewayLost, "lease") {
                 ended += 1;
             }
         }
