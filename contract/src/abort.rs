@@ -34,6 +34,11 @@ pub struct AbortRequest {
     /// ending the request to get the orphan's cost.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gone_ms: Option<u64>,
+    /// Which attempt of this abort the sender is making (1 for the first call). Each
+    /// attempt's body, so its signature, differs: a retry after a call that did land is
+    /// answered as a fresh call (200 `already_aborted`), never taken for a replay.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
 }
 
 /// Why an abort body was refused (answer 400).
@@ -71,7 +76,14 @@ impl AbortRequest {
             tokens,
             idle_ms: None,
             gone_ms: None,
+            attempt: None,
         }
+    }
+
+    /// The same body marked as attempt `n` (1 = the first call).
+    pub fn with_attempt(mut self, n: u32) -> Self {
+        self.attempt = Some(n);
+        self
     }
 
     /// The same body with the sender's idle and client-gone durations.
@@ -169,6 +181,9 @@ mod tests {
             br#"{"request_id":"r1","reason":"stalled","age_ms":5,"tokens":6,"idle_ms":7,"gone_ms":8}"#
         );
         assert_eq!(AbortRequest::parse(&timed.to_json()).unwrap().0, timed);
+        let second = timed.clone().with_attempt(2);
+        assert!(second.to_json().ends_with(br#","gone_ms":8,"attempt":2}"#));
+        assert_ne!(second.to_json(), timed.clone().with_attempt(1).to_json());
         let extra = br#"{"request_id":"r1","reason":"operator","future":[1,2]}"#;
         assert_eq!(
             AbortRequest::parse(extra).unwrap().0.reason,

@@ -33,6 +33,18 @@ pub(crate) fn decode32(s: &[u8]) -> Option<[u8; 32]> {
     Some(out)
 }
 
+/// Decodes exactly 32 hex digits into 16 bytes.
+pub(crate) fn decode16(s: &[u8]) -> Option<[u8; 16]> {
+    if s.len() != 32 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, pair) in s.chunks_exact(2).enumerate() {
+        out[i] = (nibble(pair[0])? << 4) | nibble(pair[1])?;
+    }
+    Some(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -21,11 +21,14 @@ pub enum AbortReason {
     MaxAge,
     /// An operator asked for it.
     Operator,
+    /// The gateway that carried it stopped renewing its liveness lease (kvguard-control
+    /// only: the request's instance lease expired, contract §8).
+    GatewayLost,
 }
 
 impl AbortReason {
     /// Every reason, in a stable order (for pre-registering metrics).
-    pub const ALL: [AbortReason; 7] = [
+    pub const ALL: [AbortReason; 8] = [
         AbortReason::DownstreamReset,
         AbortReason::UpstreamReset,
         AbortReason::Timeout,
@@ -33,6 +36,7 @@ impl AbortReason {
         AbortReason::Stalled,
         AbortReason::MaxAge,
         AbortReason::Operator,
+        AbortReason::GatewayLost,
     ];
 
     /// The wire and label form, e.g. `downstream_reset`.
@@ -45,6 +49,7 @@ impl AbortReason {
             AbortReason::Stalled => "stalled",
             AbortReason::MaxAge => "max_age",
             AbortReason::Operator => "operator",
+            AbortReason::GatewayLost => "gateway_lost",
         }
     }
 

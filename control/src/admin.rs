@@ -1,6 +1,7 @@
 //! The admin listener: the abort API (contract §3), the in-flight table, GPU and engine
 //! status, metrics, health and readiness.
 
+use crate::leases::{LeaseMode, RenewError};
 use crate::state::{AbortFound, AppState};
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -10,7 +11,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvguard_contract::abort::MAX_ABORT_BODY;
 use kvguard_contract::signature::{self, SignatureError};
-use kvguard_contract::{AbortAnswer, AbortRequest, ABORT_PATH, SIGNATURE_HEADER};
+use kvguard_contract::{
+    AbortAnswer, AbortRequest, Renewal, ABORT_PATH, LEASE_PATH, SIGNATURE_HEADER,
+};
 use serde_json::json;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -31,6 +34,7 @@ pub const REFUSAL_LOG_PERIOD: Duration = Duration::from_secs(10);
 pub fn app(state: Arc<AppState>) -> Router {
     Router::new()
         .route(ABORT_PATH, post(abort))
+        .route(LEASE_PATH, post(renew_lease))
         .route("/v1/requests", get(requests))
         .route("/v1/gpu", get(gpu))
         .route("/v1/engine", get(engine))
@@ -175,6 +179,78 @@ async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
             st.metrics.abort_api("not_found");
             tracing::info!(request_id = %id, reason = %reason, "abort call for an id not in flight: tombstoned");
             (StatusCode::NOT_FOUND, Json(answer(false, false, false))).into_response()
+        }
+    }
+}
+
+/// `POST /v1/lease` (contract §8): a signed renewal, fresh by its counter (not by `t`).
+async fn renew_lease(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    if st.cfg.lease_mode == LeaseMode::Off {
+        return refuse(
+            StatusCode::NOT_FOUND,
+            "leases_off",
+            "kvguard-control runs with --lease-mode off".to_owned(),
+        );
+    }
+    let (parts, body) = req.into_parts();
+    let Ok(body) = axum::body::to_bytes(body, MAX_ABORT_BODY).await else {
+        st.metrics.lease.renewal("bad_request");
+        return refuse(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "renewal body unreadable".to_owned(),
+        );
+    };
+    let header = parts
+        .headers
+        .get(SIGNATURE_HEADER)
+        .map(HeaderValue::as_bytes);
+    let keys = st.keys();
+    if let Err(e) = signature::verify_any_time(&keys.accept, header, &body) {
+        st.metrics.lease.renewal("unauthorized");
+        let now_ms = st.clock.unix_secs().saturating_mul(1000);
+        if let Some(held) = REFUSALS.admit(now_ms, REFUSAL_LOG_PERIOD) {
+            tracing::warn!(why = e.as_str(), refused_since_last_line = held, "lease renewal refused: {e} (every refusal is counted in kvguard_control_lease_renewals_total{{result=\"unauthorized\"}})");
+        }
+        return refuse(StatusCode::UNAUTHORIZED, "unauthorized", e.to_string());
+    }
+    let Some((instance, counter)) = Renewal::parse(&body) else {
+        st.metrics.lease.renewal("bad_request");
+        return refuse(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "renewal body: expected {\"instance\":\"<32 hex>\",\"counter\":<u64>}".to_owned(),
+        );
+    };
+    let now = st.clock.now();
+    let result = {
+        let mut leases = st.leases.lock().unwrap_or_else(|p| p.into_inner());
+        let new = !leases.holds(&instance);
+        let r = leases.renew(instance, counter, now);
+        st.metrics.lease.held.set(leases.len() as i64);
+        r.map(|()| new)
+    };
+    match result {
+        Ok(new) => {
+            st.metrics.lease.renewal("accepted");
+            if new {
+                tracing::info!(%instance, counter, "gateway lease taken");
+            }
+            let ttl_ms = u64::try_from(st.cfg.lease_ttl.as_millis()).unwrap_or(u64::MAX);
+            (
+                StatusCode::OK,
+                Json(json!({ "instance": instance.to_string(), "ttl_ms": ttl_ms })),
+            )
+                .into_response()
+        }
+        Err(RenewError::Replay) => {
+            st.metrics.lease.renewal("replay");
+            tracing::warn!(%instance, counter, "lease renewal refused: counter not above the last accepted (replay)");
+            refuse(
+                StatusCode::CONFLICT,
+                "replay",
+                "renewal counter not above the last accepted".to_owned(),
+            )
         }
     }
 }

@@ -151,6 +151,20 @@ pub struct Args {
     /// an HTTP/1.1 connection closed.
     #[arg(long, env = "KVGUARD_ABORT_FLUSH_TIMEOUT", default_value = "2s")]
     pub abort_flush_timeout: String,
+    /// Liveness leases of gateways (contract §8): `observe` judges and counts expiries,
+    /// `enforce` also ends every in-flight request of an expired gateway (reason
+    /// `gateway_lost`), `off` ignores renewals.
+    #[arg(
+        long,
+        env = "KVGUARD_LEASE_MODE",
+        value_enum,
+        default_value = "observe"
+    )]
+    pub lease_mode: crate::leases::LeaseMode,
+    /// A gateway's lease expires after this long with no renewal and no request from it
+    /// (the filter renews every `lease_renew_ms`, at most a quarter of this).
+    #[arg(long, env = "KVGUARD_LEASE_TTL", default_value = "30s")]
+    pub lease_ttl: String,
     /// File holding the one key that signs the x-kvguard-control response stamp (watched
     /// like --secret-file). Required with --advertise unless the only key is KVGUARD_SECRET.
     #[arg(long, env = "KVGUARD_STAMP_KEY_FILE")]
@@ -443,6 +457,10 @@ pub struct Config {
     pub no_nvml: bool,
     /// Post-abort deadline before the downstream side is cut.
     pub abort_flush_timeout: Duration,
+    /// Lease handling.
+    pub lease_mode: crate::leases::LeaseMode,
+    /// Lease TTL.
+    pub lease_ttl: Duration,
     /// Most signatures the replay memory holds ([`MAX_REPLAY_ENTRIES`]; not a flag).
     pub max_replay_entries: usize,
 }
@@ -528,6 +546,10 @@ impl Config {
         }
         let abort_flush_timeout =
             parse_required_duration("--abort-flush-timeout", &args.abort_flush_timeout)?;
+        let lease_ttl = parse_required_duration("--lease-ttl", &args.lease_ttl)?;
+        if lease_ttl < Duration::from_millis(100) {
+            return Err(ConfigError::new("--lease-ttl", "at least 100ms"));
+        }
         tracing_subscriber::EnvFilter::try_new(&args.log)
             .map_err(|e| ConfigError::new("--log", format!("{:?}: {e}", args.log)))?;
         let worker_threads = match args.worker_threads {
@@ -563,6 +585,8 @@ impl Config {
             worker_threads,
             no_nvml: args.no_nvml,
             abort_flush_timeout,
+            lease_mode: args.lease_mode,
+            lease_ttl,
             max_replay_entries: MAX_REPLAY_ENTRIES,
             stamp_key,
             secret_file: args.secret_file,

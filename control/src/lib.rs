@@ -23,6 +23,7 @@ pub mod engine;
 pub mod expo;
 pub mod gpu;
 pub mod keys;
+pub mod leases;
 pub mod metrics;
 pub mod procfs;
 pub mod proxy;

@@ -114,6 +114,8 @@ pub struct Metrics {
     pub engine_connections: Gauge,
     /// LoRA adapters the engine lists in `/v1/models` (absent while unknown).
     pub engine_lora_adapters: MaybeGauge,
+    /// Liveness leases (their own block, [`LeaseMetrics`]).
+    pub lease: LeaseMetrics,
 }
 
 impl Metrics {
@@ -343,6 +345,7 @@ impl Metrics {
                 .request_ends
                 .get_or_create(&[("end", end), ("cause", cause)]);
         }
+        m.lease.register(reg);
         m
     }
 
@@ -578,5 +581,74 @@ mod tests {
         assert!(encode(&reg).contains("\nkvguard_control_orphans 2"));
         m.orphans.clear();
         assert!(!encode(&reg).contains("kvguard_control_orphans"));
+    }
+}
+
+// ---- Liveness leases (contract §8) -------------------------------------------------------
+
+/// The liveness-lease metrics.
+#[derive(Debug, Clone, Default)]
+pub struct LeaseMetrics {
+    /// Gateway instances holding a lease here.
+    pub held: Gauge,
+    /// Renewals received, by `result` = `accepted`, `replay` (counter not above the last
+    /// accepted), `unauthorized` (signature), `bad_request` (body).
+    pub renewals: Family<L1, Counter>,
+    /// Leases expired, by `mode` = `enforce` (its requests were ended) or `observe`.
+    pub expiries: Family<L1, Counter>,
+    /// Expiries held because every instance with a lease (two or more) went silent at once.
+    pub held_expiries: Counter,
+    /// In-flight requests ended (or, observe mode, that would have been) by an expiry, by
+    /// `mode`.
+    pub requests_ended: Family<L1, Counter>,
+    /// Passes of the lease loop that found kvguard-control itself stalled (every lease
+    /// was extended by the stall).
+    pub stalls: Counter,
+}
+
+impl LeaseMetrics {
+    fn register(&self, reg: &mut Registry) {
+        reg.register(
+            "kvguard_control_leases",
+            "Gateway instances holding a liveness lease here",
+            self.held.clone(),
+        );
+        reg.register(
+            "kvguard_control_lease_renewals",
+            "Lease renewals received by result (accepted, replay, unauthorized, bad_request)",
+            self.renewals.clone(),
+        );
+        reg.register(
+            "kvguard_control_lease_expiries",
+            "Gateway leases expired by mode (enforce: its requests were ended; observe: counted only)",
+            self.expiries.clone(),
+        );
+        reg.register(
+            "kvguard_control_lease_held_expiries",
+            "Lease expiries held because every gateway with a lease went silent at once",
+            self.held_expiries.clone(),
+        );
+        reg.register(
+            "kvguard_control_lease_requests_ended",
+            "In-flight requests ended by a lease expiry (observe: that would have been), by mode",
+            self.requests_ended.clone(),
+        );
+        reg.register(
+            "kvguard_control_lease_loop_stalls",
+            "Lease loop passes that found kvguard-control stalled (leases extended by the stall)",
+            self.stalls.clone(),
+        );
+        for r in ["accepted", "replay", "unauthorized", "bad_request"] {
+            let _ = self.renewals.get_or_create(&[("result", r)]);
+        }
+        for m in ["enforce", "observe"] {
+            let _ = self.expiries.get_or_create(&[("mode", m)]);
+            let _ = self.requests_ended.get_or_create(&[("mode", m)]);
+        }
+    }
+
+    /// Counts a renewal answer.
+    pub fn renewal(&self, result: &'static str) {
+        self.renewals.get_or_create(&[("result", result)]).inc();
     }
 }

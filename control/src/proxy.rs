@@ -5,6 +5,7 @@
 //! closed after its one response.
 
 use crate::downstream::Downstream;
+use crate::leases::LeaseMode;
 use crate::scan::{BodyKind, Scanner};
 use crate::state::{AppState, Refusal};
 use crate::table::Entry;
@@ -19,7 +20,10 @@ use http_body::{Body as HttpBody, Frame};
 use http_body_util::Limited;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
-use kvguard_contract::{sse, stamp, AbortReason, RequestId, CONTROL_HEADER, REQUEST_ID_HEADER};
+use kvguard_contract::{
+    sse, stamp, AbortReason, InstanceId, RequestId, CONTROL_HEADER, INSTANCE_HEADER,
+    REQUEST_ID_HEADER,
+};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -185,6 +189,25 @@ impl Drop for Guard {
     }
 }
 
+/// Records the gateway instance a request came through (`x-kvguard-instance`, set by the
+/// filter) and counts the request as that instance's evidence of life (contract §8).
+fn tag_instance(st: &AppState, entry: &Entry, headers: &axum::http::HeaderMap) {
+    if st.cfg.lease_mode == LeaseMode::Off {
+        return;
+    }
+    let Some(instance) = headers
+        .get(INSTANCE_HEADER)
+        .and_then(|v| InstanceId::parse(v.as_bytes()))
+    else {
+        return;
+    };
+    entry.set_instance(instance);
+    st.leases
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .touch(&instance, st.clock.now());
+}
+
 async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
     let id = match parts.headers.get(REQUEST_ID_HEADER) {
@@ -237,7 +260,10 @@ async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {
         parts.method.to_string(),
         parts.uri.path().to_owned(),
     ) {
-        Ok(e) => e,
+        Ok(e) => {
+            tag_instance(&st, &e, &parts.headers);
+            e
+        }
         Err(Refusal::Tombstoned(t)) => {
             st.metrics.request("refused_tombstone");
             tracing::info!(request_id = %id, reason = %t.reason, "refused a request whose id was aborted before it arrived");

@@ -100,6 +100,8 @@ pub struct AppState {
     seq: AtomicU64,
     admissions: AtomicU64,
     draining: AtomicBool,
+    /// Liveness leases of the gateways (contract §8).
+    pub leases: Mutex<crate::leases::Leases>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -130,6 +132,7 @@ impl AppState {
             accept: cfg.keys.clone(),
             stamp: cfg.stamp_key.clone(),
         };
+        let cfg_lease_ttl = cfg.lease_ttl;
         Arc::new(AppState {
             keys: RwLock::new(Arc::new(keys)),
             cfg,
@@ -143,6 +146,7 @@ impl AppState {
             seq: AtomicU64::new(1),
             admissions: AtomicU64::new(0),
             draining: AtomicBool::new(false),
+            leases: Mutex::new(crate::leases::Leases::new(cfg_lease_ttl)),
         })
     }
 

@@ -3,7 +3,7 @@
 
 use crate::downstream::Downstream;
 use crate::scan::BodyKind;
-use kvguard_contract::{AbortReason, RequestId};
+use kvguard_contract::{AbortReason, InstanceId, RequestId};
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -53,6 +53,7 @@ pub struct Entry {
     finished: CancellationToken,
     downstream: OnceLock<Downstream>,
     client_gone: Mutex<Option<ClientGone>>,
+    instance: OnceLock<InstanceId>,
 }
 
 /// When the client of a request went away, as the abort's sender reported it
@@ -142,7 +143,18 @@ impl Entry {
             finished: CancellationToken::new(),
             downstream: OnceLock::new(),
             client_gone: Mutex::new(None),
+            instance: OnceLock::new(),
         }
+    }
+
+    /// Records the gateway instance that carries this request (`x-kvguard-instance`).
+    pub fn set_instance(&self, id: InstanceId) {
+        let _ = self.instance.set(id);
+    }
+
+    /// The gateway instance that carries this request, if tagged.
+    pub fn instance(&self) -> Option<InstanceId> {
+        self.instance.get().copied()
     }
 
     /// The clocks.

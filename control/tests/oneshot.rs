@@ -662,3 +662,122 @@ async fn an_abort_overtaken_by_its_request_mid_handler_ends_it() {
     assert_eq!(v["aborted"], true, "{v}");
     assert_eq!(entry.ended(), Some(AbortReason::DownstreamReset));
 }
+
+fn renewal(
+    key: &[u8],
+    t: u64,
+    instance: kvguard_contract::InstanceId,
+    counter: u64,
+) -> Request<Body> {
+    let body = kvguard_contract::Renewal::new(instance, counter).to_json();
+    let sig = signature::sign(&Key::try_new(key).unwrap(), t, &body);
+    Request::post(kvguard_contract::LEASE_PATH)
+        .header(kvguard_contract::SIGNATURE_HEADER, sig)
+        .body(Body::from(body))
+        .unwrap()
+}
+
+async fn lease_metric(st: &Arc<AppState>, series: &str) -> f64 {
+    let text = kvguard_control::metrics::encode(&st.registry);
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{series} missing"))
+}
+
+#[tokio::test]
+async fn lease_renewals_forged_or_replayed_are_refused_and_counted_a_clock_step_is_not() {
+    let (st, _clock) = state(|_| {});
+    let a = kvguard_contract::InstanceId([7; 16]);
+    // Signed an hour away from kvguard-control's clock: freshness is the counter's job.
+    let (s, v) = call(admin::app(st.clone()), renewal(KEY, NOW - 3600, a, 1)).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, a, 1)).await;
+    assert_eq!(s, StatusCode::CONFLICT, "same counter: a replay");
+    let (s, _) = call(
+        admin::app(st.clone()),
+        renewal(b"some-other-key-0123456789", NOW, a, 2),
+    )
+    .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED, "forged");
+    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, a, 2)).await;
+    assert_eq!(s, StatusCode::OK);
+    let r = |res: &str| format!("kvguard_control_lease_renewals_total{{result=\"{res}\"}}");
+    assert_eq!(lease_metric(&st, &r("accepted")).await, 2.0);
+    assert_eq!(lease_metric(&st, &r("replay")).await, 1.0);
+    assert_eq!(lease_metric(&st, &r("unauthorized")).await, 1.0);
+    assert_eq!(lease_metric(&st, "kvguard_control_leases").await, 1.0);
+}
+
+#[tokio::test]
+async fn an_expired_lease_ends_only_its_instances_requests_and_a_mass_silence_is_held() {
+    let (st, clock) = state(|c| {
+        c.lease_mode = kvguard_control::leases::LeaseMode::Enforce;
+        c.lease_ttl = Duration::from_secs(30);
+    });
+    let (a, b) = (
+        kvguard_contract::InstanceId([1; 16]),
+        kvguard_contract::InstanceId([2; 16]),
+    );
+    let id = |s: &str| RequestId::try_new(s.as_bytes()).unwrap();
+    for (i, n) in [(a, 1), (b, 1)] {
+        let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, i, n)).await;
+        assert_eq!(s, StatusCode::OK);
+    }
+    let on_a = st.admit(id("on-a"), "POST".into(), "/".into()).unwrap();
+    on_a.set_instance(a);
+    let on_b = st.admit(id("on-b"), "POST".into(), "/".into()).unwrap();
+    on_b.set_instance(b);
+    let untagged = st.admit(id("untagged"), "POST".into(), "/".into()).unwrap();
+    // Both silent past the TTL: held, nothing ended.
+    clock.advance(Duration::from_secs(31));
+    reaper::judge_leases(&st);
+    assert_eq!(on_a.ended(), None);
+    assert_eq!(on_b.ended(), None);
+    assert_eq!(
+        lease_metric(&st, "kvguard_control_lease_held_expiries_total").await,
+        2.0
+    );
+    // B renews; A stays silent: A alone expires, its request alone ends.
+    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, b, 2)).await;
+    assert_eq!(s, StatusCode::OK);
+    reaper::judge_leases(&st);
+    assert_eq!(on_a.ended(), Some(AbortReason::GatewayLost));
+    assert_eq!(on_b.ended(), None);
+    assert_eq!(untagged.ended(), None);
+    assert_eq!(
+        lease_metric(
+            &st,
+            "kvguard_control_lease_requests_ended_total{mode=\"enforce\"}"
+        )
+        .await,
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn observe_mode_lease_expiry_counts_and_ends_nothing() {
+    let (st, clock) = state(|c| c.lease_ttl = Duration::from_secs(30));
+    assert_eq!(
+        st.cfg.lease_mode,
+        kvguard_control::leases::LeaseMode::Observe,
+        "the default"
+    );
+    let a = kvguard_contract::InstanceId([3; 16]);
+    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, a, 1)).await;
+    assert_eq!(s, StatusCode::OK);
+    let e = st
+        .admit(RequestId::try_new(b"r").unwrap(), "POST".into(), "/".into())
+        .unwrap();
+    e.set_instance(a);
+    clock.advance(Duration::from_secs(31));
+    reaper::judge_leases(&st);
+    assert_eq!(e.ended(), None);
+    assert_eq!(
+        lease_metric(
+            &st,
+            "kvguard_control_lease_requests_ended_total{mode=\"observe\"}"
+        )
+        .await,
+        1.0
+    );
+}

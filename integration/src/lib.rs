@@ -25,6 +25,7 @@ pub mod client;
 pub mod clock_shim;
 pub mod demo;
 pub mod envoy;
+pub mod gate;
 pub mod hops;
 pub mod load;
 pub mod lossy;

@@ -8,7 +8,7 @@ use hyper::body::Incoming;
 use hyper::{Request, Response};
 use kvguard_contract::abort::MAX_ABORT_BODY;
 use kvguard_contract::signature::{self, SignatureError};
-use kvguard_contract::{AbortAnswer, AbortRequest, Key, SIGNATURE_HEADER};
+use kvguard_contract::{AbortAnswer, AbortRequest, Key, LEASE_PATH, SIGNATURE_HEADER};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -109,6 +109,8 @@ struct State {
     in_flight: HashSet<String>,
     aborted: HashSet<String>,
     tombstones: HashSet<String>,
+    /// Lease renewals (`POST /v1/lease`): answered 200, kept apart from the abort calls.
+    renewals: Vec<Vec<u8>>,
 }
 
 struct Shared {
@@ -185,6 +187,11 @@ impl Receiver {
             .into_iter()
             .filter(|c| c.request_id() == Some(request_id))
             .collect()
+    }
+
+    /// The bodies of the lease renewals received (not among [`Receiver::calls`]).
+    pub fn renewals(&self) -> Vec<Vec<u8>> {
+        self.shared.lock().renewals.clone()
     }
 
     /// Forgets the recorded calls (not the id or replay memory).
@@ -304,6 +311,15 @@ async fn handle(
         .await
         .unwrap_or_default();
     let behaviour = shared.lock().behaviour.clone().unwrap_or(Behaviour::Verify);
+    // Lease renewals are kept apart (the abort tests see aborts only): answered 200, or
+    // passed on by a tap.
+    if path == LEASE_PATH {
+        shared.lock().renewals.push(body.to_vec());
+        if let Behaviour::Forward(to) = behaviour {
+            return Ok(forward(to, &method, &path, &headers, &body).await);
+        }
+        return Ok(json_response(200, &serde_json::json!({})));
+    }
     let abort = AbortRequest::parse(&body).ok().map(|(a, _)| a);
     let record = |verify, status| {
         let mut g = shared.lock();

@@ -2,7 +2,7 @@
 //! jitter for transient answers only, a per-call timeout and an overall deadline.
 
 use crate::config::Config;
-use crate::host::{Call, DispatchError, Host};
+use crate::host::{Call, DispatchError, Host, Level};
 use crate::metrics::{Metric, Metrics, Outcome, Route};
 use kvguard_contract::{signature, AbortReason, AbortRequest, Disposition, RequestId};
 use std::collections::VecDeque;
@@ -16,6 +16,10 @@ pub const BACKOFF_BASE_MS: u64 = 200;
 pub const BACKOFF_MAX_MS: u64 = 5_000;
 /// An abort not settled this long after it was queued is given up (`failed`), ms.
 pub const DEADLINE_MS: u64 = 30_000;
+
+/// How long past its own timeout (`abort_timeout_ms`, after which the host answers a
+/// call with a timeout) a call may stay unanswered before the watchdog frees its slot.
+pub const WATCHDOG_SLACK_MS: u64 = 1_000;
 
 /// The header naming the replica for an ORIGINAL_DST cluster.
 pub const ORIGINAL_DST_HEADER: &str = "x-envoy-original-dst-host";
@@ -42,6 +46,8 @@ pub struct Job {
     pub gone_at_ms: Option<u64>,
     queued_ms: u64,
     next_ms: u64,
+    /// When its current call was dispatched (for the watchdog).
+    sent_ms: u64,
 }
 
 impl Job {
@@ -70,6 +76,7 @@ impl Job {
             gone_at_ms: None,
             queued_ms: now_ms,
             next_ms: now_ms,
+            sent_ms: now_ms,
         }
     }
 
@@ -170,6 +177,7 @@ impl AbortQueue {
         let since = |t: Option<u64>| t.map(|t| now_ms.saturating_sub(t));
         let body = AbortRequest::new(&job.id, job.reason, job.age_ms, job.events)
             .with_durations(since(job.last_event_ms), since(job.gone_at_ms))
+            .with_attempt(job.attempts.saturating_add(1))
             .to_json();
         let sig = signature::sign(&cfg.key, unix_secs, &body);
         let mut headers: Vec<(&'static str, String)> = vec![
@@ -208,6 +216,28 @@ impl AbortQueue {
         host: &mut H,
         finished: &mut Vec<Finished>,
     ) {
+        // The watchdog: a call whose answer never came (a host that lost the callback)
+        // gives its slot back and is treated as timed out (retried within the deadline).
+        let limit = cfg.abort_timeout_ms.saturating_add(WATCHDOG_SLACK_MS);
+        let lost: Vec<u32> = self
+            .in_flight
+            .iter()
+            .filter(|(_, j)| now_ms.saturating_sub(j.sent_ms) > limit)
+            .map(|(t, _)| *t)
+            .collect();
+        for token in lost {
+            if let Some(job) = self.in_flight.remove(&token) {
+                host.add(Metric::AbortAnswersLost, 1);
+                host.log(
+                    Level::Warn,
+                    &format!(
+                        "abort request_id={} attempt={}: no answer {limit} ms after the call (the host lost it); its slot is freed and it counts as a timeout",
+                        job.id, job.attempts
+                    ),
+                );
+                self.retry_or_fail(cfg, job, None, now_ms, host, finished);
+            }
+        }
         // Due retries go first: they have waited longest.
         let mut i = 0;
         while i < self.backoff.len() {
@@ -228,6 +258,7 @@ impl AbortQueue {
             }
             let (call, route) = Self::call(cfg, &job, now_ms, unix_secs);
             job.attempts += 1;
+            job.sent_ms = now_ms;
             host.add(Metric::AbortAttempts, 1);
             if job.attempts == 1 {
                 host.add(Metric::AbortRoutes(route), 1);
@@ -330,6 +361,20 @@ impl AbortQueue {
         self.finish(job, outcome, Some(code), metrics, finished);
     }
 
+    /// Gives up every job (the VM stops before they could be delivered): each ends as
+    /// `failed`, and the pending gauge comes down.
+    pub fn abandon<M: Metrics + ?Sized>(&mut self, metrics: &mut M, finished: &mut Vec<Finished>) {
+        let jobs: Vec<Job> = self
+            .ready
+            .drain(..)
+            .chain(self.backoff.drain(..))
+            .chain(self.in_flight.drain().map(|(_, j)| j))
+            .collect();
+        for job in jobs {
+            self.finish(job, Outcome::Failed, None, metrics, finished);
+        }
+    }
+
     /// The earliest time a backing-off job is due, if any.
     #[cfg(test)]
     pub fn next_due_ms(&self) -> Option<u64> {
@@ -363,7 +408,7 @@ mod tests {
         assert_eq!(call.timeout_ms, 1000);
         assert_eq!(
             call.body,
-            br#"{"request_id":"r1","reason":"stalled","age_ms":5,"tokens":6}"#
+            br#"{"request_id":"r1","reason":"stalled","age_ms":5,"tokens":6,"attempt":1}"#
         );
         let h = |k: &str| {
             call.headers
@@ -407,7 +452,9 @@ mod tests {
         };
         assert!(sig(0).starts_with("t=1000,v1="));
         assert!(sig(1).starts_with("t=1007,v1="));
-        assert_eq!(h.calls[0].3, h.calls[1].3);
+        // Each attempt is numbered in its body: a retry after a call that landed is never
+        // taken for a replay of it.
+        assert_ne!(h.calls[0].3, h.calls[1].3);
     }
 
     #[test]
@@ -423,14 +470,14 @@ mod tests {
         let body = |h: &MockHost, i: usize| String::from_utf8(h.calls[i].3.clone()).unwrap();
         assert_eq!(
             body(&h, 0),
-            r#"{"request_id":"g","reason":"stalled","age_ms":5,"tokens":6,"idle_ms":350,"gone_ms":50}"#
+            r#"{"request_id":"g","reason":"stalled","age_ms":5,"tokens":6,"idle_ms":350,"gone_ms":50,"attempt":1}"#
         );
         let t = h.calls[0].0;
         q.on_answer(&cfg, t, Some(503), b"", 500, &mut h, &mut fin);
         let due = q.next_due_ms().unwrap();
         q.pump(&cfg, due, 1, &mut h, &mut fin);
         assert!(body(&h, 1).ends_with(&format!(
-            r#""idle_ms":{},"gone_ms":{}}}"#,
+            r#""idle_ms":{},"gone_ms":{},"attempt":2}}"#,
             due - 100,
             due - 400
         )));
@@ -439,7 +486,7 @@ mod tests {
         q.pump(&cfg, 9_000, 1, &mut h, &mut fin);
         assert_eq!(
             body(&h, 2),
-            r#"{"request_id":"s","reason":"stalled","age_ms":5,"tokens":6}"#
+            r#"{"request_id":"s","reason":"stalled","age_ms":5,"tokens":6,"attempt":1}"#
         );
     }
 
@@ -575,6 +622,54 @@ mod tests {
         assert_eq!(fin[0].outcome, Outcome::Failed);
         assert_eq!(fin[0].status, Some(429));
         assert_eq!(fin[0].job.attempts, 3);
+        assert_eq!(q.pending(), 0);
+    }
+
+    #[test]
+    fn a_lost_answer_frees_its_slot_and_each_attempt_is_numbered() {
+        let cfg = config(r#","abort_timeout_ms":1000,"abort_retries":3"#);
+        let mut q = AbortQueue::new(10, 3);
+        let mut h = MockHost::default();
+        let mut fin = Vec::new();
+        q.push(job("r", 0), &mut h).unwrap();
+        q.pump(&cfg, 0, 1, &mut h, &mut fin);
+        assert_eq!(q.in_flight(), 1);
+        let attempt =
+            |h: &MockHost, i: usize| AbortRequest::parse(&h.calls[i].3).unwrap().0.attempt;
+        assert_eq!(attempt(&h, 0), Some(1));
+        // The host never answers: within the slack the slot stays taken...
+        q.pump(&cfg, 1000 + WATCHDOG_SLACK_MS, 1, &mut h, &mut fin);
+        assert_eq!((q.in_flight(), h.calls.len()), (1, 1));
+        // ...past it, the watchdog frees it; the retry is attempt 2, a new signature.
+        q.pump(&cfg, 1001 + WATCHDOG_SLACK_MS, 1, &mut h, &mut fin);
+        assert_eq!(h.metric(Metric::AbortAnswersLost), 1);
+        assert_eq!(q.in_flight(), 0);
+        let due = q.next_due_ms().unwrap();
+        q.pump(&cfg, due, 1, &mut h, &mut fin);
+        assert_eq!(attempt(&h, 1), Some(2));
+        let sig = |h: &MockHost, i: usize| {
+            h.calls[i]
+                .2
+                .iter()
+                .find(|(k, _)| *k == signature::SIGNATURE_HEADER)
+                .unwrap()
+                .1
+                .clone()
+        };
+        assert_ne!(sig(&h, 0), sig(&h, 1));
+        // A late answer to the lost call changes nothing; the retry's answer settles it.
+        q.on_answer(&cfg, h.calls[0].0, Some(200), b"", due, &mut h, &mut fin);
+        assert!(fin.is_empty());
+        q.on_answer(
+            &cfg,
+            h.calls[1].0,
+            Some(200),
+            br#"{"already_aborted":true}"#,
+            due,
+            &mut h,
+            &mut fin,
+        );
+        assert_eq!(fin[0].outcome, Outcome::AlreadyAborted);
         assert_eq!(q.pending(), 0);
     }
 

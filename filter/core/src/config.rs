@@ -122,10 +122,18 @@ pub struct Config {
     pub max_pending_aborts: usize,
     /// Largest event inspected, bytes.
     pub max_event_bytes: usize,
+    /// Period of the liveness-lease renewal, ms (0 = off; contract §8).
+    pub lease_renew_ms: u64,
+    /// Path of the renewal endpoint.
+    pub lease_path: String,
 }
 
+/// Default renewal period: under a quarter of kvguard-control's default 30 s TTL, so
+/// three renewals in a row can be lost before a lease expires.
+pub const DEFAULT_LEASE_RENEW_MS: u64 = 5_000;
+
 /// The top-level keys (contract §5).
-const KEYS: [&str; 19] = [
+const KEYS: [&str; 21] = [
     "control_cluster",
     "control_authority",
     "control_target_cluster",
@@ -145,6 +153,8 @@ const KEYS: [&str; 19] = [
     "abort_retries",
     "max_pending_aborts",
     "max_event_bytes",
+    "lease_renew_ms",
+    "lease_path",
 ];
 
 /// The keys of a `routes` entry.
@@ -505,7 +515,26 @@ impl Config {
             }
         }
         routes.sort_by_key(|r| core::cmp::Reverse(r.path_prefix.len()));
+        let lease_renew_ms = int(
+            "lease_renew_ms",
+            raw.get("lease_renew_ms"),
+            0,
+            60_000,
+            DEFAULT_LEASE_RENEW_MS,
+            " (0 = off; at most a quarter of kvguard-control's --lease-ttl)",
+        )?;
+        if (1..100).contains(&lease_renew_ms) {
+            return err(format!(
+                "lease_renew_ms: expected 0 (off) or 100..=60000, got {lease_renew_ms}"
+            ));
+        }
+        let lease_path = match raw.get("lease_path") {
+            None => kvguard_contract::LEASE_PATH.to_owned(),
+            Some(v) => path_prefix("lease_path", v)?,
+        };
         Ok(Config {
+            lease_renew_ms,
+            lease_path,
             control_cluster,
             control_authority,
             target,

@@ -146,6 +146,8 @@ pub struct Engine {
     table: hashbrown::HashMap<u32, Box<Request>>,
     queue: AbortQueue,
     tick_on: bool,
+    /// The host needs the tick even with nothing tracked (lease renewals).
+    keep_ticking: bool,
     memory_reported: u64,
     finished: Vec<Finished>,
 }
@@ -207,6 +209,7 @@ impl Engine {
             table: hashbrown::HashMap::new(),
             queue,
             tick_on: false,
+            keep_ticking: false,
             memory_reported: 0,
             finished: Vec::new(),
         }
@@ -618,6 +621,15 @@ impl Engine {
         self.report_finished(p);
     }
 
+    /// The VM stops for good: every abort still pending is given up (`failed`, logged),
+    /// so the pending gauge does not stay up.
+    pub fn abandon_pending<P: Platform + ?Sized>(&mut self, p: &mut P) {
+        let mut finished = core::mem::take(&mut self.finished);
+        self.queue.abandon(p, &mut finished);
+        self.finished = finished;
+        self.report_finished(p);
+    }
+
     /// Whether the queue has something to send now.
     pub fn has_ready_aborts(&self, now_ms: u64) -> bool {
         self.queue.has_ready(now_ms)
@@ -674,9 +686,15 @@ impl Engine {
         }
     }
 
-    /// Whether the tick should run: requests tracked, or aborts pending.
+    /// Keeps the tick on even with nothing tracked or pending (the host renews the
+    /// liveness lease on it).
+    pub fn keep_ticking(&mut self, on: bool) {
+        self.keep_ticking = on;
+    }
+
+    /// Whether the tick should run: requests tracked, aborts pending, or kept on.
     pub fn tick_wanted(&self) -> bool {
-        !self.table.is_empty() || self.queue.pending() > 0
+        self.keep_ticking || !self.table.is_empty() || self.queue.pending() > 0
     }
 
     /// If the tick must change, records it and returns the new period in ms (0 = off).
@@ -887,7 +905,7 @@ mod tests {
         assert_eq!(h.calls[0].1, "kvguard");
         assert_eq!(
             body(&h, 0),
-            r#"{"request_id":"r1","reason":"downstream_reset","age_ms":700,"tokens":2,"idle_ms":700,"gone_ms":0}"#
+            r#"{"request_id":"r1","reason":"downstream_reset","age_ms":700,"tokens":2,"idle_ms":700,"gone_ms":0,"attempt":1}"#
         );
         let token = h.calls[0].0;
         e.on_abort_answer(
@@ -932,12 +950,12 @@ mod tests {
         e.on_log(&mut h, 1, b"downstream_remote_disconnect", flags::DC);
         h.now += 20;
         e.pump(&mut h);
-        assert!(body(&h, 0).ends_with(r#""idle_ms":320,"gone_ms":20}"#));
+        assert!(body(&h, 0).ends_with(r#""idle_ms":320,"gone_ms":20,"attempt":1}"#));
         let t = h.calls[0].0;
         e.on_abort_answer(&mut h, t, Some(503), b"");
         h.now += 5_000;
         e.tick(&mut h);
-        assert!(body(&h, 1).ends_with(r#""idle_ms":5320,"gone_ms":5020}"#));
+        assert!(body(&h, 1).ends_with(r#""idle_ms":5320,"gone_ms":5020,"attempt":2}"#));
     }
 
     #[test]
@@ -950,7 +968,7 @@ mod tests {
         );
         e.pump(&mut h);
         // No data event seen: no idle_ms.
-        assert!(body(&h, 0).ends_with(r#""tokens":0,"gone_ms":0}"#));
+        assert!(body(&h, 0).ends_with(r#""tokens":0,"gone_ms":0,"attempt":1}"#));
     }
 
     #[test]
@@ -979,7 +997,7 @@ mod tests {
         assert!(body(&h, 0).contains(r#""reason":"stalled""#));
         // Idle since its last data event (110 ms); the client was still connected.
         assert!(
-            body(&h, 0).ends_with(r#""idle_ms":110}"#),
+            body(&h, 0).ends_with(r#""idle_ms":110,"attempt":1}"#),
             "{}",
             body(&h, 0)
         );

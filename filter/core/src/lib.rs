@@ -13,6 +13,7 @@ pub mod config;
 pub mod engine;
 pub mod host;
 pub mod json;
+pub mod lease;
 pub mod metrics;
 pub mod request;
 pub mod scan;

@@ -221,7 +221,42 @@ pub enum Metric {
     StreamDurationMs,
     /// Abort decided to its final answer (retries included), ms.
     AbortRoundTripMs,
+    /// Liveness-lease renewals, by result (`sent`, `accepted`, `failed`).
+    LeaseRenewals(LeaseResult),
+    /// Abort calls whose answer never came (the watchdog freed their slot).
+    AbortAnswersLost,
 }
+
+// ---- Liveness leases (contract §8) and lost abort answers -------------------------------------------------------
+
+/// What became of a lease renewal (label `result`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseResult {
+    /// Dispatched.
+    Sent,
+    /// Answered 200.
+    Accepted,
+    /// Refused by the host, timed out, or answered anything but 200.
+    Failed,
+}
+
+impl LeaseResult {
+    const ALL: [LeaseResult; 3] = [
+        LeaseResult::Sent,
+        LeaseResult::Accepted,
+        LeaseResult::Failed,
+    ];
+    /// Label value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            LeaseResult::Sent => "sent",
+            LeaseResult::Accepted => "accepted",
+            LeaseResult::Failed => "failed",
+        }
+    }
+}
+
+// ---- end of liveness leases -------------------------------------------------------------
 
 const R: usize = AbortReason::ALL.len();
 const O: usize = Outcome::ALL.len();
@@ -240,10 +275,12 @@ const BASE_MEMORY: usize = BASE_CLOSED + 1;
 const BASE_HOST: usize = BASE_MEMORY + 1;
 const BASE_HOLDS: usize = BASE_HOST + 1;
 const BASE_HIST: usize = BASE_HOLDS + 1;
+const BASE_LEASE: usize = BASE_HIST + 4;
+const BASE_LOST: usize = BASE_LEASE + LeaseResult::ALL.len();
 
 impl Metric {
     /// How many distinct metrics exist (for id caches).
-    pub const COUNT: usize = BASE_HIST + 4;
+    pub const COUNT: usize = BASE_LOST + 1;
 
     /// A dense index in `0..COUNT`.
     pub fn index(self) -> usize {
@@ -267,6 +304,8 @@ impl Metric {
             Metric::MaxTokenGapMs => BASE_HIST + 1,
             Metric::StreamDurationMs => BASE_HIST + 2,
             Metric::AbortRoundTripMs => BASE_HIST + 3,
+            Metric::LeaseRenewals(r) => BASE_LEASE + r as usize,
+            Metric::AbortAnswersLost => BASE_LOST,
         }
     }
 
@@ -312,6 +351,8 @@ impl Metric {
             Metric::MaxTokenGapMs => format!("{PREFIX}max_token_gap_ms"),
             Metric::StreamDurationMs => format!("{PREFIX}stream_duration_ms"),
             Metric::AbortRoundTripMs => format!("{PREFIX}abort_round_trip_ms"),
+            Metric::LeaseRenewals(r) => tag("lease_renewals_total", "result", r.as_str()),
+            Metric::AbortAnswersLost => format!("{PREFIX}abort_answers_lost_total"),
         }
     }
 
@@ -342,6 +383,8 @@ impl Metric {
             Metric::StreamDurationMs,
             Metric::AbortRoundTripMs,
         ]);
+        v.extend(LeaseResult::ALL.map(Metric::LeaseRenewals));
+        v.push(Metric::AbortAnswersLost);
         v
     }
 }

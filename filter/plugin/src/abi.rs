@@ -86,7 +86,6 @@ mod imports {
             key_data: *const u8,
             key_size: usize,
         ) -> u32;
-        #[cfg(feature = "trap-injection")]
         pub fn proxy_replace_header_map_value(
             map_type: u32,
             key_data: *const u8,
@@ -194,7 +193,6 @@ mod imports {
     pub unsafe fn proxy_remove_header_map_value(_: u32, _: *const u8, _: usize) -> u32 {
         NOT_FOUND
     }
-    #[cfg(feature = "trap-injection")]
     pub unsafe fn proxy_replace_header_map_value(
         _: u32,
         _: *const u8,
@@ -372,8 +370,7 @@ pub fn remove_header(map: Map, key: &str) -> Result<(), Status> {
     check(unsafe { proxy_remove_header_map_value(map as u32, key.as_ptr(), key.len()) })
 }
 
-/// Sets a header, replacing any value it had (only the test build uses it: `trap.rs`).
-#[cfg(feature = "trap-injection")]
+/// Sets a header, replacing any value it had.
 pub fn replace_header(map: Map, key: &str, value: &[u8]) -> Result<(), Status> {
     // SAFETY: `key` and `value` are live.
     check(unsafe {
@@ -498,6 +495,34 @@ pub fn get_shared_data(key: &str) -> Result<Option<Vec<u8>>, Status> {
 pub fn set_shared_data(key: &str, value: &[u8]) -> Result<(), Status> {
     // SAFETY: both slices are live.
     check(unsafe { proxy_set_shared_data(key.as_ptr(), key.len(), value.as_ptr(), value.len(), 0) })
+}
+
+/// Status `CasMismatch` (shared data changed since it was read).
+pub const CAS_MISMATCH: u32 = 8;
+
+/// A shared-data value with its compare-and-swap version; `None` when absent.
+pub fn get_shared_data_cas(key: &str) -> Result<Option<(Vec<u8>, u32)>, Status> {
+    let mut data: *mut u8 = core::ptr::null_mut();
+    let mut size = 0usize;
+    let mut cas = 0u32;
+    // SAFETY: `key` is live; valid out-pointers; buffer taken over by `take`.
+    let status =
+        unsafe { proxy_get_shared_data(key.as_ptr(), key.len(), &mut data, &mut size, &mut cas) };
+    match status {
+        0 => Ok(Some((take(data, size), cas))),
+        NOT_FOUND => Ok(None),
+        s => Err(Status(s)),
+    }
+}
+
+/// Sets a shared-data value if its version is still `cas` (`Err(CAS_MISMATCH)` if
+/// another VM wrote it since). A key that is absent is written whatever `cas` says
+/// (Envoy's rule), so two VMs racing to create a key may both "win": callers re-read.
+pub fn set_shared_data_cas(key: &str, value: &[u8], cas: u32) -> Result<(), Status> {
+    // SAFETY: both slices are live.
+    check(unsafe {
+        proxy_set_shared_data(key.as_ptr(), key.len(), value.as_ptr(), value.len(), cas)
+    })
 }
 
 /// Bytes of the VM's linear memory.

@@ -18,11 +18,12 @@ mod trap;
 
 use core::cell::RefCell;
 use kvguard_contract::signature::SIGNATURE_HEADER;
+use kvguard_contract::{InstanceId, INSTANCE_HEADER};
 use kvguard_contract::{CONTROL_HEADER, REQUEST_ID_HEADER};
 use kvguard_filter_core::engine::{self, BodyNeed, Engine, Streams, Verdict};
 use kvguard_filter_core::host::{Call, Clock, DispatchError, Host, Level};
 use kvguard_filter_core::metrics::{Kind, Metric, Metrics};
-use kvguard_filter_core::{Config, Mode, OutcomeTag};
+use kvguard_filter_core::{lease, Config, Mode, OutcomeTag};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
 use std::hash::{BuildHasher, Hasher};
@@ -31,6 +32,10 @@ use std::time::Duration;
 
 /// The filter-state key of the outcome (Envoy stores it as `wasm.kvguard.outcome`).
 pub const OUTCOME_PROPERTY: &str = "kvguard.outcome";
+
+/// Longest a stopping VM waits for its pending aborts: every abort ends (delivered or
+/// failed) within the queue's deadline; the rest is slack for the last call's timeout.
+const STOP_BOUND_MS: u64 = kvguard_filter_core::aborts::DEADLINE_MS + 5_000;
 
 /// Largest abort answer body read.
 const MAX_ANSWER_BODY: usize = 4096;
@@ -42,6 +47,13 @@ struct Shared {
     queue_id: Option<u32>,
     /// The shared-data key of this plugin's mode (`kvguard.mode.<plugin name>`).
     mode_key: Option<String>,
+    /// This Envoy process's instance id (shared data [`lease::INSTANCE_KEY`]).
+    instance: Option<InstanceId>,
+    /// The token of this VM's renewal in flight.
+    lease_token: Option<u32>,
+    /// Since when (monotonic ms) the host has been stopping this VM (`on_done`) while
+    /// aborts were pending.
+    stopping_since: Option<u64>,
 }
 
 type SharedRef = Rc<RefCell<Shared>>;
@@ -288,6 +300,9 @@ fn init() {
                 metric_ids: Vec::new(),
                 queue_id: None,
                 mode_key: None,
+                instance: None,
+                lease_token: None,
+                stopping_since: None,
             })),
         })
     });
@@ -307,6 +322,119 @@ impl Root {
     fn pump(&self) {
         let _ = with_engine(&self.shared, |e, p| e.pump(p));
         sync_tick(&self.shared);
+    }
+}
+
+impl Root {
+    /// While the host stops this VM (`on_done` returned false): pumps the aborts, and once
+    /// none is pending or `STOP_BOUND_MS` passed, gives up what is left and tells the host
+    /// it is done. Returns whether the VM is stopping.
+    fn finish_stopping(&self) -> bool {
+        let Some(since) = self.shared.try_borrow().ok().and_then(|s| s.stopping_since) else {
+            return false;
+        };
+        let done = with_engine(&self.shared, |e, p| {
+            e.pump(p);
+            let now = p.now_ms();
+            let left = e.pending_aborts();
+            if left == 0 || now.saturating_sub(since) >= STOP_BOUND_MS {
+                if left > 0 {
+                    p.log(
+                        Level::Warn,
+                        &format!("stopping VM: {left} aborts undelivered after {STOP_BOUND_MS} ms, given up"),
+                    );
+                    e.abandon_pending(p);
+                } else {
+                    p.log(Level::Info, "stopping VM: every pending abort delivered");
+                }
+                e.report_memory(p, 0);
+                true
+            } else {
+                false
+            }
+        })
+        .unwrap_or(true);
+        if done {
+            let _ = abi::set_tick_period_ms(0);
+            if proxy_wasm::hostcalls::done().is_err() {
+                abi::log(abi::LogLevel::Warn, "proxy_done refused by the host");
+            }
+        }
+        true
+    }
+
+    /// Renews the lease if this VM wins the period's slot (one renewal per process per
+    /// period, whichever worker's tick comes first).
+    fn renew_lease(&self) {
+        let Some(Some((period, now, jitter))) = with_engine(&self.shared, |e, p| {
+            (e.cfg.lease_renew_ms > 0).then(|| (e.cfg.lease_renew_ms, p.now_ms(), random_seed()))
+        }) else {
+            return;
+        };
+        let (current, cas) = match abi::get_shared_data_cas(lease::SLOT_KEY) {
+            Ok(Some((v, cas))) => (Some(v), cas),
+            Ok(None) => (None, 0),
+            Err(_) => {
+                let _ = with_engine(&self.shared, |_, p| p.add(Metric::HostErrors, 1));
+                return;
+            }
+        };
+        let Some(slot) = lease::elect(current.as_deref(), now, period, jitter) else {
+            return;
+        };
+        match abi::set_shared_data_cas(lease::SLOT_KEY, &slot.value(), cas) {
+            Ok(()) => {}
+            // Another worker renews this period.
+            Err(abi::Status(abi::CAS_MISMATCH)) => return,
+            Err(_) => {
+                let _ = with_engine(&self.shared, |_, p| p.add(Metric::HostErrors, 1));
+                return;
+            }
+        }
+        // The id the process uses now (a VM that lost the first-start race adopts it).
+        sync_instance(&self.shared);
+        let Some(instance) = self.shared.try_borrow().ok().and_then(|s| s.instance) else {
+            return;
+        };
+        let token = with_engine(&self.shared, |e, p| {
+            lease::send(&e.cfg, p, instance, slot.counter)
+        })
+        .flatten();
+        if let Ok(mut s) = self.shared.try_borrow_mut() {
+            s.lease_token = token;
+        }
+    }
+}
+
+/// Reads this process's instance id from shared data, creating it if absent: 128 random
+/// bits, drawn once per Envoy process (per `vm_id`) and kept across VM reloads and module
+/// upgrades. Two VMs creating it at once both write; each re-reads and adopts the value
+/// that stayed.
+fn sync_instance(shared: &SharedRef) {
+    let read = || match abi::get_shared_data(lease::INSTANCE_KEY) {
+        Ok(Some(v)) => lease::parse_instance_value(&v),
+        _ => None,
+    };
+    let id = read().or_else(|| {
+        let mut bytes = [0u8; 16];
+        bytes[..8].copy_from_slice(&random_seed().to_le_bytes());
+        bytes[8..].copy_from_slice(&random_seed().to_le_bytes());
+        let fresh = InstanceId(bytes);
+        if abi::set_shared_data(lease::INSTANCE_KEY, &lease::instance_value(fresh)).is_err() {
+            abi::log(
+                abi::LogLevel::Warn,
+                "cannot write the lease instance id to shared data; this VM uses its own",
+            );
+            return Some(fresh);
+        }
+        abi::log(
+            abi::LogLevel::Info,
+            &format!("lease instance id {fresh} created for this Envoy process"),
+        );
+        read().or(Some(fresh))
+    });
+    if let Ok(mut s) = shared.try_borrow_mut() {
+        s.instance = id;
     }
 }
 
@@ -340,6 +468,17 @@ impl Context for Root {
         } else {
             Vec::new()
         };
+        let is_lease = match self.shared.try_borrow_mut() {
+            Ok(mut s) if s.lease_token == Some(token_id) => {
+                s.lease_token = None;
+                true
+            }
+            _ => false,
+        };
+        if is_lease {
+            let _ = with_engine(&self.shared, |_, p| lease::on_answer(p, status));
+            return;
+        }
         let _ = with_engine(&self.shared, |e, p| {
             e.on_abort_answer(p, token_id, status, &body)
         });
@@ -347,9 +486,34 @@ impl Context for Root {
     }
 
     fn on_done(&mut self) -> bool {
-        // The VM is going away: take its memory out of the shared gauge.
-        let _ = with_engine(&self.shared, |e, p| e.report_memory(p, 0));
-        true
+        // A config push, listener drain or module upgrade stops this VM: aborts queued,
+        // backing off or in flight would die with it. Keep it until they are delivered
+        // (the tick goes on pumping), at most `STOP_BOUND_MS`; then `proxy_done`.
+        let pending = with_engine(&self.shared, |e, p| {
+            let n = e.pending_aborts();
+            if n > 0 {
+                p.log(
+                    Level::Info,
+                    &format!("the host stops this VM with {n} aborts pending: delivering them first (at most {STOP_BOUND_MS} ms)"),
+                );
+                e.pump(p);
+            }
+            (n, p.now_ms())
+        });
+        match pending {
+            Some((n, now)) if n > 0 => {
+                if let Ok(mut s) = self.shared.try_borrow_mut() {
+                    s.stopping_since = Some(now);
+                }
+                sync_tick(&self.shared);
+                false
+            }
+            _ => {
+                // The VM is going away: take its memory out of the shared gauge.
+                let _ = with_engine(&self.shared, |e, p| e.report_memory(p, 0));
+                true
+            }
+        }
     }
 }
 
@@ -463,12 +627,26 @@ impl RootContext for Root {
                 let _ = p.metric_id(m);
             }
         });
+        let renew = with_engine(&self.shared, |e, _| {
+            let on = e.cfg.lease_renew_ms > 0;
+            e.keep_ticking(on);
+            on
+        })
+        .unwrap_or(false);
+        if renew {
+            sync_instance(&self.shared);
+        }
+        sync_tick(&self.shared);
         self.report_memory();
         true
     }
 
     fn on_tick(&mut self) {
+        if self.finish_stopping() {
+            return;
+        }
         sync_mode(&self.shared);
+        self.renew_lease();
         let actions = with_engine(&self.shared, |e, p| {
             let a = e.tick(p);
             report_clock_errors(p);
@@ -538,7 +716,7 @@ impl HttpContext for Stream {
         // A client never speaks for kvguard: its stamp or signature headers go, on every
         // request, tracked or not (the edge's header mutation does the same; this is the
         // belt under it).
-        for h in [CONTROL_HEADER, SIGNATURE_HEADER] {
+        for h in [CONTROL_HEADER, SIGNATURE_HEADER, INSTANCE_HEADER] {
             let _ = abi::remove_header(abi::Map::RequestHeaders, h);
         }
         let path = abi::get_header(abi::Map::RequestHeaders, ":path")
@@ -554,6 +732,15 @@ impl HttpContext for Stream {
         match verdict {
             Some(Verdict::Tracked) => {
                 self.tracked = true;
+                // The gateway process that carries it (contract §8).
+                let instance = self.shared.try_borrow().ok().and_then(|s| s.instance);
+                if let Some(i) = instance {
+                    let _ = abi::replace_header(
+                        abi::Map::RequestHeaders,
+                        INSTANCE_HEADER,
+                        i.to_string().as_bytes(),
+                    );
+                }
                 sync_tick(&self.shared);
             }
             _ => set_outcome(OutcomeTag::Untracked),
