@@ -72,6 +72,12 @@ fn cfg(seed: u64) -> DemoConfig {
     // Long enough for the 15 s `for:` after the last arrival: without kvguard the stalled
     // streams' requests stay open behind the hop through the drain.
     c.drain_s = 20.0;
+    // Enough orphans, long enough, that without kvguard the excess of kvguard-control's
+    // in-flight over Envoy's active requests never falls to 0 for the 15 s `for:` (with the
+    // demo's 15 % of 100–500-token streams it sometimes did: the two targets are scraped a
+    // moment apart, and a short gap resets the alert's pending state).
+    c.disconnect_share = 0.3;
+    c.min_tokens = 300;
     c.seed = seed;
     c.prometheus = true;
     c
