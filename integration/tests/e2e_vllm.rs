@@ -892,8 +892,11 @@ async fn litellm_on_vllm_non_streaming_left_leaks_without_kvguard_and_is_freed_w
         let st = Stack::start(with_hop(filter_opts(v.addr(), 30_000), hop()))
             .await
             .unwrap();
+        // Long enough to be running at vLLM's next metrics update and still while the
+        // non-streaming request is left (a 200-token stream ended in 2.9 s on an idle
+        // machine, before vLLM's gauge ever showed it).
         let mut healthy =
-            client::stream_sse(st.entry(), "/v1/chat/completions", &chat(200), &[], false)
+            client::stream_sse(st.entry(), "/v1/chat/completions", &chat(LONG), &[], false)
                 .await
                 .unwrap();
         healthy.read_events(1, W).await.unwrap();
