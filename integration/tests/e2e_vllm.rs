@@ -640,37 +640,53 @@ async fn vllm_scale_out_abort_api_frees_the_sequence_while_its_client_stays_conn
     .unwrap();
 }
 
-/// Sends a long non-streaming completion through `entry` (held by the lossy hop before
-/// its head too), waits until vLLM generates it, and leaves.
-async fn leave_non_streaming(v: &Vllm, entry: SocketAddr, st: &Stack) -> Instant {
-    let body = serde_json::to_vec(
-        &json!({"model": "tiny", "prompt": "kvguard e2e", "stream": false,
-                                          "max_tokens": LONG, "ignore_eos": true}),
-    )
-    .unwrap();
-    // The client waits for the whole answer (none comes before ~25 s of generation)...
+/// The lossy hop's header that holds a request before its head too.
+const HOLD: (&str, &str) = (kvguard_integration::lossy::HOLD_HEADER, "1");
+
+/// Sends the non-streaming completion `body` through `entry` with `extra` headers, waits
+/// until vLLM's figures satisfy `until` (named `what`), then leaves (the client never gets
+/// an answer before that: it comes at the end). Returns when the client left.
+async fn leave_completion(
+    v: &Vllm,
+    entry: SocketAddr,
+    st: &Stack,
+    body: Value,
+    extra: Option<(&'static str, &'static str)>,
+    what: &str,
+    until: impl Fn(&kvguard_integration::vllm::EngineFigures) -> bool,
+) -> Instant {
+    let body = serde_json::to_vec(&body).unwrap();
+    let mut headers = vec![("content-type", "application/json")];
+    headers.extend(extra);
     let waiting = tokio::spawn(async move {
         client::request(
             entry,
             hyper::Method::POST,
             "/v1/completions",
-            &[
-                ("content-type", "application/json"),
-                (kvguard_integration::lossy::HOLD_HEADER, "1"),
-            ],
+            &headers,
             body,
             false,
             T,
         )
         .await
     });
-    v.wait_figures("one generating", W, |f| f.running == 1.0)
+    v.wait_figures(what, W, until)
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
-    // ...and leaves while it is generating.
     waiting.abort();
     let _ = waiting.await;
     Instant::now()
+}
+
+/// Sends a long non-streaming completion through `entry` (held by the lossy hop before
+/// its head too), waits until vLLM generates it, and leaves while it is generating.
+async fn leave_non_streaming(v: &Vllm, entry: SocketAddr, st: &Stack) -> Instant {
+    let body = json!({"model": "tiny", "prompt": "kvguard e2e", "stream": false,
+                      "max_tokens": LONG, "ignore_eos": true});
+    leave_completion(v, entry, st, body, Some(HOLD), "one generating", |f| {
+        f.running == 1.0
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -749,33 +765,12 @@ async fn a_queued_non_streaming_request_left_behind_the_lossy_hop_is_freed_on_vl
         .await
         .unwrap();
         let st = Stack::start(filter_opts(v.addr(), 30_000)).await.unwrap();
-        let entry = st.entry();
-        let body = serde_json::to_vec(
-            &json!({"model": "tiny", "prompt": vec![9u32; 2000], "max_tokens": 100,
-                                              "ignore_eos": true}),
-        )
-        .unwrap();
-        let waiting = tokio::spawn(async move {
-            client::request(
-                entry,
-                hyper::Method::POST,
-                "/v1/completions",
-                &[
-                    ("content-type", "application/json"),
-                    (kvguard_integration::lossy::HOLD_HEADER, "1"),
-                ],
-                body,
-                false,
-                T,
-            )
-            .await
-        });
-        v.wait_figures("one queued", W, |f| f.running == 2.0 && f.waiting == 1.0)
-            .await
-            .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
-        waiting.abort();
-        let _ = waiting.await;
-        let left = Instant::now();
+        let body = json!({"model": "tiny", "prompt": vec![9u32; 2000], "max_tokens": 100,
+                          "ignore_eos": true});
+        let left = leave_completion(&v, st.entry(), &st, body, Some(HOLD), "one queued", |f| {
+            f.running == 2.0 && f.waiting == 1.0
+        })
+        .await;
         // Out of vLLM's queue while the two others still run.
         v.wait_figures(
             "vLLM drops the queued one within 2 s",
@@ -836,31 +831,18 @@ async fn leave_non_streaming_behind_hop(
     st: &Stack,
     before: f64,
 ) -> Instant {
-    let body = serde_json::to_vec(
-        &json!({"model": "tiny", "prompt": "kvguard hop", "stream": false,
-                "max_tokens": LONG, "ignore_eos": true}),
+    let body = json!({"model": "tiny", "prompt": "kvguard hop", "stream": false,
+                      "max_tokens": LONG, "ignore_eos": true});
+    leave_completion(
+        v,
+        entry,
+        st,
+        body,
+        None,
+        "the non-streaming request generates",
+        |f| f.running == before + 1.0,
     )
-    .unwrap();
-    let waiting = tokio::spawn(async move {
-        client::request(
-            entry,
-            hyper::Method::POST,
-            "/v1/completions",
-            &[("content-type", "application/json")],
-            body,
-            false,
-            T,
-        )
-        .await
-    });
-    v.wait_figures("the non-streaming request generates", W, |f| {
-        f.running == before + 1.0
-    })
     .await
-    .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
-    waiting.abort();
-    let _ = waiting.await;
-    Instant::now()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
