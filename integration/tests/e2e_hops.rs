@@ -26,6 +26,17 @@ const W: Duration = Duration::from_secs(20);
 /// connection. Generous for a loaded 2-core machine; the figure is printed.
 const FREE_WITHIN: Duration = Duration::from_secs(5);
 
+/// A simulator streaming 20 tokens per second: slow enough that a client can leave
+/// mid-generation.
+async fn slow_sim() -> sim::SimHandle {
+    sim::spawn(SimConfig {
+        token_rate: 20.0,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
 fn off() -> Vec<String> {
     ["--idle-timeout", "off", "--max-age", "off"]
         .map(String::from)
@@ -117,12 +128,7 @@ async fn nonstream_leaves_while_generating(
     hop: LiteLlmOptions,
     kvguard: bool,
 ) -> (RequestRecord, Duration, Stack) {
-    let sim = sim::spawn(SimConfig {
-        token_rate: 20.0,
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap();
+    let sim = slow_sim().await;
     let freed = kvguard && hop.forward_client_headers;
     let st = stack_with(&sim, HopKind::LiteLlm(hop), kvguard).await;
     let c = abandonable(&st, "/v1/chat/completions", &chat(false, 200)).await;
@@ -434,12 +440,7 @@ async fn litellm_at_its_defaults_loses_the_request_id_and_kvguard_cannot_match()
 /// kvguard), and forwards `x-request-id`; with kvguard the request is freed the same way
 /// and nothing else is touched.
 async fn vllm_router_non_streaming_leave(kvguard: bool) -> Duration {
-    let sim = sim::spawn(SimConfig {
-        token_rate: 20.0,
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap();
+    let sim = slow_sim().await;
     let st = stack_with(&sim, HopKind::VllmRouter, kvguard).await;
     let c = abandonable(&st, "/v1/completions", &completion(false, 200)).await;
     let r = the_request(&sim, &st, "the request generates", |r| {
@@ -550,12 +551,7 @@ async fn shipped_litellm_config_passes_the_request_id_and_kvguard_frees_the_requ
 /// Without kvguard: a streaming client that leaves after 5 events — does the hop close its
 /// upstream by itself? Returns how long after the client left the engine saw it.
 async fn streaming_leave_without_kvguard(hop: HopKind) -> Duration {
-    let sim = sim::spawn(SimConfig {
-        token_rate: 20.0,
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap();
+    let sim = slow_sim().await;
     let st = stack_with(&sim, hop, false).await;
     let mut s = client::stream_sse(
         st.entry(),
