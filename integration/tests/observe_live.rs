@@ -69,15 +69,17 @@ const NOT_SCRAPED_HERE: [(&str, &str); 6] = [
 fn cfg(seed: u64) -> DemoConfig {
     let mut c = DemoConfig::new(EngineKind::Sim);
     c.arrival_s = 30.0;
-    // Long enough for the 15 s `for:` after the last arrival: without kvguard the stalled
-    // streams' requests stay open behind the hop through the drain.
-    c.drain_s = 20.0;
-    // Enough orphans, long enough, that without kvguard the excess of kvguard-control's
-    // in-flight over Envoy's active requests never falls to 0 for the 15 s `for:` (with the
-    // demo's 15 % of 100–500-token streams it sometimes did: the two targets are scraped a
-    // moment apart, and a short gap resets the alert's pending state).
+    // Without kvguard the departed clients' requests stay open behind the hop; the orphan
+    // signal subtracts the gateways' largest count over two evaluations from kvguard-
+    // control's smallest (scrape skew must not fire it while traffic ramps), so while
+    // arrivals churn it is only clearly above 0 once they stop. The drain gives the 15 s
+    // `for:` room after the last arrival.
+    c.drain_s = 30.0;
+    // Enough orphans, running long enough: 30 % of 300–600-token streams (at the
+    // simulator's 40 tokens/s) leave, most of them with seconds of generation ahead.
     c.disconnect_share = 0.3;
     c.min_tokens = 300;
+    c.max_tokens = 600;
     c.seed = seed;
     c.prometheus = true;
     c
