@@ -14,6 +14,10 @@
 //!   completed), or in its request-headers callback (before any upstream: no abort);
 //! - Envoy's Lua filter buffering the response body (`body()`) past
 //!   `per_connection_buffer_limit_bytes`: Envoy answers 500 `response_payload_too_large`.
+//!
+//! The first two tests take the aborts at a verifying receiver; the third runs the whole
+//! path with the lossy hop (which hides the disconnect from the engine) and the real
+//! kvguard-control, and checks that the engine stops generating.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 #[path = "filter_support.rs"]
@@ -22,8 +26,10 @@ mod support;
 use hyper::Method;
 use kvguard_contract::AbortReason;
 use kvguard_integration::client;
-use kvguard_integration::envoy::Envoy;
-use kvguard_integration::sim::SimConfig;
+use kvguard_integration::demo::stack::{self, Control};
+use kvguard_integration::envoy::{Envoy, EnvoyOptions};
+use kvguard_integration::lossy::{self, LossyConfig, HOLD_HEADER};
+use kvguard_integration::sim::{self, EndKind, SimConfig};
 use kvguard_integration::wait::{bounded, poll_until};
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -78,6 +84,20 @@ fn lua_body_filter() -> Value {
     })
 }
 
+/// Puts `filter` right after kvguard in the bootstrap's `http_filters`.
+fn after_kvguard(o: &mut EnvoyOptions, filter: Value) {
+    o.patch = Some(Arc::new(move |b| {
+        let filters = b
+            .pointer_mut(
+                "/static_resources/listeners/0/filter_chains/0/filters/0/typed_config/http_filters",
+            )
+            .and_then(Value::as_array_mut)
+            .unwrap();
+        assert_eq!(filters[0]["name"], "kvguard");
+        filters.insert(1, filter.clone());
+    }));
+}
+
 /// A simulator at 20 tokens/s, a receiver and an Envoy with `filter` right after kvguard.
 async fn rig_after_kvguard(filter: Value, buffer_limit: Option<u32>) -> Rig {
     rig_with(
@@ -88,14 +108,7 @@ async fn rig_after_kvguard(filter: Value, buffer_limit: Option<u32>) -> Rig {
         json!({}),
         move |o| {
             o.per_connection_buffer_limit_bytes = buffer_limit;
-            o.patch = Some(Arc::new(move |b| {
-                let filters = b
-                    .pointer_mut("/static_resources/listeners/0/filter_chains/0/filters/0/typed_config/http_filters")
-                    .and_then(Value::as_array_mut)
-                    .unwrap();
-                assert_eq!(filters[0]["name"], "kvguard");
-                filters.insert(1, filter.clone());
-            }));
+            after_kvguard(o, filter);
         },
     )
     .await
@@ -276,6 +289,109 @@ async fn response_payload_too_large_after_the_upstream_replied_is_aborted() {
             1.0
         );
         assert_vm_healthy(envoy);
+    })
+    .await
+    .unwrap();
+}
+
+/// The engine's record of request `id` once it ended (bounded wait).
+async fn engine_end(sim: &sim::SimHandle, id: &str) -> sim::RequestRecord {
+    sim.wait_state("the engine ends the request", W, |s| {
+        s.request(id).is_some_and(|r| r.ended.is_some())
+    })
+    .await
+    .unwrap()
+    .request(id)
+    .cloned()
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_a_hop_that_hides_disconnects_kvguard_control_ends_the_engines_work() {
+    bounded("local reply end to end", T, async {
+        // 1000 tokens at 20/s: 50 s of generation nobody reads unless kvguard ends it.
+        let sim = sim::spawn(SimConfig {
+            token_rate: 20.0,
+            ..SimConfig::default()
+        })
+        .await
+        .unwrap();
+        let any = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+        let off = ["--idle-timeout", "off", "--max-age", "off"].map(String::from);
+        let control = Control::start(sim.addr(), any, any, &off).await.unwrap();
+        let hop = lossy::spawn(LossyConfig {
+            listen: None,
+            upstream: control.proxy,
+            upstream_http2: false,
+        })
+        .await
+        .unwrap();
+        let mut o =
+            EnvoyOptions::with_filter(hop.addr(), control.admin, stack::filter_config(0, 0))
+                .vm_env("KVGUARD_SECRET", stack::SECRET);
+        after_kvguard(&mut o, responder_filter());
+        let envoy = Envoy::start(o).await.unwrap();
+        let local_replies = || async {
+            control
+                .aborts_by_reason()
+                .await
+                .unwrap()
+                .get("local_reply")
+                .copied()
+        };
+
+        // A non-streaming request answered while the engine generates (the hop holds it
+        // before its response head, as buffering gateways do).
+        let resp = post_json(
+            &envoy,
+            &completion(1000, false),
+            &[("x-test-reply", "after-ms=300"), (HOLD_HEADER, "1")],
+        )
+        .await;
+        assert_eq!(resp.status, 500, "{}", resp.text());
+        let json_id = last_id(&sim);
+        let rec = engine_end(&sim, &json_id).await;
+        assert_eq!(rec.ended, Some(EndKind::Disconnected), "{rec:?}");
+        assert!(rec.tokens_sent < 100, "the engine generated on: {rec:?}");
+        assert_eq!(local_replies().await, Some(1.0));
+
+        // A stream answered by the responder once the engine's headers arrived.
+        let mut s = client::stream_sse(
+            envoy.listener_addr(),
+            "/v1/completions",
+            &completion(1000, true),
+            &[("x-test-reply", "response-headers")],
+            false,
+        )
+        .await
+        .unwrap();
+        assert_eq!(s.status, 500);
+        let _ = s.wait_end(W).await.unwrap();
+        let sse = last_id(&sim);
+        let rec = engine_end(&sim, &sse).await;
+        assert_eq!(rec.ended, Some(EndKind::Disconnected), "{rec:?}");
+        assert!(rec.tokens_sent < 100, "the engine generated on: {rec:?}");
+        assert_eq!(local_replies().await, Some(2.0));
+
+        // Nothing in the way: completes, no abort.
+        let mut s = client::stream_sse(
+            envoy.listener_addr(),
+            "/v1/completions",
+            &completion(8, true),
+            &[],
+            false,
+        )
+        .await
+        .unwrap();
+        assert!(s.wait_end(W).await.unwrap().completed());
+        let healthy = last_id(&sim);
+        assert_eq!(access_outcome(&envoy, &healthy).await, "completed");
+        let rec = engine_end(&sim, &healthy).await;
+        assert_eq!(rec.ended, Some(EndKind::Length), "{rec:?}");
+        let by_reason = control.aborts_by_reason().await.unwrap();
+        assert_eq!(by_reason.values().sum::<f64>(), 2.0, "{by_reason:?}");
+        assert!(sim.state().running.is_empty(), "{:?}", sim.state().running);
+        assert_vm_healthy(&envoy);
     })
     .await
     .unwrap();
