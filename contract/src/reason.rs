@@ -24,11 +24,16 @@ pub enum AbortReason {
     /// The gateway that carried it stopped renewing its liveness lease (kvguard-control
     /// only: the request's instance lease expired, contract §8).
     GatewayLost,
+    /// Envoy or another filter answered the client itself (a local reply: ext_proc's
+    /// `immediate_response`, `response_payload_too_large`, a filter's
+    /// `send_http_response`...) after the request had reached an upstream, which may
+    /// still be generating for it (filter only, contract §3).
+    LocalReply,
 }
 
 impl AbortReason {
     /// Every reason, in a stable order (for pre-registering metrics).
-    pub const ALL: [AbortReason; 8] = [
+    pub const ALL: [AbortReason; 9] = [
         AbortReason::DownstreamReset,
         AbortReason::UpstreamReset,
         AbortReason::Timeout,
@@ -37,6 +42,7 @@ impl AbortReason {
         AbortReason::MaxAge,
         AbortReason::Operator,
         AbortReason::GatewayLost,
+        AbortReason::LocalReply,
     ];
 
     /// The wire and label form, e.g. `downstream_reset`.
@@ -50,6 +56,7 @@ impl AbortReason {
             AbortReason::MaxAge => "max_age",
             AbortReason::Operator => "operator",
             AbortReason::GatewayLost => "gateway_lost",
+            AbortReason::LocalReply => "local_reply",
         }
     }
 

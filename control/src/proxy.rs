@@ -351,9 +351,10 @@ async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {
     let aborted = |entry: &Entry| {
         let reason = entry.ended().unwrap_or(AbortReason::Operator);
         let status = match reason {
-            AbortReason::Operator | AbortReason::DownstreamReset | AbortReason::UpstreamReset => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            AbortReason::Operator
+            | AbortReason::DownstreamReset
+            | AbortReason::UpstreamReset
+            | AbortReason::LocalReply => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::GATEWAY_TIMEOUT,
         };
         error_response(

@@ -111,6 +111,28 @@ pub fn apply<S: Streams + ?Sized>(actions: &[Action], s: &mut S) -> Applied {
 /// host anomaly, not that many readers stalling at once); then what is still idle closes.
 pub const MIN_STALL_THRESHOLD: usize = 8;
 
+/// Settles an end that nothing named ([`End::Unnamed`]): a local reply (Envoy's or another
+/// filter's: ext_proc's `immediate_response`, `response_payload_too_large`, a filter's
+/// `send_http_response`, each of which ends the client's stream with no word from the
+/// upstream) or a route's `direct_response`. Returns the abort reason, `None` for a
+/// completion.
+///
+/// - The request reached an upstream (one property read, only here): the engine may
+///   still be generating for it, so abort (`local_reply`). If the upstream had in fact
+///   finished (a filter replaced a complete response), the abort costs a 404.
+/// - It did not (a filter or the router answered before any upstream, a
+///   `direct_response`): nothing runs for it. An end of stream completed it; without one
+///   the client's stream went away (`downstream_reset`, as before).
+fn settle_unnamed<P: Platform + ?Sized>(p: &mut P, ended: bool) -> Option<AbortReason> {
+    if p.upstream_reached() {
+        Some(AbortReason::LocalReply)
+    } else if ended {
+        None
+    } else {
+        Some(AbortReason::DownstreamReset)
+    }
+}
+
 /// The per-request histograms, recorded once at the request's end (three host calls per
 /// request at most): time to the first data event, the largest gap between data events
 /// (streams of two events or more), and the duration.
@@ -465,8 +487,13 @@ impl Engine {
         if req.aborted().is_some() {
             return req.outcome();
         }
-        match classify_end(&req, details, flags) {
-            End::Completed => {
+        let early = match classify_end(&req, details, flags) {
+            End::Completed => None,
+            End::Abort(reason) => Some(reason),
+            End::Unnamed { ended } => settle_unnamed(p, ended),
+        };
+        match early {
+            None => {
                 p.add(Metric::RequestsCompleted, 1);
                 if let Some(r) = req.observed {
                     // Would have been aborted, yet completed: the clocks may be too tight.
@@ -483,7 +510,7 @@ impl Engine {
                 // Written when the body completed: one filter-state write per request.
                 (!req.complete()).then_some(OutcomeTag::Completed)
             }
-            End::Abort(reason) => {
+            Some(reason) => {
                 p.log(
                     Level::Debug,
                     &format!(
@@ -1649,6 +1676,168 @@ mod tests {
         let mut s = FakeStreams::default();
         assert_eq!(apply(&[], &mut s), Applied::default());
         assert!(s.log.is_empty());
+    }
+
+    /// The reason in the abort body of call `i`.
+    fn reason_of(h: &MockHost, i: usize) -> String {
+        let v: serde_json::Value = serde_json::from_slice(&h.calls[i].3).unwrap();
+        v["reason"].as_str().unwrap().to_owned()
+    }
+
+    /// Issue 10.2: a local reply (Envoy's or another filter's) ends the client's stream
+    /// after the request reached an upstream; the details name nothing (a wasm filter's
+    /// `send_http_response` logs `""` and no flag, as Envoy 1.40 shows). Aborted as
+    /// `local_reply` however far the filter saw the response.
+    #[test]
+    fn a_local_reply_after_the_upstream_was_reached_aborts() {
+        let (mut e, mut h) = engine("");
+        h.upstream = true;
+        // A non-streaming request: the engine sends its headers with the whole body, so a
+        // local reply while it generates goes through the filter chain, and the filter
+        // sees that reply's headers and end of stream (the path that used to complete).
+        track(&mut e, &mut h, 1, "j1");
+        assert_eq!(
+            e.on_response_headers(&mut h, 1, Some(b"text/plain"), None, None, false),
+            BodyNeed::Length
+        );
+        e.on_response_body(&mut h, 1, &[], 27, true);
+        assert!(e.end_details_needed(1));
+        assert_eq!(
+            e.on_log(&mut h, 1, b"", 0),
+            Some(OutcomeTag::Aborted(AbortReason::LocalReply))
+        );
+        // SSE after the upstream's headers and a few events: Envoy sends the reply
+        // straight to the codec, so the filter sees no end of stream.
+        stream(&mut e, &mut h, 2);
+        assert_eq!(
+            e.on_log(&mut h, 2, b"", 0),
+            Some(OutcomeTag::Aborted(AbortReason::LocalReply))
+        );
+        // A filter nearer the upstream answered in its response-headers callback: this
+        // filter saw nothing of the response.
+        track(&mut e, &mut h, 3, "r3");
+        assert_eq!(
+            e.on_log(&mut h, 3, b"", 0),
+            Some(OutcomeTag::Aborted(AbortReason::LocalReply))
+        );
+        // Envoy's own: a buffering filter past its limit (Lua's body(), ext_proc buffered).
+        stream(&mut e, &mut h, 4);
+        assert_eq!(
+            e.on_log(&mut h, 4, b"response_payload_too_large", 0),
+            Some(OutcomeTag::Aborted(AbortReason::LocalReply))
+        );
+        // ext_proc's immediate_response in the response phase.
+        stream(&mut e, &mut h, 5);
+        assert_eq!(
+            e.on_log(&mut h, 5, b"ext_proc_immediate_response", 0),
+            Some(OutcomeTag::Aborted(AbortReason::LocalReply))
+        );
+        assert_eq!(h.upstream_asked, 5);
+        assert_eq!(h.metric(Metric::RequestsCompleted), 0);
+        e.pump(&mut h);
+        assert_eq!(h.calls.len(), 5);
+        for i in 0..5 {
+            assert_eq!(reason_of(&h, i), "local_reply", "{}", body(&h, i));
+        }
+        // Observe mode only counts it.
+        e.set_mode(&mut h, Mode::Observe);
+        stream(&mut e, &mut h, 6);
+        assert_eq!(
+            e.on_log(&mut h, 6, b"", 0),
+            Some(OutcomeTag::Observed(AbortReason::LocalReply))
+        );
+        assert_eq!(h.metric(Metric::WouldAbort(AbortReason::LocalReply)), 1);
+        e.pump(&mut h);
+        assert_eq!(h.calls.len(), 5);
+    }
+
+    /// The same unnamed ends without an upstream (a filter or the router answered before
+    /// any, a `direct_response`): settled as before.
+    #[test]
+    fn unnamed_ends_without_an_upstream_settle_as_before() {
+        let (mut e, mut h) = engine("");
+        h.upstream = false;
+        track(&mut e, &mut h, 1, "n1");
+        e.on_response_headers(&mut h, 1, Some(b"text/plain"), None, None, false);
+        e.on_response_body(&mut h, 1, &[], 27, true);
+        assert_eq!(e.on_log(&mut h, 1, b"", 0), Some(OutcomeTag::Completed));
+        track(&mut e, &mut h, 2, "n2");
+        e.on_response_headers(&mut h, 2, Some(b"text/plain"), None, None, true);
+        assert_eq!(
+            e.on_log(&mut h, 2, b"direct_response", 0),
+            Some(OutcomeTag::Completed)
+        );
+        // No end of stream at all: the client's stream went away.
+        track(&mut e, &mut h, 3, "n3");
+        assert_eq!(
+            e.on_log(&mut h, 3, b"", 0),
+            Some(OutcomeTag::Aborted(AbortReason::DownstreamReset))
+        );
+        assert_eq!(h.upstream_asked, 3);
+        assert_eq!(h.metric(Metric::RequestsCompleted), 2);
+    }
+
+    /// Ends that the body, the details or the flags name are settled as before, and never
+    /// cost the upstream question: a healthy stream's end reads nothing more.
+    #[test]
+    fn named_ends_never_ask_for_the_upstream() {
+        let (mut e, mut h) = engine("");
+        h.upstream = true;
+        // SSE to [DONE]: not even the end details are read.
+        track(&mut e, &mut h, 1, "h1");
+        sse(&mut e, &mut h, 1);
+        assert_eq!(
+            e.on_response_body(&mut h, 1, b"data: [DONE]\n\n", 0, false),
+            Some(OutcomeTag::Completed)
+        );
+        assert!(!e.end_details_needed(1));
+        assert_eq!(e.on_log(&mut h, 1, b"", 0), None);
+        // JSON to the upstream's end of stream.
+        track(&mut e, &mut h, 2, "h2");
+        e.on_response_headers(&mut h, 2, Some(b"application/json"), None, None, false);
+        e.on_response_body(&mut h, 2, &[], 300, true);
+        assert_eq!(
+            e.on_log(&mut h, 2, b"via_upstream", 0),
+            Some(OutcomeTag::Completed)
+        );
+        // SSE ended by the upstream without [DONE] (trailers).
+        stream(&mut e, &mut h, 3);
+        e.on_response_trailers(3);
+        assert_eq!(
+            e.on_log(&mut h, 3, b"via_upstream", 0),
+            Some(OutcomeTag::Completed)
+        );
+        // The client left (HTTP/1.1, HTTP/2): downstream_reset as before.
+        stream(&mut e, &mut h, 4);
+        assert_eq!(
+            e.on_log(&mut h, 4, b"downstream_remote_disconnect", flags::DC),
+            Some(OutcomeTag::Aborted(AbortReason::DownstreamReset))
+        );
+        stream(&mut e, &mut h, 5);
+        assert_eq!(
+            e.on_log(&mut h, 5, b"http2.remote_reset", flags::DR),
+            Some(OutcomeTag::Aborted(AbortReason::DownstreamReset))
+        );
+        // Envoy's timeout reply and an upstream reset.
+        track(&mut e, &mut h, 6, "h6");
+        e.on_response_headers(&mut h, 6, Some(b"text/plain"), None, None, false);
+        e.on_response_body(&mut h, 6, &[], 24, true);
+        assert_eq!(
+            e.on_log(&mut h, 6, b"response_timeout", flags::UT),
+            Some(OutcomeTag::Aborted(AbortReason::Timeout))
+        );
+        stream(&mut e, &mut h, 7);
+        assert_eq!(
+            e.on_log(
+                &mut h,
+                7,
+                b"upstream_reset_after_response_started{protocol_error}",
+                flags::UPE
+            ),
+            Some(OutcomeTag::Aborted(AbortReason::UpstreamReset))
+        );
+        assert_eq!(h.upstream_asked, 0);
+        assert_eq!(h.metric(Metric::RequestsCompleted), 3);
     }
 
     #[test]

@@ -54,6 +54,14 @@ pub trait Host {
     fn dispatch(&mut self, call: &Call<'_>) -> Result<u32, DispatchError>;
     /// Logs a line.
     fn log(&mut self, level: Level, msg: &str);
+    /// Whether the current stream reached an upstream (Envoy: its `upstream.address`
+    /// is set). Asked only in a stream's `on_log`, and only when nothing else explains
+    /// how the stream ended (so never for a healthy stream). A host that cannot tell
+    /// answers false: such an end is then settled as before (no abort after an end of
+    /// stream), since a false abort is the worse error.
+    fn upstream_reached(&mut self) -> bool {
+        false
+    }
 }
 
 /// Everything the engine needs from the host.

@@ -342,6 +342,14 @@ pub enum End {
     Completed,
     /// Ended early: abort for this reason.
     Abort(AbortReason),
+    /// Nothing the body, the details or the flags say explains the end (`ended`: an end
+    /// of stream passed the filter): a local reply, Envoy's or another filter's, or a
+    /// route's `direct_response`. [`crate::engine::Engine::on_log`] settles it by whether
+    /// the request reached an upstream.
+    Unnamed {
+        /// An end of stream passed the filter (its own or a local reply's).
+        ended: bool,
+    },
 }
 
 /// Classifies the end of a request from what it saw and from Envoy's
@@ -353,8 +361,8 @@ pub enum End {
 /// - Envoy timeouts (details containing `timeout`, flags UT/SI/DT/UMSDR) → `timeout`,
 ///   even when Envoy sent a local reply (its end of stream is not the upstream's).
 /// - Upstream resets (`upstream_*` details, flags UR/UC/LR/URX/UPE) → `upstream_reset`.
-/// - Any other end of stream (local replies without an upstream, `direct_response`...)
-///   → completed; no end of stream at all → `downstream_reset`.
+/// - Anything else (a local reply, Envoy's or a filter's, `direct_response`...) →
+///   [`End::Unnamed`]: the engine asks whether the request reached an upstream.
 pub fn classify_end(req: &Request, details: &[u8], flag_bits: u64) -> End {
     if req.complete() {
         return End::Completed;
@@ -376,11 +384,7 @@ pub fn classify_end(req: &Request, details: &[u8], flag_bits: u64) -> End {
     {
         return End::Abort(AbortReason::UpstreamReset);
     }
-    if ended {
-        End::Completed
-    } else {
-        End::Abort(AbortReason::DownstreamReset)
-    }
+    End::Unnamed { ended }
 }
 
 #[cfg(test)]
@@ -514,10 +518,7 @@ mod tests {
             classify_end(&r, b"stream_idle_timeout", flags::SI),
             End::Abort(AbortReason::Timeout)
         );
-        assert_eq!(
-            classify_end(&r, b"", 0),
-            End::Abort(AbortReason::DownstreamReset)
-        );
+        assert_eq!(classify_end(&r, b"", 0), End::Unnamed { ended: false });
         // Envoy's local reply for a route timeout passed the filter with end of stream.
         r.on_response_headers(Framing::Opaque, 1024, true);
         assert_eq!(
@@ -534,7 +535,10 @@ mod tests {
         );
         assert_eq!(classify_end(&r, b"via_upstream", 0), End::Completed);
         assert_eq!(classify_end(&r, b"via_upstream", flags::DC), End::Completed);
-        assert_eq!(classify_end(&r, b"direct_response", 0), End::Completed);
+        assert_eq!(
+            classify_end(&r, b"direct_response", 0),
+            End::Unnamed { ended: true }
+        );
     }
 
     #[test]

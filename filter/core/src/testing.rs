@@ -31,6 +31,10 @@ pub(crate) struct MockHost {
     /// Histogram observations, in order.
     pub observations: Vec<(Metric, u64)>,
     pub refuse: Option<DispatchError>,
+    /// What [`Host::upstream_reached`] answers.
+    pub upstream: bool,
+    /// How many times it was asked.
+    pub upstream_asked: usize,
 }
 
 impl MockHost {
@@ -73,6 +77,10 @@ impl Host for MockHost {
     }
     fn log(&mut self, level: Level, msg: &str) {
         self.logs.push((level, msg.to_owned()));
+    }
+    fn upstream_reached(&mut self) -> bool {
+        self.upstream_asked += 1;
+        self.upstream
     }
 }
 

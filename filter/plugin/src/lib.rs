@@ -110,6 +110,19 @@ impl Host for EnvoyHost<'_> {
     fn log(&mut self, level: Level, msg: &str) {
         abi::log(core_level(level), msg);
     }
+
+    fn upstream_reached(&mut self) -> bool {
+        // Set once the router picked an upstream host for the stream; absent for a local
+        // reply sent before any upstream (a filter's, a missing route, direct_response).
+        match abi::get_property(&["upstream", "address"]) {
+            Ok(Some(a)) => !a.is_empty(),
+            Ok(None) => false,
+            Err(_) => {
+                self.add(Metric::HostErrors, 1);
+                false
+            }
+        }
+    }
 }
 
 impl EnvoyHost<'_> {
