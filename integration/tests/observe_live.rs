@@ -73,8 +73,9 @@ fn cfg(seed: u64) -> DemoConfig {
     // signal subtracts the gateways' largest count over two evaluations from kvguard-
     // control's smallest (scrape skew must not fire it while traffic ramps), so while
     // arrivals churn it is only clearly above 0 once they stop. The drain gives the 15 s
-    // `for:` room after the last arrival.
-    c.drain_s = 30.0;
+    // `for:` room after the last arrival (it fired 26.5 s after the last arrival in a
+    // recorded run).
+    c.drain_s = 40.0;
     // Enough orphans, running long enough: 30 % of 300–600-token streams (at the
     // simulator's 40 tokens/s) leave, most of them with seconds of generation ahead.
     c.disconnect_share = 0.3;
