@@ -22,6 +22,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use kvguard_contract::{signature, Forwarded, PEER_ABORT_PATH, PEER_LEASE_PATH, SIGNATURE_HEADER};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -51,6 +52,7 @@ pub struct Peers {
     name: String,
     client: Client<HttpConnector, Full<Bytes>>,
     resolved: Mutex<Option<(Instant, Vec<SocketAddr>)>>,
+    refreshing: AtomicBool,
 }
 
 impl std::fmt::Debug for Peers {
@@ -77,6 +79,7 @@ impl Peers {
             cfg,
             client,
             resolved: Mutex::new(None),
+            refreshing: AtomicBool::new(false),
         }
     }
 
@@ -85,19 +88,30 @@ impl Peers {
         &self.name
     }
 
-    /// The peer addresses now: `--peers` resolved (at most every [`RESOLVE_EVERY`]; a
-    /// failed resolution keeps the last addresses of that name), this replica left out.
-    pub async fn addrs(&self, st: &AppState) -> Vec<SocketAddr> {
-        let now = Instant::now();
-        let cached = self
-            .resolved
-            .lock()
-            .ok()
-            .and_then(|g| g.clone())
-            .filter(|(at, _)| now.saturating_duration_since(*at) < RESOLVE_EVERY);
-        if let Some((_, addrs)) = cached {
-            return addrs;
+    /// The peer addresses now: `--peers` resolved, this replica left out. Only the first
+    /// call waits for the resolution; later ones get the last answer at once while a
+    /// resolution older than [`RESOLVE_EVERY`] is redone in the background (an abort
+    /// never waits for DNS once the replica has resolved its peers).
+    pub async fn addrs(self: &Arc<Self>, st: &Arc<AppState>) -> Vec<SocketAddr> {
+        let cached = self.resolved.lock().ok().and_then(|g| g.clone());
+        match cached {
+            Some((at, addrs)) => {
+                if at.elapsed() >= RESOLVE_EVERY && !self.refreshing.swap(true, Ordering::AcqRel) {
+                    let (this, st) = (self.clone(), st.clone());
+                    tokio::spawn(async move {
+                        this.resolve(&st).await;
+                        this.refreshing.store(false, Ordering::Release);
+                    });
+                }
+                addrs
+            }
+            None => self.resolve(st).await,
         }
+    }
+
+    /// Resolves `--peers` (a failed name keeps its last addresses) and caches the answer.
+    async fn resolve(&self, st: &AppState) -> Vec<SocketAddr> {
+        let now = Instant::now();
         let previous = self
             .resolved
             .lock()

@@ -491,28 +491,21 @@ async fn a_hot_restart_parent_that_exits_has_its_streams_ended_by_its_lease_the_
     .unwrap();
 }
 
-fn post(
-    admin: SocketAddr,
-    path: &'static str,
-    body: Vec<u8>,
-    sig: String,
-) -> impl std::future::Future<Output = client::Resp> {
-    async move {
-        client::request(
-            admin,
-            hyper::Method::POST,
-            path,
-            &[
-                ("content-type", "application/json"),
-                (signature::SIGNATURE_HEADER, &sig),
-            ],
-            body,
-            false,
-            W,
-        )
-        .await
-        .unwrap()
-    }
+async fn post(admin: SocketAddr, path: &'static str, body: Vec<u8>, sig: String) -> client::Resp {
+    client::request(
+        admin,
+        hyper::Method::POST,
+        path,
+        &[
+            ("content-type", "application/json"),
+            (signature::SIGNATURE_HEADER, &sig),
+        ],
+        body,
+        false,
+        W,
+    )
+    .await
+    .unwrap()
 }
 
 fn unix() -> u64 {
@@ -674,6 +667,55 @@ async fn measure_aborts_leaving_a_sigtermed_envoy_during_disconnects() {
                 .await
                 .unwrap();
         }
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_down_is_counted_and_the_abort_is_answered_as_without_peers() {
+    bounded("a peer down", Duration::from_secs(60), async {
+        let engine = sim::spawn(sim_config()).await.unwrap();
+        let down = stack::closed_port().await.unwrap();
+        let admin = free_addrs(1)[0];
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        let control = Control::start(
+            engine.addr(),
+            any,
+            admin,
+            &["--peers".into(), format!("http://{down},http://{admin}")],
+        )
+        .await
+        .unwrap();
+        let key = Key::try_new(stack::SECRET.as_bytes()).unwrap();
+        let id = RequestId::try_new(b"nowhere-1").unwrap();
+        let body = AbortRequest::new(&id, AbortReason::DownstreamReset, 10, 0).to_json();
+        let sent = Instant::now();
+        let r = post(
+            control.admin,
+            kvguard_contract::ABORT_PATH,
+            body.clone(),
+            signature::sign(&key, unix(), &body),
+        )
+        .await;
+        let took = sent.elapsed();
+        assert_eq!(r.status, 404, "{}", r.text());
+        assert!(
+            took < Duration::from_secs(1),
+            "{took:?}: a peer down must not hold the answer past its 500 ms bound"
+        );
+        assert_eq!(
+            metric(
+                &control,
+                "kvguard_control_peer_forwards_total{kind=\"abort\",result=\"failed\"}"
+            )
+            .await,
+            1.0
+        );
+        // It left itself out of the list: one peer.
+        assert_eq!(metric(&control, "kvguard_control_peers").await, 1.0);
+        // As without peers: tombstoned here, so the request arriving late is refused.
+        assert_eq!(metric(&control, "kvguard_control_tombstones").await, 1.0);
     })
     .await
     .unwrap();

@@ -87,7 +87,7 @@ pub fn remember(
     }
     list.retain(|(a, t)| *a != addr && now_ms.saturating_sub(*t) <= horizon);
     list.push((addr, now_ms));
-    list.sort_by(|x, y| y.1.cmp(&x.1));
+    list.sort_by_key(|e| core::cmp::Reverse(e.1));
     list.truncate(MAX_REPLICAS);
     Some(replicas_value(&list))
 }
