@@ -24,7 +24,9 @@ mod support;
 use kvguard_contract::{signature, AbortReason, AbortRequest, Forwarded, Key, Renewal, RequestId};
 use kvguard_integration::client::{self, SseStream};
 use kvguard_integration::demo::stack::{self, Control};
-use kvguard_integration::envoy::{Envoy, EnvoyOptions, CONTROL_CLUSTER, UPSTREAM_CLUSTER};
+use kvguard_integration::envoy::{
+    Envoy, EnvoyOptions, CONTROL_CLUSTER, CONTROL_TARGET_CLUSTER, UPSTREAM_CLUSTER,
+};
 use kvguard_integration::lossy::{self, LossyConfig, LossyHandle};
 use kvguard_integration::sim::{self, SimConfig, SimHandle};
 use kvguard_integration::wait::{bounded, poll_until_async};
@@ -717,6 +719,67 @@ async fn a_peer_down_is_counted_and_the_abort_is_answered_as_without_peers() {
         // As without peers: tombstoned here, so the request arriving late is refused.
         assert_eq!(metric(&control, "kvguard_control_tombstones").await, 1.0);
     })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_renews_every_replica_its_stamps_named() {
+    bounded(
+        "renewals to stamped replicas",
+        Duration::from_secs(60),
+        async {
+            let engine = sim::spawn(sim_config()).await.unwrap();
+            let admin = free_addrs(1)[0];
+            let any = SocketAddr::from(([127, 0, 0, 1], 0));
+            // The replica stamps its responses with its admin address.
+            let control = Control::start(
+                engine.addr(),
+                any,
+                admin,
+                &["--advertise".into(), admin.to_string()],
+            )
+            .await
+            .unwrap();
+            let port = admin.port();
+            let envoy = gateway(&[control.proxy], &[control.admin], |eo| {
+                let c = eo.filter_config.as_mut().unwrap();
+                c["control_target_cluster"] = CONTROL_TARGET_CLUSTER.into();
+                c["control_target_cidrs"] = json!(["127.0.0.0/8"]);
+                c["control_target_ports"] = json!([port]);
+                eo.original_dst_cluster = Some(CONTROL_TARGET_CLUSTER.into());
+            })
+            .await;
+            let renewals =
+                |r: &str| format!("kvguard_control_lease_renewals_total{{result=\"{r}\"}}");
+            wait_metric(&control, &renewals("accepted"), 2.0).await;
+            // No stamp seen yet: each period's renewal reaches the replica once.
+            assert_eq!(metric(&control, &renewals("duplicate")).await, 0.0);
+            // A response carries the stamp; from then on each period's renewal goes to
+            // control_cluster and, through the per-replica route, to the stamped replica: the
+            // replica gets it twice (one accepted, one duplicate).
+            let mut s = client::stream_sse(
+                envoy.listener_addr(),
+                "/v1/chat/completions",
+                &chat(3),
+                &[],
+                false,
+            )
+            .await
+            .unwrap();
+            assert!(s.wait_end(W).await.unwrap().saw_done());
+            wait_metric(&control, &renewals("duplicate"), 2.0).await;
+            assert_eq!(metric(&control, &renewals("replay")).await, 0.0);
+            assert_eq!(
+                support::stat(
+                    &envoy,
+                    "kvguard_filter_lease_renewals_total_result=.=failed;.;"
+                )
+                .await,
+                0.0
+            );
+        },
+    )
     .await
     .unwrap();
 }
