@@ -10,9 +10,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvguard_contract::abort::MAX_ABORT_BODY;
+use kvguard_contract::peer::MAX_PEER_BODY;
 use kvguard_contract::signature::{self, SignatureError};
 use kvguard_contract::{
-    AbortAnswer, AbortRequest, Renewal, ABORT_PATH, LEASE_PATH, SIGNATURE_HEADER,
+    AbortAnswer, AbortReason, AbortRequest, Forwarded, Renewal, RequestId, ABORT_PATH, LEASE_PATH,
+    PEER_ABORT_PATH, PEER_LEASE_PATH, SIGNATURE_HEADER,
 };
 use serde_json::json;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -30,18 +32,20 @@ pub const HEAD_READ_TIMEOUT: Duration = Duration::from_secs(5);
 pub const REFUSAL_LOG_PERIOD: Duration = Duration::from_secs(10);
 
 /// The admin listener's router: every request bounded in time ([`REQUEST_TIMEOUT`]) and
-/// in body size (the abort body's limit).
+/// in body size (a forwarded envelope's limit; each handler reads at most its own).
 pub fn app(state: Arc<AppState>) -> Router {
     Router::new()
         .route(ABORT_PATH, post(abort))
         .route(LEASE_PATH, post(renew_lease))
+        .route(PEER_ABORT_PATH, post(peer_abort))
+        .route(PEER_LEASE_PATH, post(peer_lease))
         .route("/v1/requests", get(requests))
         .route("/v1/gpu", get(gpu))
         .route("/v1/engine", get(engine))
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .layer(RequestBodyLimitLayer::new(MAX_ABORT_BODY))
+        .layer(RequestBodyLimitLayer::new(MAX_PEER_BODY))
         .layer(TimeoutLayer::with_status_code(
             StatusCode::REQUEST_TIMEOUT,
             REQUEST_TIMEOUT,
@@ -102,29 +106,11 @@ async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
             );
         }
     };
-    let now_unix = st.clock.unix_secs();
     let sig_header = parts
         .headers
         .get(SIGNATURE_HEADER)
         .map(HeaderValue::as_bytes);
-    let keys = st.keys();
-    let verified = signature::verify(&keys.accept, sig_header, &body, now_unix).and_then(|sig| {
-        let (fresh, evicted) = {
-            let mut inner = st.inner();
-            let before = inner.replay.evicted();
-            let fresh = inner.replay.check_and_remember(&sig, now_unix);
-            (fresh, inner.replay.evicted() - before)
-        };
-        if evicted > 0 {
-            st.metrics.replay_evicted.inc_by(evicted);
-        }
-        if fresh {
-            Ok(sig)
-        } else {
-            Err(SignatureError::Replay)
-        }
-    });
-    if let Err(e) = verified {
+    if let Err(e) = verify_fresh(&st, sig_header, &body) {
         if e == SignatureError::Replay {
             st.metrics.abort_api("replay");
             tracing::warn!("abort call refused: replayed signature");
@@ -135,7 +121,7 @@ async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
         if let Some(held) = REFUSALS.admit(now_ms, REFUSAL_LOG_PERIOD) {
             tracing::warn!(
                 why = e.as_str(),
-                keys = keys.accept.len(),
+                keys = st.keys().accept.len(),
                 refused_since_last_line = held,
                 "abort call refused: {e} (one line per {REFUSAL_LOG_PERIOD:?} at most; every refusal is counted in kvguard_control_abort_api_answers_total{{result=\"unauthorized\"}})"
             );
@@ -151,36 +137,232 @@ async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
         }
     };
     let reason = abort.reason;
-    let answer = |found, aborted, already| AbortAnswer {
+    let gone = abort
+        .gone_ms
+        .map(|ms| (std::time::Duration::from_millis(ms), abort.tokens));
+    if let Some(peers) = st.peers.clone() {
+        match st.abort_if_here(&id, reason, gone) {
+            AbortFound::NotFound => {
+                if let Some(a) = peers.forward_abort(&st, &body).await {
+                    st.metrics.abort_api("forwarded");
+                    tracing::info!(request_id = %id, reason = %reason, peer = %a.peer, "abort call for an id a peer holds: forwarded, answered by the peer");
+                    let mut r = Response::new(Body::from(a.body));
+                    *r.status_mut() = a.status;
+                    r.headers_mut().insert(
+                        header::CONTENT_TYPE,
+                        HeaderValue::from_static("application/json"),
+                    );
+                    return r;
+                }
+                // No peer holds it: as without peers (ended if it arrived here meanwhile,
+                // else tombstoned here).
+            }
+            found => return abort_answer(&st, &id, reason, &abort, found),
+        }
+    }
+    let found = st.abort_or_tombstone(&id, reason, gone);
+    abort_answer(&st, &id, reason, &abort, found)
+}
+
+/// Verifies a signature (any key, `t` within the window) and remembers it: a second
+/// call with the same signature is [`SignatureError::Replay`].
+fn verify_fresh(st: &AppState, header: Option<&[u8]>, body: &[u8]) -> Result<(), SignatureError> {
+    let now_unix = st.clock.unix_secs();
+    let keys = st.keys();
+    let sig = signature::verify(&keys.accept, header, body, now_unix)?;
+    let (fresh, evicted) = {
+        let mut inner = st.inner();
+        let before = inner.replay.evicted();
+        let fresh = inner.replay.check_and_remember(&sig, now_unix);
+        (fresh, inner.replay.evicted() - before)
+    };
+    if evicted > 0 {
+        st.metrics.replay_evicted.inc_by(evicted);
+    }
+    if fresh {
+        Ok(())
+    } else {
+        Err(SignatureError::Replay)
+    }
+}
+
+fn answer(id: &RequestId, found: bool, aborted: bool, already: bool) -> Json<AbortAnswer> {
+    Json(AbortAnswer {
         request_id: id.as_str().to_owned(),
         found,
         aborted,
         already_aborted: already,
-    };
-    let gone = abort
-        .gone_ms
-        .map(|ms| (std::time::Duration::from_millis(ms), abort.tokens));
-    match st.abort_or_tombstone(&id, reason, gone) {
+    })
+}
+
+/// The answer to an abort call decided here (contract §3's table).
+fn abort_answer(
+    st: &AppState,
+    id: &RequestId,
+    reason: AbortReason,
+    abort: &AbortRequest,
+    found: AbortFound,
+) -> Response {
+    match found {
         AbortFound::Observed => {
             st.metrics.abort_api("dry_run");
             // Observe only: found, but not ended.
-            (StatusCode::OK, Json(answer(true, false, false))).into_response()
+            (StatusCode::OK, answer(id, true, false, false)).into_response()
         }
         AbortFound::Ended => {
             st.metrics.abort_api("aborted");
             tracing::info!(request_id = %id, reason = %reason, sender_age_ms = abort.age_ms, sender_tokens = abort.tokens, sender_idle_ms = abort.idle_ms, sender_gone_ms = abort.gone_ms, "abort call: ended");
-            (StatusCode::OK, Json(answer(true, true, false))).into_response()
+            (StatusCode::OK, answer(id, true, true, false)).into_response()
         }
         AbortFound::Already => {
             st.metrics.abort_api("already_aborted");
-            (StatusCode::OK, Json(answer(true, false, true))).into_response()
+            (StatusCode::OK, answer(id, true, false, true)).into_response()
         }
         AbortFound::NotFound => {
             st.metrics.abort_api("not_found");
             tracing::info!(request_id = %id, reason = %reason, "abort call for an id not in flight: tombstoned");
-            (StatusCode::NOT_FOUND, Json(answer(false, false, false))).into_response()
+            (StatusCode::NOT_FOUND, answer(id, false, false, false)).into_response()
         }
     }
+}
+
+/// Reads, verifies (signature, freshness, replay) and opens a forwarded envelope; the
+/// refusal is counted under `kind` and returned as the response.
+async fn open_forwarded(
+    st: &AppState,
+    kind: &'static str,
+    req: Request,
+) -> Result<Forwarded, Response> {
+    let (parts, body) = req.into_parts();
+    let Ok(body) = axum::body::to_bytes(body, MAX_PEER_BODY).await else {
+        st.metrics.peer.receive(kind, "bad_request");
+        return Err(refuse(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("forwarded body larger than {MAX_PEER_BODY} bytes or unreadable"),
+        ));
+    };
+    let header = parts
+        .headers
+        .get(SIGNATURE_HEADER)
+        .map(HeaderValue::as_bytes);
+    if let Err(e) = verify_fresh(st, header, &body) {
+        if e == SignatureError::Replay {
+            st.metrics.peer.receive(kind, "replay");
+            tracing::warn!(kind, "forwarded {kind} refused: replayed signature");
+            return Err(refuse(StatusCode::CONFLICT, "replay", e.to_string()));
+        }
+        st.metrics.peer.receive(kind, "unauthorized");
+        let now_ms = st.clock.unix_secs().saturating_mul(1000);
+        if let Some(held) = REFUSALS.admit(now_ms, REFUSAL_LOG_PERIOD) {
+            tracing::warn!(kind, why = e.as_str(), refused_since_last_line = held, "forwarded {kind} refused: {e} (every replica needs the same keys and a clock within 30 s; counted in kvguard_control_peer_received_total{{result=\"unauthorized\"}})");
+        }
+        return Err(refuse(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            e.to_string(),
+        ));
+    }
+    Forwarded::parse(&body).ok_or_else(|| {
+        st.metrics.peer.receive(kind, "bad_request");
+        refuse(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "forwarded body: expected {\"forwarded_by\":\"<ip:port>\",\"body\":\"<original body>\"}".to_owned(),
+        )
+    })
+}
+
+/// `POST /v1/peer/abort`: an abort another replica forwarded because it does not hold
+/// the id. Ended here if in flight here; 404 otherwise, with no tombstone (the
+/// forwarding replica keeps that). Never forwarded again.
+async fn peer_abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let env = match open_forwarded(&st, "abort", req).await {
+        Ok(e) => e,
+        Err(r) => return r,
+    };
+    let (abort, id) = match AbortRequest::parse(env.body.as_bytes()) {
+        Ok(x) => x,
+        Err(e) => {
+            st.metrics.peer.receive("abort", "bad_request");
+            return refuse(StatusCode::BAD_REQUEST, "bad_request", e.to_string());
+        }
+    };
+    let reason = abort.reason;
+    let gone = abort
+        .gone_ms
+        .map(|ms| (std::time::Duration::from_millis(ms), abort.tokens));
+    match st.abort_if_here(&id, reason, gone) {
+        AbortFound::Observed => {
+            st.metrics.peer.receive("abort", "dry_run");
+            (StatusCode::OK, answer(&id, true, false, false)).into_response()
+        }
+        AbortFound::Ended => {
+            st.metrics.peer.receive("abort", "aborted");
+            tracing::info!(request_id = %id, reason = %reason, forwarded_by = %env.forwarded_by, sender_age_ms = abort.age_ms, sender_gone_ms = abort.gone_ms, "forwarded abort: ended");
+            (StatusCode::OK, answer(&id, true, true, false)).into_response()
+        }
+        AbortFound::Already => {
+            st.metrics.peer.receive("abort", "already_aborted");
+            (StatusCode::OK, answer(&id, true, false, true)).into_response()
+        }
+        AbortFound::NotFound => {
+            st.metrics.peer.receive("abort", "not_found");
+            (StatusCode::NOT_FOUND, answer(&id, false, false, false)).into_response()
+        }
+    }
+}
+
+/// `POST /v1/peer/lease`: a renewal another replica accepted, taken here too (so a
+/// renewal reaching any replica counts at every one). Its counter is the gateway's: a
+/// counter this replica already has is a duplicate (200, no effect). Never forwarded
+/// again.
+async fn peer_lease(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    if st.cfg.lease_mode == LeaseMode::Off {
+        return refuse(
+            StatusCode::NOT_FOUND,
+            "leases_off",
+            "kvguard-control runs with --lease-mode off".to_owned(),
+        );
+    }
+    let env = match open_forwarded(&st, "renewal", req).await {
+        Ok(e) => e,
+        Err(r) => return r,
+    };
+    let Some((instance, counter)) = Renewal::parse(env.body.as_bytes()) else {
+        st.metrics.peer.receive("renewal", "bad_request");
+        return refuse(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "forwarded renewal: bad inner body".to_owned(),
+        );
+    };
+    let now = st.clock.now();
+    let result = {
+        let mut leases = st.leases.lock().unwrap_or_else(|p| p.into_inner());
+        let new = !leases.holds(&instance);
+        let r = leases.renew(instance, counter, now);
+        st.metrics.lease.held.set(leases.len() as i64);
+        r.map(|()| new)
+    };
+    let duplicate = match result {
+        Ok(new) => {
+            st.metrics.peer.receive("renewal", "accepted");
+            if new {
+                tracing::info!(%instance, counter, forwarded_by = %env.forwarded_by, "gateway lease taken (renewal forwarded by a peer)");
+            }
+            false
+        }
+        Err(_) => {
+            st.metrics.peer.receive("renewal", "duplicate");
+            true
+        }
+    };
+    (
+        StatusCode::OK,
+        Json(json!({ "instance": instance.to_string(), "duplicate": duplicate })),
+    )
+        .into_response()
 }
 
 /// `POST /v1/lease` (contract §8): a signed renewal, fresh by its counter (not by `t`).
@@ -230,26 +412,39 @@ async fn renew_lease(State(st): State<Arc<AppState>>, req: Request) -> Response 
         st.metrics.lease.held.set(leases.len() as i64);
         r.map(|()| new)
     };
+    let ttl_ms = u64::try_from(st.cfg.lease_ttl.as_millis()).unwrap_or(u64::MAX);
     match result {
         Ok(new) => {
             st.metrics.lease.renewal("accepted");
             if new {
                 tracing::info!(%instance, counter, "gateway lease taken");
             }
-            let ttl_ms = u64::try_from(st.cfg.lease_ttl.as_millis()).unwrap_or(u64::MAX);
+            if let Some(peers) = &st.peers {
+                peers.fan_out_renewal(&st, body.to_vec());
+            }
             (
                 StatusCode::OK,
                 Json(json!({ "instance": instance.to_string(), "ttl_ms": ttl_ms })),
             )
                 .into_response()
         }
+        Err(RenewError::Duplicate) => {
+            // The same period's renewal again (through control_cluster and directly, or
+            // after a peer forwarded it): no evidence of life, and not the sender's fault.
+            st.metrics.lease.renewal("duplicate");
+            (
+                StatusCode::OK,
+                Json(json!({ "instance": instance.to_string(), "ttl_ms": ttl_ms, "duplicate": true })),
+            )
+                .into_response()
+        }
         Err(RenewError::Replay) => {
             st.metrics.lease.renewal("replay");
-            tracing::warn!(%instance, counter, "lease renewal refused: counter not above the last accepted (replay)");
+            tracing::warn!(%instance, counter, "lease renewal refused: counter below the last accepted (replay)");
             refuse(
                 StatusCode::CONFLICT,
                 "replay",
-                "renewal counter not above the last accepted".to_owned(),
+                "renewal counter below the last accepted".to_owned(),
             )
         }
     }

@@ -169,6 +169,19 @@ pub struct Args {
     /// like --secret-file). Required with --advertise unless the only key is KVGUARD_SECRET.
     #[arg(long, env = "KVGUARD_STAMP_KEY_FILE")]
     pub stamp_key_file: Option<PathBuf>,
+    /// The other kvguard-control replicas in front of the same engines' gateways
+    /// (contract §4, §8), comma-separated base URLs of their admin listeners
+    /// (`http://host:port`). A name resolving to several addresses (a Kubernetes headless
+    /// Service) names every one of them; this replica leaves itself out by
+    /// `--peer-self`. An abort for an id not in flight here is forwarded to them, a
+    /// renewal accepted here too (signed, one hop).
+    #[arg(long, env = "KVGUARD_PEERS", value_delimiter = ',')]
+    pub peers: Vec<String>,
+    /// This replica's own admin address among `--peers` (IP literal and port), so it
+    /// never forwards to itself. Default: `--advertise`, else `--admin-listen` when that
+    /// is a specific address.
+    #[arg(long, env = "KVGUARD_PEER_SELF")]
+    pub peer_self: Option<String>,
     /// File holding the engine's API key (vLLM --api-key), sent as `Authorization: Bearer`
     /// on kvguard-control's own calls to the engine (abort API, metrics, health).
     #[arg(long, env = "KVGUARD_ENGINE_API_KEY_FILE")]
@@ -461,8 +474,74 @@ pub struct Config {
     pub lease_mode: crate::leases::LeaseMode,
     /// Lease TTL.
     pub lease_ttl: Duration,
+    /// The other replicas (`--peers`), with this one's own address; `None` without peers.
+    pub peers: Option<PeerConfig>,
     /// Most signatures the replay memory holds ([`MAX_REPLAY_ENTRIES`]; not a flag).
     pub max_replay_entries: usize,
+}
+
+/// One `--peers` entry: a host (IP literal or DNS name) and a port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerUrl {
+    /// Host as written (an IPv6 literal without brackets).
+    pub host: String,
+    /// Port.
+    pub port: u16,
+}
+
+impl fmt::Display for PeerUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "http://[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "http://{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// `--peers` and `--peer-self`, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerConfig {
+    /// The replicas to forward to (this one is left out when a name resolves to it).
+    pub urls: Vec<PeerUrl>,
+    /// This replica's own admin address.
+    pub self_addr: SocketAddr,
+}
+
+/// Parses one `--peers` entry: `http://host:port`, nothing after the port but an optional `/`.
+pub fn parse_peer_url(s: &str) -> Result<PeerUrl, ConfigError> {
+    const FLAG: &str = "--peers";
+    let bad = |why: &str| {
+        ConfigError::new(
+            FLAG,
+            format!("{s:?}: {why}; give comma-separated admin base URLs such as http://10.0.0.7:9902,http://kvguard-peers.ns.svc:9902"),
+        )
+    };
+    let t = s.trim();
+    let rest = t
+        .strip_prefix("http://")
+        .ok_or_else(|| bad("only http:// is supported"))?;
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    if rest.contains('/') || rest.contains('@') || rest.contains('?') {
+        return Err(bad("a base URL has no path, user or query"));
+    }
+    let (host, port) = if let Some(v6) = rest.strip_prefix('[') {
+        let (h, p) = v6
+            .split_once("]:")
+            .ok_or_else(|| bad("the port is missing"))?;
+        (h, p)
+    } else {
+        rest.rsplit_once(':')
+            .ok_or_else(|| bad("the port is missing"))?
+    };
+    let port: u16 = port.parse().map_err(|_| bad("the port is not a number"))?;
+    if port == 0 || host.is_empty() {
+        return Err(bad("host and a non-zero port are required"));
+    }
+    Ok(PeerUrl {
+        host: host.to_owned(),
+        port,
+    })
 }
 
 /// Most signatures remembered for replay detection.
@@ -546,6 +625,46 @@ impl Config {
         }
         let abort_flush_timeout =
             parse_required_duration("--abort-flush-timeout", &args.abort_flush_timeout)?;
+        let peer_urls = args
+            .peers
+            .iter()
+            .filter(|p| !p.trim().is_empty())
+            .map(|p| parse_peer_url(p))
+            .collect::<Result<Vec<_>, _>>()?;
+        let peers = if peer_urls.is_empty() {
+            if args.peer_self.is_some() {
+                return Err(ConfigError::new(
+                    "--peer-self",
+                    "only meaningful with --peers; give --peers too or drop it",
+                ));
+            }
+            None
+        } else {
+            if keys.is_empty() {
+                return Err(ConfigError::new(
+                    "--peers",
+                    "forwarded messages are signed: give --secret-file or KVGUARD_SECRET too",
+                ));
+            }
+            let specific_admin = (!admin_listen.ip().is_unspecified() && admin_listen.port() != 0)
+                .then_some(admin_listen);
+            let self_addr = match &args.peer_self {
+                Some(s) => Some(
+                    parse_advertise(s).map_err(|e| ConfigError::new("--peer-self", e.message))?,
+                ),
+                None => advertise.or(specific_admin),
+            };
+            let Some(self_addr) = self_addr else {
+                return Err(ConfigError::new(
+                    "--peers",
+                    "this replica must leave itself out of the list: give --peer-self <ip:port> (or --advertise, or a specific --admin-listen)",
+                ));
+            };
+            Some(PeerConfig {
+                urls: peer_urls,
+                self_addr,
+            })
+        };
         let lease_ttl = parse_required_duration("--lease-ttl", &args.lease_ttl)?;
         if lease_ttl < Duration::from_millis(100) {
             return Err(ConfigError::new("--lease-ttl", "at least 100ms"));
@@ -588,6 +707,7 @@ impl Config {
             lease_mode: args.lease_mode,
             lease_ttl,
             max_replay_entries: MAX_REPLAY_ENTRIES,
+            peers,
             stamp_key,
             secret_file: args.secret_file,
             stamp_key_file: args.stamp_key_file,
@@ -650,6 +770,99 @@ mod tests {
         assert!(c.keys.is_empty());
         assert!(!c.dry_run);
         assert_eq!(c.abort_flush_timeout, Duration::from_secs(2));
+    }
+
+    #[test]
+    fn peers_are_validated_and_need_keys_and_an_identity() {
+        let sf = "peers-test-secret";
+        let dir = std::env::temp_dir().join(format!("kvguard-peers-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let secret = dir.join(sf);
+        std::fs::write(&secret, "0123456789abcdef0123\n").unwrap();
+        let secret = secret.to_str().unwrap();
+        let ok = Config::try_new(
+            args(&[
+                "--peers",
+                "http://10.0.0.2:9902,http://kvguard-peers.ns.svc:9902/, http://[fd00::3]:9902",
+                "--admin-listen",
+                "10.0.0.1:9902",
+                "--secret-file",
+                secret,
+            ]),
+            None,
+        )
+        .unwrap();
+        let p = ok.peers.unwrap();
+        assert_eq!(p.self_addr.to_string(), "10.0.0.1:9902");
+        assert_eq!(
+            p.urls.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            [
+                "http://10.0.0.2:9902",
+                "http://kvguard-peers.ns.svc:9902",
+                "http://[fd00::3]:9902"
+            ]
+        );
+        for (extra, flag, part) in [
+            (
+                vec![
+                    "--peers",
+                    "https://10.0.0.2:9902",
+                    "--peer-self",
+                    "10.0.0.1:9902",
+                ],
+                "--peers",
+                "http://",
+            ),
+            (
+                vec!["--peers", "http://10.0.0.2", "--peer-self", "10.0.0.1:9902"],
+                "--peers",
+                "port",
+            ),
+            (
+                vec![
+                    "--peers",
+                    "http://10.0.0.2:9902/v1",
+                    "--peer-self",
+                    "10.0.0.1:9902",
+                ],
+                "--peers",
+                "path",
+            ),
+            (
+                vec!["--peers", "http://10.0.0.2:9902"],
+                "--peers",
+                "--peer-self",
+            ),
+            (
+                vec!["--peers", "http://10.0.0.2:9902", "--peer-self", "pod:1"],
+                "--peer-self",
+                "IP literal",
+            ),
+            (
+                vec!["--peer-self", "10.0.0.1:9902"],
+                "--peer-self",
+                "--peers",
+            ),
+        ] {
+            let mut a = extra.clone();
+            a.extend(["--secret-file", secret]);
+            let e = Config::try_new(args(&a), None).unwrap_err();
+            assert_eq!(e.flag, flag, "{extra:?}: {e}");
+            assert!(e.message.contains(part), "{extra:?}: {e}");
+        }
+        let e = Config::try_new(
+            args(&[
+                "--peers",
+                "http://10.0.0.2:9902",
+                "--peer-self",
+                "10.0.0.1:9902",
+            ]),
+            None,
+        )
+        .unwrap_err();
+        assert_eq!(e.flag, "--peers");
+        assert!(e.message.contains("signed"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -35,11 +35,16 @@ impl LeaseMode {
     }
 }
 
-/// Why a renewal was refused.
+/// Why a renewal was not taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RenewError {
-    /// Its counter is not above the last one accepted for the instance.
+    /// Its counter is below the last one accepted for the instance.
     Replay,
+    /// Its counter is the last one accepted: the same renewal again (the gateway sends
+    /// each period's renewal to `control_cluster` and to every replica it has seen, and
+    /// peers forward it, so one replica may get it several times). No evidence of life:
+    /// the lease is not extended.
+    Duplicate,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -99,10 +104,13 @@ impl Leases {
         self.table.contains_key(id)
     }
 
-    /// A renewal received at `now`: accepted if its counter is above the last accepted.
+    /// A renewal received at `now` (from the gateway or forwarded by a peer): accepted if
+    /// its counter is above the last accepted. The counter is the gateway process's and
+    /// the same value reaches every replica, so each replica keeps the highest it saw.
     pub fn renew(&mut self, id: InstanceId, counter: u64, now: Instant) -> Result<(), RenewError> {
         match self.table.get_mut(&id) {
-            Some(l) if counter <= l.counter => Err(RenewError::Replay),
+            Some(l) if counter < l.counter => Err(RenewError::Replay),
+            Some(l) if counter == l.counter => Err(RenewError::Duplicate),
             Some(l) => {
                 l.counter = counter;
                 l.last = l.last.max(now);
@@ -207,9 +215,20 @@ mod tests {
         let t0 = Instant::now();
         let mut l = Leases::new(Duration::from_secs(30));
         l.renew(A, 5, t0).unwrap();
-        assert_eq!(l.renew(A, 5, t0), Err(RenewError::Replay));
+        assert_eq!(l.renew(A, 5, t0), Err(RenewError::Duplicate));
         assert_eq!(l.renew(A, 4, t0), Err(RenewError::Replay));
         assert_eq!(l.renew(A, 6, t0), Ok(()));
+    }
+
+    #[test]
+    fn a_duplicate_or_a_replay_is_no_evidence_of_life() {
+        let t0 = Instant::now();
+        let mut l = Leases::new(Duration::from_secs(30));
+        l.renew(A, 5, t0).unwrap();
+        let later = t0 + Duration::from_secs(20);
+        assert_eq!(l.renew(A, 5, later), Err(RenewError::Duplicate));
+        assert_eq!(l.renew(A, 3, later), Err(RenewError::Replay));
+        assert_eq!(l.judge(t0 + Duration::from_secs(31)).expired, vec![A]);
     }
 
     #[test]

@@ -25,6 +25,7 @@ pub mod gpu;
 pub mod keys;
 pub mod leases;
 pub mod metrics;
+pub mod peers;
 pub mod procfs;
 pub mod proxy;
 pub mod reaper;

@@ -116,6 +116,8 @@ pub struct Metrics {
     pub engine_lora_adapters: MaybeGauge,
     /// Liveness leases (their own block, [`LeaseMetrics`]).
     pub lease: LeaseMetrics,
+    /// Messages between replicas (`--peers`, [`PeerMetrics`]).
+    pub peer: PeerMetrics,
 }
 
 impl Metrics {
@@ -346,6 +348,7 @@ impl Metrics {
                 .get_or_create(&[("end", end), ("cause", cause)]);
         }
         m.lease.register(reg);
+        m.peer.register(reg);
         m
     }
 
@@ -439,8 +442,9 @@ impl Metrics {
 }
 
 /// The abort API's `result` label values.
-pub const ABORT_API_RESULTS: [&str; 7] = [
+pub const ABORT_API_RESULTS: [&str; 8] = [
     "dry_run",
+    "forwarded",
     "aborted",
     "already_aborted",
     "not_found",
@@ -591,8 +595,9 @@ mod tests {
 pub struct LeaseMetrics {
     /// Gateway instances holding a lease here.
     pub held: Gauge,
-    /// Renewals received, by `result` = `accepted`, `replay` (counter not above the last
-    /// accepted), `unauthorized` (signature), `bad_request` (body).
+    /// Renewals received, by `result` = `accepted`, `duplicate` (the last accepted counter
+    /// again: no effect), `replay` (counter below the last accepted), `unauthorized`
+    /// (signature), `bad_request` (body).
     pub renewals: Family<L1, Counter>,
     /// Leases expired, by `mode` = `enforce` (its requests were ended) or `observe`.
     pub expiries: Family<L1, Counter>,
@@ -615,7 +620,7 @@ impl LeaseMetrics {
         );
         reg.register(
             "kvguard_control_lease_renewals",
-            "Lease renewals received by result (accepted, replay, unauthorized, bad_request)",
+            "Lease renewals received by result (accepted, duplicate, replay, unauthorized, bad_request)",
             self.renewals.clone(),
         );
         reg.register(
@@ -638,7 +643,13 @@ impl LeaseMetrics {
             "Lease loop passes that found kvguard-control stalled (leases extended by the stall)",
             self.stalls.clone(),
         );
-        for r in ["accepted", "replay", "unauthorized", "bad_request"] {
+        for r in [
+            "accepted",
+            "duplicate",
+            "replay",
+            "unauthorized",
+            "bad_request",
+        ] {
             let _ = self.renewals.get_or_create(&[("result", r)]);
         }
         for m in ["enforce", "observe"] {
@@ -650,5 +661,68 @@ impl LeaseMetrics {
     /// Counts a renewal answer.
     pub fn renewal(&self, result: &'static str) {
         self.renewals.get_or_create(&[("result", result)]).inc();
+    }
+}
+
+// ---- Messages between replicas (`--peers`, contract §4, §8) ------------------------------
+
+/// Forwarded aborts and renewals, sent and received.
+#[derive(Debug, Clone, Default)]
+pub struct PeerMetrics {
+    /// Messages this replica forwarded, one per peer, by `kind` = `abort` | `renewal` and
+    /// `result` = `ok` (the peer held the id / took the renewal), `not_found` (an abort
+    /// for an id the peer does not hold), `failed` (no answer, a refusal, a peer down).
+    pub forwards: Family<L2, Counter>,
+    /// Forwarded messages received, by `kind` and `result` = `aborted`, `already_aborted`,
+    /// `dry_run`, `not_found`, `accepted`, `duplicate` (a renewal counter already taken
+    /// here), `unauthorized`, `replay`, `bad_request`.
+    pub received: Family<L2, Counter>,
+    /// Peer addresses this replica forwards to now (names resolved, itself left out).
+    pub peers: Gauge,
+}
+
+impl PeerMetrics {
+    fn register(&self, reg: &mut Registry) {
+        reg.register(
+            "kvguard_control_peer_forwards",
+            "Aborts and renewals forwarded to other replicas, per peer, by kind and result (ok, not_found, failed)",
+            self.forwards.clone(),
+        );
+        reg.register(
+            "kvguard_control_peer_received",
+            "Forwarded aborts and renewals received from other replicas, by kind and result",
+            self.received.clone(),
+        );
+        reg.register(
+            "kvguard_control_peers",
+            "Peer replicas this replica forwards to (--peers resolved, itself left out)",
+            self.peers.clone(),
+        );
+        for kind in ["abort", "renewal"] {
+            for r in ["ok", "not_found", "failed"] {
+                let _ = self
+                    .forwards
+                    .get_or_create(&[("kind", kind), ("result", r)]);
+            }
+            for r in ["unauthorized", "replay", "bad_request"] {
+                let _ = self
+                    .received
+                    .get_or_create(&[("kind", kind), ("result", r)]);
+            }
+        }
+    }
+
+    /// Counts a forward.
+    pub fn forward(&self, kind: &'static str, result: &'static str) {
+        self.forwards
+            .get_or_create(&[("kind", kind), ("result", result)])
+            .inc();
+    }
+
+    /// Counts a received forwarded message.
+    pub fn receive(&self, kind: &'static str, result: &'static str) {
+        self.received
+            .get_or_create(&[("kind", kind), ("result", result)])
+            .inc();
     }
 }

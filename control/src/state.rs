@@ -102,6 +102,8 @@ pub struct AppState {
     draining: AtomicBool,
     /// Liveness leases of the gateways (contract §8).
     pub leases: Mutex<crate::leases::Leases>,
+    /// The other replicas (`--peers`), if any.
+    pub peers: Option<Arc<crate::peers::Peers>>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -133,6 +135,10 @@ impl AppState {
             stamp: cfg.stamp_key.clone(),
         };
         let cfg_lease_ttl = cfg.lease_ttl;
+        let peers = cfg
+            .peers
+            .clone()
+            .map(|p| Arc::new(crate::peers::Peers::new(p)));
         Arc::new(AppState {
             keys: RwLock::new(Arc::new(keys)),
             cfg,
@@ -147,6 +153,7 @@ impl AppState {
             admissions: AtomicU64::new(0),
             draining: AtomicBool::new(false),
             leases: Mutex::new(crate::leases::Leases::new(cfg_lease_ttl)),
+            peers,
         })
     }
 
@@ -297,6 +304,28 @@ impl AppState {
         reason: AbortReason,
         gone: Option<(Duration, u64)>,
     ) -> AbortFound {
+        self.abort_here(id, reason, gone, true)
+    }
+
+    /// Like [`AppState::abort_or_tombstone`], but an id not in flight here is left alone
+    /// (no tombstone): a peer may hold it (`--peers`), and a tombstone here would be
+    /// useless at best. [`AbortFound::NotFound`] then means "nothing written".
+    pub fn abort_if_here(
+        self: &Arc<Self>,
+        id: &RequestId,
+        reason: AbortReason,
+        gone: Option<(Duration, u64)>,
+    ) -> AbortFound {
+        self.abort_here(id, reason, gone, false)
+    }
+
+    fn abort_here(
+        self: &Arc<Self>,
+        id: &RequestId,
+        reason: AbortReason,
+        gone: Option<(Duration, u64)>,
+        tombstone_missing: bool,
+    ) -> AbortFound {
         let now = self.clock.now();
         let mut inner = self.inner();
         if let Some(entry) = inner.table.get(id).cloned() {
@@ -324,7 +353,9 @@ impl AppState {
         if inner.tombstones.get(id, now).is_some() {
             return AbortFound::Already;
         }
-        self.tombstone_locked(&mut inner, id.clone(), reason, now);
+        if tombstone_missing {
+            self.tombstone_locked(&mut inner, id.clone(), reason, now);
+        }
         AbortFound::NotFound
     }
 

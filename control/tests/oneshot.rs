@@ -691,18 +691,25 @@ async fn lease_renewals_forged_or_replayed_are_refused_and_counted_a_clock_step_
     // Signed an hour away from kvguard-control's clock: freshness is the counter's job.
     let (s, v) = call(admin::app(st.clone()), renewal(KEY, NOW - 3600, a, 1)).await;
     assert_eq!(s, StatusCode::OK, "{v}");
-    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, a, 1)).await;
-    assert_eq!(s, StatusCode::CONFLICT, "same counter: a replay");
+    let (s, v) = call(admin::app(st.clone()), renewal(KEY, NOW, a, 1)).await;
+    assert_eq!(
+        (s, &v["duplicate"]),
+        (StatusCode::OK, &serde_json::Value::Bool(true)),
+        "same counter: a duplicate, no effect"
+    );
     let (s, _) = call(
         admin::app(st.clone()),
         renewal(b"some-other-key-0123456789", NOW, a, 2),
     )
     .await;
     assert_eq!(s, StatusCode::UNAUTHORIZED, "forged");
-    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, a, 2)).await;
+    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, a, 3)).await;
     assert_eq!(s, StatusCode::OK);
+    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, a, 2)).await;
+    assert_eq!(s, StatusCode::CONFLICT, "a lower counter: a replay");
     let r = |res: &str| format!("kvguard_control_lease_renewals_total{{result=\"{res}\"}}");
     assert_eq!(lease_metric(&st, &r("accepted")).await, 2.0);
+    assert_eq!(lease_metric(&st, &r("duplicate")).await, 1.0);
     assert_eq!(lease_metric(&st, &r("replay")).await, 1.0);
     assert_eq!(lease_metric(&st, &r("unauthorized")).await, 1.0);
     assert_eq!(lease_metric(&st, "kvguard_control_leases").await, 1.0);

@@ -964,3 +964,88 @@ async fn vllm_router_on_vllm_passes_disconnects_and_kvguard_cuts_nothing_else() 
     .await
     .unwrap();
 }
+
+/// The liveness lease on real vLLM: Envoy is SIGKILLed with streams behind the lossy hop
+/// (no abort can leave it, the hop hides the disconnects); kvguard-control in enforce
+/// mode with a 2 s TTL ends them once the lease expires, and vLLM's running count is back
+/// to 0 within TTL + 3 s (vLLM's own reaction and its metrics' refresh included).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_gateways_streams_are_freed_on_vllm_by_the_lease() {
+    bounded("lease on vLLM", T, async {
+        let Some((v, _turn)) = vllm("lease_sigkill").await else {
+            return;
+        };
+        const TTL: Duration = Duration::from_secs(2);
+        const STREAMS: usize = 4;
+        let mut cfg = stack::filter_config(0, 0);
+        cfg["lease_renew_ms"] = 400.into();
+        let mut o = StackOptions::new(v.addr(), Some(cfg));
+        o.control_args = [
+            "--idle-timeout",
+            "off",
+            "--max-age",
+            "off",
+            "--lease-mode",
+            "enforce",
+            "--lease-ttl",
+            "2s",
+        ]
+        .map(String::from)
+        .to_vec();
+        let mut st = Stack::start(o).await.unwrap();
+        poll_until_async(
+            "the gateway's lease",
+            W,
+            Duration::from_millis(50),
+            || async {
+                let text = st.control.metrics_text().await.ok()?;
+                text.lines()
+                    .any(|l| {
+                        l.strip_prefix("kvguard_control_leases ")
+                            .is_some_and(|n| n.trim() == "1")
+                    })
+                    .then_some(())
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+        let mut streams = Vec::new();
+        for i in 0..STREAMS {
+            let body = if i % 2 == 0 {
+                completion(LONG)
+            } else {
+                chat(LONG)
+            };
+            let path = if i % 2 == 0 {
+                "/v1/completions"
+            } else {
+                "/v1/chat/completions"
+            };
+            let mut s = client::stream_sse(st.entry(), path, &body, &[], i % 2 == 1)
+                .await
+                .unwrap();
+            assert_eq!(s.status, 200);
+            s.read_events(3, W).await.unwrap();
+            streams.push(s);
+        }
+        v.wait_figures("all running", W, |f| f.running == STREAMS as f64)
+            .await
+            .unwrap();
+        st.envoy.guard().kill().unwrap();
+        let killed = Instant::now();
+        drop(streams);
+        v.wait_figures("vLLM freed them", TTL + Duration::from_secs(3), |f| {
+            f.running == 0.0 && f.waiting == 0.0
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.control.log()));
+        eprintln!(
+            "vLLM's {STREAMS} sequences freed {:?} after the SIGKILL (TTL {TTL:?})",
+            killed.elapsed()
+        );
+        assert_eq!(control_aborts(&st, "gateway_lost").await, STREAMS as f64);
+        v.wait_idle(W).await.unwrap();
+    })
+    .await
+    .unwrap();
+}

@@ -7,15 +7,98 @@
 //! renewal counter; a new Envoy process (a restart, a hot restart's child) starts with
 //! none and draws a fresh id.
 
+use crate::aborts::ORIGINAL_DST_HEADER;
 use crate::config::Config;
 use crate::host::{Call, Level, Platform};
 use crate::metrics::{LeaseResult, Metric};
+use core::net::SocketAddr;
 use kvguard_contract::{signature, InstanceId, Renewal};
 
 /// Shared-data key of the instance id (value `v1:<32 hex>`).
 pub const INSTANCE_KEY: &str = "kvguard.instance.v1";
 /// Shared-data key of the renewal slot (value `v1:<due monotonic ms>:<counter>`).
 pub const SLOT_KEY: &str = "kvguard.lease.v1";
+
+/// Shared-data key of the kvguard-control replicas this process has seen in verified
+/// `x-kvguard-control` stamps (value `v1:<ip:port>@<seen monotonic ms>,...`): each
+/// period's renewal goes to every one of them as well as to `control_cluster`.
+pub const REPLICAS_KEY: &str = "kvguard.replicas.v1";
+/// Most replicas remembered (the longest unseen is forgotten first).
+pub const MAX_REPLICAS: usize = 16;
+/// A replica no stamp has named for this many renewal periods is forgotten.
+pub const FORGET_PERIODS: u64 = 120;
+
+/// The replicas remembered in a [`REPLICAS_KEY`] value, with when each was last named
+/// (unreadable entries are skipped).
+pub fn parse_replicas(v: &[u8]) -> Vec<(SocketAddr, u64)> {
+    let Some(text) = v
+        .strip_prefix(b"v1:")
+        .and_then(|t| core::str::from_utf8(t).ok())
+    else {
+        return Vec::new();
+    };
+    text.split(',')
+        .filter_map(|e| {
+            let (a, t) = e.rsplit_once('@')?;
+            Some((a.parse().ok()?, t.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The [`REPLICAS_KEY`] value of `list`.
+pub fn replicas_value(list: &[(SocketAddr, u64)]) -> Vec<u8> {
+    let mut s = String::from("v1:");
+    for (i, (a, t)) in list.iter().enumerate() {
+        if i > 0 {
+            s.push(',');
+        }
+        s.push_str(&format!("{a}@{t}"));
+    }
+    s.into_bytes()
+}
+
+/// The replicas to renew at `now_ms`: those named within [`FORGET_PERIODS`] periods.
+pub fn live_replicas(current: Option<&[u8]>, now_ms: u64, period_ms: u64) -> Vec<SocketAddr> {
+    let horizon = period_ms.saturating_mul(FORGET_PERIODS);
+    current
+        .map(parse_replicas)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(_, t)| now_ms.saturating_sub(*t) <= horizon)
+        .map(|(a, _)| a)
+        .collect()
+}
+
+/// `current` with `addr` named at `now_ms` (`Some(new value)`), or `None` when nothing
+/// needs writing (named less than a period ago). Forgotten and surplus entries go.
+pub fn remember(
+    current: Option<&[u8]>,
+    addr: SocketAddr,
+    now_ms: u64,
+    period_ms: u64,
+) -> Option<Vec<u8>> {
+    let horizon = period_ms.saturating_mul(FORGET_PERIODS);
+    let mut list: Vec<(SocketAddr, u64)> = current.map(parse_replicas).unwrap_or_default();
+    if list
+        .iter()
+        .any(|(a, t)| *a == addr && now_ms.saturating_sub(*t) < period_ms)
+    {
+        return None;
+    }
+    list.retain(|(a, t)| *a != addr && now_ms.saturating_sub(*t) <= horizon);
+    list.push((addr, now_ms));
+    list.sort_by_key(|e| core::cmp::Reverse(e.1));
+    list.truncate(MAX_REPLICAS);
+    Some(replicas_value(&list))
+}
+
+/// `current` without `addr` (`None`: it was not there).
+pub fn forget(current: Option<&[u8]>, addr: SocketAddr) -> Option<Vec<u8>> {
+    let mut list = current.map(parse_replicas).unwrap_or_default();
+    let before = list.len();
+    list.retain(|(a, _)| *a != addr);
+    (list.len() != before).then(|| replicas_value(&list))
+}
 
 /// The shared-data value of an instance id.
 pub fn instance_value(id: InstanceId) -> Vec<u8> {
@@ -70,25 +153,37 @@ pub fn elect(current: Option<&[u8]>, now_ms: u64, period_ms: u64, jitter_ms: u64
     }
 }
 
-/// Sends the renewal `counter` of `instance` to `control_cluster`; returns its token.
-/// Renewals do not go through the abort queue: an abort storm never delays them.
+/// Sends the renewal `counter` of `instance` to `control_cluster`, or with `replica` to
+/// that kvguard-control replica through `control_target_cluster` (nothing without one);
+/// returns its token. Renewals do not go through the abort queue: an abort storm never
+/// delays them.
 pub fn send<P: Platform + ?Sized>(
     cfg: &Config,
     p: &mut P,
     instance: InstanceId,
     counter: u64,
+    replica: Option<SocketAddr>,
 ) -> Option<u32> {
+    let cluster = match (replica, &cfg.target) {
+        (None, _) => &cfg.control_cluster,
+        (Some(_), Some(t)) => &t.cluster,
+        (Some(_), None) => return None,
+    };
     let body = Renewal::new(instance, counter).to_json();
     let sig = signature::sign(&cfg.key, p.unix_secs(), &body);
+    let mut headers = vec![
+        (":method", "POST".to_owned()),
+        (":path", cfg.lease_path.clone()),
+        (":authority", cfg.control_authority.clone()),
+        ("content-type", "application/json".to_owned()),
+        (signature::SIGNATURE_HEADER, sig),
+    ];
+    if let Some(addr) = replica {
+        headers.push((ORIGINAL_DST_HEADER, addr.to_string()));
+    }
     let call = Call {
-        cluster: &cfg.control_cluster,
-        headers: vec![
-            (":method", "POST".to_owned()),
-            (":path", cfg.lease_path.clone()),
-            (":authority", cfg.control_authority.clone()),
-            ("content-type", "application/json".to_owned()),
-            (signature::SIGNATURE_HEADER, sig),
-        ],
+        cluster,
+        headers,
         body,
         timeout_ms: cfg.abort_timeout_ms,
     };
@@ -101,7 +196,7 @@ pub fn send<P: Platform + ?Sized>(
             p.add(Metric::LeaseRenewals(LeaseResult::Failed), 1);
             p.log(
                 Level::Warn,
-                &format!("lease renewal counter={counter} not sent: the host refused the call ({e:?}); check control_cluster"),
+                &format!("lease renewal counter={counter} not sent to {cluster}: the host refused the call ({e:?}); check control_cluster / control_target_cluster"),
             );
             None
         }
@@ -167,6 +262,51 @@ mod tests {
     }
 
     #[test]
+    fn replicas_are_remembered_bounded_and_forgotten() {
+        let a: SocketAddr = "10.0.0.1:9902".parse().unwrap();
+        let b: SocketAddr = "10.0.0.2:9902".parse().unwrap();
+        let v = remember(None, a, 1000, 5000).unwrap();
+        assert_eq!(live_replicas(Some(&v), 1000, 5000), vec![a]);
+        // Named again within a period: nothing to write.
+        assert_eq!(remember(Some(&v), a, 5999, 5000), None);
+        let v = remember(Some(&v), b, 2000, 5000).unwrap();
+        let mut live = live_replicas(Some(&v), 2000, 5000);
+        live.sort();
+        assert_eq!(live, vec![a, b]);
+        // Unnamed for FORGET_PERIODS periods: forgotten.
+        let late = 1000 + 5000 * FORGET_PERIODS + 1;
+        assert_eq!(live_replicas(Some(&v), late, 5000), vec![b]);
+        let v = forget(Some(&v), b).unwrap();
+        assert_eq!(live_replicas(Some(&v), 2000, 5000), vec![a]);
+        assert_eq!(forget(Some(&v), b), None);
+        // Bounded: the longest unseen goes.
+        let mut v = Vec::new();
+        for i in 0..(MAX_REPLICAS as u64 + 4) {
+            let addr: SocketAddr = format!("10.0.1.{i}:9902").parse().unwrap();
+            v = remember(Some(&v), addr, 10 + i, 5000).unwrap();
+        }
+        let live = live_replicas(Some(&v), 100, 5000);
+        assert_eq!(live.len(), MAX_REPLICAS);
+        assert!(!live.contains(&"10.0.1.0:9902".parse().unwrap()));
+        assert!(parse_replicas(b"v1:garbage,10.0.0.1:1@x").is_empty());
+    }
+
+    #[test]
+    fn a_renewal_to_a_replica_goes_through_the_target_cluster() {
+        let extra = r#","control_target_cluster":"t","control_target_cidrs":["10.0.0.0/8"]"#;
+        let cfg = config(extra);
+        let mut h = MockHost::default();
+        let id = InstanceId([1; 16]);
+        let addr: SocketAddr = "10.1.2.3:9902".parse().unwrap();
+        send(&cfg, &mut h, id, 4, Some(addr)).unwrap();
+        let (_, cluster, headers, _) = &h.calls[0];
+        assert_eq!(cluster, "t");
+        assert!(headers.contains(&(ORIGINAL_DST_HEADER, "10.1.2.3:9902".to_owned())));
+        // Without a target route there is no way to name a replica.
+        assert_eq!(send(&config(""), &mut h, id, 5, Some(addr)), None);
+    }
+
+    #[test]
     fn renewal_call_is_signed_and_counted() {
         let cfg = config("");
         let mut h = MockHost {
@@ -174,7 +314,7 @@ mod tests {
             ..MockHost::default()
         };
         let id = InstanceId([1; 16]);
-        let token = send(&cfg, &mut h, id, 4).unwrap();
+        let token = send(&cfg, &mut h, id, 4, None).unwrap();
         let (t, cluster, headers, body) = &h.calls[0];
         assert_eq!((*t, cluster.as_str()), (token, "kvguard"));
         assert_eq!(Renewal::parse(body), Some((id, 4)));

@@ -49,8 +49,12 @@ struct Shared {
     mode_key: Option<String>,
     /// This Envoy process's instance id (shared data [`lease::INSTANCE_KEY`]).
     instance: Option<InstanceId>,
-    /// The token of this VM's renewal in flight.
-    lease_token: Option<u32>,
+    /// This VM's renewals in flight: token, and the replica it went to (`None`:
+    /// `control_cluster`).
+    lease_tokens: Vec<(u32, Option<std::net::SocketAddr>)>,
+    /// Replicas this VM wrote to shared data [`lease::REPLICAS_KEY`], and when (so a
+    /// stamp costs a shared-data write at most once per renewal period per replica).
+    replicas_noted: Vec<(std::net::SocketAddr, u64)>,
     /// Since when (monotonic ms) the host has been stopping this VM (`on_done`) while
     /// aborts were pending.
     stopping_since: Option<u64>,
@@ -314,7 +318,8 @@ fn init() {
                 queue_id: None,
                 mode_key: None,
                 instance: None,
-                lease_token: None,
+                lease_tokens: Vec::new(),
+                replicas_noted: Vec::new(),
                 stopping_since: None,
             })),
         })
@@ -409,13 +414,55 @@ impl Root {
         let Some(instance) = self.shared.try_borrow().ok().and_then(|s| s.instance) else {
             return;
         };
-        let token = with_engine(&self.shared, |e, p| {
-            lease::send(&e.cfg, p, instance, slot.counter)
-        })
-        .flatten();
-        if let Ok(mut s) = self.shared.try_borrow_mut() {
-            s.lease_token = token;
+        // The same renewal to control_cluster and to every replica seen in a stamp (a
+        // replica a renewal does not reach would not judge this gateway; peers forward
+        // it too, and a replica that gets it twice answers `duplicate`).
+        let replicas = match abi::get_shared_data(lease::REPLICAS_KEY) {
+            Ok(v) => lease::live_replicas(v.as_deref(), now, period),
+            Err(_) => Vec::new(),
+        };
+        let mut tokens = Vec::with_capacity(replicas.len() + 1);
+        for replica in core::iter::once(None).chain(replicas.into_iter().map(Some)) {
+            let token = with_engine(&self.shared, |e, p| {
+                lease::send(&e.cfg, p, instance, slot.counter, replica)
+            })
+            .flatten();
+            if let Some(t) = token {
+                tokens.push((t, replica));
+            }
         }
+        if let Ok(mut s) = self.shared.try_borrow_mut() {
+            s.lease_tokens = tokens;
+        }
+    }
+}
+
+/// Records a replica named by a verified stamp in shared data [`lease::REPLICAS_KEY`]
+/// (the lease renews it), at most once per renewal period per replica and VM.
+fn note_replica(shared: &SharedRef, addr: std::net::SocketAddr, now: u64, period: u64) {
+    let fresh = shared.try_borrow().is_ok_and(|s| {
+        s.replicas_noted
+            .iter()
+            .any(|(a, t)| *a == addr && now.saturating_sub(*t) < period)
+    });
+    if fresh {
+        return;
+    }
+    let (current, cas) = match abi::get_shared_data_cas(lease::REPLICAS_KEY) {
+        Ok(Some((v, cas))) => (Some(v), cas),
+        Ok(None) => (None, 0),
+        Err(_) => return,
+    };
+    if let Some(v) = lease::remember(current.as_deref(), addr, now, period) {
+        // A lost race leaves it for the next stamp.
+        if abi::set_shared_data_cas(lease::REPLICAS_KEY, &v, cas).is_err() {
+            return;
+        }
+    }
+    if let Ok(mut s) = shared.try_borrow_mut() {
+        s.replicas_noted.retain(|(a, _)| *a != addr);
+        s.replicas_noted.truncate(lease::MAX_REPLICAS);
+        s.replicas_noted.push((addr, now));
     }
 }
 
@@ -481,15 +528,25 @@ impl Context for Root {
         } else {
             Vec::new()
         };
-        let is_lease = match self.shared.try_borrow_mut() {
-            Ok(mut s) if s.lease_token == Some(token_id) => {
-                s.lease_token = None;
-                true
-            }
-            _ => false,
+        let lease = match self.shared.try_borrow_mut() {
+            Ok(mut s) => s
+                .lease_tokens
+                .iter()
+                .position(|(t, _)| *t == token_id)
+                .map(|i| s.lease_tokens.swap_remove(i).1),
+            Err(_) => None,
         };
-        if is_lease {
+        if let Some(replica) = lease {
             let _ = with_engine(&self.shared, |_, p| lease::on_answer(p, status));
+            // A replica that does not take the renewal is forgotten until a stamp names
+            // it again (a replaced pod must not fail every period).
+            if let (Some(addr), false) = (replica, status == Some(200)) {
+                if let Ok(Some((v, cas))) = abi::get_shared_data_cas(lease::REPLICAS_KEY) {
+                    if let Some(nv) = lease::forget(Some(&v), addr) {
+                        let _ = abi::set_shared_data_cas(lease::REPLICAS_KEY, &nv, cas);
+                    }
+                }
+            }
             return;
         }
         let _ = with_engine(&self.shared, |e, p| {
@@ -779,7 +836,7 @@ impl HttpContext for Stream {
             .ok()
             .flatten();
         let id = self.id;
-        let _ = with_engine(&self.shared, |e, p| {
+        let replica = with_engine(&self.shared, |e, p| {
             e.on_response_headers(
                 p,
                 id,
@@ -787,8 +844,17 @@ impl HttpContext for Stream {
                 ce.as_deref(),
                 stamp.as_deref(),
                 end_of_stream,
-            )
-        });
+            );
+            let period = e.cfg.lease_renew_ms;
+            let target = e.request(id).and_then(|r| r.target);
+            target
+                .filter(|_| period > 0)
+                .map(|t| (t, p.now_ms(), period))
+        })
+        .flatten();
+        if let Some((addr, now, period)) = replica {
+            note_replica(&self.shared, addr, now, period);
+        }
         Action::Continue
     }
 

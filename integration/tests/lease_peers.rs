@@ -1,0 +1,785 @@
+//! Several kvguard-control replicas with `--peers` (contract §4, §8), real processes:
+//! Envoy + kvguard → one lossy hop per replica (each hides every client disconnect) →
+//! three kvguard-control replicas → one simulator.
+//!
+//! The gateways' `control_cluster` names all three replicas, replica A at priority 0 and
+//! B, C at priority 1, so every abort and renewal reaches A (as one replica of N does in
+//! general): what B and C learn, they learn through A's forwarding.
+//!
+//! - A request abandoned before its response headers (so before the `x-kvguard-control`
+//!   stamp) on any replica is aborted on that replica, through A's forward, within a
+//!   bound far inside the abort deadline; A never answers 404 and tombstones nothing.
+//! - Two gateways; one carries a request running on C and is SIGKILLed: C ends it by the
+//!   lease (enforce, the renewals C holds came from A's fan-out), within TTL + 1 s; the
+//!   other gateway's streams on every replica run to their end.
+//! - A hot restart whose parent exits: the parent's remaining streams end by its lease,
+//!   the child's run to their end (the aborts the exiting parent still sent are printed:
+//!   docs/DESIGN.md "What leaves an exiting Envoy").
+//! - Forged and replayed forwarded messages are refused and counted.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "filter_support.rs"]
+mod support;
+
+use kvguard_contract::{signature, AbortReason, AbortRequest, Forwarded, Key, Renewal, RequestId};
+use kvguard_integration::client::{self, SseStream};
+use kvguard_integration::demo::stack::{self, Control};
+use kvguard_integration::envoy::{
+    Envoy, EnvoyOptions, CONTROL_CLUSTER, CONTROL_TARGET_CLUSTER, UPSTREAM_CLUSTER,
+};
+use kvguard_integration::lossy::{self, LossyConfig, LossyHandle};
+use kvguard_integration::sim::{self, SimConfig, SimHandle};
+use kvguard_integration::wait::{bounded, poll_until_async};
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use support::{chat, W};
+
+const TTL: Duration = Duration::from_secs(2);
+const RENEW_MS: u64 = 400;
+
+fn sim_config() -> SimConfig {
+    SimConfig {
+        max_running: 4096,
+        kv_blocks: 131_072,
+        ..SimConfig::default()
+    }
+}
+
+/// Three free loopback ports (bound, then released: each replica binds its own at once).
+fn free_addrs(n: usize) -> Vec<SocketAddr> {
+    let ls: Vec<_> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    ls.iter().map(|l| l.local_addr().unwrap()).collect()
+}
+
+/// Three replicas in front of `engine`, each knowing the others (`--peers` lists all
+/// three; each leaves itself out by its `--admin-listen`), each behind its own lossy hop.
+async fn replicas(engine: &SimHandle, extra: &[&str]) -> (Vec<Control>, Vec<LossyHandle>) {
+    let admins = free_addrs(3);
+    let peers = admins
+        .iter()
+        .map(|a| format!("http://{a}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let any = SocketAddr::from(([127, 0, 0, 1], 0));
+    let mut controls = Vec::new();
+    let mut hops = Vec::new();
+    for admin in &admins {
+        let mut args: Vec<String> = vec![
+            "--peers".into(),
+            peers.clone(),
+            "--idle-timeout".into(),
+            "off".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let c = Control::start(engine.addr(), any, *admin, &args)
+            .await
+            .unwrap();
+        hops.push(
+            lossy::spawn(LossyConfig {
+                listen: None,
+                upstream: c.proxy,
+                upstream_http2: false,
+            })
+            .await
+            .unwrap(),
+        );
+        controls.push(c);
+    }
+    (controls, hops)
+}
+
+fn endpoints(addrs: &[SocketAddr]) -> Value {
+    Value::Array(
+        addrs
+            .iter()
+            .map(|a| {
+                json!({"endpoint": {"address": {"socket_address": {
+                    "address": a.ip().to_string(), "port_value": a.port()}}}})
+            })
+            .collect(),
+    )
+}
+
+/// A gateway whose upstream cluster is `upstreams` (round robin) and whose
+/// `control_cluster` is replica `control[0]` at priority 0, the others at priority 1.
+async fn gateway(
+    upstreams: &[SocketAddr],
+    control: &[SocketAddr],
+    opts: impl FnOnce(&mut EnvoyOptions),
+) -> Envoy {
+    let mut c = stack::filter_config(0, 0);
+    c["lease_renew_ms"] = RENEW_MS.into();
+    let mut eo = EnvoyOptions::with_filter(upstreams[0], control[0], c)
+        .vm_env("KVGUARD_SECRET", stack::SECRET);
+    eo.concurrency = 2;
+    eo.component_log_level = Some("wasm:info".into());
+    let up = endpoints(upstreams);
+    let primary = endpoints(&control[..1]);
+    let backup = endpoints(&control[1..]);
+    eo.patch = Some(Arc::new(move |b: &mut Value| {
+        for c in b["static_resources"]["clusters"].as_array_mut().unwrap() {
+            let eps = match c["name"].as_str() {
+                Some(UPSTREAM_CLUSTER) => json!([{"lb_endpoints": up.clone()}]),
+                Some(CONTROL_CLUSTER) => json!([
+                    {"priority": 0, "lb_endpoints": primary.clone()},
+                    {"priority": 1, "lb_endpoints": backup.clone()}
+                ]),
+                _ => continue,
+            };
+            c["load_assignment"]["endpoints"] = eps;
+        }
+    }));
+    opts(&mut eo);
+    Envoy::start(eo).await.unwrap()
+}
+
+async fn metric(control: &Control, series: &str) -> f64 {
+    let text = control.metrics_text().await.unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{series} missing from kvguard-control's /metrics"))
+}
+
+async fn wait_metric(control: &Control, series: &str, at_least: f64) {
+    poll_until_async(series, W, Duration::from_millis(50), || async {
+        (metric(control, series).await >= at_least).then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", control.log()));
+}
+
+/// Sends a long non-streaming completion through `entry` in the background: its response
+/// headers (and the stamp) come only at its end, and the lossy hop holds it before its
+/// head too. Abort the handle to leave.
+fn send_non_streaming(entry: SocketAddr, i: usize) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let body = serde_json::to_vec(&json!({"model": "tiny", "prompt": format!("p{i}"),
+            "stream": false, "max_tokens": 1000}))
+        .unwrap();
+        let _ = client::request(
+            entry,
+            hyper::Method::POST,
+            "/v1/completions",
+            &[
+                ("content-type", "application/json"),
+                ("x-sim-rate", "5"),
+                (lossy::HOLD_HEADER, "1"),
+            ],
+            body,
+            false,
+            Duration::from_secs(300),
+        )
+        .await;
+    })
+}
+
+/// Opens `n` streams and reads each one's first data event.
+async fn open(entry: SocketAddr, n: usize, max_tokens: u32, rate: &'static str) -> Vec<SseStream> {
+    let mut set = tokio::task::JoinSet::new();
+    for i in 0..n {
+        set.spawn(async move {
+            let mut s = client::stream_sse(
+                entry,
+                "/v1/chat/completions",
+                &chat(max_tokens),
+                &[("x-sim-rate", rate)],
+                i % 2 == 0,
+            )
+            .await
+            .unwrap();
+            assert_eq!(s.status, 200);
+            s.next_data(W).await.unwrap().unwrap();
+            s
+        });
+    }
+    let mut out = Vec::with_capacity(n);
+    while let Some(r) = set.join_next().await {
+        out.push(r.unwrap());
+    }
+    out
+}
+
+async fn inflight(controls: &[Control]) -> Vec<usize> {
+    let mut v = Vec::new();
+    for c in controls {
+        v.push(c.inflight_ids().await.unwrap().len());
+    }
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_before_the_stamp_is_forwarded_to_the_replica_holding_the_request() {
+    bounded("abort before the stamp", Duration::from_secs(60), async {
+        let engine = sim::spawn(sim_config()).await.unwrap();
+        let (controls, hops) = replicas(&engine, &[]).await;
+        let ups: Vec<_> = hops.iter().map(LossyHandle::addr).collect();
+        let admins: Vec<_> = controls.iter().map(|c| c.admin).collect();
+        let envoy = gateway(&ups, &admins, |_| {}).await;
+        // Six requests, round robin over the three replicas: two each.
+        const N: usize = 6;
+        let clients: Vec<_> = (0..N)
+            .map(|i| send_non_streaming(envoy.listener_addr(), i))
+            .collect();
+        poll_until_async(
+            "six requests in flight",
+            W,
+            Duration::from_millis(50),
+            || async {
+                let v = inflight(&controls).await;
+                (v.iter().sum::<usize>() == N).then_some(v)
+            },
+        )
+        .await
+        .unwrap();
+        let held = inflight(&controls).await;
+        eprintln!("requests in flight per replica: {held:?}");
+        assert!(held[1] + held[2] > 0, "no request on B or C: {held:?}");
+        assert_eq!(engine.state().running.len(), N);
+        // Every client leaves before any response header: the filter has no stamp, so
+        // every abort goes to control_cluster, that is to A.
+        let left = Instant::now();
+        for c in clients {
+            c.abort();
+            let _ = c.await;
+        }
+        engine
+            .wait_state("every abandoned request ended", W, |s| {
+                s.running.is_empty() && s.waiting.is_empty()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", controls[0].log()));
+        let took = left.elapsed();
+        eprintln!("all {N} ended {took:?} after their clients left");
+        assert!(
+            took <= Duration::from_secs(3),
+            "{took:?}: far slower than one abort attempt (1 s) plus the filter's tick"
+        );
+        let a = &controls[0];
+        let series = |r: &str| format!("kvguard_control_abort_api_answers_total{{result=\"{r}\"}}");
+        assert_eq!(metric(a, &series("aborted")).await, held[0] as f64);
+        assert_eq!(
+            metric(a, &series("forwarded")).await,
+            (held[1] + held[2]) as f64
+        );
+        assert_eq!(
+            metric(a, &series("not_found")).await,
+            0.0,
+            "no 404 for an id a peer held"
+        );
+        assert_eq!(
+            metric(
+                a,
+                "kvguard_control_peer_forwards_total{kind=\"abort\",result=\"ok\"}"
+            )
+            .await,
+            (held[1] + held[2]) as f64
+        );
+        assert_eq!(
+            metric(
+                a,
+                "kvguard_control_peer_forwards_total{kind=\"abort\",result=\"failed\"}"
+            )
+            .await,
+            0.0
+        );
+        assert_eq!(
+            metric(a, "kvguard_control_tombstones").await,
+            held[0] as f64,
+            "A tombstoned only the ids it ended itself"
+        );
+        for (i, c) in controls.iter().enumerate().skip(1) {
+            assert_eq!(
+                metric(
+                    c,
+                    "kvguard_control_peer_received_total{kind=\"abort\",result=\"aborted\"}"
+                )
+                .await,
+                held[i] as f64,
+                "replica {i}"
+            );
+            let by = c.aborts_by_reason().await.unwrap();
+            assert_eq!(
+                by.get("downstream_reset"),
+                Some(&(held[i] as f64)),
+                "replica {i}: {by:?}"
+            );
+        }
+        drop(envoy);
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_a_killed_gateways_request_on_one_ends_there_by_its_lease() {
+    bounded(
+        "killed gateway, three replicas",
+        Duration::from_secs(60),
+        async {
+            let engine = sim::spawn(sim_config()).await.unwrap();
+            let ttl = format!("{}ms", TTL.as_millis());
+            let (controls, hops) =
+                replicas(&engine, &["--lease-mode", "enforce", "--lease-ttl", &ttl]).await;
+            let ups: Vec<_> = hops.iter().map(LossyHandle::addr).collect();
+            let admins: Vec<_> = controls.iter().map(|c| c.admin).collect();
+            // G1's inference goes to replica C only; G2's to all three.
+            let mut g1 = gateway(&ups[2..], &admins, |_| {}).await;
+            let g2 = gateway(&ups, &admins, |_| {}).await;
+            // Both leases reach all three replicas, though every renewal goes to A.
+            for c in &controls {
+                wait_metric(c, "kvguard_control_leases", 2.0).await;
+            }
+            let lost = send_non_streaming(g1.listener_addr(), 0);
+            poll_until_async(
+                "G1's request on C",
+                W,
+                Duration::from_millis(50),
+                || async { (controls[2].inflight_ids().await.unwrap().len() == 1).then_some(()) },
+            )
+            .await
+            .unwrap();
+            // G2: six streams over the three replicas (60 tokens at 10/s: ~6 s), read to the end.
+            let streams = open(g2.listener_addr(), 6, 60, "10").await;
+            assert_eq!(inflight(&controls).await.iter().sum::<usize>(), 7);
+            let mut reads = tokio::task::JoinSet::new();
+            for mut s in streams {
+                reads.spawn(async move { s.wait_end(W).await.map(|e| e.saw_done()) });
+            }
+            g1.guard().kill().unwrap();
+            let killed = Instant::now();
+            lost.abort();
+            let _ = lost.await;
+            poll_until_async(
+                "G1's request ended on C",
+                W,
+                Duration::from_millis(20),
+                || async {
+                    let by = controls[2].aborts_by_reason().await.ok()?;
+                    (by.get("gateway_lost") == Some(&1.0)).then_some(())
+                },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", controls[2].log()));
+            let took = killed.elapsed();
+            eprintln!("G1's request on C ended {took:?} after the SIGKILL (TTL {TTL:?})");
+            assert!(took <= TTL + Duration::from_secs(1), "{took:?} > TTL + 1 s");
+            // G2 untouched: every stream reaches [DONE], no other replica ended anything.
+            while let Some(r) = reads.join_next().await {
+                assert!(
+                    r.unwrap().unwrap(),
+                    "a stream of the live gateway did not complete"
+                );
+            }
+            for (i, c) in controls.iter().enumerate() {
+                let by = c.aborts_by_reason().await.unwrap();
+                let want = if i == 2 { 1.0 } else { 0.0 };
+                assert_eq!(by.get("gateway_lost"), Some(&want), "replica {i}: {by:?}");
+                assert_eq!(
+                    metric(c, "kvguard_control_leases").await,
+                    1.0,
+                    "replica {i}: G2's lease"
+                );
+            }
+            engine
+                .wait_state("the engine idle", W, |s| s.running.is_empty())
+                .await
+                .unwrap();
+            drop(g2);
+        },
+    )
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_restart_parent_that_exits_has_its_streams_ended_by_its_lease_the_childs_run_on() {
+    bounded("hot restart parent exit", Duration::from_secs(60), async {
+        const PARENT: usize = 20;
+        const CHILD: usize = 10;
+        let engine = sim::spawn(sim_config()).await.unwrap();
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        let ttl = format!("{}ms", TTL.as_millis());
+        let control = Control::start(
+            engine.addr(),
+            any,
+            any,
+            &[
+                "--lease-mode",
+                "enforce",
+                "--lease-ttl",
+                &ttl,
+                "--idle-timeout",
+                "off",
+            ]
+            .map(String::from),
+        )
+        .await
+        .unwrap();
+        let hop = lossy::spawn(LossyConfig {
+            listen: None,
+            upstream: control.proxy,
+            upstream_http2: false,
+        })
+        .await
+        .unwrap();
+        let epoch0 = gateway(&[hop.addr()], &[control.admin], |eo| {
+            eo.hot_restart = true;
+            eo.drain_time_s = 1;
+            eo.parent_shutdown_time_s = Some(3);
+        })
+        .await;
+        wait_metric(&control, "kvguard_control_leases", 1.0).await;
+        // The parent's streams: 1,000 tokens at 5/s, far longer than the test.
+        let parent = open(epoch0.listener_addr(), PARENT, 1000, "5").await;
+        let mut epoch0 = epoch0;
+        let epoch1 = epoch0.hot_restart(epoch0.options().clone()).await.unwrap();
+        epoch0
+            .guard()
+            .wait_for_log("closing and draining listeners", W)
+            .await
+            .unwrap();
+        // The child's own lease, then its streams (60 tokens at 10/s: ~6 s), read to the end.
+        wait_metric(&control, "kvguard_control_leases", 2.0).await;
+        let child = open(epoch1.listener_addr(), CHILD, 60, "10").await;
+        let mut reads = tokio::task::JoinSet::new();
+        for mut s in child {
+            reads.spawn(async move { s.wait_end(W).await.map(|e| e.saw_done()) });
+        }
+        let status = epoch0
+            .guard()
+            .wait_exit_async(Duration::from_secs(15))
+            .await
+            .unwrap();
+        let exited = Instant::now();
+        eprintln!("epoch 0 exited: {status:?}");
+        drop(parent);
+        engine
+            .wait_state("the parent's streams ended", W, |s| {
+                s.running.len() <= CHILD
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", control.log()));
+        let took = exited.elapsed();
+        let by = control.aborts_by_reason().await.unwrap();
+        let (lost, reset) = (
+            by.get("gateway_lost").copied().unwrap_or(0.0),
+            by.get("downstream_reset").copied().unwrap_or(0.0),
+        );
+        eprintln!(
+            "parent's {PARENT} streams ended {took:?} after it exited: {lost} by its lease, \
+             {reset} by aborts the exiting parent still sent"
+        );
+        assert_eq!(lost + reset, PARENT as f64, "{by:?}");
+        assert!(lost >= 1.0, "the lease ended none of them: {by:?}");
+        assert!(took <= TTL + Duration::from_secs(1), "{took:?} > TTL + 1 s");
+        while let Some(r) = reads.join_next().await {
+            assert!(
+                r.unwrap().unwrap(),
+                "a stream of the child did not complete"
+            );
+        }
+        assert_eq!(
+            metric(&control, "kvguard_control_leases").await,
+            1.0,
+            "the child's lease"
+        );
+        drop(epoch1);
+    })
+    .await
+    .unwrap();
+}
+
+async fn post(admin: SocketAddr, path: &'static str, body: Vec<u8>, sig: String) -> client::Resp {
+    client::request(
+        admin,
+        hyper::Method::POST,
+        path,
+        &[
+            ("content-type", "application/json"),
+            (signature::SIGNATURE_HEADER, &sig),
+        ],
+        body,
+        false,
+        W,
+    )
+    .await
+    .unwrap()
+}
+
+fn unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_and_replayed_forwarded_messages_are_refused_and_counted() {
+    bounded(
+        "forged and replayed forwards",
+        Duration::from_secs(60),
+        async {
+            let engine = sim::spawn(sim_config()).await.unwrap();
+            let any = SocketAddr::from(([127, 0, 0, 1], 0));
+            let control = Control::start(engine.addr(), any, any, &[]).await.unwrap();
+            let key = Key::try_new(stack::SECRET.as_bytes()).unwrap();
+            let forged_key = Key::try_new(b"not-the-replicas-key-0123456789").unwrap();
+            let id = RequestId::try_new(b"peer-forward-1").unwrap();
+            let abort = AbortRequest::new(&id, AbortReason::DownstreamReset, 10, 0).to_json();
+            let env = Forwarded::new("10.9.9.9:9902", &abort).unwrap().to_json();
+            let a = control.admin;
+            let (pa, pl) = (
+                kvguard_contract::PEER_ABORT_PATH,
+                kvguard_contract::PEER_LEASE_PATH,
+            );
+            // Forged: another key.
+            let r = post(
+                a,
+                pa,
+                env.clone(),
+                signature::sign(&forged_key, unix(), &env),
+            )
+            .await;
+            assert_eq!(r.status, 401, "{}", r.text());
+            // Genuine: not held here, 404, and no tombstone (a request with the id is admitted).
+            let sig = signature::sign(&key, unix(), &env);
+            let r = post(a, pa, env.clone(), sig.clone()).await;
+            assert_eq!(r.status, 404, "{}", r.text());
+            assert_eq!(metric(&control, "kvguard_control_tombstones").await, 0.0);
+            // Replayed: the same signature again.
+            let r = post(a, pa, env.clone(), sig).await;
+            assert_eq!(r.status, 409, "{}", r.text());
+            // A gateway's own signed abort is not a forwarded one (and is not forwarded on).
+            let r = post(a, pa, abort.clone(), signature::sign(&key, unix(), &abort)).await;
+            assert_eq!(r.status, 400, "{}", r.text());
+            // Renewals: forged, genuine, replayed.
+            let inst = kvguard_contract::InstanceId([5; 16]);
+            let renewal = Renewal::new(inst, 1).to_json();
+            let env = Forwarded::new("10.9.9.9:9902", &renewal).unwrap().to_json();
+            let r = post(
+                a,
+                pl,
+                env.clone(),
+                signature::sign(&forged_key, unix(), &env),
+            )
+            .await;
+            assert_eq!(r.status, 401, "{}", r.text());
+            let sig = signature::sign(&key, unix(), &env);
+            let r = post(a, pl, env.clone(), sig.clone()).await;
+            assert_eq!(r.status, 200, "{}", r.text());
+            assert_eq!(metric(&control, "kvguard_control_leases").await, 1.0);
+            let r = post(a, pl, env.clone(), sig).await;
+            assert_eq!(r.status, 409, "{}", r.text());
+            // Stale signature time (outside ±30 s): refused like an abort's.
+            let r = post(
+                a,
+                pl,
+                env.clone(),
+                signature::sign(&key, unix() - 120, &env),
+            )
+            .await;
+            assert_eq!(r.status, 401, "{}", r.text());
+            let s = |k: &str, r: &str| {
+                format!("kvguard_control_peer_received_total{{kind=\"{k}\",result=\"{r}\"}}")
+            };
+            assert_eq!(metric(&control, &s("abort", "unauthorized")).await, 1.0);
+            assert_eq!(metric(&control, &s("abort", "replay")).await, 1.0);
+            assert_eq!(metric(&control, &s("abort", "not_found")).await, 1.0);
+            assert_eq!(metric(&control, &s("abort", "bad_request")).await, 1.0);
+            assert_eq!(metric(&control, &s("renewal", "unauthorized")).await, 2.0);
+            assert_eq!(metric(&control, &s("renewal", "replay")).await, 1.0);
+            assert_eq!(metric(&control, &s("renewal", "accepted")).await, 1.0);
+            // The id is not tombstoned: a request with it runs.
+            let r = client::request(
+                control.proxy,
+                hyper::Method::POST,
+                "/v1/completions",
+                &[
+                    ("content-type", "application/json"),
+                    ("x-request-id", "peer-forward-1"),
+                ],
+                serde_json::to_vec(&support::completion(3, false)).unwrap(),
+                false,
+                W,
+            )
+            .await
+            .unwrap();
+            assert_eq!(r.status, 200, "{}", r.text());
+        },
+    )
+    .await
+    .unwrap();
+}
+
+/// Measurement (docs/DESIGN.md "What leaves an exiting Envoy"), not a check: `STREAMS`
+/// clients leave at once and Envoy gets SIGTERM `delay` later; how many of their aborts
+/// reach kvguard-control? Run with
+/// `cargo test -p kvguard-integration --test lease_peers -- --ignored --nocapture measure`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement; prints its figures"]
+async fn measure_aborts_leaving_a_sigtermed_envoy_during_disconnects() {
+    bounded("SIGTERM measurement", Duration::from_secs(120), async {
+        const STREAMS: usize = 100;
+        let engine = sim::spawn(sim_config()).await.unwrap();
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        let control = Control::start(engine.addr(), any, any, &["--idle-timeout".into(), "off".into()])
+            .await
+            .unwrap();
+        let hop = lossy::spawn(LossyConfig {
+            listen: None,
+            upstream: control.proxy,
+            upstream_http2: false,
+        })
+        .await
+        .unwrap();
+        let series = "kvguard_control_abort_api_answers_total{result=\"aborted\"}";
+        for delay_ms in [0u64, 10, 50, 200] {
+            let mut envoy = gateway(&[hop.addr()], &[control.admin], |_| {}).await;
+            let streams = open(envoy.listener_addr(), STREAMS, 1000, "5").await;
+            let before = metric(&control, series).await;
+            drop(streams);
+            tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+            let (_, in_grace) = envoy.guard().terminate(Duration::from_secs(10)).unwrap();
+            // Whatever was going to arrive has arrived well within this (one attempt is
+            // at most 1 s; Envoy is gone).
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let arrived = metric(&control, series).await - before;
+            eprintln!(
+                "MEASURE SIGTERM {delay_ms} ms after {STREAMS} disconnects: {arrived} of {STREAMS} aborts arrived (exited in grace: {in_grace})"
+            );
+            // End the rest so the next round starts from an idle engine.
+            for id in control.inflight_ids().await.unwrap() {
+                let body = AbortRequest::new(
+                    &RequestId::try_new(id.as_bytes()).unwrap(),
+                    AbortReason::Operator,
+                    0,
+                    0,
+                )
+                .to_json();
+                let key = Key::try_new(stack::SECRET.as_bytes()).unwrap();
+                let sig = signature::sign(&key, unix(), &body);
+                post(control.admin, kvguard_contract::ABORT_PATH, body, sig).await;
+            }
+            engine
+                .wait_state("idle", W, |s| s.running.is_empty())
+                .await
+                .unwrap();
+        }
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_down_is_counted_and_the_abort_is_answered_as_without_peers() {
+    bounded("a peer down", Duration::from_secs(60), async {
+        let engine = sim::spawn(sim_config()).await.unwrap();
+        let down = stack::closed_port().await.unwrap();
+        let admin = free_addrs(1)[0];
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        let control = Control::start(
+            engine.addr(),
+            any,
+            admin,
+            &["--peers".into(), format!("http://{down},http://{admin}")],
+        )
+        .await
+        .unwrap();
+        let key = Key::try_new(stack::SECRET.as_bytes()).unwrap();
+        let id = RequestId::try_new(b"nowhere-1").unwrap();
+        let body = AbortRequest::new(&id, AbortReason::DownstreamReset, 10, 0).to_json();
+        let sent = Instant::now();
+        let r = post(
+            control.admin,
+            kvguard_contract::ABORT_PATH,
+            body.clone(),
+            signature::sign(&key, unix(), &body),
+        )
+        .await;
+        let took = sent.elapsed();
+        assert_eq!(r.status, 404, "{}", r.text());
+        assert!(
+            took < Duration::from_secs(1),
+            "{took:?}: a peer down must not hold the answer past its 500 ms bound"
+        );
+        assert_eq!(
+            metric(
+                &control,
+                "kvguard_control_peer_forwards_total{kind=\"abort\",result=\"failed\"}"
+            )
+            .await,
+            1.0
+        );
+        // It left itself out of the list: one peer.
+        assert_eq!(metric(&control, "kvguard_control_peers").await, 1.0);
+        // As without peers: tombstoned here, so the request arriving late is refused.
+        assert_eq!(metric(&control, "kvguard_control_tombstones").await, 1.0);
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_renews_every_replica_its_stamps_named() {
+    bounded(
+        "renewals to stamped replicas",
+        Duration::from_secs(60),
+        async {
+            let engine = sim::spawn(sim_config()).await.unwrap();
+            let admin = free_addrs(1)[0];
+            let any = SocketAddr::from(([127, 0, 0, 1], 0));
+            // The replica stamps its responses with its admin address.
+            let control = Control::start(
+                engine.addr(),
+                any,
+                admin,
+                &["--advertise".into(), admin.to_string()],
+            )
+            .await
+            .unwrap();
+            let port = admin.port();
+            let envoy = gateway(&[control.proxy], &[control.admin], |eo| {
+                let c = eo.filter_config.as_mut().unwrap();
+                c["control_target_cluster"] = CONTROL_TARGET_CLUSTER.into();
+                c["control_target_cidrs"] = json!(["127.0.0.0/8"]);
+                c["control_target_ports"] = json!([port]);
+                eo.original_dst_cluster = Some(CONTROL_TARGET_CLUSTER.into());
+            })
+            .await;
+            let renewals =
+                |r: &str| format!("kvguard_control_lease_renewals_total{{result=\"{r}\"}}");
+            wait_metric(&control, &renewals("accepted"), 2.0).await;
+            // No stamp seen yet: each period's renewal reaches the replica once.
+            assert_eq!(metric(&control, &renewals("duplicate")).await, 0.0);
+            // A response carries the stamp; from then on each period's renewal goes to
+            // control_cluster and, through the per-replica route, to the stamped replica: the
+            // replica gets it twice (one accepted, one duplicate).
+            let mut s = client::stream_sse(
+                envoy.listener_addr(),
+                "/v1/chat/completions",
+                &chat(3),
+                &[],
+                false,
+            )
+            .await
+            .unwrap();
+            assert!(s.wait_end(W).await.unwrap().saw_done());
+            wait_metric(&control, &renewals("duplicate"), 2.0).await;
+            assert_eq!(metric(&control, &renewals("replay")).await, 0.0);
+            assert_eq!(
+                support::stat(
+                    &envoy,
+                    "kvguard_filter_lease_renewals_total_result=.=failed;.;"
+                )
+                .await,
+                0.0
+            );
+        },
+    )
+    .await
+    .unwrap();
+}
