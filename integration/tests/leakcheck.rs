@@ -382,3 +382,63 @@ async fn bad_input_is_refused_with_distinct_exit_codes_and_never_hangs() {
     .await
     .unwrap();
 }
+
+/// Safe by default: the run stops sending as soon as KV usage passes `--kv-stop`, and says
+/// inconclusive with the reason; other traffic that keeps the engine from a quiet
+/// checkpoint makes the run inconclusive before any load is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stops_at_the_kv_threshold_and_refuses_a_busy_engine_as_inconclusive() {
+    bounded("leakcheck kv stop and background traffic", T, async {
+        // A small pool: 64 blocks of 16 tokens; a few 400-token requests fill it.
+        let sim = sim::spawn(SimConfig {
+            token_rate: 50.0,
+            kv_blocks: 64,
+            ..SimConfig::default()
+        })
+        .await
+        .unwrap();
+        let mut a = args(sim.addr(), sim.addr(), false);
+        let d = a.iter().position(|x| x == "--duration").unwrap();
+        a[d + 1] = "30s".into();
+        a.extend(["--kv-stop", "0.3"].map(String::from));
+        let o = leakcheck(&a, RUN).await;
+        assert_eq!(o.code, 2, "exit 2 = inconclusive:\n{}", o.log);
+        assert!(o.log.contains("KV usage reached"), "{}", o.log);
+        let r = o.report.as_ref().unwrap();
+        let sent = r["run"]["requests"].as_array().unwrap().len();
+        // 30 s at 3/s would be 90 requests; it stopped within seconds.
+        assert!(sent < 30, "{sent} requests sent after the KV threshold");
+        assert!(o.took < Duration::from_secs(60), "{:?}", o.took);
+
+        // Someone else's long stream on the engine: never quiet, nothing sent.
+        let sim = sim50().await;
+        let body = serde_json::json!({"model": "tiny", "prompt": "other traffic", "stream": true,
+                                      "max_tokens": 1500});
+        let mut other = kvguard_integration::client::stream_sse(
+            sim.addr(),
+            "/v1/completions",
+            &body,
+            &[],
+            false,
+        )
+        .await
+        .unwrap();
+        assert_eq!(other.status, 200);
+        other.read_events(1, Duration::from_secs(10)).await.unwrap();
+        let mut a = args(sim.addr(), sim.addr(), false);
+        let q = a.iter().position(|x| x == "--quiet-timeout").unwrap();
+        a[q + 1] = "3s".into();
+        let o = leakcheck(&a, BAD).await;
+        assert_eq!(o.code, 2, "exit 2 = inconclusive:\n{}", o.log);
+        assert!(o.log.contains("dedicated replica"), "{}", o.log);
+        let r = o.report.as_ref().unwrap();
+        assert_eq!(
+            r["run"]["requests"].as_array().unwrap().len(),
+            0,
+            "load sent to a busy engine"
+        );
+        other.disconnect();
+    })
+    .await
+    .unwrap();
+}

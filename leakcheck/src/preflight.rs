@@ -43,7 +43,7 @@ pub struct Ready {
     pub flavour: EngineFlavour,
     /// The probe stream: time to the first event (s).
     pub probe_ttft_s: f64,
-    /// The probe stream: seconds per data event after the first.
+    /// The probe stream: seconds per data event (whole stream time / events).
     pub probe_s_per_event: f64,
     /// The probe stream: data events read.
     pub probe_events: u64,
@@ -362,11 +362,9 @@ pub async fn run(args: &Args) -> Result<Ready, Fail> {
         return Err(fail(Exit::TargetErrors, "the probe stream had no data"));
     };
     let ttft = (first - t0).as_secs_f64();
-    let per_event = if events > 1 {
-        (last - first).as_secs_f64() / (events - 1) as f64
-    } else {
-        ttft
-    };
+    // The whole stream's time over its events, not the gaps between them: a hop that
+    // buffers (LiteLLM) delivers events in bursts, and the gaps would understate the pace.
+    let per_event = (last - t0).as_secs_f64() / events as f64;
 
     // The engine counted the two probes: the target routes to this engine.
     let routing_confirmed = match before.finished {
