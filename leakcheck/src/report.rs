@@ -246,9 +246,9 @@ pub fn svg(a: &Analysis, run: &RunData) -> String {
             .iter()
             .map(|s| (x(s.t), y2(s.orphans())))
             .collect(),
-        "#d62728",
+        "#8c564b",
         "",
-        1.5,
+        2.0,
     );
     for c in run.baseline.iter().chain(run.checkpoints.iter()) {
         if let Some(kv) = c.kv {
@@ -261,10 +261,11 @@ pub fn svg(a: &Analysis, run: &RunData) -> String {
         }
     }
     let legend = [
+        ("#d62728", "", "KV usage"),
         (
-            "#d62728",
+            "#8c564b",
             "",
-            "KV usage (top); orphans = running + waiting beyond connected clients (bottom)",
+            "orphans (running + waiting beyond this run's connected clients)",
         ),
         ("#2ca02c", "", "running"),
         ("#2ca02c", "4 3", "waiting"),
