@@ -9,11 +9,13 @@
 //!   KV pool with admission control, vLLM metric names, abort APIs).
 //! - [`receiver`] a mock `POST /v1/abort` endpoint that verifies signatures per contract.
 //! - [`envoy`] runs a real Envoy with (or without) the kvguard filter.
-//! - [`client`] small HTTP/SSE client helpers, including disconnecting and silent clients.
+//! - [`client`] small HTTP/SSE client helpers, including disconnecting and silent clients
+//!   (re-exported from `kvguard-loadgen`, shared with kvguard-leakcheck).
 //! - [`clock_shim`] an `LD_PRELOAD` library that shifts a process's wall clock at run time.
 //! - [`hops`] real hops (LiteLLM's proxy, vllm-router) run as child processes.
 //! - [`lossy`] a reverse proxy that does not pass client disconnects on (the leak).
-//! - [`load`] the load generator behind the `kvguard-load` binary.
+//! - [`load`] the load generator behind the `kvguard-load` binary (re-exported from
+//!   `kvguard-loadgen`).
 //! - [`vllm`] real vLLM on CPU: the tiny random-weight model, one server per suite run.
 //! - [`demo`] the whole stack (Envoy [+ filter] → lossy hop → kvguard-control → engine),
 //!   the seeded leak-reproduction workload and its report (`kvguard-demo`, `scripts/demo`).
@@ -21,13 +23,11 @@
 
 pub mod bench;
 pub mod cli;
-pub mod client;
 pub mod clock_shim;
 pub mod demo;
 pub mod envoy;
 pub mod gate;
 pub mod hops;
-pub mod load;
 pub mod lossy;
 pub mod paths;
 pub mod proc;
@@ -38,3 +38,9 @@ pub mod vllm;
 pub mod wait;
 
 mod http;
+
+/// HTTP/SSE clients (plain, disconnecting, silent): moved to `kvguard-loadgen`, which
+/// kvguard-leakcheck shares; re-exported under the old path.
+pub use kvguard_loadgen::client;
+/// The load generator behind `kvguard-load`: moved to `kvguard-loadgen`; re-exported.
+pub use kvguard_loadgen::load;

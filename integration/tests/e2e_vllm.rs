@@ -1049,3 +1049,120 @@ async fn a_sigkilled_gateways_streams_are_freed_on_vllm_by_the_lease() {
     .await
     .unwrap();
 }
+
+/// `kvguard-leakcheck` (issue 15), built by scripts/build; `KVGUARD_LEAKCHECK_BIN` overrides.
+fn leakcheck_bin() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("KVGUARD_LEAKCHECK_BIN") {
+        return p.into();
+    }
+    let t = kvguard_integration::paths::target_dir().unwrap();
+    ["debug", "release"]
+        .iter()
+        .map(|p| t.join(p).join("kvguard-leakcheck"))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "kvguard-leakcheck not found under {}: scripts/build",
+                t.display()
+            )
+        })
+}
+
+/// Runs kvguard-leakcheck (bounded); exit code, output, JSON report.
+async fn leakcheck(args: &[String]) -> (i32, String, Option<Value>) {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report.json");
+    let mut cmd = std::process::Command::new(leakcheck_bin());
+    cmd.args(args).arg("--report").arg(&report);
+    let mut g = kvguard_integration::proc::ChildGuard::spawn("kvguard-leakcheck", cmd).unwrap();
+    let status = g
+        .wait_exit_async(Duration::from_secs(200))
+        .await
+        .unwrap_or_else(|e| panic!("{e:#} (a hang):\n{}", g.log()));
+    let log = g.log();
+    eprintln!("--- kvguard-leakcheck {}:\n{log}", args.join(" "));
+    let r = std::fs::read_to_string(&report)
+        .ok()
+        .map(|t| serde_json::from_str(&t).unwrap());
+    (status.code().unwrap_or(-1), log, r)
+}
+
+fn leakcheck_kind_verdict(report: &Option<Value>, kind: &str) -> String {
+    report.as_ref().unwrap()["analysis"]["kinds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["kind"] == kind)
+        .and_then(|k| k["verdict"].as_str())
+        .unwrap_or("missing")
+        .to_string()
+}
+
+/// kvguard-leakcheck on real vLLM: straight to vLLM (which frees a client's disconnect
+/// by itself) no leak; a model vLLM does not serve is refused (exit 6); behind the lossy
+/// hop that hides disconnects (no kvguard) both kinds leak. Short: 8 s of arrivals per run,
+/// 600-token requests (~10 s on this CPU) so that an orphan is seen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leakcheck_on_vllm_direct_no_leak_and_behind_the_lossy_hop_leaks() {
+    bounded("leakcheck on vLLM", T, async {
+        let Some((v, _turn)) = vllm("leakcheck").await else {
+            return;
+        };
+        let args = |target: String, model: &str| -> Vec<String> {
+            [
+                "--target",
+                &target,
+                "--engine-metrics",
+                &format!("{}/metrics", v.url()),
+                "--model",
+                model,
+                "--rate",
+                "1.5",
+                "--rounds",
+                "1",
+                "--duration",
+                "8s",
+                "--max-tokens",
+                "600",
+                "--disconnect-share",
+                "0.5",
+                "--silent-share",
+                "0",
+                "--non-streaming-share",
+                "0.5",
+                "--free-within",
+                "3s",
+                "--quiet-timeout",
+                "90s",
+                "--request-timeout",
+                "120s",
+                "--extra-body",
+                r#"{"ignore_eos": true}"#,
+            ]
+            .map(String::from)
+            .to_vec()
+        };
+        let (code, log, r) = leakcheck(&args(v.url(), v.model())).await;
+        assert_eq!(code, 0, "exit 0 = no leak:\n{log}");
+        for k in ["streaming_dropped", "non_streaming_dropped"] {
+            assert_eq!(leakcheck_kind_verdict(&r, k), "no_leak", "{k}:\n{log}");
+        }
+        v.wait_idle(W).await.unwrap();
+
+        let (code, log, _) = leakcheck(&args(v.url(), "no-such-model")).await;
+        assert_eq!(code, 6, "exit 6 = model not found:\n{log}");
+        assert!(log.contains("does not exist"), "{log}");
+
+        let st = Stack::start(leak_opts(v.addr())).await.unwrap();
+        let mut a = args(format!("http://{}", st.entry()), v.model());
+        a.extend(["--header".to_string(), format!("{}: {}", HOLD.0, HOLD.1)]);
+        let (code, log, r) = leakcheck(&a).await;
+        assert_eq!(code, 1, "exit 1 = leaks:\n{log}\n{}", st.logs(30));
+        for k in ["streaming_dropped", "non_streaming_dropped"] {
+            assert_eq!(leakcheck_kind_verdict(&r, k), "leaks", "{k}:\n{log}");
+        }
+        v.wait_idle(Duration::from_secs(120)).await.unwrap();
+    })
+    .await
+    .unwrap();
+}

@@ -1,4 +1,4 @@
-//! The load generator behind `kvguard-load` (a test instrument): concurrent SSE streams at
+//! The load generator behind `kvguard-load`: concurrent SSE streams at
 //! a steady arrival rate, a share of clients that disconnect at a random point, a share of
 //! silent clients, and a storm mode (many disconnects within a short window). The summary
 //! is JSON: counts, TTFB and inter-event percentiles.

@@ -1,4 +1,4 @@
-//! Small async HTTP helpers for tests (a test instrument): plain requests, SSE streams
+//! Small async HTTP helpers (the harness's and kvguard-leakcheck's): plain requests, SSE streams
 //! that can be read event by event, dropped at any point (client disconnect), and a
 //! silent client that stops reading while keeping its socket open (real back-pressure).
 //!
