@@ -205,9 +205,14 @@ impl Hop {
 
     async fn vllm_router(upstream: SocketAddr, addr: SocketAddr) -> Result<Hop> {
         let bin = venv_bin("vllm-router")?;
+        // Its metrics listener defaults to the fixed port 29000: a second router on the
+        // machine (another test, another checkout's suite) would fail to start on it.
+        let metrics = crate::demo::stack::closed_port().await?.port();
         let mut cmd = std::process::Command::new(bin);
         cmd.args(["--host", "127.0.0.1", "--port"])
             .arg(addr.port().to_string())
+            .args(["--prometheus-host", "127.0.0.1", "--prometheus-port"])
+            .arg(metrics.to_string())
             .arg("--worker-urls")
             .arg(format!("http://{upstream}"))
             .args(["--policy", "round_robin", "--log-level", "info"])
