@@ -207,10 +207,15 @@ impl DemoConfig {
             max_running: 256,
             max_model_len: 8192,
             stall_keepalive_ms: 1000,
+            // Listed in /v1/models as vLLM lists --lora-modules: the LoRA panel has data.
+            lora_adapters: DEMO_LORA_ADAPTERS.iter().map(|a| a.to_string()).collect(),
             ..SimConfig::default()
         }
     }
 }
+
+/// The LoRA adapters the demo's simulator lists in `/v1/models`.
+pub const DEMO_LORA_ADAPTERS: [&str; 2] = ["demo-sql-lora", "demo-chat-lora"];
 
 /// One sample of the series.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
@@ -367,6 +372,12 @@ pub async fn run_once(
     };
     opts.control_args
         .extend(["--sample-interval".into(), "1s".into()]);
+    // The simulator runs in this process: kvguard-control reads its fds and memory (the
+    // engine-process panels). A vLLM given by address has no pid known here.
+    if cfg.engine == EngineKind::Sim {
+        opts.control_args
+            .extend(["--engine-pid".into(), std::process::id().to_string()]);
+    }
     if cfg.hop == Hop::Litellm {
         opts.real_hop = Some(crate::hops::HopKind::LiteLlm(
             crate::hops::LiteLlmOptions::kvguard("tiny"),

@@ -82,15 +82,24 @@ pub struct Observed {
     pub rules_evaluated: usize,
     /// Rules whose last evaluation failed (`name: lastError`).
     pub rule_errors: Vec<String>,
+    /// Every rule's `health` at the end (`ok`, `err`, `unknown` = never evaluated), by
+    /// alert or recorded name.
+    #[serde(default)]
+    pub rule_health: BTreeMap<String, String>,
 }
 
 /// Figures read at the end of each run.
-pub const FIGURES: [&str; 5] = [
+pub const FIGURES: [&str; 10] = [
     "sum(kvguard_control_orphan_seconds_total)",
     "sum(kvguard_control_wasted_tokens_total)",
     "sum(kvguard_control_orphan_ends_total)",
     "max_over_time(kvguard:engine_requests_without_client[1h])",
     "kvguard_control_nvml_available",
+    "max(kvguard_control_engine_lora_adapters)",
+    "max(kvguard_control_engine_processes)",
+    "max(kvguard_control_engine_process_open_fds)",
+    "max(instance:vllm_generation_tokens:rate1h)",
+    "max(instance:vllm_uptime_seconds)",
 ];
 
 /// A Prometheus watching one run.
@@ -128,6 +137,37 @@ impl Observer {
     /// The server.
     pub fn prometheus(&self) -> &Prometheus {
         &self.prom
+    }
+
+    /// Polls `/api/v1/alerts` (every 250 ms, marks kept as [`Observer::poll`] does, `t` in
+    /// seconds since `since`) until `name` fires with every label of `labels`, at most
+    /// `timeout`. The firing alert's labels.
+    pub async fn wait_firing(
+        &mut self,
+        name: &str,
+        labels: &[(&str, &str)],
+        since: std::time::Instant,
+        timeout: Duration,
+    ) -> Result<serde_json::Value> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            self.poll(since.elapsed().as_secs_f64()).await?;
+            let found = self.prom.alerts().await?.into_iter().find(|a| {
+                a.name == name
+                    && a.state == "firing"
+                    && labels.iter().all(|(k, v)| a.labels[*k] == *v)
+            });
+            if let Some(a) = found {
+                return Ok(a.labels);
+            }
+            if std::time::Instant::now() >= deadline {
+                anyhow::bail!(
+                    "{name} {labels:?} did not fire within {timeout:?}; alerts so far:\n{}",
+                    timeline(&self.seen.alerts)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
     }
 
     /// Reads `/api/v1/alerts` and marks each alert's first pending and firing time `t`.
@@ -194,6 +234,10 @@ impl Observer {
             .unwrap_or_default()
         {
             for r in g["rules"].as_array().map(Vec::as_slice).unwrap_or_default() {
+                self.seen.rule_health.insert(
+                    r["name"].as_str().unwrap_or("").to_string(),
+                    r["health"].as_str().unwrap_or("").to_string(),
+                );
                 if r["health"] == "ok" && r["type"] == "alerting" {
                     self.seen.rules_evaluated += 1;
                 }
