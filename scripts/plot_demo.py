@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Plots the demo's results: engine KV-cache usage over time, without and with kvguard, on
-one chart (and running / waiting requests below). Writes <out>.png and <out>.svg.
+one chart (and running / waiting requests below). With `kvguard-demo --prometheus` a strip
+between them shows when each alert that fired went pending and firing, per run, and the
+KV chart gets a line at each firing. Writes <out>.png and <out>.svg.
 
 usage: plot_demo.py RESULTS_JSON OUT_BASENAME     (scripts/demo runs it with matplotlib
 from a small virtualenv under $KVGUARD_CACHE)
@@ -33,9 +35,18 @@ def main() -> None:
     if not runs:
         sys.exit("no runs in " + sys.argv[1])
 
-    fig, (ax, ax2) = plt.subplots(
-        2, 1, figsize=(10, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
-    )
+    # Alerts that fired in a run (kvguard-demo --prometheus), with their first pending time.
+    marks = {key: (r.get("observed") or {}).get("alerts", []) for key, r in runs}
+    fired = sorted({m["name"] for ms in marks.values() for m in ms if m["state"] == "firing"})
+    if fired:
+        fig, (ax, ax_al, ax2) = plt.subplots(
+            3, 1, figsize=(10, 7.5 + 0.25 * len(fired)), sharex=True,
+            gridspec_kw={"height_ratios": [3, 0.5 + 0.35 * len(fired), 2]},
+        )
+    else:
+        fig, (ax, ax2) = plt.subplots(
+            2, 1, figsize=(10, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+        )
     for key, r in runs:
         t = [s["t"] for s in r["series"]]
         kv = [100.0 * s["kv"] for s in r["series"]]
@@ -45,13 +56,31 @@ def main() -> None:
                  label=f"running ({LABELS[key]})")
         ax2.plot(t, [s["waiting"] for s in r["series"]], color=COLORS[key], lw=1.5, ls="--",
                  label=f"waiting ({LABELS[key]})")
-    # Alerts that fired (kvguard-demo --prometheus): a marker at the time, per run.
-    for key, r in runs:
-        marks = [m for m in (r.get("observed") or {}).get("alerts", []) if m["state"] == "firing"]
-        for i, m in enumerate(sorted(marks, key=lambda m: m["t"])):
-            ax.axvline(m["t"], color=COLORS[key], ls="-.", lw=1, alpha=0.7)
-            ax.text(m["t"], 104 - 6 * i, f" {m['name']} fires ({LABELS[key]})",
-                    color=COLORS[key], fontsize=7, va="bottom")
+    if fired:
+        # One row per alert that fired in either run: pending (hollow) to firing (filled),
+        # red without kvguard, green with it (offset so both runs show); a line on the KV
+        # chart at each firing.
+        for key, _ in runs:
+            dy = 0.15 if key == "leak" else -0.15
+            for row, name in enumerate(fired):
+                ms = {m["state"]: m["t"] for m in marks[key] if m["name"] == name}
+                y = row + dy
+                if "pending" in ms:
+                    end = ms.get("firing", ms["pending"])
+                    ax_al.plot([ms["pending"], end], [y, y], color=COLORS[key], lw=1, alpha=0.6)
+                    ax_al.plot(ms["pending"], y, "o", mfc="none", color=COLORS[key], ms=5)
+                if "firing" in ms:
+                    ax_al.plot(ms["firing"], y, "o", color=COLORS[key], ms=6)
+                    ax_al.text(ms["firing"], y, f"  {ms['firing']:.1f}s", color=COLORS[key],
+                               fontsize=7, va="center")
+                    ax.axvline(ms["firing"], color=COLORS[key], ls="-.", lw=1, alpha=0.7)
+        ax_al.set_yticks(range(len(fired)))
+        ax_al.set_yticklabels(fired, fontsize=8)
+        ax_al.set_ylim(len(fired) - 0.5, -0.5)
+        ax_al.set_title("alerts that fired (○ pending, ● firing; shipped rules, windows / 60)",
+                        fontsize=8, loc="left")
+        ax_al.grid(alpha=0.3)
+        ax_al.axvline(cfg["arrival_s"], color="grey", ls=":", lw=1)
     for a in (ax, ax2):
         a.axvline(cfg["arrival_s"], color="grey", ls=":", lw=1)
         a.grid(alpha=0.3)

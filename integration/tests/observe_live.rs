@@ -27,12 +27,25 @@ const LEAK_ALERTS: [&str; 2] = ["KvguardOrphanedStreams", "KvguardCoverageFallin
 enum NoData {
     /// kvguard-control runs with `--no-nvml`: `kvguard_control_nvml_available == 0`.
     NoGpu,
+    /// kvguard-control runs without `--engine-pid`: the demo's simulator runs inside this
+    /// test process, whose tree is the whole stack (`kvguard_control_engine_processes ==
+    /// 0`). The self-watching test runs the simulator as its own process and checks these
+    /// panels there.
+    NoEnginePid,
 }
 
 /// Dashboard panels that cannot have data here, with the reason.
-const NO_DATA_HERE: [(&str, NoData); 2] = [
+const NO_DATA_HERE: [(&str, NoData); 4] = [
     ("GPU memory used / total", NoData::NoGpu),
     ("GPU memory per process", NoData::NoGpu),
+    (ENGINE_PANELS[0], NoData::NoEnginePid),
+    (ENGINE_PANELS[1], NoData::NoEnginePid),
+];
+
+/// The dashboard's engine-process panels (kvguard-control's `/proc` figures, or cAdvisor's).
+const ENGINE_PANELS: [&str; 2] = [
+    "Engine open file descriptors (process tree)",
+    "Engine memory (process tree)",
 ];
 
 /// Names the rules and dashboard use that no process of this stack exports.
@@ -146,6 +159,11 @@ fn check_reason(o: &Observed, why: NoData) {
             o.figures.get("kvguard_control_nvml_available"),
             Some(&0.0),
             "NVML is available: the GPU panels must have data"
+        ),
+        NoData::NoEnginePid => assert_eq!(
+            o.figures.get("max(kvguard_control_engine_processes)"),
+            Some(&0.0),
+            "kvguard-control reads an engine process: the engine panels must have data"
         ),
     }
 }
@@ -271,23 +289,14 @@ async fn leak_alerts_fire_without_kvguard_and_never_with_it() {
     check_engine_signals(kvg);
 }
 
-/// The LoRA, engine-process and throughput-against-uptime signals on live data: the
-/// simulator lists the demo's adapters, kvguard-control reads the engine's process (the
-/// simulator runs in this test process, `--engine-pid`), the throughput and uptime
-/// recording rules have values, and the throughput-decline alert evaluates.
+/// The LoRA and throughput-against-uptime signals on live data: the simulator lists the
+/// demo's adapters, the throughput and uptime recording rules have values, and the
+/// throughput-decline alert (and the engine fd/memory alerts) evaluate.
 fn check_engine_signals(o: &Observed) {
     let f = &o.figures;
     assert_eq!(
         f.get("max(kvguard_control_engine_lora_adapters)"),
         Some(&(demo::DEMO_LORA_ADAPTERS.len() as f64)),
-        "{f:?}"
-    );
-    assert!(
-        f.get("max(kvguard_control_engine_processes)") >= Some(&1.0),
-        "{f:?}"
-    );
-    assert!(
-        f.get("max(kvguard_control_engine_process_open_fds)") > Some(&3.0),
         "{f:?}"
     );
     assert!(
@@ -341,22 +350,79 @@ async fn a_steady_healthy_run_fires_no_alert() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn self_watching_alerts_fire_on_failing_aborts_and_a_missing_scrape() {
     use kvguard_integration::demo::stack::{self, Stack, StackOptions};
-    use kvguard_integration::sim::{self, SimConfig};
+    use kvguard_integration::proc::ChildGuard;
     use std::time::{Duration, Instant};
     kvguard_integration::wait::bounded("self-watching alerts", Duration::from_secs(240), async {
-        let engine = sim::spawn(SimConfig {
-            token_rate: 20.0,
-            ..SimConfig::default()
-        })
+        // The simulator as its own process: kvguard-control reads its process (tree) by
+        // pid, as it would vLLM's.
+        let (sim_proc, engine) = ChildGuard::spawn_with_addr_file(
+            "engine-sim",
+            &kvguard_integration::paths::engine_sim_bin().unwrap(),
+            ["--token-rate", "20"],
+            &[],
+            Duration::from_secs(20),
+        )
         .await
         .unwrap();
-        let mut opts = StackOptions::new(engine.addr(), Some(stack::filter_config(3000, 0)));
+        let mut opts = StackOptions::new(engine, Some(stack::filter_config(3000, 0)));
+        opts.control_args = vec![
+            "--engine-pid".into(),
+            sim_proc.pid().to_string(),
+            "--sample-interval".into(),
+            "1s".into(),
+        ];
         opts.lossy = false;
         opts.abort_target = Some(stack::closed_port().await.unwrap());
         opts.envoy_extra_yaml = Some(observe::shipped_stats_config().unwrap());
         let mut st = Stack::start(opts).await.unwrap();
-        let mut o = observe::Observer::start(&st, engine.addr()).await.unwrap();
+        let mut o = observe::Observer::start(&st, engine).await.unwrap();
         let t0 = Instant::now();
+        // The engine-process panels have data: kvguard-control sums the simulator's one
+        // process (it has no children).
+        let p = o.prometheus();
+        kvguard_integration::wait::poll_until_async(
+            "kvguard_control_engine_processes == 1 in Prometheus",
+            Duration::from_secs(20),
+            Duration::from_millis(250),
+            || async {
+                (p.result_len("kvguard_control_engine_processes == 1")
+                    .await
+                    .ok()?
+                    == 1)
+                    .then_some(())
+            },
+        )
+        .await
+        .unwrap();
+        let root = kvguard_integration::paths::repo_root().unwrap();
+        let dash: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(root.join("envoy-config/grafana/kvguard-dashboard.json"))
+                .unwrap(),
+        )
+        .unwrap();
+        let instance = st.control.admin.to_string();
+        let queries = prom::dashboard_queries(&dash, &[("instance", &instance)]);
+        for panel in ENGINE_PANELS {
+            let q = queries.iter().find(|q| q.panel == panel).unwrap();
+            assert_eq!(
+                p.result_len(&q.expr).await.unwrap(),
+                1,
+                "{panel}: {}",
+                q.expr
+            );
+        }
+        assert_eq!(
+            p.result_len("kvguard_control_engine_process_open_fds > 3")
+                .await
+                .unwrap(),
+            1
+        );
+        assert_eq!(
+            p.result_len("kvguard_control_engine_process_resident_memory_bytes > 1e6")
+                .await
+                .unwrap(),
+            1
+        );
         // Clients that leave mid-stream, one a second, until the alert fires (scaled: a
         // 10 s rate window and a 10 s `for:`).
         let entry = st.entry();

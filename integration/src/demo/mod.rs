@@ -372,12 +372,6 @@ pub async fn run_once(
     };
     opts.control_args
         .extend(["--sample-interval".into(), "1s".into()]);
-    // The simulator runs in this process: kvguard-control reads its fds and memory (the
-    // engine-process panels). A vLLM given by address has no pid known here.
-    if cfg.engine == EngineKind::Sim {
-        opts.control_args
-            .extend(["--engine-pid".into(), std::process::id().to_string()]);
-    }
     if cfg.hop == Hop::Litellm {
         opts.real_hop = Some(crate::hops::HopKind::LiteLlm(
             crate::hops::LiteLlmOptions::kvguard("tiny"),
