@@ -2,7 +2,10 @@
 """Plots the demo's results: engine KV-cache usage over time, without and with kvguard, on
 one chart (and running / waiting requests below). With `kvguard-demo --prometheus` a strip
 between them shows when each alert that fired went pending and firing, per run, and the
-KV chart gets a line at each firing. Writes <out>.png and <out>.svg.
+KV chart gets a line at each firing, and <out>-dashboard.png shows every panel of the shipped
+Grafana dashboard drawn from Prometheus's answers over the run with kvguard (the range
+queries the demo recorded; the picture of what Grafana would show). Writes <out>.png and
+<out>.svg.
 
 usage: plot_demo.py RESULTS_JSON OUT_BASENAME     (scripts/demo runs it with matplotlib
 from a small virtualenv under $KVGUARD_CACHE)
@@ -107,6 +110,49 @@ def main() -> None:
     fig.savefig(base + ".png", dpi=110)
     fig.savefig(base + ".svg", metadata={"Date": None})
     print(f"plot: {base}.png {base}.svg")
+    plot_dashboard(res, base)
+
+
+def plot_dashboard(res, base):
+    """Every dashboard panel, as Prometheus answered its queries over the run with kvguard
+    (else the one without): one small chart per panel, in the dashboard's order."""
+    key = "kvguard" if (res.get("kvguard") or {}).get("observed") else "leak"
+    obs = (res.get(key) or {}).get("observed") or {}
+    dash = obs.get("dashboard") or []
+    if not dash:
+        return
+    panels = {}
+    for q in dash:
+        panels.setdefault(q["query"]["panel"], []).append(q)
+    cols = 4
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(16, 2.3 * rows), squeeze=False)
+    for ax, (title, queries) in zip(axes.flat, panels.items()):
+        n = 0
+        for q in queries:
+            for labels, points in q["series"]:
+                if not points:
+                    continue
+                t, v = zip(*points)
+                # "__name__=..." would be taken for a hidden label (leading underscore).
+                lab = labels.replace("__name__=", "") or q["query"]["expr"]
+                ax.plot(t, v, lw=1, label=lab[:48])
+                n += 1
+        ax.set_title(title[:60], fontsize=7)
+        ax.tick_params(labelsize=6)
+        ax.grid(alpha=0.3)
+        if n == 0:
+            ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center",
+                    fontsize=8, color="grey")
+        elif n <= 4:
+            ax.legend(fontsize=5, loc="best")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(f"envoy-config/grafana/kvguard-dashboard.json from Prometheus's answers "
+                 f"({LABELS[key]}; x: seconds since Prometheus started)", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
+    fig.savefig(base + "-dashboard.png", dpi=90)
+    print(f"dashboard: {base}-dashboard.png")
 
 
 if __name__ == "__main__":
