@@ -1,6 +1,11 @@
 #!/usr/bin/env python3
 """Plots the demo's results: engine KV-cache usage over time, without and with kvguard, on
-one chart (and running / waiting requests below). Writes <out>.png and <out>.svg.
+one chart (and running / waiting requests below). With `kvguard-demo --prometheus` a strip
+between them shows when each alert that fired went pending and firing, per run, and the
+KV chart gets a line at each firing, and <out>-dashboard.png shows every panel of the shipped
+Grafana dashboard drawn from Prometheus's answers over the run with kvguard (the range
+queries the demo recorded; the picture of what Grafana would show). Writes <out>.png and
+<out>.svg.
 
 usage: plot_demo.py RESULTS_JSON OUT_BASENAME     (scripts/demo runs it with matplotlib
 from a small virtualenv under $KVGUARD_CACHE)
@@ -33,9 +38,18 @@ def main() -> None:
     if not runs:
         sys.exit("no runs in " + sys.argv[1])
 
-    fig, (ax, ax2) = plt.subplots(
-        2, 1, figsize=(10, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
-    )
+    # Alerts that fired in a run (kvguard-demo --prometheus), with their first pending time.
+    marks = {key: (r.get("observed") or {}).get("alerts", []) for key, r in runs}
+    fired = sorted({m["name"] for ms in marks.values() for m in ms if m["state"] == "firing"})
+    if fired:
+        fig, (ax, ax_al, ax2) = plt.subplots(
+            3, 1, figsize=(10, 7.5 + 0.25 * len(fired)), sharex=True,
+            gridspec_kw={"height_ratios": [3, 0.5 + 0.35 * len(fired), 2]},
+        )
+    else:
+        fig, (ax, ax2) = plt.subplots(
+            2, 1, figsize=(10, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+        )
     for key, r in runs:
         t = [s["t"] for s in r["series"]]
         kv = [100.0 * s["kv"] for s in r["series"]]
@@ -45,13 +59,31 @@ def main() -> None:
                  label=f"running ({LABELS[key]})")
         ax2.plot(t, [s["waiting"] for s in r["series"]], color=COLORS[key], lw=1.5, ls="--",
                  label=f"waiting ({LABELS[key]})")
-    # Alerts that fired (kvguard-demo --prometheus): a marker at the time, per run.
-    for key, r in runs:
-        marks = [m for m in (r.get("observed") or {}).get("alerts", []) if m["state"] == "firing"]
-        for i, m in enumerate(sorted(marks, key=lambda m: m["t"])):
-            ax.axvline(m["t"], color=COLORS[key], ls="-.", lw=1, alpha=0.7)
-            ax.text(m["t"], 104 - 6 * i, f" {m['name']} fires ({LABELS[key]})",
-                    color=COLORS[key], fontsize=7, va="bottom")
+    if fired:
+        # One row per alert that fired in either run: pending (hollow) to firing (filled),
+        # red without kvguard, green with it (offset so both runs show); a line on the KV
+        # chart at each firing.
+        for key, _ in runs:
+            dy = 0.15 if key == "leak" else -0.15
+            for row, name in enumerate(fired):
+                ms = {m["state"]: m["t"] for m in marks[key] if m["name"] == name}
+                y = row + dy
+                if "pending" in ms:
+                    end = ms.get("firing", ms["pending"])
+                    ax_al.plot([ms["pending"], end], [y, y], color=COLORS[key], lw=1, alpha=0.6)
+                    ax_al.plot(ms["pending"], y, "o", mfc="none", color=COLORS[key], ms=5)
+                if "firing" in ms:
+                    ax_al.plot(ms["firing"], y, "o", color=COLORS[key], ms=6)
+                    ax_al.text(ms["firing"], y, f"  {ms['firing']:.1f}s", color=COLORS[key],
+                               fontsize=7, va="center")
+                    ax.axvline(ms["firing"], color=COLORS[key], ls="-.", lw=1, alpha=0.7)
+        ax_al.set_yticks(range(len(fired)))
+        ax_al.set_yticklabels(fired, fontsize=8)
+        ax_al.set_ylim(len(fired) - 0.5, -0.5)
+        ax_al.set_title("alerts that fired (○ pending, ● firing; shipped rules, windows / 60)",
+                        fontsize=8, loc="left")
+        ax_al.grid(alpha=0.3)
+        ax_al.axvline(cfg["arrival_s"], color="grey", ls=":", lw=1)
     for a in (ax, ax2):
         a.axvline(cfg["arrival_s"], color="grey", ls=":", lw=1)
         a.grid(alpha=0.3)
@@ -78,6 +110,49 @@ def main() -> None:
     fig.savefig(base + ".png", dpi=110)
     fig.savefig(base + ".svg", metadata={"Date": None})
     print(f"plot: {base}.png {base}.svg")
+    plot_dashboard(res, base)
+
+
+def plot_dashboard(res, base):
+    """Every dashboard panel, as Prometheus answered its queries over the run with kvguard
+    (else the one without): one small chart per panel, in the dashboard's order."""
+    key = "kvguard" if (res.get("kvguard") or {}).get("observed") else "leak"
+    obs = (res.get(key) or {}).get("observed") or {}
+    dash = obs.get("dashboard") or []
+    if not dash:
+        return
+    panels = {}
+    for q in dash:
+        panels.setdefault(q["query"]["panel"], []).append(q)
+    cols = 4
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(16, 2.3 * rows), squeeze=False)
+    for ax, (title, queries) in zip(axes.flat, panels.items()):
+        n = 0
+        for q in queries:
+            for labels, points in q["series"]:
+                if not points:
+                    continue
+                t, v = zip(*points)
+                # "__name__=..." would be taken for a hidden label (leading underscore).
+                lab = labels.replace("__name__=", "") or q["query"]["expr"]
+                ax.plot(t, v, lw=1, label=lab[:48])
+                n += 1
+        ax.set_title(title[:60], fontsize=7)
+        ax.tick_params(labelsize=6)
+        ax.grid(alpha=0.3)
+        if n == 0:
+            ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center",
+                    fontsize=8, color="grey")
+        elif n <= 4:
+            ax.legend(fontsize=5, loc="best")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(f"envoy-config/grafana/kvguard-dashboard.json from Prometheus's answers "
+                 f"({LABELS[key]}; x: seconds since Prometheus started)", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
+    fig.savefig(base + "-dashboard.png", dpi=90)
+    print(f"dashboard: {base}-dashboard.png")
 
 
 if __name__ == "__main__":

@@ -122,7 +122,8 @@ pub struct Args {
     /// A sample is a quiet checkpoint when at most this many requests are in flight.
     #[arg(long, env = "KVGUARD_QUIET_MAX_INFLIGHT", default_value_t = 0)]
     pub quiet_max_inflight: usize,
-    /// The engine's pid on this host: its open fds and RSS are exported.
+    /// The engine's pid on this host (or in a pod sharing its process namespace): the open
+    /// fds and RSS of it and its descendant processes (vLLM V1's EngineCore) are exported.
     #[arg(long, env = "KVGUARD_ENGINE_PID")]
     pub engine_pid: Option<u32>,
     /// Most requests in flight; more are answered 503.

@@ -93,6 +93,8 @@ pub struct Metrics {
     pub engine_process_open_fds: Gauge,
     /// Engine process resident memory.
     pub engine_process_resident_memory: Gauge,
+    /// Processes summed in the two above (`--engine-pid` and its descendants).
+    pub engine_processes: Gauge,
     /// Downstream sides cut after the post-abort deadline, by `scope`.
     pub downstream_cuts: Family<L1, Counter>,
     /// NVML calls that did not return within their deadline.
@@ -271,14 +273,20 @@ impl Metrics {
         r!(
             reg,
             "engine_process_open_fds",
-            "Open file descriptors of --engine-pid",
+            "Open file descriptors of --engine-pid and its descendant processes, summed",
             m.engine_process_open_fds.clone()
         );
         r!(
             reg,
             "engine_process_resident_memory_bytes",
-            "Resident memory of --engine-pid",
+            "Resident memory (VmRSS) of --engine-pid and its descendant processes, summed (shared pages count once per process)",
             m.engine_process_resident_memory.clone()
+        );
+        r!(
+            reg,
+            "engine_processes",
+            "Processes summed in engine_process_open_fds and engine_process_resident_memory_bytes: --engine-pid and its descendants (vLLM V1: the API server and its EngineCore)",
+            m.engine_processes.clone()
         );
         r!(
             reg,
@@ -559,6 +567,7 @@ mod tests {
             "kvguard_control_tombstones",
             "kvguard_control_engine_process_open_fds",
             "kvguard_control_engine_process_resident_memory_bytes",
+            "kvguard_control_engine_processes",
             "kvguard_control_nvml_timeouts_total",
             "kvguard_control_replay_evicted_total",
             "kvguard_control_downstream_cuts_total{scope=\"h2_stream\"}",

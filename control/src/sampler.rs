@@ -109,12 +109,16 @@ pub async fn sample_once(st: &Arc<AppState>, window: &mut QuietWindow) {
     scrape_engine(st).await;
     count_lora_adapters(st).await;
     if let Some(pid) = st.cfg.engine_pid {
-        match crate::procfs::read(Path::new("/proc"), pid) {
-            Ok(s) => {
-                st.metrics.engine_process_open_fds.set(s.open_fds as i64);
-                st.metrics
-                    .engine_process_resident_memory
-                    .set(s.rss_bytes as i64);
+        // The whole tree: vLLM V1's EngineCore is a child of the API server.
+        match crate::procfs::read_tree(Path::new("/proc"), pid) {
+            Ok(t) => {
+                let m = &st.metrics;
+                m.engine_process_open_fds
+                    .set(i64::try_from(t.total.open_fds).unwrap_or(i64::MAX));
+                m.engine_process_resident_memory
+                    .set(i64::try_from(t.total.rss_bytes).unwrap_or(i64::MAX));
+                m.engine_processes
+                    .set(i64::try_from(t.pids.len()).unwrap_or(i64::MAX));
             }
             Err(e) => {
                 // Said once at warn level (a wrong --engine-pid), then at debug.

@@ -1166,3 +1166,120 @@ async fn leakcheck_on_vllm_direct_no_leak_and_behind_the_lossy_hop_leaks() {
     .await
     .unwrap();
 }
+
+// The engine's process tree (vLLM V1: the API server and its EngineCore child)
+
+/// The pid of the process listening on 127.0.0.1:`port` (vLLM's API server), from
+/// `/proc/net/tcp` (the socket's inode) and the processes' fds.
+fn listener_pid(port: u16) -> Option<u32> {
+    let tcp = std::fs::read_to_string("/proc/net/tcp").ok()?;
+    // local_address is HEX_IP:HEX_PORT, st 0A = LISTEN, inode is the 10th field.
+    let inode = tcp.lines().skip(1).find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let p = u16::from_str_radix(f.get(1)?.rsplit(':').next()?, 16).ok()?;
+        (p == port && f.get(3) == Some(&"0A")).then(|| f.get(9).map(|s| s.to_string()))?
+    })?;
+    let target = format!("socket:[{inode}]");
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        std::fs::read_dir(e.path().join("fd"))
+            .ok()?
+            .flatten()
+            .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|l| l.to_string_lossy() == target))
+            .then_some(pid)
+    })
+}
+
+/// vLLM's fds and memory as kvguard-control exports them, summed over its process tree:
+/// the API server has an EngineCore child, the tree's figures are the sum of each
+/// process's, the EngineCore holds more memory than the API server's figure misses, and
+/// kvguard-control with `--engine-pid` exports the tree (`engine_processes` >= 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_fds_and_memory_are_summed_over_its_engine_core() {
+    bounded("vLLM process tree", T, async {
+        let Some((v, _turn)) = vllm("process tree").await else {
+            return;
+        };
+        let pid = listener_pid(v.addr().port()).expect("the process listening on vLLM's port");
+        let root = std::path::Path::new("/proc");
+        let tree = kvguard_control::procfs::read_tree(root, pid).unwrap();
+        let alone = kvguard_control::procfs::read(root, pid).unwrap();
+        let cmd = |p: u32| {
+            let c = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            let comm = std::fs::read_to_string(format!("/proc/{p}/comm")).unwrap_or_default();
+            format!(
+                "{} {}",
+                String::from_utf8_lossy(&c).replace('\0', " "),
+                comm.trim()
+            )
+        };
+        let core: Vec<u32> = tree.pids[1..]
+            .iter()
+            .copied()
+            .filter(|&p| cmd(p).contains("EngineCore"))
+            .collect();
+        let names: Vec<String> = tree
+            .pids
+            .iter()
+            .map(|&p| format!("{p}: {}", cmd(p)))
+            .collect();
+        eprintln!("vLLM process tree: {names:#?}\n{tree:?}, API server alone {alone:?}");
+        assert_eq!(
+            core.len(),
+            1,
+            "one EngineCore among the descendants: {names:#?}"
+        );
+        let engine_core = kvguard_control::procfs::read(root, core[0]).unwrap();
+        assert!(
+            tree.total.open_fds >= alone.open_fds + engine_core.open_fds,
+            "{tree:?}"
+        );
+        assert!(
+            tree.total.rss_bytes >= alone.rss_bytes + engine_core.rss_bytes / 2,
+            "{tree:?} vs API server {alone:?}, EngineCore {engine_core:?}"
+        );
+        // kvguard-control reading the same tree.
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let args = [
+            "--engine-pid".to_string(),
+            pid.to_string(),
+            "--sample-interval".into(),
+            "1s".into(),
+        ];
+        let c = stack::Control::start(v.addr(), any, any, &args)
+            .await
+            .unwrap();
+        let text = poll_until_async(
+            "kvguard-control samples vLLM's process tree",
+            W,
+            Duration::from_millis(200),
+            || async {
+                let t = c.metrics_text().await.ok()?;
+                let n = t
+                    .lines()
+                    .find_map(|l| l.strip_prefix("kvguard_control_engine_processes "))?;
+                (n.trim().parse::<f64>().ok()? >= 2.0).then_some(t)
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", c.log()));
+        let fig = |name: &str| -> f64 {
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("{name} ")))
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap()
+        };
+        assert!(
+            fig("kvguard_control_engine_process_open_fds") > alone.open_fds as f64,
+            "{text}"
+        );
+        assert!(
+            fig("kvguard_control_engine_process_resident_memory_bytes") > alone.rss_bytes as f64,
+            "{text}"
+        );
+    })
+    .await
+    .unwrap();
+}

@@ -8,6 +8,10 @@
 //!   in [`NO_DATA_HERE`], whose reason is checked.
 //! - Every metric name the rules, alerts and dashboard use is in the live scrapes, but for
 //!   the names listed in [`NOT_SCRAPED_HERE`], whose reason is stated.
+//! - The LoRA count, the engine's process figures and the throughput-against-uptime rules
+//!   have live values, and the throughput-decline alert evaluates on them.
+//! - kvguard watching itself: failing abort calls, failing lease renewals and a missing
+//!   scrape fire their alerts.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use kvguard_integration::demo::observe::{self, Observed};
@@ -24,18 +28,25 @@ const LEAK_ALERTS: [&str; 2] = ["KvguardOrphanedStreams", "KvguardCoverageFallin
 enum NoData {
     /// kvguard-control runs with `--no-nvml`: `kvguard_control_nvml_available == 0`.
     NoGpu,
-    /// The simulator exports no `vllm:generation_tokens_total` (real vLLM does).
-    NoTokenCounter,
+    /// kvguard-control runs without `--engine-pid`: the demo's simulator runs inside this
+    /// test process, whose tree is the whole stack (`kvguard_control_engine_processes ==
+    /// 0`). The self-watching test runs the simulator as its own process and checks these
+    /// panels there.
+    NoEnginePid,
 }
 
 /// Dashboard panels that cannot have data here, with the reason.
-const NO_DATA_HERE: [(&str, NoData); 3] = [
+const NO_DATA_HERE: [(&str, NoData); 4] = [
     ("GPU memory used / total", NoData::NoGpu),
     ("GPU memory per process", NoData::NoGpu),
-    (
-        "Generated tokens /s against engine uptime (vLLM)",
-        NoData::NoTokenCounter,
-    ),
+    (ENGINE_PANELS[0], NoData::NoEnginePid),
+    (ENGINE_PANELS[1], NoData::NoEnginePid),
+];
+
+/// The dashboard's engine-process panels (kvguard-control's `/proc` figures, or cAdvisor's).
+const ENGINE_PANELS: [&str; 2] = [
+    "Engine open file descriptors (process tree)",
+    "Engine memory (process tree)",
 ];
 
 /// Names the rules and dashboard use that no process of this stack exports.
@@ -45,12 +56,12 @@ const NOT_SCRAPED_HERE: [(&str, &str); 6] = [
         "kube-state-metrics (Kubernetes only)",
     ),
     (
-        "vllm:generation_tokens_total",
-        "real vLLM; the simulator exports no token counter",
+        "container_file_descriptors",
+        "cAdvisor (Kubernetes only; here kvguard-control reads the engine's /proc)",
     ),
     (
-        "process_start_time_seconds",
-        "real vLLM's Python client; the simulator has none",
+        "container_memory_working_set_bytes",
+        "cAdvisor (Kubernetes only; here kvguard-control reads the engine's /proc)",
     ),
     (
         "kvguard_control_gpu_process_memory_used_bytes",
@@ -153,9 +164,10 @@ fn check_reason(o: &Observed, why: NoData) {
             Some(&0.0),
             "NVML is available: the GPU panels must have data"
         ),
-        NoData::NoTokenCounter => assert!(
-            !o.scraped_names.contains("vllm:generation_tokens_total"),
-            "the engine exports vllm:generation_tokens_total: the throughput panel must have data"
+        NoData::NoEnginePid => assert_eq!(
+            o.figures.get("max(kvguard_control_engine_processes)"),
+            Some(&0.0),
+            "kvguard-control reads an engine process: the engine panels must have data"
         ),
     }
 }
@@ -278,6 +290,40 @@ async fn leak_alerts_fire_without_kvguard_and_never_with_it() {
     assert_eq!(leak.figures["sum(kvguard_control_orphan_ends_total)"], 0.0);
     check_dashboard(kvg);
     check_names(kvg);
+    check_engine_signals(kvg);
+}
+
+/// The LoRA and throughput-against-uptime signals on live data: the simulator lists the
+/// demo's adapters, the throughput and uptime recording rules have values, and the
+/// throughput-decline alert (and the engine fd/memory alerts) evaluate.
+fn check_engine_signals(o: &Observed) {
+    let f = &o.figures;
+    assert_eq!(
+        f.get("max(kvguard_control_engine_lora_adapters)"),
+        Some(&(demo::DEMO_LORA_ADAPTERS.len() as f64)),
+        "{f:?}"
+    );
+    assert!(
+        f.get("max(instance:vllm_generation_tokens:rate1h)") > Some(&0.0),
+        "{f:?}"
+    );
+    let up = f.get("max(instance:vllm_uptime_seconds)").copied();
+    assert!(up.is_some_and(|u| u > 0.0 && u < 600.0), "uptime {up:?}");
+    for r in [
+        "KvguardEngineThroughputDeclining",
+        "instance:vllm_generation_tokens:rate1h",
+        "instance:vllm_requests:rate1h",
+        "instance:vllm_uptime_seconds",
+        "KvguardEngineFdsRising",
+        "KvguardEngineMemoryRising",
+    ] {
+        assert_eq!(
+            o.rule_health.get(r).map(String::as_str),
+            Some("ok"),
+            "rule {r}: {:?}",
+            o.rule_health
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -300,4 +346,156 @@ async fn a_steady_healthy_run_fires_no_alert() {
     // Prometheus evaluated them (a rule that never ran would be silent too).
     assert!(o.rules_evaluated > 0, "no alerting rule was evaluated");
     assert_eq!(o.rule_errors, Vec::<String>::new());
+}
+
+/// kvguard watching itself, live: the filter's abort calls and lease renewals go to a
+/// closed port (the control endpoint unreachable) while clients leave their streams, and
+/// `KvguardAbortsFailing` and `KvguardLeaseRenewalsFailing` fire; then kvguard-control is
+/// killed and `KvguardScrapeMissing` fires for its target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn self_watching_alerts_fire_on_failing_aborts_and_a_missing_scrape() {
+    use kvguard_integration::demo::stack::{self, Stack, StackOptions};
+    use kvguard_integration::proc::ChildGuard;
+    use std::time::{Duration, Instant};
+    kvguard_integration::wait::bounded("self-watching alerts", Duration::from_secs(240), async {
+        // The simulator as its own process: kvguard-control reads its process (tree) by
+        // pid, as it would vLLM's.
+        let (sim_proc, engine) = ChildGuard::spawn_with_addr_file(
+            "engine-sim",
+            &kvguard_integration::paths::engine_sim_bin().unwrap(),
+            ["--token-rate", "20"],
+            &[],
+            Duration::from_secs(20),
+        )
+        .await
+        .unwrap();
+        let mut opts = StackOptions::new(engine, Some(stack::filter_config(3000, 0)));
+        opts.control_args = vec![
+            "--engine-pid".into(),
+            sim_proc.pid().to_string(),
+            "--sample-interval".into(),
+            "1s".into(),
+        ];
+        opts.lossy = false;
+        opts.abort_target = Some(stack::closed_port().await.unwrap());
+        opts.envoy_extra_yaml = Some(observe::shipped_stats_config().unwrap());
+        let mut st = Stack::start(opts).await.unwrap();
+        let mut o = observe::Observer::start(&st, engine).await.unwrap();
+        let t0 = Instant::now();
+        // The engine-process panels have data: kvguard-control sums the simulator's one
+        // process (it has no children).
+        let p = o.prometheus();
+        kvguard_integration::wait::poll_until_async(
+            "kvguard_control_engine_processes == 1 in Prometheus",
+            Duration::from_secs(20),
+            Duration::from_millis(250),
+            || async {
+                (p.result_len("kvguard_control_engine_processes == 1")
+                    .await
+                    .ok()?
+                    == 1)
+                    .then_some(())
+            },
+        )
+        .await
+        .unwrap();
+        let root = kvguard_integration::paths::repo_root().unwrap();
+        let dash: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(root.join("envoy-config/grafana/kvguard-dashboard.json"))
+                .unwrap(),
+        )
+        .unwrap();
+        let instance = st.control.admin.to_string();
+        let queries = prom::dashboard_queries(&dash, &[("instance", &instance)]);
+        for panel in ENGINE_PANELS {
+            let q = queries.iter().find(|q| q.panel == panel).unwrap();
+            assert_eq!(
+                p.result_len(&q.expr).await.unwrap(),
+                1,
+                "{panel}: {}",
+                q.expr
+            );
+        }
+        assert_eq!(
+            p.result_len("kvguard_control_engine_process_open_fds > 3")
+                .await
+                .unwrap(),
+            1
+        );
+        assert_eq!(
+            p.result_len("kvguard_control_engine_process_resident_memory_bytes > 1e6")
+                .await
+                .unwrap(),
+            1
+        );
+        // Clients that leave mid-stream, one a second, until the alert fires (scaled: a
+        // 10 s rate window and a 10 s `for:`).
+        let entry = st.entry();
+        let leavers = tokio::spawn(async move {
+            loop {
+                tokio::spawn(leave_a_stream(entry));
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+        let a = o
+            .wait_firing("KvguardAbortsFailing", &[], t0, Duration::from_secs(90))
+            .await;
+        leavers.abort();
+        let a = a.unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(30)));
+        assert!(
+            ["failed", "dispatch_error"].contains(&a["outcome"].as_str().unwrap_or("")),
+            "{a}"
+        );
+        // The lease renewals go to the same (closed) control cluster: they fail too.
+        o.wait_firing(
+            "KvguardLeaseRenewalsFailing",
+            &[],
+            t0,
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(30)));
+        // kvguard-control gone: its target is down (scaled `for:` 5 s).
+        st.control.kill().unwrap();
+        let m = o
+            .wait_firing(
+                "KvguardScrapeMissing",
+                &[("job", "kvguard-control")],
+                t0,
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap();
+        eprintln!("{}{m}", observe::timeline(&o.seen.alerts));
+        drop(st);
+    })
+    .await
+    .unwrap();
+}
+
+/// One streaming completion through `entry` whose client leaves after its first body
+/// bytes (the filter then sends an abort).
+async fn leave_a_stream(entry: std::net::SocketAddr) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = r#"{"model":"tiny","prompt":"abcd","stream":true,"max_tokens":400}"#;
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let Ok(mut s) = tokio::net::TcpStream::connect(entry).await else {
+        return;
+    };
+    if s.write_all(req.as_bytes()).await.is_err() {
+        return;
+    }
+    // Headers and the first chunk, then gone.
+    let mut buf = vec![0u8; 4096];
+    let mut seen = Vec::new();
+    while !String::from_utf8_lossy(&seen).contains("data: ") {
+        match tokio::time::timeout(std::time::Duration::from_secs(10), s.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => seen.extend_from_slice(&buf[..n]),
+            _ => return,
+        }
+    }
+    drop(s);
 }

@@ -339,13 +339,19 @@ async fn metrics_use_vllm_names_and_count_outcomes() {
         let r = client::get(sim.addr(), "/metrics").await.unwrap();
         assert_eq!(r.status, 200);
         let text = r.text();
-        for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "vllm:request_success_total"] {
+        for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "vllm:request_success_total", "vllm:generation_tokens_total", "process_start_time_seconds"] {
             assert!(fixture.contains(&format!("# TYPE {name} ")), "fixture lacks {name}");
             let fx_type = fixture.lines().find(|l| l.starts_with(&format!("# TYPE {name} "))).unwrap();
             assert!(text.contains(fx_type), "{name}: {fx_type} missing in\n{text}");
         }
         assert!(text.contains("vllm:request_success_total{engine=\"0\",finished_reason=\"length\",model_name=\"m1\"} 1.0"), "{text}");
         assert!(text.contains("vllm:request_success_total{engine=\"0\",finished_reason=\"abort\",model_name=\"m1\"} 0.0"));
+        // Every generated token, as vLLM counts them (2 of 1 request so far), and the
+        // start time as vLLM's Python client exports its process's.
+        assert!(text.contains("\nvllm:generation_tokens_total{engine=\"0\",model_name=\"m1\"} 2.0\n"), "{text}");
+        let start: f64 = text.lines().find_map(|l| l.strip_prefix("process_start_time_seconds ")).unwrap().parse().unwrap();
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+        assert!(start <= now && now - start < 60.0, "start {start}, now {now}");
         assert_eq!(client::get(sim.addr(), "/health").await.unwrap().status, 200);
         let state: SimState = serde_json::from_value(client::get_json(sim.addr(), "/sim/state").await.unwrap()).unwrap();
         assert_eq!(state.finished, 1);
@@ -478,6 +484,101 @@ async fn non_streaming_client_gone_is_aborted_too() {
             let st = sim.wait_state("aborted", W, |s| s.is_idle()).await.unwrap();
             assert_eq!(st.request(id).unwrap().ended, Some(EndKind::Disconnected));
         }
+    })
+    .await
+    .unwrap();
+}
+
+/// `GET /v1/models` as vLLM lists LoRA adapters (`parent` = the base model), with
+/// adapters loaded at start and loaded/unloaded at run time through vLLM's endpoints,
+/// in process and through the `engine-sim` binary's `--lora-adapter`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lora_adapters_are_listed_loaded_and_unloaded() {
+    bounded("lora adapters", T, async {
+        fn listed(v: &serde_json::Value) -> (Vec<String>, Vec<String>) {
+            let data = v["data"].as_array().unwrap();
+            let name = |m: &serde_json::Value| m["id"].as_str().unwrap().to_string();
+            let base = data
+                .iter()
+                .filter(|m| m["parent"].is_null())
+                .map(name)
+                .collect();
+            let adapters = data
+                .iter()
+                .filter(|m| !m["parent"].is_null())
+                .map(|m| {
+                    assert_eq!(m["parent"], "m1", "{m}");
+                    name(m)
+                })
+                .collect();
+            (base, adapters)
+        }
+        let sim = sim::spawn(SimConfig {
+            model: "m1".into(),
+            lora_adapters: vec!["sql".into(), "chat".into()],
+            ..SimConfig::default()
+        })
+        .await
+        .unwrap();
+        let a = sim.addr();
+        let models = || async move { listed(&client::get_json(a, "/v1/models").await.unwrap()) };
+        assert_eq!(
+            models().await,
+            (
+                vec!["m1".to_string()],
+                vec!["sql".to_string(), "chat".to_string()]
+            )
+        );
+        let load = |n: &'static str| async move {
+            client::post_json(
+                a,
+                "/v1/load_lora_adapter",
+                &json!({"lora_name": n, "lora_path": "/x"}),
+                &[],
+            )
+            .await
+            .unwrap()
+        };
+        let unload = |n: &'static str| async move {
+            client::post_json(a, "/v1/unload_lora_adapter", &json!({"lora_name": n}), &[])
+                .await
+                .unwrap()
+        };
+        let r = load("new").await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(r.text().contains("added successfully"), "{}", r.text());
+        assert_eq!(load("new").await.status, 400, "loaded twice");
+        assert_eq!(models().await.1, ["sql", "chat", "new"]);
+        assert_eq!(unload("sql").await.status, 200);
+        assert_eq!(unload("sql").await.status, 404, "unloaded twice");
+        assert_eq!(models().await.1, ["chat", "new"]);
+        let r = client::post_json(a, "/v1/load_lora_adapter", &json!({}), &[])
+            .await
+            .unwrap();
+        assert_eq!(r.status, 400, "{}", r.text());
+
+        let (mut guard, addr) = ChildGuard::spawn_with_addr_file(
+            "engine-sim",
+            &paths::engine_sim_bin().unwrap(),
+            [
+                "--model",
+                "m1",
+                "--lora-adapter",
+                "a1",
+                "--lora-adapter",
+                "a2",
+            ],
+            &[],
+            W,
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            listed(&client::get_json(addr, "/v1/models").await.unwrap()).1,
+            ["a1", "a2"]
+        );
+        let (status, graceful) = guard.terminate(W).unwrap();
+        assert!(graceful && status.success(), "{status}");
     })
     .await
     .unwrap();

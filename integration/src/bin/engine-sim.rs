@@ -50,6 +50,10 @@ struct Args {
     /// Ended request records kept for /sim/state.
     #[arg(long, default_value_t = 10_000)]
     record_limit: usize,
+    /// A LoRA adapter loaded at start and listed in /v1/models (repeat for more; vLLM's
+    /// --lora-modules).
+    #[arg(long = "lora-adapter")]
+    lora_adapters: Vec<String>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -67,6 +71,7 @@ fn main() -> anyhow::Result<()> {
         max_model_len: a.max_model_len,
         default_max_tokens: a.default_max_tokens,
         record_limit: a.record_limit,
+        lora_adapters: a.lora_adapters,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -207,10 +207,15 @@ impl DemoConfig {
             max_running: 256,
             max_model_len: 8192,
             stall_keepalive_ms: 1000,
+            // Listed in /v1/models as vLLM lists --lora-modules: the LoRA panel has data.
+            lora_adapters: DEMO_LORA_ADAPTERS.iter().map(|a| a.to_string()).collect(),
             ..SimConfig::default()
         }
     }
 }
+
+/// The LoRA adapters the demo's simulator lists in `/v1/models`.
+pub const DEMO_LORA_ADAPTERS: [&str; 2] = ["demo-sql-lora", "demo-chat-lora"];
 
 /// One sample of the series.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]

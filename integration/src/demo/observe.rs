@@ -82,20 +82,45 @@ pub struct Observed {
     pub rules_evaluated: usize,
     /// Rules whose last evaluation failed (`name: lastError`).
     pub rule_errors: Vec<String>,
+    /// Every rule's `health` at the end (`ok`, `err`, `unknown` = never evaluated), by
+    /// alert or recorded name.
+    #[serde(default)]
+    pub rule_health: BTreeMap<String, String>,
+    /// Every dashboard query over the whole run, as Prometheus answered it (a range query
+    /// at the end): what the dashboard would draw (`scripts/plot_demo.py` renders it).
+    #[serde(default)]
+    pub dashboard: Vec<PanelSeries>,
+}
+
+/// One dashboard query's answer over the run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PanelSeries {
+    /// The panel and its query (variables substituted).
+    pub query: PanelQuery,
+    /// Each series: its labels (`name=value` joined by commas) and `[t, value]` points,
+    /// `t` in seconds since Prometheus started.
+    pub series: Vec<(String, Vec<(f64, f64)>)>,
 }
 
 /// Figures read at the end of each run.
-pub const FIGURES: [&str; 5] = [
+pub const FIGURES: [&str; 10] = [
     "sum(kvguard_control_orphan_seconds_total)",
     "sum(kvguard_control_wasted_tokens_total)",
     "sum(kvguard_control_orphan_ends_total)",
     "max_over_time(kvguard:engine_requests_without_client[1h])",
     "kvguard_control_nvml_available",
+    "max(kvguard_control_engine_lora_adapters)",
+    "max(kvguard_control_engine_processes)",
+    "max(kvguard_control_engine_process_open_fds)",
+    "max(instance:vllm_generation_tokens:rate1h)",
+    "max(instance:vllm_uptime_seconds)",
 ];
 
 /// A Prometheus watching one run.
 pub struct Observer {
     prom: Prometheus,
+    /// When its Prometheus was up (the start of the dashboard's time range).
+    started: std::time::Instant,
     /// What it has seen so far.
     pub seen: Observed,
 }
@@ -118,6 +143,7 @@ impl Observer {
         prom.wait_targets_up(Duration::from_secs(30)).await?;
         Ok(Observer {
             prom,
+            started: std::time::Instant::now(),
             seen: Observed {
                 instance: st.control.admin.to_string(),
                 ..Observed::default()
@@ -128,6 +154,37 @@ impl Observer {
     /// The server.
     pub fn prometheus(&self) -> &Prometheus {
         &self.prom
+    }
+
+    /// Polls `/api/v1/alerts` (every 250 ms, marks kept as [`Observer::poll`] does, `t` in
+    /// seconds since `since`) until `name` fires with every label of `labels`, at most
+    /// `timeout`. The firing alert's labels.
+    pub async fn wait_firing(
+        &mut self,
+        name: &str,
+        labels: &[(&str, &str)],
+        since: std::time::Instant,
+        timeout: Duration,
+    ) -> Result<serde_json::Value> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            self.poll(since.elapsed().as_secs_f64()).await?;
+            let found = self.prom.alerts().await?.into_iter().find(|a| {
+                a.name == name
+                    && a.state == "firing"
+                    && labels.iter().all(|(k, v)| a.labels[*k] == *v)
+            });
+            if let Some(a) = found {
+                return Ok(a.labels);
+            }
+            if std::time::Instant::now() >= deadline {
+                anyhow::bail!(
+                    "{name} {labels:?} did not fire within {timeout:?}; alerts so far:\n{}",
+                    timeline(&self.seen.alerts)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
     }
 
     /// Reads `/api/v1/alerts` and marks each alert's first pending and firing time `t`.
@@ -176,8 +233,10 @@ impl Observer {
 }
 
 impl Observer {
-    /// Reads [`FIGURES`] and the rules' health (at the end of a run).
+    /// Reads [`FIGURES`], the rules' health and every dashboard query over the run (at
+    /// the end of a run).
     pub async fn finish(&mut self) -> Result<()> {
+        self.dashboard_over_run().await?;
         for q in FIGURES {
             let d = self.prom.query(q).await?;
             let v = d["result"][0]["value"][1]
@@ -194,6 +253,10 @@ impl Observer {
             .unwrap_or_default()
         {
             for r in g["rules"].as_array().map(Vec::as_slice).unwrap_or_default() {
+                self.seen.rule_health.insert(
+                    r["name"].as_str().unwrap_or("").to_string(),
+                    r["health"].as_str().unwrap_or("").to_string(),
+                );
                 if r["health"] == "ok" && r["type"] == "alerting" {
                     self.seen.rules_evaluated += 1;
                 }
@@ -206,6 +269,66 @@ impl Observer {
                 }
             }
         }
+        Ok(())
+    }
+}
+
+impl Observer {
+    /// Range queries of every dashboard query from Prometheus's start to now, one point
+    /// per scrape interval.
+    async fn dashboard_over_run(&mut self) -> Result<()> {
+        let path = crate::paths::repo_root()?.join("envoy-config/grafana/kvguard-dashboard.json");
+        let dash: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(&path).with_context(|| path.display().to_string())?,
+        )?;
+        let range = self.started.elapsed();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs_f64();
+        let t_start = now - range.as_secs_f64();
+        let instance = self.seen.instance.clone();
+        let mut out = Vec::new();
+        for q in prom::dashboard_queries(&dash, &[("instance", &instance)]) {
+            // A refused query draws nothing (`panels` holds its error).
+            let Ok(d) = self.prom.query_range(&q.expr, range, SCRAPE).await else {
+                out.push(PanelSeries {
+                    query: q,
+                    series: Vec::new(),
+                });
+                continue;
+            };
+            let series = d["result"]
+                .as_array()
+                .map(Vec::as_slice)
+                .unwrap_or_default()
+                .iter()
+                .map(|r| {
+                    let labels = r["metric"]
+                        .as_object()
+                        .map(|m| {
+                            m.iter()
+                                .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or("")))
+                                .collect::<Vec<_>>()
+                                .join(",")
+                        })
+                        .unwrap_or_default();
+                    let points = r["values"]
+                        .as_array()
+                        .map(Vec::as_slice)
+                        .unwrap_or_default()
+                        .iter()
+                        .filter_map(|p| {
+                            let t = p[0].as_f64()?;
+                            let v = p[1].as_str()?.parse::<f64>().ok()?;
+                            v.is_finite().then_some((t - t_start, v))
+                        })
+                        .collect();
+                    (labels, points)
+                })
+                .collect();
+            out.push(PanelSeries { query: q, series });
+        }
+        self.seen.dashboard = out;
         Ok(())
     }
 }

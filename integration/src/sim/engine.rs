@@ -33,12 +33,18 @@ struct Inner {
     shut_down: bool,
     /// Arrivals per request id of requests that carry `x-sim-first-attempts`.
     attempts: HashMap<String, u32>,
+    /// Tokens generated, every request and choice (`vllm:generation_tokens_total`).
+    generation_tokens: u64,
+    /// LoRA adapters loaded now, in load order.
+    lora: Vec<String>,
 }
 
 /// The shared simulator engine (behind [`super::SimHandle`]).
 pub struct Sim {
     pub(crate) cfg: SimConfig,
     started: Instant,
+    /// Unix time of the start (`process_start_time_seconds`).
+    started_unix: f64,
     inner: Mutex<Inner>,
 }
 
@@ -51,9 +57,15 @@ pub(crate) struct Ticket {
 
 impl Sim {
     pub(crate) fn new(cfg: SimConfig) -> Self {
+        let started_unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        let lora = cfg.lora_adapters.clone();
         Sim {
             cfg,
             started: Instant::now(),
+            started_unix,
             inner: Mutex::new(Inner {
                 blocks_used: 0,
                 running: Vec::new(),
@@ -72,6 +84,8 @@ impl Sim {
                 abort_calls: Vec::new(),
                 shut_down: false,
                 attempts: HashMap::new(),
+                generation_tokens: 0,
+                lora,
             }),
         }
     }
@@ -162,6 +176,41 @@ impl Sim {
     /// The counter of bytes delivered for `seq` (see `RequestRecord::bytes_delivered`).
     pub(crate) fn delivered_counter(&self, seq: u64) -> Arc<AtomicU64> {
         self.lock().delivered.entry(seq).or_default().clone()
+    }
+
+    /// One generation step of `seq`: `n` tokens (one per choice) at `now_ms`.
+    pub(crate) fn token_step(&self, seq: u64, n: u32, now_ms: u64) {
+        let mut g = self.lock();
+        g.generation_tokens += u64::from(n);
+        if let Some(r) = g.records.get_mut(&seq) {
+            r.tokens_sent += u64::from(n);
+            r.first_token_ms.get_or_insert(now_ms);
+        }
+    }
+
+    /// The LoRA adapters loaded now, in load order.
+    pub fn lora_adapters(&self) -> Vec<String> {
+        self.lock().lora.clone()
+    }
+
+    /// Loads adapter `name` (vLLM's `POST /v1/load_lora_adapter`); `false` when it is
+    /// loaded already.
+    pub fn load_lora(&self, name: &str) -> bool {
+        let mut g = self.lock();
+        if g.lora.iter().any(|a| a == name) {
+            return false;
+        }
+        g.lora.push(name.to_string());
+        true
+    }
+
+    /// Unloads adapter `name` (vLLM's `POST /v1/unload_lora_adapter`); `false` when it
+    /// is not loaded.
+    pub fn unload_lora(&self, name: &str) -> bool {
+        let mut g = self.lock();
+        let before = g.lora.len();
+        g.lora.retain(|a| a != name);
+        g.lora.len() != before
     }
 
     /// Updates a live sequence's record.
@@ -379,6 +428,23 @@ impl Sim {
                 "vllm:request_success_total{{engine=\"0\",finished_reason=\"{reason}\",model_name=\"{m}\"}} {v:?}"
             );
         }
+        // Names, types and help as in vllm-0.32-metrics.txt.
+        let _ = writeln!(
+            out,
+            "# HELP vllm:generation_tokens_total Number of generation tokens processed."
+        );
+        let _ = writeln!(out, "# TYPE vllm:generation_tokens_total counter");
+        let _ = writeln!(
+            out,
+            "vllm:generation_tokens_total{{engine=\"0\",model_name=\"{m}\"}} {:?}",
+            g.generation_tokens as f64
+        );
+        let _ = writeln!(
+            out,
+            "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds."
+        );
+        let _ = writeln!(out, "# TYPE process_start_time_seconds gauge");
+        let _ = writeln!(out, "process_start_time_seconds {:?}", self.started_unix);
         let _ = writeln!(
             out,
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig"

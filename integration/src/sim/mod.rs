@@ -17,7 +17,15 @@
 //!   closed mid-body), `x-sim-status: <code>` (answer that error at once, vLLM-shaped),
 //!   `x-sim-first-attempts: <k>` (stall, first-token delay, reset and status apply to the
 //!   first k arrivals of the request id only: a hop's retry of it is served normally).
-//! - `GET /metrics` with vLLM's names, `GET /health`, `GET /sim/state` ([`SimState`]),
+//! - `GET /metrics` with vLLM's names (`vllm:generation_tokens_total` counts every token
+//!   generated, as vLLM's does, and `process_start_time_seconds` is the simulator's start,
+//!   as vLLM's Python client exports its process's), `GET /health`, `GET /sim/state`
+//!   ([`SimState`]).
+//! - LoRA adapters ([`SimConfig::lora_adapters`]) in `GET /v1/models` (`parent` = the base
+//!   model, as vLLM lists them), loaded and unloaded at run time with vLLM's
+//!   `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` and
+//!   `POST /v1/unload_lora_adapter {"lora_name"}`.
+//! - Abort APIs:
 //!   SGLang-style `POST /abort_request {"rid"}` and vLLM-style
 //!   `POST /inference/v1/abort_requests {"request_ids": [..]}`.
 //! - HTTP/1.1 and h2c on the same port.
@@ -61,6 +69,10 @@ pub struct SimConfig {
     pub default_max_tokens: u32,
     /// Ended request records kept in the state (older ones are dropped).
     pub record_limit: usize,
+    /// LoRA adapters loaded at start (vLLM's `--lora-modules`): `GET /v1/models` lists
+    /// each as a model whose `parent` is `model`; `POST /v1/load_lora_adapter` and
+    /// `/v1/unload_lora_adapter` change the list at run time.
+    pub lora_adapters: Vec<String>,
 }
 
 impl Default for SimConfig {
@@ -78,6 +90,7 @@ impl Default for SimConfig {
             max_model_len: 2048,
             default_max_tokens: 16,
             record_limit: 10_000,
+            lora_adapters: Vec::new(),
         }
     }
 }

@@ -38,10 +38,53 @@ pub(crate) async fn handle(
             200,
             &serde_json::to_value(sim.state()).unwrap_or(Value::Null),
         ),
-        (Method::GET, "/v1/models") => json_response(
-            200,
-            &json!({"object":"list","data":[{"id": sim.cfg.model, "object":"model","owned_by":"vllm","max_model_len": sim.cfg.max_model_len}]}),
-        ),
+        (Method::GET, "/v1/models") => json_response(200, &models(&sim)),
+        (Method::POST, "/v1/load_lora_adapter") => {
+            let Some(name) = lora_name(req).await else {
+                return Ok(error(
+                    400,
+                    "missing \"lora_name\"",
+                    "BadRequestError",
+                    Some("lora_name"),
+                ));
+            };
+            if !sim.load_lora(&name) {
+                return Ok(error(
+                    400,
+                    &format!("The lora adapter '{name}' has already been loaded."),
+                    "InvalidUserInput",
+                    None,
+                ));
+            }
+            bytes_response(
+                200,
+                "text/plain; charset=utf-8",
+                format!("Success: LoRA adapter '{name}' added successfully."),
+            )
+        }
+        (Method::POST, "/v1/unload_lora_adapter") => {
+            let Some(name) = lora_name(req).await else {
+                return Ok(error(
+                    400,
+                    "missing \"lora_name\"",
+                    "BadRequestError",
+                    Some("lora_name"),
+                ));
+            };
+            if !sim.unload_lora(&name) {
+                return Ok(error(
+                    404,
+                    &format!("The lora adapter '{name}' cannot be found."),
+                    "NotFoundError",
+                    None,
+                ));
+            }
+            bytes_response(
+                200,
+                "text/plain; charset=utf-8",
+                format!("Success: LoRA adapter '{name}' removed successfully."),
+            )
+        }
         (Method::POST, "/abort_request") => {
             let body = read_body(req.into_body(), MAX_BODY)
                 .await
@@ -80,6 +123,34 @@ pub(crate) async fn handle(
         }
         _ => json_response(404, &json!({"detail": "Not Found"})),
     })
+}
+
+/// `GET /v1/models` as vLLM answers it: the base model (`parent: null`), then each loaded
+/// LoRA adapter with the base model as its `parent`.
+fn models(sim: &Sim) -> Value {
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let model = |id: &str, root: &str, parent: Value| {
+        json!({"id": id, "object": "model", "created": created, "owned_by": "vllm",
+               "root": root, "parent": parent, "max_model_len": sim.cfg.max_model_len})
+    };
+    let mut data = vec![model(&sim.cfg.model, &sim.cfg.model, Value::Null)];
+    for a in sim.lora_adapters() {
+        data.push(model(&a, &format!("/sim/lora/{a}"), json!(sim.cfg.model)));
+    }
+    json!({"object": "list", "data": data})
+}
+
+/// The `lora_name` of a load/unload body.
+async fn lora_name(req: Request<Incoming>) -> Option<String> {
+    let body = read_body(req.into_body(), MAX_BODY).await.ok()?;
+    let v: Value = serde_json::from_slice(&body).ok()?;
+    v.get("lora_name")
+        .and_then(Value::as_str)
+        .filter(|n| !n.is_empty())
+        .map(str::to_string)
 }
 
 /// [`error`] as an early return of a handler.
@@ -643,10 +714,7 @@ async fn run_sequence(sim: Arc<Sim>, p: Params, ticket: Ticket, tx: Tx) {
                 }
                 step += 1;
                 let now_ms = sim.now_ms();
-                sim.update(seq, |r| {
-                    r.tokens_sent += u64::from(p.n);
-                    r.first_token_ms.get_or_insert(now_ms);
-                });
+                sim.token_step(seq, p.n, now_ms);
                 if last {
                     if p.stream {
                         if p.include_usage {
