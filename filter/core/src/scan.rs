@@ -106,20 +106,21 @@ enum Line {
 #[derive(Debug, Clone)]
 pub struct Scanner {
     framing: Framing,
-    max_event_bytes: usize,
+    /// `u32` and `u8` lengths: one scanner lives in every tracked stream.
+    max_event_bytes: u32,
     line: Line,
     /// The previous chunk ended in CR: a leading LF belongs to it.
     skip_lf: bool,
     /// A value's optional leading space is still to be skipped.
     skip_space: bool,
     name: [u8; 8],
-    name_len: usize,
+    name_len: u8,
     name_overflow: bool,
     data: Vec<u8>,
     data_lines: u32,
     oversized: bool,
     event_name: [u8; 24],
-    event_len: usize,
+    event_len: u8,
     event_overflow: bool,
     completed: bool,
 }
@@ -129,7 +130,7 @@ impl Scanner {
     pub fn new(framing: Framing, max_event_bytes: usize) -> Self {
         Scanner {
             framing,
-            max_event_bytes,
+            max_event_bytes: u32::try_from(max_event_bytes).unwrap_or(u32::MAX),
             line: Line::Start,
             skip_lf: false,
             skip_space: false,
@@ -266,7 +267,7 @@ impl Scanner {
                         && self.data.is_empty()
                         && !self.oversized
                         && pending.is_none()
-                        && end <= self.max_event_bytes;
+                        && end <= self.max_event_bytes as usize;
                     if whole_line_here {
                         pending = Some(i..i + end);
                     } else {
@@ -308,20 +309,21 @@ impl Scanner {
     }
 
     fn push_name(&mut self, bytes: &[u8]) {
-        let room = self.name.len() - self.name_len;
+        let at = usize::from(self.name_len);
+        let room = self.name.len() - at;
         if bytes.len() > room {
             self.name_overflow = true;
         }
         let n = bytes.len().min(room);
-        self.name[self.name_len..self.name_len + n].copy_from_slice(&bytes[..n]);
-        self.name_len += n;
+        self.name[at..at + n].copy_from_slice(&bytes[..n]);
+        self.name_len += n as u8;
     }
 
     fn field_kind(&self) -> Field {
         if self.name_overflow {
             return Field::Other;
         }
-        match &self.name[..self.name_len] {
+        match &self.name[..usize::from(self.name_len)] {
             b"data" => Field::Data,
             b"event" => Field::Event,
             _ => Field::Other,
@@ -350,7 +352,7 @@ impl Scanner {
         if self.oversized {
             return;
         }
-        if self.data.len() + bytes.len() > self.max_event_bytes {
+        if self.data.len() + bytes.len() > self.max_event_bytes as usize {
             self.oversized = true;
             self.data.clear();
             return;
@@ -362,13 +364,14 @@ impl Scanner {
         match field {
             Field::Data => self.push_data(bytes),
             Field::Event => {
-                let room = self.event_name.len() - self.event_len;
+                let at = usize::from(self.event_len);
+                let room = self.event_name.len() - at;
                 if bytes.len() > room {
                     self.event_overflow = true;
                 }
                 let n = bytes.len().min(room);
-                self.event_name[self.event_len..self.event_len + n].copy_from_slice(&bytes[..n]);
-                self.event_len += n;
+                self.event_name[at..at + n].copy_from_slice(&bytes[..n]);
+                self.event_len += n as u8;
             }
             Field::Other => {}
         }
@@ -414,7 +417,7 @@ impl Scanner {
         let oversized = self.oversized;
         let terminal_name = !self.event_overflow
             && matches!(
-                &self.event_name[..self.event_len],
+                &self.event_name[..usize::from(self.event_len)],
                 b"response.completed" | b"response.failed" | b"response.incomplete"
             );
         self.data_lines = 0;
