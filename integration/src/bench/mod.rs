@@ -14,8 +14,12 @@
 //! - `memory`: wasm VM memory and Envoy RSS at 0, 1k, 10k tracked streams and after they
 //!   end, over repeated waves.
 //! - `control`: kvguard-control RSS, and its proxy hop vs direct (TTFB p50).
+//! - `requests`: Envoy CPU per request (2,000 one-event requests at 500 concurrent) with
+//!   h2load over HTTP/1.1 and h2c beside the workspace's load generator, including other
+//!   builds of the filter (`--compare-wasm`) side by side ([`requests`]).
 
 pub mod report;
+pub mod requests;
 pub mod soak;
 pub mod upstream;
 
@@ -54,7 +58,7 @@ pub struct BenchOptions {
     pub rounds: usize,
     /// Smaller loads (development runs).
     pub quick: bool,
-    /// Sections to run (`overhead`, `abort`, `stall`, `memory`, `control`).
+    /// Sections to run (`overhead`, `abort`, `stall`, `memory`, `control`, `requests`).
     pub sections: Vec<String>,
     /// The do-nothing filter's wasm.
     pub noop_wasm: PathBuf,
@@ -68,6 +72,9 @@ pub struct BenchOptions {
     /// the last CPU and the bench (clients, upstream, receivers) on the others, so that
     /// the load generator's scheduling does not land in the proxy's figures.
     pub pin: bool,
+    /// Other builds of the filter measured beside `kvguard` in the `requests` section:
+    /// (label, wasm path).
+    pub compare_wasm: Vec<(String, PathBuf)>,
 }
 
 /// Restricts every thread of process `pid` to `cpus` (`sched_setaffinity` per task).
@@ -1148,6 +1155,11 @@ pub async fn run(opts: BenchOptions) -> Result<Value> {
     }
     if want("control") {
         res["control"] = control(&opts).await.context("control section")?;
+    }
+    if want("requests") {
+        res["requests"] = requests::requests(&opts)
+            .await
+            .context("requests section")?;
     }
     res["duration_s"] = json!(started.elapsed().as_secs_f64());
     Ok(res)
