@@ -44,9 +44,10 @@ const MAX_ANSWER_BODY: usize = 4096;
 struct Shared {
     engine: Option<Engine>,
     metric_ids: Vec<Option<u32>>,
-    /// Counter and gauge deltas not yet handed to the host: while the tick runs, `add`
-    /// only sums here and the tick flushes (one host call per metric that moved, per
-    /// tick, instead of several per request); see [`flush_metrics`].
+    /// Deltas of the per-request counters and gauge (requests tracked and completed,
+    /// active requests) not yet handed to the host: while the tick runs, `add` only sums
+    /// them here and the tick flushes (one host call per metric that moved, per tick,
+    /// instead of three or four per request); see [`flush_metrics`].
     batch: Batch,
     queue_id: Option<u32>,
     /// The shared-data key of this plugin's mode (`kvguard.mode.<plugin name>`).
@@ -184,7 +185,13 @@ impl EnvoyHost<'_> {
 
 impl Metrics for EnvoyHost<'_> {
     fn add(&mut self, m: Metric, delta: i64) {
-        if self.batch.on {
+        // The per-request ones batch; the rest (aborts, pending, errors: rare, and read as
+        // "now") go to the host at once.
+        let per_request = matches!(
+            m,
+            Metric::RequestsTracked | Metric::RequestsCompleted | Metric::ActiveRequests
+        );
+        if per_request && self.batch.on {
             if self.batch.deltas.len() < Metric::COUNT {
                 self.batch.deltas.resize(Metric::COUNT, 0);
             }
