@@ -802,11 +802,12 @@ mod tests {
         // docs/BENCHMARKS.md (memory): the boxed request is most of a tracked stream.
         let size = core::mem::size_of::<Request>();
         eprintln!("size_of::<Request>() = {size}");
+        // wasm32: 216 bytes before issue 17, 104 now.
         assert!(
             size <= if cfg!(target_pointer_width = "32") {
-                136
+                104
             } else {
-                176
+                136
             },
             "{size}"
         );

@@ -357,6 +357,25 @@ fn requests_md(m: &mut String, r: &Value) {
             );
         }
     }
+    if let Some(pe) = r["per_event"].as_object() {
+        let _ = writeln!(
+            m,
+            "\nPer event (load-h1-64 vs load-h1, per round: (CPU/request at 64 events − at 1) / 63):\n\n| listener | Envoy CPU µs/event | − noop-read µs | − noop µs |\n|---|---|---|---|"
+        );
+        for v in &variants {
+            let x = &pe[*v];
+            if x.is_null() {
+                continue;
+            }
+            let _ = writeln!(
+                m,
+                "| {v} | {} | {} | {} |",
+                spread(&x["per_event_us"], 1.0, 3),
+                spread(&x["minus_noop_read_us"], 1.0, 3),
+                spread(&x["minus_noop_us"], 1.0, 3)
+            );
+        }
+    }
     let _ = writeln!(
         m,
         "\nAborts sent during the healthy per-request load: {} (must be 0).\n",

@@ -11,7 +11,9 @@
 //! through one listener with one client:
 //! - `h2load-h1`: h2load (nghttp2's benchmarking client), HTTP/1.1, 500 connections;
 //! - `h2load-h2`: h2load over h2c (prior knowledge), 500 connections, one stream each;
-//! - `load-h1`: the workspace's load generator (`crate::load`, one connection per stream).
+//! - `load-h1`: the workspace's load generator (`crate::load`, one connection per stream);
+//! - `load-h1-64`: the same with 64 events per request at 100 concurrent, for the
+//!   per-event part (per round: (CPU/request at 64 events − at 1 event) / 63).
 //!
 //! Rounds interleave every client and every listener, alternating the listener order;
 //! the figure is Envoy's CPU (schedstat, all threads) per request, and per round the
@@ -35,8 +37,13 @@ use std::time::{Duration, Instant};
 use super::upstream::FastUpstream;
 use super::SECRET;
 
-/// The clients of the section.
-pub const CLIENTS: [&str; 3] = ["h2load-h1", "h2load-h2", "load-h1"];
+/// The clients of the section. `load-h1-64` is the load generator with 64 events per
+/// request (100 concurrent): with `load-h1` it splits each variant's cost into a
+/// per-request and a per-event part, per round.
+pub const CLIENTS: [&str; 4] = ["h2load-h1", "h2load-h2", "load-h1", "load-h1-64"];
+
+/// Events per request of `load-h1-64`.
+const LONG_EVENTS: u64 = 64;
 
 /// The listener of a variant (`kvguard` keeps the harness's `ingress`).
 fn listener(variant: &str) -> String {
@@ -266,7 +273,17 @@ pub async fn requests(opts: &BenchOptions) -> Result<Value> {
                 tokio::time::sleep(Duration::from_millis(300)).await;
                 let (ns0, _) = cpu(pid);
                 let (done, rps, failed) = match client {
-                    "load-h1" => {
+                    "load-h1" | "load-h1-64" => {
+                        let sc = if client == "load-h1" {
+                            sc.clone()
+                        } else {
+                            Scenario {
+                                requests: n / 4,
+                                concurrency: 100,
+                                events: LONG_EVENTS,
+                                ..sc.clone()
+                            }
+                        };
                         let s = load_once(ports[v], &sc, round as u64 * 7 + 1).await;
                         let ok = s.completed as u64;
                         (
@@ -326,6 +343,40 @@ pub async fn requests(opts: &BenchOptions) -> Result<Value> {
         }
         summary.insert(client.clone(), per_variant);
     }
+    // The per-event part: per round and variant, (CPU/request at 64 events − at 1) / 63.
+    let per_event = |v: &str| -> Vec<f64> {
+        let get = |c: &str| -> Vec<f64> {
+            runs.get(c)
+                .and_then(|m| m.get(v))
+                .map(|xs| xs.iter().map(|x| x.0).collect())
+                .unwrap_or_default()
+        };
+        get("load-h1-64")
+            .iter()
+            .zip(get("load-h1"))
+            .map(|(l, s)| (l - s) / (LONG_EVENTS - 1) as f64)
+            .collect()
+    };
+    let mut per_event_summary = BTreeMap::new();
+    for v in &variants {
+        let diff = |b: &str| {
+            Spread::of(
+                &per_event(v)
+                    .iter()
+                    .zip(per_event(b))
+                    .map(|(x, y)| x - y)
+                    .collect::<Vec<_>>(),
+            )
+        };
+        per_event_summary.insert(
+            v.clone(),
+            json!({
+                "per_event_us": Spread::of(&per_event(v)),
+                "minus_noop_read_us": diff("noop-read"),
+                "minus_noop_us": diff("noop"),
+            }),
+        );
+    }
     Ok(json!({
         "rounds": opts.rounds,
         "requests_per_run": n,
@@ -335,6 +386,7 @@ pub async fn requests(opts: &BenchOptions) -> Result<Value> {
         "compare_wasm": opts.compare_wasm.iter().map(|(l, p)| json!({"label": l, "path": p.display().to_string(), "bytes": std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)})).collect::<Vec<_>>(),
         "clients": CLIENTS,
         "summary": summary,
+        "per_event": per_event_summary,
         "runs": runs,
         "aborts_sent_during_healthy_load": rx.calls().len(),
         "measure_s": started.elapsed().as_secs_f64(),
