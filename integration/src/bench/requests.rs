@@ -15,6 +15,10 @@
 //! - `load-h1-64`: the same with 64 events per request at 100 concurrent, for the
 //!   per-event part (per round: (CPU/request at 64 events − at 1 event) / 63).
 //!
+//! With `--host-call-costs N`, listeners `noop-x-<call>` run the do-nothing filter making
+//! one host call N times per request (`integration/bench-noop`), measured with
+//! `h2load-h1` only: (CPU/request − `noop`'s) / N is what that host call costs, each.
+//!
 //! Rounds interleave every client and every listener, alternating the listener order;
 //! the figure is Envoy's CPU (schedstat, all threads) per request, and per round the
 //! difference of each filter variant to `noop` and to `none`.
@@ -45,6 +49,28 @@ pub const CLIENTS: [&str; 4] = ["h2load-h1", "h2load-h2", "load-h1", "load-h1-64
 /// Events per request of `load-h1-64`.
 const LONG_EVENTS: u64 = 64;
 
+/// The host calls `--host-call-costs` measures (bench-noop's `repeat`).
+pub const HOST_CALLS: [&str; 9] = [
+    "clock",
+    "wasi_clock",
+    "header",
+    "header_absent",
+    "remove_header",
+    "metric",
+    "record",
+    "set_property",
+    "get_property",
+];
+
+/// The do-nothing filter repeating `call` `times` per request, in its own VM.
+fn noop_repeat_json(noop_wasm: &Path, call: &str, times: u32) -> Value {
+    let mut f = noop_filter_json(noop_wasm, false);
+    let c = &mut f["typed_config"]["config"];
+    c["configuration"]["value"] = json!(format!(r#"{{"repeat": "{call}", "times": {times}}}"#));
+    c["vm_config"]["vm_id"] = json!(format!("noop-x-{call}"));
+    f
+}
+
 /// The listener of a variant (`kvguard` keeps the harness's `ingress`).
 fn listener(variant: &str) -> String {
     if variant.starts_with("kvguard@") {
@@ -61,6 +87,7 @@ async fn envoy(
     receiver: SocketAddr,
     noop_wasm: PathBuf,
     compare: Vec<(String, PathBuf)>,
+    host_calls: Option<u32>,
 ) -> Result<(Envoy, Vec<String>)> {
     let filter = json!({
         "control_cluster": crate::envoy::CONTROL_CLUSTER,
@@ -69,6 +96,12 @@ async fn envoy(
     });
     let mut variants: Vec<String> = super::VARIANTS.iter().map(|v| (*v).to_owned()).collect();
     variants.extend(compare.iter().map(|(l, _)| format!("kvguard@{l}")));
+    if host_calls.is_some() {
+        variants.extend(HOST_CALLS.iter().map(|c| format!("noop-x-{c}")));
+        // kvguard with a `paths` that matches nothing: its request-header work only (the
+        // client headers stripped, path and id read), every request untracked.
+        variants.push("kvguard-untracked".to_owned());
+    }
     let names = variants.clone();
     let mut eo = kvguard_envoy(upstream, receiver, filter);
     eo.patch = Some(Arc::new(move |b: &mut Value| {
@@ -93,6 +126,24 @@ async fn envoy(
                         filters.insert(0, noop_filter_json(&noop_wasm, variant == "noop-read"));
                     }
                     "kvguard" => {}
+                    "kvguard-untracked" => {
+                        let c = &mut filters[0]["typed_config"]["config"];
+                        let mut cfg: Value = c["configuration"]["value"]
+                            .as_str()
+                            .and_then(|v| serde_json::from_str(v).ok())
+                            .unwrap_or_default();
+                        cfg["paths"] = json!(["/kvguard-bench-matches-nothing"]);
+                        c["configuration"]["value"] = json!(cfg.to_string());
+                        c["vm_config"]["vm_id"] = json!("kvguard-untracked");
+                    }
+                    other if other.starts_with("noop-x-") => {
+                        filters.retain(|f| f["name"] == "envoy.filters.http.router");
+                        let call = other.trim_start_matches("noop-x-");
+                        filters.insert(
+                            0,
+                            noop_repeat_json(&noop_wasm, call, host_calls.unwrap_or(0)),
+                        );
+                    }
                     other => {
                         let label = other.trim_start_matches("kvguard@");
                         if let Some((_, path)) = compare.iter().find(|(l, _)| l == label) {
@@ -221,6 +272,7 @@ pub async fn requests(opts: &BenchOptions) -> Result<Value> {
         rx.addr(),
         opts.noop_wasm.clone(),
         opts.compare_wasm.clone(),
+        opts.host_call_costs,
     )
     .await?;
     let pid = envoy.guard().pid();
@@ -246,6 +298,9 @@ pub async fn requests(opts: &BenchOptions) -> Result<Value> {
     // Warm-up: every listener with every client.
     for v in &variants {
         h2load_once(ports[v], false, 200, 50, &body).await?;
+        if v.starts_with("noop-x-") {
+            continue;
+        }
         h2load_once(ports[v], true, 200, 50, &body).await?;
         let s = load_once(
             ports[v],
@@ -269,7 +324,14 @@ pub async fn requests(opts: &BenchOptions) -> Result<Value> {
             order.reverse();
         }
         for client in CLIENTS {
+            if !opts.request_clients.is_empty() && !opts.request_clients.iter().any(|c| c == client)
+            {
+                continue;
+            }
             for v in &order {
+                if (v.starts_with("noop-x-") || v == "kvguard-untracked") && client != "h2load-h1" {
+                    continue;
+                }
                 tokio::time::sleep(Duration::from_millis(300)).await;
                 let (ns0, _) = cpu(pid);
                 let (done, rps, failed) = match client {
@@ -377,8 +439,27 @@ pub async fn requests(opts: &BenchOptions) -> Result<Value> {
             }),
         );
     }
+    // What one host call costs: per round, (noop-x-<call> − noop) / N, h2load-h1.
+    let mut host_call_ns = BTreeMap::new();
+    if let (Some(times), Some(by_v)) = (opts.host_call_costs, runs.get("h2load-h1")) {
+        let col = |v: &str| -> Vec<f64> {
+            by_v.get(v)
+                .map(|xs| xs.iter().map(|x| x.0).collect())
+                .unwrap_or_default()
+        };
+        for c in HOST_CALLS {
+            let per: Vec<f64> = col(&format!("noop-x-{c}"))
+                .iter()
+                .zip(col("noop"))
+                .map(|(x, y)| (x - y) * 1000.0 / f64::from(times.max(1)))
+                .collect();
+            host_call_ns.insert(c.to_owned(), Spread::of(&per));
+        }
+    }
     Ok(json!({
         "rounds": opts.rounds,
+        "host_call_ns": host_call_ns,
+        "host_call_repeats": opts.host_call_costs,
         "requests_per_run": n,
         "concurrency": conc,
         "events_per_request": 1,

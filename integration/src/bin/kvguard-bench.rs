@@ -40,6 +40,15 @@ struct Args {
     /// as `label=path` (repeatable), e.g. `--compare-wasm before=/tmp/kvguard-before.wasm`.
     #[arg(long, value_parser = parse_compare)]
     compare_wasm: Vec<(String, PathBuf)>,
+    /// `requests` section: also measure single host calls (clock, header read, metric,
+    /// histogram, filter-state write, property read), each made this many times per
+    /// request by the do-nothing filter (e.g. 1000).
+    #[arg(long)]
+    host_call_costs: Option<u32>,
+    /// `requests` section: only these clients (comma list of h2load-h1, h2load-h2,
+    /// load-h1, load-h1-64; default all).
+    #[arg(long, value_delimiter = ',')]
+    clients: Vec<String>,
     /// Run the soak instead of the benchmarks, for this many minutes (scripts/soak).
     #[arg(long)]
     soak_minutes: Option<f64>,
@@ -152,6 +161,8 @@ async fn main() -> Result<()> {
         memory_waves: a.memory_waves,
         pin: !a.no_pin,
         compare_wasm: a.compare_wasm,
+        host_call_costs: a.host_call_costs,
+        request_clients: a.clients,
     };
     let res = interruptible(bench::run(opts)).await?;
     let with = |ext: &str| {
