@@ -13,7 +13,8 @@
 //! one host call costs: (CPU/request − the do-nothing filter's) / N. `<call>` is one of
 //! `clock` (`get_current_time`), `header` (`get_http_request_header(":path")`),
 //! `wasi_clock` (WASI `clock_time_get(MONOTONIC)`, the clock kvguard reads),
-//! `header_absent` (a header the request does not have), `remove_header` (removing one
+//! `header_absent` (a header the request does not have), `header_pairs` (all request
+//! headers at once, `proxy_get_header_map_pairs`), `remove_header` (removing one
 //! it does not have),
 //! `metric` (`increment_metric`), `record` (`record_metric` on a histogram),
 //! `set_property` (a filter-state write), `get_property` (`response.code_details`).
@@ -33,6 +34,7 @@ enum Repeat {
     Clock,
     WasiClock,
     Header,
+    HeaderPairs,
     HeaderAbsent,
     RemoveHeader,
     Metric,
@@ -69,6 +71,7 @@ impl RootContext for NoopRoot {
             ("wasi_clock", Repeat::WasiClock),
             ("header", Repeat::Header),
             ("header_absent", Repeat::HeaderAbsent),
+            ("header_pairs", Repeat::HeaderPairs),
             ("remove_header", Repeat::RemoveHeader),
             ("metric", Repeat::Metric),
             ("record", Repeat::Record),
@@ -121,6 +124,9 @@ impl HttpContext for Noop {
                 }
                 Repeat::WasiClock => {
                     let _ = std::hint::black_box(std::time::Instant::now());
+                }
+                Repeat::HeaderPairs => {
+                    let _ = hostcalls::get_map_bytes(proxy_wasm::types::MapType::HttpRequestHeaders);
                 }
                 Repeat::HeaderAbsent => {
                     let _ = self.get_http_request_header("x-kvguard-control");

@@ -50,10 +50,11 @@ pub const CLIENTS: [&str; 4] = ["h2load-h1", "h2load-h2", "load-h1", "load-h1-64
 const LONG_EVENTS: u64 = 64;
 
 /// The host calls `--host-call-costs` measures (bench-noop's `repeat`).
-pub const HOST_CALLS: [&str; 9] = [
+pub const HOST_CALLS: [&str; 10] = [
     "clock",
     "wasi_clock",
     "header",
+    "header_pairs",
     "header_absent",
     "remove_header",
     "metric",
