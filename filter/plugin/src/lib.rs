@@ -415,6 +415,9 @@ impl Root {
         };
         let done = with_engine(&self.shared, |e, p| {
             e.pump(p);
+            // A stopping VM's tick returns here: what was batched goes out now.
+            p.flush();
+            p.batch.on = false;
             let now = p.now_ms();
             let left = e.pending_aborts();
             if left == 0 || now.saturating_sub(since) >= STOP_BOUND_MS {
