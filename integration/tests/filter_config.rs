@@ -213,6 +213,22 @@ async fn metric_names_in_stats_and_prometheus() {
         ] {
             assert!(prom_tagged.contains(labelled), "{labelled}: {prom_tagged}");
         }
+        // The per-request histograms carry `outcome` through the same stats_tags entry
+        // (issue 12.5): the aborted request's duration is in the `aborted` histogram.
+        assert!(
+            prom_tagged.contains("# TYPE kvguard_filter_stream_duration_ms histogram\n"),
+            "{prom_tagged}"
+        );
+        assert!(
+            prom_tagged
+                .lines()
+                .any(|l| l.starts_with("kvguard_filter_stream_duration_ms_bucket{outcome=\"aborted\",le=")),
+            "{prom_tagged}"
+        );
+        assert!(
+            !prom_tagged.contains("_outcome___"),
+            "a histogram label left in a name: {prom_tagged}"
+        );
         // Without stats_tags the labels stay in the (sanitised) name.
         assert!(
             prom.contains("kvguard_filter_aborts_total_reason___downstream_reset____outcome___aborted___{} 1"),

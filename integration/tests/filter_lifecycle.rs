@@ -66,11 +66,14 @@ async fn normal_completion_sends_no_abort() {
             .expect_no_more_calls(0, Duration::from_millis(800))
             .await
             .unwrap();
+        // Untracked: no filter state is written (contract §7), the access log shows `-`.
+        let log = r.envoy.log();
         assert!(
-            r.envoy.log().contains("outcome=untracked"),
-            "{}",
-            r.envoy.log()
+            log.lines()
+                .any(|l| l.contains("/v1/models") && l.contains("outcome=-")),
+            "{log}"
         );
+        assert!(!log.contains("outcome=untracked"), "{log}");
         assert_vm_healthy(&r.envoy);
     })
     .await

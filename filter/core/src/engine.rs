@@ -6,7 +6,7 @@
 use crate::aborts::{AbortQueue, Finished, Job};
 use crate::config::{Config, Mode};
 use crate::host::{Level, Platform};
-use crate::metrics::{Anomaly, Metric, Outcome, StampRejected, Untracked};
+use crate::metrics::{Anomaly, Ended, Metric, Outcome, StampRejected, Untracked};
 use crate::request::{classify_end, End, OutcomeTag, Request};
 use crate::scan::Framing;
 use kvguard_contract::{stamp, AbortReason, RequestId};
@@ -134,16 +134,21 @@ fn settle_unnamed<P: Platform + ?Sized>(p: &mut P, ended: bool) -> Option<AbortR
 }
 
 /// The per-request histograms, recorded once at the request's end (three host calls per
-/// request at most): time to the first data event, the largest gap between data events
-/// (streams of two events or more), and the duration.
+/// request at most), labelled by how it ended: time to the first data event, the largest
+/// gap between data events (streams of two events or more), and the duration.
 fn record_request_histograms<P: Platform + ?Sized>(p: &mut P, req: &Request, now: u64) {
-    if let Some(first) = req.first_event_ms {
-        p.record(Metric::FirstTokenMs, first.saturating_sub(req.start_ms));
+    let ended = match req.outcome() {
+        Some(OutcomeTag::Aborted(_)) => Ended::Aborted,
+        Some(OutcomeTag::Observed(_)) => Ended::Observed,
+        _ => Ended::Completed,
+    };
+    if let Some(first) = req.first_token_ms() {
+        p.record(Metric::FirstTokenMs(ended), first);
     }
-    if req.events >= 2 {
-        p.record(Metric::MaxTokenGapMs, req.max_gap_ms);
+    if req.events() >= 2 {
+        p.record(Metric::MaxTokenGapMs(ended), req.max_gap_ms());
     }
-    p.record(Metric::StreamDurationMs, now.saturating_sub(req.start_ms));
+    p.record(Metric::StreamDurationMs(ended), req.age_ms(now));
 }
 
 /// Stalls allowed within one idle window before closes are held: `max(8, 20 %)` of the
@@ -192,6 +197,8 @@ fn decide<P: Platform + ?Sized>(
     if !req.decide(reason, observe) {
         return None;
     }
+    // Progress counted since the last tick gets its time (no earlier than the truth).
+    req.stamp(now_ms);
     let age = req.age_ms(now_ms);
     if observe {
         p.add(Metric::WouldAbort(reason), 1);
@@ -201,13 +208,14 @@ fn decide<P: Platform + ?Sized>(
                 "would abort request_id={} reason={} age_ms={age} events={} (observe mode)",
                 req.id,
                 reason.as_str(),
-                req.events
+                req.events()
             ),
         );
         return Some(OutcomeTag::Observed(reason));
     }
-    let job = Job::new(req.id.clone(), reason, age, req.events, req.target, now_ms)
-        .with_times(req.last_event_ms, client_gone.then_some(now_ms));
+    let target = req.target.as_deref().copied();
+    let job = Job::new(req.id.clone(), reason, age, req.events(), target, now_ms)
+        .with_times(req.last_event_ms(), client_gone.then_some(now_ms));
     if let Err(job) = queue.push(job, p) {
         p.add(Metric::Aborts(reason, Outcome::Dropped), 1);
         finished.push(Finished {
@@ -308,7 +316,9 @@ impl Engine {
             }
             Some(Err(e)) => {
                 p.add(Metric::RequestsUntracked(Untracked::BadRequestId), 1);
-                p.log(Level::Debug, &format!("request not tracked: {e}"));
+                if p.log_enabled(Level::Debug) {
+                    p.log(Level::Debug, &format!("request not tracked: {e}"));
+                }
                 return Verdict::Untracked(Some(Untracked::BadRequestId));
             }
             Some(Ok(id)) => id,
@@ -378,7 +388,7 @@ impl Engine {
                         ),
                     );
                 }
-                Ok(s) => req.target = Some(s.addr),
+                Ok(s) => req.target = Some(Box::new(s.addr)),
                 Err(e) => {
                     let cause = match e {
                         stamp::StampError::Malformed => StampRejected::Malformed,
@@ -407,6 +417,35 @@ impl Engine {
             .map_or(BodyNeed::Nothing, |r| Self::need(r))
     }
 
+    /// A response body chunk with one table lookup: `read` is asked for the chunk's bytes
+    /// only when the body is scanned ([`BodyNeed::Bytes`]); `None` from it is an unreadable
+    /// chunk ([`Engine::on_unreadable_body`]). Returns what [`Engine::on_response_body`]
+    /// returns.
+    pub fn on_chunk<P: Platform + ?Sized>(
+        &mut self,
+        p: &mut P,
+        ctx: u32,
+        len: usize,
+        end_of_stream: bool,
+        read: impl FnOnce() -> Option<Vec<u8>>,
+    ) -> Option<OutcomeTag> {
+        let req = self.table.get_mut(&ctx)?;
+        let chunk = match Self::need(req) {
+            BodyNeed::Bytes if len > 0 => match read() {
+                Some(b) => b,
+                None => {
+                    p.add(Metric::HostErrors, 1);
+                    if req.on_unreadable_body(end_of_stream) {
+                        req.mark(p.now_ms());
+                    }
+                    return None;
+                }
+            },
+            _ => Vec::new(),
+        };
+        Self::fed(p, req, &chunk, len, end_of_stream)
+    }
+
     /// A response body chunk (`chunk` empty when only `len` was read). Returns
     /// `Completed` when the body completed the response just now.
     pub fn on_response_body<P: Platform + ?Sized>(
@@ -417,9 +456,23 @@ impl Engine {
         len: usize,
         end_of_stream: bool,
     ) -> Option<OutcomeTag> {
-        let now = p.now_ms();
         let req = self.table.get_mut(&ctx)?;
-        let fed = req.on_body(chunk, len, end_of_stream, now);
+        Self::fed(p, req, chunk, len, end_of_stream)
+    }
+
+    /// Feeds a chunk to `req`: no clock read unless the request asks for one (its first
+    /// event, or the first after a quiet tick; see [`Request`]).
+    fn fed<P: Platform + ?Sized>(
+        p: &mut P,
+        req: &mut Request,
+        chunk: &[u8],
+        len: usize,
+        end_of_stream: bool,
+    ) -> Option<OutcomeTag> {
+        let (fed, clock) = req.on_body(chunk, len, end_of_stream);
+        if clock {
+            req.mark(p.now_ms());
+        }
         if fed.oversized > 0 {
             p.add(
                 Metric::ParseAnomalies(Anomaly::OversizedEvent),
@@ -447,10 +500,11 @@ impl Engine {
         ctx: u32,
         end_of_stream: bool,
     ) {
-        let now = p.now_ms();
         if let Some(req) = self.table.get_mut(&ctx) {
             p.add(Metric::HostErrors, 1);
-            req.on_unreadable_body(end_of_stream, now);
+            if req.on_unreadable_body(end_of_stream) {
+                req.mark(p.now_ms());
+            }
         }
     }
 
@@ -483,11 +537,25 @@ impl Engine {
         let mut req = self.table.remove(&ctx)?;
         p.add(Metric::ActiveRequests, -1);
         let now = p.now_ms();
+        let tag = self.settle(p, &mut req, details, flags, now);
+        // After the classification: the histograms are labelled by how it ended.
         record_request_histograms(p, &req, now);
+        tag
+    }
+
+    /// `on_log`'s classification of a request taken out of the table.
+    fn settle<P: Platform + ?Sized>(
+        &mut self,
+        p: &mut P,
+        req: &mut Request,
+        details: &[u8],
+        flags: u64,
+        now: u64,
+    ) -> Option<OutcomeTag> {
         if req.aborted().is_some() {
             return req.outcome();
         }
-        let early = match classify_end(&req, details, flags) {
+        let early = match classify_end(req, details, flags) {
             End::Completed => None,
             End::Abort(reason) => Some(reason),
             End::Unnamed { ended } => settle_unnamed(p, ended),
@@ -511,20 +579,22 @@ impl Engine {
                 (!req.complete()).then_some(OutcomeTag::Completed)
             }
             Some(reason) => {
-                p.log(
-                    Level::Debug,
-                    &format!(
-                        "request_id={} ended early (code_details={:?}, flags={flags:#x})",
-                        req.id,
-                        // Debug-escaped: control bytes cannot split or forge a log line.
-                        String::from_utf8_lossy(details)
-                    ),
-                );
+                if p.log_enabled(Level::Debug) {
+                    p.log(
+                        Level::Debug,
+                        &format!(
+                            "request_id={} ended early (code_details={:?}, flags={flags:#x})",
+                            req.id,
+                            // Debug-escaped: control bytes cannot split or forge a log line.
+                            String::from_utf8_lossy(details)
+                        ),
+                    );
+                }
                 let tag = decide(
                     self.mode,
                     &mut self.queue,
                     p,
-                    &mut req,
+                    req,
                     reason,
                     now,
                     true,
@@ -548,10 +618,15 @@ impl Engine {
     /// streams (for [`apply`]).
     pub fn tick<P: Platform + ?Sized>(&mut self, p: &mut P) -> Vec<Action> {
         let now = p.now_ms();
+        // The tick stamps the progress chunks counted since the last one (they read no
+        // clock), then looks for what is due.
         let mut due: Vec<(u32, AbortReason)> = self
             .table
-            .iter()
-            .filter_map(|(ctx, req)| req.due(now).map(|r| (*ctx, r)))
+            .iter_mut()
+            .filter_map(|(ctx, req)| {
+                req.stamp(now);
+                req.due(now).map(|r| (*ctx, r))
+            })
             .collect();
         self.hold_mass_stall(p, now, &mut due);
         let mut actions = Vec::with_capacity(due.len());
@@ -683,7 +758,7 @@ impl Engine {
         let now = p.now_ms();
         for f in self.finished.drain(..) {
             p.record(
-                Metric::AbortRoundTripMs,
+                Metric::AbortRoundTripMs(f.outcome),
                 now.saturating_sub(f.job.queued_ms()),
             );
             let level = match f.outcome {
@@ -838,6 +913,9 @@ mod tests {
         let ev = b"data: {\"choices\":[{\"index\":0,\"finish_reason\":null}]}\n\n";
         h.now = t0 + 100;
         e.on_response_body(&mut h, 1, ev, 0, false);
+        // A tick inside the gap: the chunk after it reads the clock and measures the gap.
+        h.now = t0 + 250;
+        assert!(e.tick(&mut h).is_empty());
         h.now = t0 + 400;
         e.on_response_body(&mut h, 1, ev, 0, false);
         h.now = t0 + 450;
@@ -847,10 +925,22 @@ mod tests {
         h.now = t0 + 500;
         e.on_response_body(&mut h, 1, b"data: [DONE]\n\n", 0, false);
         e.on_log(&mut h, 1, b"", 0);
-        assert_eq!(h.observed(Metric::FirstTokenMs), vec![100]);
-        assert_eq!(h.observed(Metric::MaxTokenGapMs), vec![300]);
-        assert_eq!(h.observed(Metric::StreamDurationMs), vec![500]);
+        let c = Ended::Completed;
+        assert_eq!(h.observed(Metric::FirstTokenMs(c)), vec![100]);
+        assert_eq!(h.observed(Metric::MaxTokenGapMs(c)), vec![300]);
+        assert_eq!(h.observed(Metric::StreamDurationMs(c)), vec![500]);
         assert_eq!(h.observations.len(), 3);
+        // An aborted request's histograms carry its outcome.
+        track(&mut e, &mut h, 2, "r2");
+        sse(&mut e, &mut h, 2);
+        e.on_response_body(&mut h, 2, ev, 0, false);
+        h.now += 50;
+        e.on_log(&mut h, 2, b"downstream_remote_disconnect", flags::DC);
+        assert_eq!(
+            h.observed(Metric::StreamDurationMs(Ended::Aborted)),
+            vec![50]
+        );
+        assert_eq!(h.observed(Metric::FirstTokenMs(Ended::Aborted)), vec![0]);
     }
 
     #[test]
@@ -1316,7 +1406,7 @@ mod tests {
         e.on_response_body(&mut h, 2, big.as_bytes(), 0, false);
         assert_eq!(h.metric(Metric::ParseAnomalies(Anomaly::OversizedEvent)), 1);
         assert_eq!(h.metric(Metric::ParseAnomalies(Anomaly::MalformedJson)), 1);
-        assert_eq!(e.request(2).unwrap().events, 2);
+        assert_eq!(e.request(2).unwrap().events(), 2);
 
         track(&mut e, &mut h, 3, "a3");
         assert_eq!(

@@ -62,6 +62,13 @@ pub trait Host {
     fn upstream_reached(&mut self) -> bool {
         false
     }
+    /// Whether a line at `level` would be logged at all (so that it is not formatted
+    /// for nothing: the per-request debug lines cost more than the rest of the request
+    /// when the host's level drops them).
+    fn log_enabled(&self, level: Level) -> bool {
+        let _ = level;
+        true
+    }
 }
 
 /// Everything the engine needs from the host.

@@ -10,7 +10,7 @@
 //! nested deeper (`item.type`, `message.done`, a key's text inside a string...) are never
 //! confused with these: only the top level counts.
 
-use memchr::{memchr2, memchr_iter};
+use memchr::{memchr2, memchr_iter, memmem};
 use std::borrow::Cow;
 
 /// Deepest nesting followed; deeper JSON is reported malformed (and ignored).
@@ -80,43 +80,51 @@ pub fn inert(json: &[u8]) -> bool {
     if !escapes_ok {
         return false;
     }
-    // One pass over the quotes: a quote may open one of the keys that matter.
-    for at in memchr_iter(b'"', json) {
-        let rest = json.get(at + 1..).unwrap_or_default();
-        let value_ok = |key: &[u8], ok: &dyn Fn(&[u8]) -> bool| match rest.strip_prefix(key) {
-            Some(after) => match skip_ws(after).split_first() {
-                Some((b':', value)) => ok(skip_ws(value)),
-                // The same text as a plain string (not a key): stay on the safe side.
-                _ => false,
-            },
-            None => true,
-        };
-        // Each predicate mirrors what `walk` does with that key's value.
-        let ok = match rest.first() {
-            Some(b'd') => value_ok(b"done\"", &|v| literal(v) != b"true"),
-            Some(b't') => value_ok(b"type\"", &|v| {
-                // The look compares the decoded string: any escape in it goes to the look.
-                if v.first() != Some(&b'"') {
-                    return true;
-                }
-                match scan_string(v, 1) {
-                    Some((raw, _)) => {
-                        !raw.contains(&b'\\')
-                            && !matches!(
-                                raw,
-                                b"response.completed" | b"response.failed" | b"response.incomplete"
-                            )
-                    }
-                    None => false,
-                }
-            }),
-            _ => true,
-        };
-        if !ok {
-            return false;
+    // The keys that matter: every `"done"` and every `"type"` (each a vectorised substring
+    // search, instead of a stop at every quote of the event), wherever it stands.
+    let (done, kind) = finders();
+    let value_ok = |at: usize, key_len: usize, ok: &dyn Fn(&[u8]) -> bool| {
+        let after = json.get(at + key_len..).unwrap_or_default();
+        match skip_ws(after).split_first() {
+            Some((b':', value)) => ok(skip_ws(value)),
+            // The same text as a plain string (not a key): stay on the safe side.
+            _ => false,
         }
-    }
-    true
+    };
+    // Each predicate mirrors what `walk` does with that key's value.
+    let done_ok = |v: &[u8]| literal(v) != b"true";
+    let type_ok = |v: &[u8]| {
+        // The look compares the decoded string: any escape in it goes to the look.
+        if v.first() != Some(&b'"') {
+            return true;
+        }
+        match scan_string(v, 1) {
+            Some((raw, _)) => {
+                !raw.contains(&b'\\')
+                    && !matches!(
+                        raw,
+                        b"response.completed" | b"response.failed" | b"response.incomplete"
+                    )
+            }
+            None => false,
+        }
+    };
+    done.find_iter(json)
+        .all(|at| value_ok(at, DONE_KEY.len(), &done_ok))
+        && kind
+            .find_iter(json)
+            .all(|at| value_ok(at, TYPE_KEY.len(), &type_ok))
+}
+
+/// The two keys [`inert`] looks for, quotes included.
+const DONE_KEY: &[u8] = b"\"done\"";
+const TYPE_KEY: &[u8] = b"\"type\"";
+
+/// The substring searchers of [`inert`], built once per VM.
+fn finders() -> &'static (memmem::Finder<'static>, memmem::Finder<'static>) {
+    static F: std::sync::OnceLock<(memmem::Finder<'static>, memmem::Finder<'static>)> =
+        std::sync::OnceLock::new();
+    F.get_or_init(|| (memmem::Finder::new(DONE_KEY), memmem::Finder::new(TYPE_KEY)))
 }
 
 /// `v` without the JSON whitespace `walk` skips.

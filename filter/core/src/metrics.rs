@@ -179,6 +179,31 @@ impl Anomaly {
     }
 }
 
+/// How a tracked request ended (label `outcome` of the per-request histograms): the
+/// family of its `kvguard.outcome` filter state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// It completed (the body said so, or the upstream ended it).
+    Completed,
+    /// An abort was decided for it (enforce mode).
+    Aborted,
+    /// Observe mode flagged it (it may still have completed).
+    Observed,
+}
+
+impl Ended {
+    /// Every value.
+    pub const ALL: [Ended; 3] = [Ended::Completed, Ended::Aborted, Ended::Observed];
+    /// Label value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Ended::Completed => "completed",
+            Ended::Aborted => "aborted",
+            Ended::Observed => "observed",
+        }
+    }
+}
+
 /// Every metric the filter defines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Metric {
@@ -212,15 +237,17 @@ pub enum Metric {
     HostErrors,
     /// Stall closes held one more idle window by the mass-stall valve.
     StallHolds,
-    // ---- Per-request histograms (one observation each, at the request's end) ----
+    // ---- Per-request histograms (one observation each, at the request's end), labelled
+    // by how the request ended: the label picks which histogram is recorded, so it adds no
+    // host call ----
     /// Time to the first data event, ms.
-    FirstTokenMs,
+    FirstTokenMs(Ended),
     /// The largest gap between two data events of one stream, ms.
-    MaxTokenGapMs,
+    MaxTokenGapMs(Ended),
     /// Request start to its end (the access-log callback), ms.
-    StreamDurationMs,
-    /// Abort decided to its final answer (retries included), ms.
-    AbortRoundTripMs,
+    StreamDurationMs(Ended),
+    /// Abort decided to its final answer (retries included), ms, by the abort's outcome.
+    AbortRoundTripMs(Outcome),
     /// Liveness-lease renewals, by result (`sent`, `accepted`, `failed`).
     LeaseRenewals(LeaseResult),
     /// Abort calls whose answer never came (the watchdog freed their slot).
@@ -275,7 +302,9 @@ const BASE_MEMORY: usize = BASE_CLOSED + 1;
 const BASE_HOST: usize = BASE_MEMORY + 1;
 const BASE_HOLDS: usize = BASE_HOST + 1;
 const BASE_HIST: usize = BASE_HOLDS + 1;
-const BASE_LEASE: usize = BASE_HIST + 4;
+const E: usize = Ended::ALL.len();
+const BASE_ROUND_TRIP: usize = BASE_HIST + 3 * E;
+const BASE_LEASE: usize = BASE_ROUND_TRIP + O;
 const BASE_LOST: usize = BASE_LEASE + LeaseResult::ALL.len();
 
 impl Metric {
@@ -300,10 +329,10 @@ impl Metric {
             Metric::VmMemoryBytes => BASE_MEMORY,
             Metric::HostErrors => BASE_HOST,
             Metric::StallHolds => BASE_HOLDS,
-            Metric::FirstTokenMs => BASE_HIST,
-            Metric::MaxTokenGapMs => BASE_HIST + 1,
-            Metric::StreamDurationMs => BASE_HIST + 2,
-            Metric::AbortRoundTripMs => BASE_HIST + 3,
+            Metric::FirstTokenMs(e) => BASE_HIST + e as usize,
+            Metric::MaxTokenGapMs(e) => BASE_HIST + E + e as usize,
+            Metric::StreamDurationMs(e) => BASE_HIST + 2 * E + e as usize,
+            Metric::AbortRoundTripMs(o) => BASE_ROUND_TRIP + o.index(),
             Metric::LeaseRenewals(r) => BASE_LEASE + r as usize,
             Metric::AbortAnswersLost => BASE_LOST,
         }
@@ -313,10 +342,10 @@ impl Metric {
     pub fn kind(self) -> Kind {
         match self {
             Metric::ActiveRequests | Metric::PendingAborts | Metric::VmMemoryBytes => Kind::Gauge,
-            Metric::FirstTokenMs
-            | Metric::MaxTokenGapMs
-            | Metric::StreamDurationMs
-            | Metric::AbortRoundTripMs => Kind::Histogram,
+            Metric::FirstTokenMs(_)
+            | Metric::MaxTokenGapMs(_)
+            | Metric::StreamDurationMs(_)
+            | Metric::AbortRoundTripMs(_) => Kind::Histogram,
             _ => Kind::Counter,
         }
     }
@@ -347,10 +376,10 @@ impl Metric {
             Metric::VmMemoryBytes => format!("{PREFIX}vm_memory_bytes"),
             Metric::HostErrors => format!("{PREFIX}host_errors_total"),
             Metric::StallHolds => format!("{PREFIX}stall_holds_total"),
-            Metric::FirstTokenMs => format!("{PREFIX}first_token_ms"),
-            Metric::MaxTokenGapMs => format!("{PREFIX}max_token_gap_ms"),
-            Metric::StreamDurationMs => format!("{PREFIX}stream_duration_ms"),
-            Metric::AbortRoundTripMs => format!("{PREFIX}abort_round_trip_ms"),
+            Metric::FirstTokenMs(e) => tag("first_token_ms", "outcome", e.as_str()),
+            Metric::MaxTokenGapMs(e) => tag("max_token_gap_ms", "outcome", e.as_str()),
+            Metric::StreamDurationMs(e) => tag("stream_duration_ms", "outcome", e.as_str()),
+            Metric::AbortRoundTripMs(o) => tag("abort_round_trip_ms", "outcome", o.as_str()),
             Metric::LeaseRenewals(r) => tag("lease_renewals_total", "result", r.as_str()),
             Metric::AbortAnswersLost => format!("{PREFIX}abort_answers_lost_total"),
         }
@@ -377,12 +406,10 @@ impl Metric {
         v.push(Metric::VmMemoryBytes);
         v.push(Metric::HostErrors);
         v.push(Metric::StallHolds);
-        v.extend([
-            Metric::FirstTokenMs,
-            Metric::MaxTokenGapMs,
-            Metric::StreamDurationMs,
-            Metric::AbortRoundTripMs,
-        ]);
+        v.extend(Ended::ALL.map(Metric::FirstTokenMs));
+        v.extend(Ended::ALL.map(Metric::MaxTokenGapMs));
+        v.extend(Ended::ALL.map(Metric::StreamDurationMs));
+        v.extend(Outcome::ALL.map(Metric::AbortRoundTripMs));
         v.extend(LeaseResult::ALL.map(Metric::LeaseRenewals));
         v.push(Metric::AbortAnswersLost);
         v
@@ -427,10 +454,17 @@ mod tests {
         );
         assert_eq!(Metric::ActiveRequests.kind(), Kind::Gauge);
         assert_eq!(Metric::StreamsClosed.kind(), Kind::Counter);
-        assert_eq!(Metric::FirstTokenMs.kind(), Kind::Histogram);
         assert_eq!(
-            Metric::AbortRoundTripMs.name(),
-            "kvguard_filter_abort_round_trip_ms"
+            Metric::FirstTokenMs(Ended::Completed).kind(),
+            Kind::Histogram
+        );
+        assert_eq!(
+            Metric::AbortRoundTripMs(Outcome::Aborted).name(),
+            "kvguard_filter_abort_round_trip_ms_outcome=.=aborted;.;"
+        );
+        assert_eq!(
+            Metric::StreamDurationMs(Ended::Observed).name(),
+            "kvguard_filter_stream_duration_ms_outcome=.=observed;.;"
         );
     }
 }

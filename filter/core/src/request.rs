@@ -62,34 +62,78 @@ pub enum Phase {
     Aborted(AbortReason),
 }
 
+/// The clocks of one request, in ms (0 = off): [`Limits`] narrowed to `u32` (every
+/// timeout is at most [`crate::config::MAX_TIMEOUT_MS`], 24 h), 12 bytes instead of 24
+/// per tracked stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Clocks {
+    idle: u32,
+    first_token: u32,
+    max_age: u32,
+}
+
+impl Clocks {
+    fn of(l: Limits) -> Self {
+        let n = |v: u64| u32::try_from(v).unwrap_or(u32::MAX);
+        Clocks {
+            idle: n(l.idle_timeout_ms),
+            first_token: n(l.first_token_timeout_ms),
+            max_age: n(l.max_age_ms),
+        }
+    }
+
+    /// Whether every clock is off (nothing for the tick to time).
+    pub fn all_off(self) -> bool {
+        self.idle == 0 && self.first_token == 0 && self.max_age == 0
+    }
+}
+
 /// A tracked request.
+///
+/// Its times are `u32` milliseconds relative to its own start (`start_ms`, the one
+/// absolute `u64`), saturating: a relative `u32` covers 49.7 days of one stream's life,
+/// while the VM's own clock (which Envoy keeps for months) stays `u64`. A stream older than
+/// that reads as 49.7 days old, never as young again.
+///
+/// Progress is counted per chunk without reading the clock: a chunk only adds to
+/// `events`. The clock is read for the first data event (the exact time to first token)
+/// and for the first chunk after a tick saw none (a gap of a tick or more: its end is then
+/// exact); otherwise the tick stamps the progress it finds ([`Request::stamp`]) with its
+/// own time, which is no earlier than the last event itself. So the idle clock can only
+/// run late, never early: a stall is detected at most one tick later than with a clock
+/// read per chunk (exactly that when `idle_timeout_ms` is a multiple of `tick_ms`, as the
+/// defaults are; see docs/BENCHMARKS.md).
 #[derive(Debug, Clone)]
 pub struct Request {
     /// The abort key.
     pub id: RequestId,
     /// When the request headers arrived (ms, monotonic host clock).
     pub start_ms: u64,
-    /// The clocks count from no earlier than this (`start_ms`, or the moment enforce
-    /// mode came back after observe mode had flagged the request).
-    clocks_from_ms: u64,
-    /// A mass stall held this request's close until then (0 = not held).
-    held_until_ms: u64,
+    /// The clocks count from no earlier than this (0, or the moment enforce mode came
+    /// back after observe mode had flagged the request), relative ms.
+    clocks_from: u32,
+    /// A mass stall held this request's close until then (relative ms; 0 = not held).
+    held_until: u32,
     /// The clocks that apply to it.
-    pub limits: Limits,
-    /// When the last data event arrived.
-    pub last_event_ms: Option<u64>,
-    /// Data events seen (the abort body's `tokens`).
-    pub events: u64,
-    /// Where it is.
-    pub phase: Phase,
+    clocks: Clocks,
+    /// Data events seen (the abort body's `tokens`), saturating.
+    events: u32,
+    /// `events` when progress was last stamped.
+    stamped: u32,
+    /// When the last progress was stamped (relative ms; meaningful once `events > 0`).
+    last_event: u32,
+    /// When the first data event arrived (relative ms; meaningful once `events > 0`).
+    first_event: u32,
+    /// The largest gap between data events seen so far (relative ms).
+    max_gap: u32,
+    /// A tick found no progress since the last stamp: the next chunk reads the clock.
+    quiet: bool,
     /// Observe mode: what it would have been aborted for (its clocks are then off).
     pub observed: Option<AbortReason>,
-    /// The control replica holding it (a verified stamp).
-    pub target: Option<SocketAddr>,
-    /// When the first data event arrived.
-    pub first_event_ms: Option<u64>,
-    /// The largest gap between two data events so far, ms.
-    pub max_gap_ms: u64,
+    /// Where it is.
+    pub phase: Phase,
+    /// The control replica holding it (a verified stamp); boxed, as few requests have one.
+    pub target: Option<Box<SocketAddr>>,
 }
 
 impl Request {
@@ -98,22 +142,60 @@ impl Request {
         Request {
             id,
             start_ms: now_ms,
-            clocks_from_ms: now_ms,
-            held_until_ms: 0,
-            limits,
-            last_event_ms: None,
-            first_event_ms: None,
-            max_gap_ms: 0,
+            clocks_from: 0,
+            held_until: 0,
+            clocks: Clocks::of(limits),
             events: 0,
+            stamped: 0,
+            last_event: 0,
+            first_event: 0,
+            max_gap: 0,
+            quiet: false,
             phase: Phase::Requested,
             observed: None,
             target: None,
         }
     }
 
+    /// `now_ms` relative to the start, saturating at `u32::MAX` (49.7 days).
+    fn rel(&self, now_ms: u64) -> u32 {
+        u32::try_from(now_ms.saturating_sub(self.start_ms)).unwrap_or(u32::MAX)
+    }
+
+    /// The absolute time of relative `t`.
+    fn abs(&self, t: u32) -> u64 {
+        self.start_ms.saturating_add(u64::from(t))
+    }
+
     /// Age at `now_ms`.
     pub fn age_ms(&self, now_ms: u64) -> u64 {
         now_ms.saturating_sub(self.start_ms)
+    }
+
+    /// Data events seen.
+    pub fn events(&self) -> u64 {
+        u64::from(self.events)
+    }
+
+    /// When the last progress was stamped (absolute ms), if any.
+    pub fn last_event_ms(&self) -> Option<u64> {
+        (self.events > 0).then(|| self.abs(self.last_event))
+    }
+
+    /// Time from the request to its first data event, ms, if it had one.
+    pub fn first_token_ms(&self) -> Option<u64> {
+        (self.events > 0).then_some(u64::from(self.first_event))
+    }
+
+    /// The largest gap between two data events, ms (a gap shorter than a tick may read
+    /// as 0: only gaps a tick saw are measured, see [`Request`]).
+    pub fn max_gap_ms(&self) -> u64 {
+        u64::from(self.max_gap)
+    }
+
+    /// Whether every clock of this request is off.
+    pub fn clocks_off(&self) -> bool {
+        self.clocks.all_off()
     }
 
     /// Whether the body said it is complete.
@@ -155,11 +237,12 @@ impl Request {
     }
 
     /// Feeds a body chunk (for an opaque body, only `len` counts: any byte is progress);
-    /// returns what the scanner found. `Streaming → Complete` when the body says so,
+    /// returns what the scanner found and whether the clock must be read for it
+    /// ([`Request::mark`]). `Streaming → Complete` when the body says so,
     /// `Streaming → Ended` at the upstream's end of stream.
-    pub fn on_body(&mut self, chunk: &[u8], len: usize, end_of_stream: bool, now_ms: u64) -> Fed {
+    pub fn on_body(&mut self, chunk: &[u8], len: usize, end_of_stream: bool) -> (Fed, bool) {
         let Phase::Streaming(s) = &mut self.phase else {
-            return Fed::default();
+            return (Fed::default(), false);
         };
         let mut fed = Fed::default();
         if s.framing() == Framing::Opaque {
@@ -178,27 +261,27 @@ impl Request {
                 fed.completed |= last.completed;
             }
         }
-        if fed.events > 0 {
-            self.progress(u64::from(fed.events), now_ms);
-        }
+        let clock = fed.events > 0 && self.progress(fed.events);
         if fed.completed {
             self.phase = Phase::Complete;
         } else if end_of_stream {
             self.phase = Phase::Ended;
         }
-        fed
+        (fed, clock)
     }
 
     /// A body chunk the host could not hand over: counted as progress (an unreadable
-    /// chunk is no sign of a stall), `Streaming → Ended` at end of stream.
-    pub fn on_unreadable_body(&mut self, end_of_stream: bool, now_ms: u64) {
+    /// chunk is no sign of a stall), `Streaming → Ended` at end of stream. Returns whether
+    /// the clock must be read for it ([`Request::mark`]).
+    pub fn on_unreadable_body(&mut self, end_of_stream: bool) -> bool {
         if !matches!(self.phase, Phase::Streaming(_)) {
-            return;
+            return false;
         }
-        self.progress(1, now_ms);
+        let clock = self.progress(1);
         if end_of_stream {
             self.phase = Phase::Ended;
         }
+        clock
     }
 
     /// The response trailers passed: the upstream's end of stream (`Streaming → Ended`).
@@ -208,49 +291,83 @@ impl Request {
         }
     }
 
-    fn progress(&mut self, events: u64, now_ms: u64) {
-        if let Some(last) = self.last_event_ms {
-            self.max_gap_ms = self.max_gap_ms.max(now_ms.saturating_sub(last));
+    /// Counts progress (no clock). Returns whether this progress needs the exact time:
+    /// the first data event, or the first after a tick saw none.
+    fn progress(&mut self, events: u32) -> bool {
+        let first = self.events == 0;
+        self.events = self.events.saturating_add(events);
+        first || self.quiet
+    }
+
+    /// The exact time of the progress just counted (when [`Request::on_body`] asked).
+    pub fn mark(&mut self, now_ms: u64) {
+        let t = self.rel(now_ms);
+        if self.stamped == 0 {
+            // Nothing stamped yet: this is the first progress.
+            self.first_event = t;
+        } else {
+            self.max_gap = self.max_gap.max(t.saturating_sub(self.last_event));
         }
-        self.first_event_ms.get_or_insert(now_ms);
-        self.events += events;
-        self.last_event_ms = Some(now_ms);
-        self.held_until_ms = 0;
+        self.last_event = self.last_event.max(t);
+        self.stamped = self.events;
+        self.quiet = false;
+        self.held_until = 0;
+    }
+
+    /// The tick (or a decision): stamps progress counted since the last stamp with
+    /// `now_ms`, which is no earlier than that progress. A tick that finds none marks the
+    /// request quiet: its next chunk reads the clock.
+    pub fn stamp(&mut self, now_ms: u64) {
+        if self.events != self.stamped {
+            self.last_event = self.last_event.max(self.rel(now_ms));
+            self.stamped = self.events;
+            self.quiet = false;
+            self.held_until = 0;
+        } else if self.events > 0 {
+            self.quiet = true;
+        }
     }
 
     /// The reason a clock fired at `now_ms`, if one did. The earliest deadline wins.
+    /// Progress must be stamped first ([`Request::stamp`]).
     pub fn due(&self, now_ms: u64) -> Option<AbortReason> {
         if !matches!(self.phase, Phase::Requested | Phase::Streaming(_))
             || self.observed.is_some()
-            || now_ms < self.held_until_ms
+            || self.clocks.all_off()
         {
             return None;
         }
-        let from = self.clocks_from_ms;
-        let mut best: Option<(u64, AbortReason)> = None;
-        let mut consider = |deadline: u64, reason: AbortReason| {
+        let now = self.rel(now_ms);
+        if now < self.held_until {
+            return None;
+        }
+        let from = self.clocks_from;
+        let mut best: Option<(u32, AbortReason)> = None;
+        let mut consider = |deadline: u32, reason: AbortReason| {
             let earlier = match best {
                 Some((d, _)) => deadline < d,
                 None => true,
             };
-            if now_ms >= deadline && earlier {
+            if now >= deadline && earlier {
                 best = Some((deadline, reason));
             }
         };
-        let l = self.limits;
-        if l.max_age_ms > 0 {
-            consider(from.saturating_add(l.max_age_ms), AbortReason::MaxAge);
+        let c = self.clocks;
+        if c.max_age > 0 {
+            consider(from.saturating_add(c.max_age), AbortReason::MaxAge);
         }
-        match self.last_event_ms {
-            None if l.first_token_timeout_ms > 0 => consider(
-                from.saturating_add(l.first_token_timeout_ms),
-                AbortReason::FirstTokenTimeout,
-            ),
-            Some(last) if l.idle_timeout_ms > 0 => consider(
-                last.max(from).saturating_add(l.idle_timeout_ms),
+        if self.events == 0 {
+            if c.first_token > 0 {
+                consider(
+                    from.saturating_add(c.first_token),
+                    AbortReason::FirstTokenTimeout,
+                );
+            }
+        } else if c.idle > 0 {
+            consider(
+                self.last_event.max(from).saturating_add(c.idle),
                 AbortReason::Stalled,
-            ),
-            _ => {}
+            );
         }
         best.map(|(_, r)| r)
     }
@@ -258,16 +375,16 @@ impl Request {
     /// A mass stall: the stall close waits one more idle window (once per stall; new
     /// progress ends the hold). Returns false when it was already held once.
     pub fn hold(&mut self, now_ms: u64) -> bool {
-        if self.held_until_ms != 0 {
+        if self.held_until != 0 {
             return false;
         }
-        self.held_until_ms = now_ms.saturating_add(self.limits.idle_timeout_ms).max(1);
+        self.held_until = self.rel(now_ms).saturating_add(self.clocks.idle).max(1);
         true
     }
 
     /// Whether a mass stall holds this request's close.
     pub fn held(&self) -> bool {
-        self.held_until_ms != 0
+        self.held_until != 0
     }
 
     /// Enforce mode: records the abort (`→ Aborted`) unless one exists or the request
@@ -294,8 +411,8 @@ impl Request {
     /// `now_ms` (no request is closed just because it was flagged while observed).
     pub fn restart_clocks(&mut self, now_ms: u64) {
         if self.observed.take().is_some() {
-            self.clocks_from_ms = now_ms;
-            self.held_until_ms = 0;
+            self.clocks_from = self.rel(now_ms);
+            self.held_until = 0;
         }
     }
 
@@ -391,6 +508,26 @@ pub fn classify_end(req: &Request, details: &[u8], flag_bits: u64) -> End {
 mod tests {
     use super::*;
 
+    /// A chunk at `now` as the engine feeds it: the exact time when the request asks for
+    /// it, else stamped right away (as a tick at `now` would).
+    fn body_at(r: &mut Request, chunk: &[u8], len: usize, eos: bool, now: u64) -> Fed {
+        let (fed, clock) = r.on_body(chunk, len, eos);
+        if clock {
+            r.mark(now);
+        } else {
+            r.stamp(now);
+        }
+        fed
+    }
+
+    fn unreadable_at(r: &mut Request, eos: bool, now: u64) {
+        if r.on_unreadable_body(eos) {
+            r.mark(now);
+        } else {
+            r.stamp(now);
+        }
+    }
+
     fn req(limits: Limits) -> Request {
         Request::new(RequestId::try_new(b"r").unwrap(), limits, 1000)
     }
@@ -406,13 +543,13 @@ mod tests {
         let mut r = req(L);
         r.on_response_headers(Framing::Sse, 1024, false);
         assert_eq!(r.due(1900), None); // no event yet, first-token off
-        r.on_body(b": keep-alive\n\n", 14, false, 1500);
+        body_at(&mut r, b": keep-alive\n\n", 14, false, 1500);
         assert_eq!(r.due(1990), None); // comments are not progress
-        r.on_body(b"data: {}\n\n", 10, false, 1500);
-        assert_eq!(r.last_event_ms, Some(1500));
+        body_at(&mut r, b"data: {}\n\n", 10, false, 1500);
+        assert_eq!(r.last_event_ms(), Some(1500));
         assert_eq!(r.due(1599), None);
         assert_eq!(r.due(1600), Some(AbortReason::Stalled));
-        r.on_body(b"data: x\n\n", 9, false, 1590);
+        body_at(&mut r, b"data: x\n\n", 9, false, 1590);
         assert_eq!(r.due(1600), None);
     }
 
@@ -427,7 +564,7 @@ mod tests {
         // Both due: the earlier deadline wins.
         assert_eq!(r.due(5000), Some(AbortReason::FirstTokenTimeout));
         r.on_response_headers(Framing::Sse, 1024, false);
-        r.on_body(b"data: x\n\n", 9, false, 1200);
+        body_at(&mut r, b"data: x\n\n", 9, false, 1200);
         assert_eq!(r.due(1299), None);
         assert_eq!(r.due(1300), Some(AbortReason::Stalled));
         let mut r = req(Limits {
@@ -435,11 +572,11 @@ mod tests {
             ..L
         });
         r.on_response_headers(Framing::Sse, 1024, false);
-        r.on_body(b"data: x\n\n", 9, false, 1100);
+        body_at(&mut r, b"data: x\n\n", 9, false, 1100);
         assert_eq!(r.due(1999), None);
         assert_eq!(r.due(2000), Some(AbortReason::MaxAge));
         // Max age fires even with steady progress.
-        r.on_body(b"data: x\n\n", 9, false, 1999);
+        body_at(&mut r, b"data: x\n\n", 9, false, 1999);
         assert_eq!(r.due(2000), Some(AbortReason::MaxAge));
     }
 
@@ -462,7 +599,7 @@ mod tests {
         assert_eq!(r.due(999_999), None);
         let mut r = req(L);
         r.on_response_headers(Framing::Sse, 1024, false);
-        let fed = r.on_body(b"data: [DONE]\n\n", 14, false, 1001);
+        let fed = body_at(&mut r, b"data: [DONE]\n\n", 14, false, 1001);
         assert!(fed.completed && r.complete());
         assert!(!r.decide(AbortReason::MaxAge, false));
         assert_eq!(r.due(999_999), None);
@@ -476,10 +613,10 @@ mod tests {
     fn opaque_bodies_count_bytes_as_progress() {
         let mut r = req(L);
         r.on_response_headers(Framing::Opaque, 1024, false);
-        r.on_body(&[], 5, false, 1200);
-        assert_eq!(r.last_event_ms, Some(1200));
+        body_at(&mut r, &[], 5, false, 1200);
+        assert_eq!(r.last_event_ms(), Some(1200));
         assert!(!r.complete());
-        r.on_body(&[], 0, true, 1300);
+        body_at(&mut r, &[], 0, true, 1300);
         assert!(matches!(r.phase, Phase::Ended));
         assert_eq!(r.due(u64::MAX), None);
     }
@@ -488,11 +625,11 @@ mod tests {
     fn ndjson_last_line_without_newline_completes() {
         let mut r = req(L);
         r.on_response_headers(Framing::Ndjson, 1024, false);
-        r.on_body(b"{\"done\":false}\n{\"done\":", 0, false, 1100);
+        body_at(&mut r, b"{\"done\":false}\n{\"done\":", 0, false, 1100);
         assert!(!r.complete());
-        r.on_body(b"true}", 0, true, 1200);
+        body_at(&mut r, b"true}", 0, true, 1200);
         assert!(r.complete());
-        assert_eq!(r.events, 2);
+        assert_eq!(r.events(), 2);
     }
 
     #[test]
@@ -559,11 +696,11 @@ mod tests {
     fn unreadable_chunks_are_progress() {
         let mut r = req(L);
         r.on_response_headers(Framing::Sse, 1024, false);
-        r.on_body(b"data: {}\n\n", 10, false, 1100);
-        r.on_unreadable_body(false, 1190);
+        body_at(&mut r, b"data: {}\n\n", 10, false, 1100);
+        unreadable_at(&mut r, false, 1190);
         assert_eq!(r.due(1200), None, "an unreadable chunk is no stall");
         assert_eq!(r.due(1290), Some(AbortReason::Stalled));
-        r.on_unreadable_body(true, 1200);
+        unreadable_at(&mut r, true, 1200);
         assert!(matches!(r.phase, Phase::Ended));
     }
 
@@ -571,7 +708,7 @@ mod tests {
     fn trailers_end_the_stream() {
         let mut r = req(L);
         r.on_response_headers(Framing::Sse, 1024, false);
-        r.on_body(b"data: {}\n\n", 10, false, 1100);
+        body_at(&mut r, b"data: {}\n\n", 10, false, 1100);
         r.on_trailers();
         assert_eq!(r.due(u64::MAX), None);
         assert_eq!(classify_end(&r, b"via_upstream", 0), End::Completed);
@@ -581,7 +718,7 @@ mod tests {
     fn observe_notes_once_and_enforce_restarts_the_clocks() {
         let mut r = req(L);
         r.on_response_headers(Framing::Sse, 1024, false);
-        r.on_body(b"data: {}\n\n", 10, false, 1100);
+        body_at(&mut r, b"data: {}\n\n", 10, false, 1100);
         assert_eq!(r.due(1200), Some(AbortReason::Stalled));
         assert!(r.decide(AbortReason::Stalled, true));
         assert!(!r.decide(AbortReason::DownstreamReset, true));
@@ -603,12 +740,80 @@ mod tests {
     fn a_hold_delays_once_and_progress_ends_it() {
         let mut r = req(L);
         r.on_response_headers(Framing::Sse, 1024, false);
-        r.on_body(b"data: {}\n\n", 10, false, 1100);
+        body_at(&mut r, b"data: {}\n\n", 10, false, 1100);
         assert!(r.hold(1200));
         assert!(!r.hold(1250));
         assert_eq!(r.due(1299), None);
         assert_eq!(r.due(1300), Some(AbortReason::Stalled));
-        r.on_body(b"data: {}\n\n", 10, false, 1250);
+        body_at(&mut r, b"data: {}\n\n", 10, false, 1250);
         assert!(!r.held());
+    }
+
+    #[test]
+    fn chunks_read_no_clock_and_the_tick_stamps_them_never_early() {
+        let mut r = req(L);
+        r.on_response_headers(Framing::Sse, 1024, false);
+        // The first event asks for the clock (the exact time to first token).
+        let (_, clock) = r.on_body(b"data: {}\n\n", 10, false);
+        assert!(clock);
+        r.mark(1010);
+        assert_eq!(r.first_token_ms(), Some(10));
+        // Further chunks do not, until a tick finds none.
+        for _ in 0..5 {
+            assert!(!r.on_body(b"data: {}\n\n", 10, false).1);
+        }
+        // The tick at 1240 stamps them with its own time: the idle clock counts from
+        // there (late, never early, by less than a tick).
+        r.stamp(1240);
+        assert_eq!(r.last_event_ms(), Some(1240));
+        assert_eq!(r.due(1339), None);
+        assert_eq!(r.due(1340), Some(AbortReason::Stalled));
+        // A tick with no progress: the next chunk reads the clock, and its gap is measured.
+        r.stamp(1300);
+        assert!(r.on_body(b"data: {}\n\n", 10, false).1);
+        r.mark(1330);
+        assert_eq!((r.last_event_ms(), r.max_gap_ms()), (Some(1330), 90));
+        assert_eq!(r.events(), 7);
+    }
+
+    #[test]
+    fn relative_clocks_survive_a_vm_older_than_49_7_days() {
+        // The VM's monotonic clock is past u32::MAX ms (49.7 days): relative u32 times
+        // from the stream's own start still work.
+        let start = u64::from(u32::MAX) + 123_456;
+        let mut r = Request::new(RequestId::try_new(b"w").unwrap(), L, start);
+        r.on_response_headers(Framing::Sse, 1024, false);
+        body_at(&mut r, b"data: {}\n\n", 10, false, start + 50);
+        assert_eq!(r.first_token_ms(), Some(50));
+        assert_eq!(r.last_event_ms(), Some(start + 50));
+        assert_eq!(r.due(start + 149), None);
+        assert_eq!(r.due(start + 150), Some(AbortReason::Stalled));
+        assert_eq!(r.age_ms(start + 1_000), 1_000);
+        // A stream older than 49.7 days saturates: it stays old (its clocks fired long
+        // ago), it never reads as young again.
+        let mut r = Request::new(RequestId::try_new(b"o").unwrap(), L, 1_000);
+        let much_later = 1_000 + u64::from(u32::MAX) + 10_000;
+        assert_eq!(r.due(much_later), Some(AbortReason::MaxAge));
+        r.on_response_headers(Framing::Sse, 1024, false);
+        body_at(&mut r, b"data: {}\n\n", 10, false, much_later);
+        assert_eq!(r.first_token_ms(), Some(u64::from(u32::MAX)));
+        assert_eq!(r.due(much_later + 1), Some(AbortReason::MaxAge));
+        assert_eq!(r.age_ms(much_later), much_later - 1_000);
+    }
+
+    #[test]
+    fn a_tracked_request_is_small() {
+        // docs/BENCHMARKS.md (memory): the boxed request is most of a tracked stream.
+        let size = core::mem::size_of::<Request>();
+        eprintln!("size_of::<Request>() = {size}");
+        // wasm32: 216 bytes before issue 17, 104 now.
+        assert!(
+            size <= if cfg!(target_pointer_width = "32") {
+                104
+            } else {
+                136
+            },
+            "{size}"
+        );
     }
 }

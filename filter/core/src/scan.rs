@@ -102,25 +102,80 @@ enum Line {
     Skip,
 }
 
+/// The SSE field names the scanner acts on.
+const FIELD_NAMES: [&[u8]; 2] = [b"data", b"event"];
+
+/// The `event:` names that end a Responses API stream.
+const TERMINAL_EVENTS: [&[u8]; 3] = [
+    b"response.completed",
+    b"response.failed",
+    b"response.incomplete",
+];
+
+/// Matches bytes that arrive in pieces (split anywhere across chunks) against a few fixed
+/// words, keeping a position and one bit per word still possible: 2 bytes in every tracked
+/// stream instead of a copy of the bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Words {
+    /// Bytes seen (saturating: longer than every word is no match anyway).
+    len: u8,
+    /// Bit `k`: word `k` still matches what was seen.
+    live: u8,
+}
+
+impl Words {
+    /// Nothing to match (no value seen).
+    const NONE: Words = Words { len: 0, live: 0 };
+    /// A value starts: every word is possible.
+    const START: Words = Words {
+        len: 0,
+        live: u8::MAX,
+    };
+
+    fn push(&mut self, words: &[&[u8]], bytes: &[u8]) {
+        for &b in bytes {
+            if self.live == 0 {
+                return;
+            }
+            let at = usize::from(self.len);
+            for (k, w) in words.iter().enumerate() {
+                if w.get(at) != Some(&b) {
+                    self.live &= !(1u8 << k);
+                }
+            }
+            self.len = self.len.saturating_add(1);
+        }
+    }
+
+    /// The index of the word seen exactly, if one was.
+    fn matched(self, words: &[&[u8]]) -> Option<usize> {
+        words
+            .iter()
+            .enumerate()
+            .find(|(k, w)| self.live & (1u8 << k) != 0 && w.len() == usize::from(self.len))
+            .map(|(k, _)| k)
+    }
+}
+
 /// The incremental scanner of one response body.
 #[derive(Debug, Clone)]
 pub struct Scanner {
     framing: Framing,
-    max_event_bytes: usize,
+    /// `u32`, and field names and event names matched as they arrive ([`Words`]) instead
+    /// of copied: one scanner lives in every tracked stream.
+    max_event_bytes: u32,
     line: Line,
     /// The previous chunk ended in CR: a leading LF belongs to it.
     skip_lf: bool,
     /// A value's optional leading space is still to be skipped.
     skip_space: bool,
-    name: [u8; 8],
-    name_len: usize,
-    name_overflow: bool,
+    /// The field name being read, matched against [`FIELD_NAMES`].
+    name: Words,
     data: Vec<u8>,
     data_lines: u32,
     oversized: bool,
-    event_name: [u8; 24],
-    event_len: usize,
-    event_overflow: bool,
+    /// The event's `event:` value, matched against [`TERMINAL_EVENTS`].
+    event_name: Words,
     completed: bool,
 }
 
@@ -129,19 +184,15 @@ impl Scanner {
     pub fn new(framing: Framing, max_event_bytes: usize) -> Self {
         Scanner {
             framing,
-            max_event_bytes,
+            max_event_bytes: u32::try_from(max_event_bytes).unwrap_or(u32::MAX),
             line: Line::Start,
             skip_lf: false,
             skip_space: false,
-            name: [0; 8],
-            name_len: 0,
-            name_overflow: false,
+            name: Words::NONE,
             data: Vec::new(),
             data_lines: 0,
             oversized: false,
-            event_name: [0; 24],
-            event_len: 0,
-            event_overflow: false,
+            event_name: Words::NONE,
             completed: false,
         }
     }
@@ -217,8 +268,7 @@ impl Scanner {
                         continue;
                     }
                     self.line = Line::Name;
-                    self.name_len = 0;
-                    self.name_overflow = false;
+                    self.name = Words::START;
                 }
                 Line::Name => {
                     let rest = &chunk[i..];
@@ -266,7 +316,7 @@ impl Scanner {
                         && self.data.is_empty()
                         && !self.oversized
                         && pending.is_none()
-                        && end <= self.max_event_bytes;
+                        && end <= self.max_event_bytes as usize;
                     if whole_line_here {
                         pending = Some(i..i + end);
                     } else {
@@ -308,33 +358,21 @@ impl Scanner {
     }
 
     fn push_name(&mut self, bytes: &[u8]) {
-        let room = self.name.len() - self.name_len;
-        if bytes.len() > room {
-            self.name_overflow = true;
-        }
-        let n = bytes.len().min(room);
-        self.name[self.name_len..self.name_len + n].copy_from_slice(&bytes[..n]);
-        self.name_len += n;
+        self.name.push(&FIELD_NAMES, bytes);
     }
 
     fn field_kind(&self) -> Field {
-        if self.name_overflow {
-            return Field::Other;
-        }
-        match &self.name[..self.name_len] {
-            b"data" => Field::Data,
-            b"event" => Field::Event,
-            _ => Field::Other,
+        match self.name.matched(&FIELD_NAMES) {
+            Some(0) => Field::Data,
+            Some(_) => Field::Event,
+            None => Field::Other,
         }
     }
 
     fn start_value(&mut self, field: Field) {
         match field {
             Field::Data => self.start_data_value(),
-            Field::Event => {
-                self.event_len = 0;
-                self.event_overflow = false;
-            }
+            Field::Event => self.event_name = Words::START,
             Field::Other => {}
         }
     }
@@ -350,7 +388,7 @@ impl Scanner {
         if self.oversized {
             return;
         }
-        if self.data.len() + bytes.len() > self.max_event_bytes {
+        if self.data.len() + bytes.len() > self.max_event_bytes as usize {
             self.oversized = true;
             self.data.clear();
             return;
@@ -361,15 +399,7 @@ impl Scanner {
     fn push_value(&mut self, field: Field, bytes: &[u8]) {
         match field {
             Field::Data => self.push_data(bytes),
-            Field::Event => {
-                let room = self.event_name.len() - self.event_len;
-                if bytes.len() > room {
-                    self.event_overflow = true;
-                }
-                let n = bytes.len().min(room);
-                self.event_name[self.event_len..self.event_len + n].copy_from_slice(&bytes[..n]);
-                self.event_len += n;
-            }
+            Field::Event => self.event_name.push(&TERMINAL_EVENTS, bytes),
             Field::Other => {}
         }
     }
@@ -412,15 +442,10 @@ impl Scanner {
     ) {
         let had_data = self.data_lines > 0;
         let oversized = self.oversized;
-        let terminal_name = !self.event_overflow
-            && matches!(
-                &self.event_name[..self.event_len],
-                b"response.completed" | b"response.failed" | b"response.incomplete"
-            );
+        let terminal_name = self.event_name.matched(&TERMINAL_EVENTS).is_some();
         self.data_lines = 0;
         self.oversized = false;
-        self.event_len = 0;
-        self.event_overflow = false;
+        self.event_name = Words::NONE;
         if !had_data {
             return;
         }
@@ -629,6 +654,55 @@ mod tests {
         assert_eq!(done, Some(1));
         let (_, done, _) = whole(Framing::Sse, b"event: response.incomplete\ndata: {}\n\n");
         assert_eq!(done, Some(1));
+    }
+
+    #[test]
+    fn names_are_matched_exactly_wherever_the_chunks_split() {
+        // Field and event names are matched as they arrive, not copied: near misses
+        // must not match, wherever the body is cut.
+        let cases: [(&[u8], usize, Option<usize>); 6] = [
+            (b"event: response.completed\ndata: x\n\n", 1, Some(1)),
+            (b"event: response.complete\ndata: x\n\n", 1, None),
+            (b"event: response.completedX\ndata: x\n\n", 1, None),
+            (
+                b"event: response.completed\nevent: other\ndata: x\n\n",
+                1,
+                None,
+            ),
+            (
+                b"dat: x\n\ndatas: y\n\ndata\n\nevent: response.failed\n\ndata: z\n\n",
+                1,
+                None,
+            ),
+            (
+                b"data: a\n\nevent:response.incomplete\ndata:b\n\n",
+                2,
+                Some(2),
+            ),
+        ];
+        for (body, events, done) in cases {
+            let reference = whole(Framing::Sse, body);
+            assert_eq!(
+                (reference.0.len(), reference.1),
+                (events, done),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+            for cut in 0..=body.len() {
+                for cut2 in cut..=body.len() {
+                    assert_eq!(
+                        run(
+                            Framing::Sse,
+                            65536,
+                            &[&body[..cut], &body[cut..cut2], &body[cut2..]]
+                        ),
+                        reference,
+                        "{} cut at {cut}, {cut2}",
+                        String::from_utf8_lossy(body)
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -20,7 +20,7 @@ use core::cell::RefCell;
 use kvguard_contract::signature::SIGNATURE_HEADER;
 use kvguard_contract::{InstanceId, INSTANCE_HEADER};
 use kvguard_contract::{CONTROL_HEADER, REQUEST_ID_HEADER};
-use kvguard_filter_core::engine::{self, BodyNeed, Engine, Streams, Verdict};
+use kvguard_filter_core::engine::{self, Engine, Streams, Verdict};
 use kvguard_filter_core::host::{Call, Clock, DispatchError, Host, Level};
 use kvguard_filter_core::metrics::{Kind, Metric, Metrics};
 use kvguard_filter_core::{lease, Config, Mode, OutcomeTag};
@@ -44,6 +44,11 @@ const MAX_ANSWER_BODY: usize = 4096;
 struct Shared {
     engine: Option<Engine>,
     metric_ids: Vec<Option<u32>>,
+    /// Deltas of the per-request counters and gauge (requests tracked and completed,
+    /// active requests) not yet handed to the host: while the tick runs, `add` only sums
+    /// them here and the tick flushes (one host call per metric that moved, per tick,
+    /// instead of three or four per request); see [`flush_metrics`].
+    batch: Batch,
     queue_id: Option<u32>,
     /// The shared-data key of this plugin's mode (`kvguard.mode.<plugin name>`).
     mode_key: Option<String>,
@@ -62,10 +67,22 @@ struct Shared {
 
 type SharedRef = Rc<RefCell<Shared>>;
 
+/// Metric deltas summed between flushes.
+#[derive(Default)]
+struct Batch {
+    /// Whether `add` batches (the tick is on, so a flush comes within a tick).
+    on: bool,
+    /// Deltas by metric index.
+    deltas: Vec<i64>,
+    /// Whether any delta is non-zero.
+    dirty: bool,
+}
+
 /// The host as the core sees it: clock, dispatch, log, metrics (the core's
 /// `host::Platform`).
 struct EnvoyHost<'a> {
     metric_ids: &'a mut Vec<Option<u32>>,
+    batch: &'a mut Batch,
 }
 
 fn core_level(level: Level) -> abi::LogLevel {
@@ -127,6 +144,16 @@ impl Host for EnvoyHost<'_> {
             }
         }
     }
+
+    fn log_enabled(&self, level: Level) -> bool {
+        let filter = match level {
+            Level::Debug => log::LevelFilter::Debug,
+            Level::Info => log::LevelFilter::Info,
+            Level::Warn => log::LevelFilter::Warn,
+            Level::Error | Level::Critical => log::LevelFilter::Error,
+        };
+        filter <= log::max_level()
+    }
 }
 
 impl EnvoyHost<'_> {
@@ -152,8 +179,45 @@ impl EnvoyHost<'_> {
     }
 }
 
+impl EnvoyHost<'_> {
+    /// Hands every batched delta to the host (one `increment_metric` per metric that
+    /// moved).
+    fn flush(&mut self) {
+        if !self.batch.dirty {
+            return;
+        }
+        self.batch.dirty = false;
+        let deltas = core::mem::take(&mut self.batch.deltas);
+        for (m, d) in Metric::all().into_iter().zip(&deltas) {
+            if *d != 0 {
+                if let Some(id) = self.metric_id(m) {
+                    let _ = abi::increment_metric(id, *d);
+                }
+            }
+        }
+        self.batch.deltas = deltas;
+        self.batch.deltas.iter_mut().for_each(|d| *d = 0);
+    }
+}
+
 impl Metrics for EnvoyHost<'_> {
     fn add(&mut self, m: Metric, delta: i64) {
+        // The per-request ones batch; the rest (aborts, pending, errors: rare, and read as
+        // "now") go to the host at once.
+        let per_request = matches!(
+            m,
+            Metric::RequestsTracked | Metric::RequestsCompleted | Metric::ActiveRequests
+        );
+        if per_request && self.batch.on {
+            if self.batch.deltas.len() < Metric::COUNT {
+                self.batch.deltas.resize(Metric::COUNT, 0);
+            }
+            if let Some(d) = self.batch.deltas.get_mut(m.index()) {
+                *d += delta;
+                self.batch.dirty = true;
+                return;
+            }
+        }
         if let Some(id) = self.metric_id(m) {
             let _ = abi::increment_metric(id, delta);
         }
@@ -183,8 +247,18 @@ fn with_engine<R>(
     let engine = s.engine.as_mut()?;
     let mut p = EnvoyHost {
         metric_ids: &mut s.metric_ids,
+        batch: &mut s.batch,
     };
     Some(f(engine, &mut p))
+}
+
+/// Flushes the batched metric deltas; with `batching`, later `add`s batch (the tick is
+/// on), else they go to the host at once.
+fn flush_metrics(shared: &SharedRef, batching: bool) {
+    let _ = with_engine(shared, |_, p| {
+        p.flush();
+        p.batch.on = batching;
+    });
 }
 
 /// Turns the tick on or off as the engine needs (no borrow held over the host call).
@@ -193,21 +267,26 @@ fn sync_tick(shared: &SharedRef) {
         return;
     };
     let ms32 = u32::try_from(ms).unwrap_or(u32::MAX);
-    if ms == 0 {
-        abi::log(
-            abi::LogLevel::Debug,
-            "tick off (nothing tracked or pending)",
-        );
-    } else {
-        abi::log(abi::LogLevel::Debug, &format!("tick on ({ms} ms)"));
+    if log::max_level() >= log::LevelFilter::Debug {
+        if ms == 0 {
+            abi::log(
+                abi::LogLevel::Debug,
+                "tick off (nothing tracked or pending)",
+            );
+        } else {
+            abi::log(abi::LogLevel::Debug, &format!("tick on ({ms} ms)"));
+        }
     }
-    if abi::set_tick_period_ms(ms32).is_err() {
+    let refused = abi::set_tick_period_ms(ms32).is_err();
+    if refused {
         abi::log(abi::LogLevel::Warn, "the host refused a tick period change");
         let _ = with_engine(shared, |e, p| {
             e.set_tick_state(ms == 0);
             p.add(Metric::HostErrors, 1);
         });
     }
+    // Batch only while a tick is there to flush: a tick going off flushes what is left.
+    flush_metrics(shared, ms != 0 && !refused);
 }
 
 std::thread_local! {
@@ -315,6 +394,7 @@ fn init() {
             shared: Rc::new(RefCell::new(Shared {
                 engine: None,
                 metric_ids: Vec::new(),
+                batch: Batch::default(),
                 queue_id: None,
                 mode_key: None,
                 instance: None,
@@ -353,6 +433,9 @@ impl Root {
         };
         let done = with_engine(&self.shared, |e, p| {
             e.pump(p);
+            // A stopping VM's tick returns here: what was batched goes out now.
+            p.flush();
+            p.batch.on = false;
             let now = p.now_ms();
             let left = e.pending_aborts();
             if left == 0 || now.saturating_sub(since) >= STOP_BOUND_MS {
@@ -556,6 +639,8 @@ impl Context for Root {
     }
 
     fn on_done(&mut self) -> bool {
+        // Whatever was batched reaches the host before the VM may go.
+        flush_metrics(&self.shared, false);
         // A config push, listener drain or module upgrade stops this VM: aborts queued,
         // backing off or in flight would die with it. Keep it until they are delivered
         // (the tick goes on pumping), at most `STOP_BOUND_MS`; then `proxy_done`.
@@ -651,6 +736,7 @@ impl RootContext for Root {
                 Some(e) => {
                     let mut p = EnvoyHost {
                         metric_ids: &mut s.metric_ids,
+                        batch: &mut s.batch,
                     };
                     e.reconfigure(&mut p, cfg);
                 }
@@ -726,16 +812,16 @@ impl RootContext for Root {
         self.report_memory();
         // No borrow held: closing a stream may run its on_log right here.
         let done = engine::apply(&actions, &mut EnvoyStreams { root: self.id });
-        if done.closed > 0 || done.failed > 0 {
-            let _ = with_engine(&self.shared, |_, p| {
-                if done.closed > 0 {
-                    p.add(Metric::StreamsClosed, done.closed);
-                }
-                if done.failed > 0 {
-                    p.add(Metric::HostErrors, done.failed);
-                }
-            });
-        }
+        let _ = with_engine(&self.shared, |_, p| {
+            if done.closed > 0 {
+                p.add(Metric::StreamsClosed, done.closed);
+            }
+            if done.failed > 0 {
+                p.add(Metric::HostErrors, done.failed);
+            }
+            // The batched counters of the last tick period reach the host.
+            p.flush();
+        });
         sync_tick(&self.shared);
     }
 
@@ -785,8 +871,9 @@ impl HttpContext for Stream {
         trap::on_request_headers(self.id);
         // A client never speaks for kvguard: its stamp or signature headers go, on every
         // request, tracked or not (the edge's header mutation does the same; this is the
-        // belt under it).
-        for h in [CONTROL_HEADER, SIGNATURE_HEADER, INSTANCE_HEADER] {
+        // belt under it). Its instance header goes too: replaced below on a tracked
+        // request (one host call instead of two), removed on any other.
+        for h in [CONTROL_HEADER, SIGNATURE_HEADER] {
             let _ = abi::remove_header(abi::Map::RequestHeaders, h);
         }
         let path = abi::get_header(abi::Map::RequestHeaders, ":path")
@@ -799,21 +886,30 @@ impl HttpContext for Stream {
         let verdict = with_engine(&self.shared, |e, p| {
             e.on_request_headers(p, id, path.as_deref(), rid.as_deref())
         });
-        match verdict {
+        let instance = match verdict {
             Some(Verdict::Tracked) => {
                 self.tracked = true;
                 // The gateway process that carries it (contract §8).
-                let instance = self.shared.try_borrow().ok().and_then(|s| s.instance);
-                if let Some(i) = instance {
-                    let _ = abi::replace_header(
-                        abi::Map::RequestHeaders,
-                        INSTANCE_HEADER,
-                        i.to_string().as_bytes(),
-                    );
-                }
-                sync_tick(&self.shared);
+                self.shared.try_borrow().ok().and_then(|s| s.instance)
             }
-            _ => set_outcome(OutcomeTag::Untracked),
+            // Untracked: no filter state is written (contract §7: an access log shows
+            // `-`), which saves a host call on every request the filter does not track.
+            _ => None,
+        };
+        match instance {
+            Some(i) => {
+                let _ = abi::replace_header(
+                    abi::Map::RequestHeaders,
+                    INSTANCE_HEADER,
+                    i.to_string().as_bytes(),
+                );
+            }
+            None => {
+                let _ = abi::remove_header(abi::Map::RequestHeaders, INSTANCE_HEADER);
+            }
+        }
+        if self.tracked {
+            sync_tick(&self.shared);
         }
         Action::Continue
     }
@@ -846,7 +942,7 @@ impl HttpContext for Stream {
                 end_of_stream,
             );
             let period = e.cfg.lease_renew_ms;
-            let target = e.request(id).and_then(|r| r.target);
+            let target = e.request(id).and_then(|r| r.target.as_deref().copied());
             target
                 .filter(|_| period > 0)
                 .map(|t| (t, p.now_ms(), period))
@@ -864,23 +960,17 @@ impl HttpContext for Stream {
             return Action::Continue;
         }
         let id = self.id;
-        // One borrow for the whole chunk: reading the body buffer only calls back into the
-        // module's allocator, never into the filter.
+        // One borrow and one table lookup for the whole chunk: reading the body buffer
+        // only calls back into the module's allocator, never into the filter. No clock is
+        // read (the tick stamps progress), no metric host call is made (batched).
         let tag = with_engine(&self.shared, |e, p| {
-            let chunk = match e.body_need(id) {
-                BodyNeed::Bytes if body_size > 0 => {
-                    match abi::get_buffer(abi::Buffer::ResponseBody, 0, body_size) {
-                        Ok(b) if !b.is_empty() => b,
-                        // Unreadable: progress and a host error, never a stall.
-                        _ => {
-                            e.on_unreadable_body(p, id, end_of_stream);
-                            return None;
-                        }
-                    }
+            e.on_chunk(p, id, body_size, end_of_stream, || {
+                match abi::get_buffer(abi::Buffer::ResponseBody, 0, body_size) {
+                    Ok(b) if !b.is_empty() => Some(b),
+                    // Unreadable: progress and a host error, never a stall.
+                    _ => None,
                 }
-                _ => Vec::new(),
-            };
-            e.on_response_body(p, id, &chunk, body_size, end_of_stream)
+            })
         })
         .flatten();
         if let Some(tag) = tag {
@@ -922,7 +1012,8 @@ impl HttpContext for Stream {
         };
         let result = with_engine(&self.shared, |e, p| {
             let tag = e.on_log(p, id, &details, flags);
-            let wake = e.has_ready_aborts(p.now_ms());
+            // No clock read when nothing is pending (the healthy request).
+            let wake = e.pending_aborts() > 0 && e.has_ready_aborts(p.now_ms());
             report_clock_errors(p);
             (tag, wake)
         });

@@ -14,8 +14,12 @@
 //! - `memory`: wasm VM memory and Envoy RSS at 0, 1k, 10k tracked streams and after they
 //!   end, over repeated waves.
 //! - `control`: kvguard-control RSS, and its proxy hop vs direct (TTFB p50).
+//! - `requests`: Envoy CPU per request (2,000 one-event requests at 500 concurrent) with
+//!   h2load over HTTP/1.1 and h2c beside the workspace's load generator, including other
+//!   builds of the filter (`--compare-wasm`) side by side ([`requests`]).
 
 pub mod report;
+pub mod requests;
 pub mod soak;
 pub mod upstream;
 
@@ -54,7 +58,7 @@ pub struct BenchOptions {
     pub rounds: usize,
     /// Smaller loads (development runs).
     pub quick: bool,
-    /// Sections to run (`overhead`, `abort`, `stall`, `memory`, `control`).
+    /// Sections to run (`overhead`, `abort`, `stall`, `memory`, `control`, `requests`).
     pub sections: Vec<String>,
     /// The do-nothing filter's wasm.
     pub noop_wasm: PathBuf,
@@ -68,6 +72,14 @@ pub struct BenchOptions {
     /// the last CPU and the bench (clients, upstream, receivers) on the others, so that
     /// the load generator's scheduling does not land in the proxy's figures.
     pub pin: bool,
+    /// Other builds of the filter measured beside `kvguard` in the `requests` section:
+    /// (label, wasm path).
+    pub compare_wasm: Vec<(String, PathBuf)>,
+    /// `requests` section: measure what single host calls cost, each made this many times
+    /// per request by the do-nothing filter.
+    pub host_call_costs: Option<u32>,
+    /// `requests` section: only these clients (empty: all of [`requests::CLIENTS`]).
+    pub request_clients: Vec<String>,
 }
 
 /// Restricts every thread of process `pid` to `cpus` (`sched_setaffinity` per task).
@@ -740,6 +752,10 @@ fn ms_since(a: Instant, b: Instant) -> f64 {
 }
 
 /// Stalls `n` staggered streams through `envoy`; returns (detected − threshold) ms.
+/// Stalls per wave of the stall measurement: the filter's `MIN_STALL_THRESHOLD`, the most
+/// stalls within one idle window that are never a mass stall.
+const STALL_WAVE: usize = 8;
+
 async fn stall_once(
     opts: &BenchOptions,
     envoy: &Envoy,
@@ -760,8 +776,13 @@ async fn stall_once(
     for i in 0..n {
         let entry = envoy.listener_addr();
         let body = body.clone();
-        // Staggered over more than one tick: stalls start at every tick phase.
-        let stagger = Duration::from_micros((i as u64 * 7919) % 300_000);
+        // Staggered over more than one tick: stalls start at every tick phase. In waves of
+        // `STALL_WAVE` (8) streams, 1.5 idle windows apart: more stalls than that
+        // within one idle window are a mass stall, whose closes the valve holds one more
+        // window (measured separately by the mass-stall tests), which is not the detection
+        // delay measured here.
+        let wave = (i / STALL_WAVE) as u64;
+        let stagger = Duration::from_micros(wave * 1_500_000 + (i as u64 * 7919) % 300_000);
         set.spawn(async move {
             tokio::time::sleep(stagger).await;
             if let Ok(mut s) =
@@ -1148,6 +1169,11 @@ pub async fn run(opts: BenchOptions) -> Result<Value> {
     }
     if want("control") {
         res["control"] = control(&opts).await.context("control section")?;
+    }
+    if want("requests") {
+        res["requests"] = requests::requests(&opts)
+            .await
+            .context("requests section")?;
     }
     res["duration_s"] = json!(started.elapsed().as_secs_f64());
     Ok(res)

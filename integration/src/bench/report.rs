@@ -316,7 +316,85 @@ pub fn markdown(res: &Value) -> String {
         }
         m.push('\n');
     }
+    requests_md(&mut m, &res["requests"]);
     m
+}
+
+/// The `requests` section's table: Envoy CPU per request per client and variant, and
+/// the per-round differences to the do-nothing filter and to no filter.
+fn requests_md(m: &mut String, r: &Value) {
+    let Some(summary) = r["summary"].as_object() else {
+        return;
+    };
+    let _ = writeln!(
+        m,
+        "### Per request ({} rounds; {} one-event requests at {} concurrent per run; median (min–max) across rounds)\n",
+        r["rounds"], r["requests_per_run"], r["concurrency"]
+    );
+    let _ = writeln!(
+        m,
+        "| client | listener | Envoy CPU µs/request | − noop µs | − none µs | − noop-read µs | req/s | failed |\n|---|---|---|---|---|---|---|---|"
+    );
+    let variants: Vec<&str> = r["variants"]
+        .as_array()
+        .map(|v| v.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    for (client, by_v) in summary {
+        for v in &variants {
+            let x = &by_v[*v];
+            if x.is_null() {
+                continue;
+            }
+            let _ = writeln!(
+                m,
+                "| {client} | {v} | {} | {} | {} | {} | {} | {} |",
+                spread(&x["cpu_us_per_request"], 1.0, 2),
+                spread(&x["minus_noop_us"], 1.0, 2),
+                spread(&x["minus_none_us"], 1.0, 2),
+                spread(&x["minus_noop_read_us"], 1.0, 2),
+                spread(&x["req_per_s"], 1.0, 0),
+                x["failed"]
+            );
+        }
+    }
+    let measured = |x: &Value| x["per_event_us"]["median"].is_number();
+    if let Some(pe) = r["per_event"]
+        .as_object()
+        .filter(|o| o.values().any(measured))
+    {
+        let _ = writeln!(
+            m,
+            "\nPer event (load-h1-64 vs load-h1, per round: (CPU/request at 64 events − at 1) / 63):\n\n| listener | Envoy CPU µs/event | − noop-read µs | − noop µs |\n|---|---|---|---|"
+        );
+        for v in &variants {
+            let x = &pe[*v];
+            if !measured(x) {
+                continue;
+            }
+            let _ = writeln!(
+                m,
+                "| {v} | {} | {} | {} |",
+                spread(&x["per_event_us"], 1.0, 3),
+                spread(&x["minus_noop_read_us"], 1.0, 3),
+                spread(&x["minus_noop_us"], 1.0, 3)
+            );
+        }
+    }
+    if let Some(hc) = r["host_call_ns"].as_object().filter(|o| !o.is_empty()) {
+        let _ = writeln!(
+            m,
+            "\nOne host call, measured (the do-nothing filter makes it {} times per request; h2load-h1; per round (CPU/request − noop's) / {}):\n\n| host call | ns each |\n|---|---|",
+            r["host_call_repeats"], r["host_call_repeats"]
+        );
+        for (c, v) in hc {
+            let _ = writeln!(m, "| {c} | {} |", spread(v, 1.0, 0));
+        }
+    }
+    let _ = writeln!(
+        m,
+        "\nAborts sent during the healthy per-request load: {} (must be 0).\n",
+        r["aborts_sent_during_healthy_load"]
+    );
 }
 
 fn esc(s: &str) -> String {

@@ -17,7 +17,7 @@ struct Args {
     /// Smaller loads, for development.
     #[arg(long)]
     quick: bool,
-    /// Sections: all, or a comma list of overhead,abort,stall,memory,control.
+    /// Sections: all, or a comma list of overhead,abort,stall,memory,control,requests.
     #[arg(long, default_value = "all", value_delimiter = ',')]
     sections: Vec<String>,
     /// The do-nothing wasm filter (built by scripts/bench).
@@ -36,6 +36,19 @@ struct Args {
     /// Envoy / kvguard-control run alone on the last CPU and the bench on the others).
     #[arg(long)]
     no_pin: bool,
+    /// Another build of the filter to measure beside kvguard in the `requests` section,
+    /// as `label=path` (repeatable), e.g. `--compare-wasm before=/tmp/kvguard-before.wasm`.
+    #[arg(long, value_parser = parse_compare)]
+    compare_wasm: Vec<(String, PathBuf)>,
+    /// `requests` section: also measure single host calls (clock, header read, metric,
+    /// histogram, filter-state write, property read), each made this many times per
+    /// request by the do-nothing filter (e.g. 1000).
+    #[arg(long)]
+    host_call_costs: Option<u32>,
+    /// `requests` section: only these clients (comma list of h2load-h1, h2load-h2,
+    /// load-h1, load-h1-64; default all).
+    #[arg(long, value_delimiter = ',')]
+    clients: Vec<String>,
     /// Run the soak instead of the benchmarks, for this many minutes (scripts/soak).
     #[arg(long)]
     soak_minutes: Option<f64>,
@@ -51,6 +64,30 @@ struct Args {
     /// Output basename: writes <out>.json, <out>.md and <out>.svg.
     #[arg(long, default_value = "bench-results")]
     out: PathBuf,
+}
+
+/// `label=path` of `--compare-wasm` (the label names a listener: letters, digits, `-`, `_`).
+fn parse_compare(s: &str) -> Result<(String, PathBuf), String> {
+    let (label, path) = s
+        .split_once('=')
+        .ok_or_else(|| format!("--compare-wasm {s}: expected label=path"))?;
+    if label.is_empty()
+        || !label
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    {
+        return Err(format!(
+            "--compare-wasm {s}: the label must be letters, digits, '-' or '_'"
+        ));
+    }
+    let path = PathBuf::from(path);
+    if !path.is_file() {
+        return Err(format!(
+            "--compare-wasm {s}: {} is not a file",
+            path.display()
+        ));
+    }
+    Ok((label.to_owned(), path))
 }
 
 /// Runs `fut` until it ends or SIGINT/SIGTERM arrives; on a signal the future is dropped,
@@ -123,6 +160,9 @@ async fn main() -> Result<()> {
         memory_levels: a.memory_levels,
         memory_waves: a.memory_waves,
         pin: !a.no_pin,
+        compare_wasm: a.compare_wasm,
+        host_call_costs: a.host_call_costs,
+        request_clients: a.clients,
     };
     let res = interruptible(bench::run(opts)).await?;
     let with = |ext: &str| {
