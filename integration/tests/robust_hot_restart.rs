@@ -17,10 +17,11 @@
 //!   streams still open are cut then (each client's stream ends, none before the window
 //!   closed). Epoch 0's filter sees every one end (`downstream_local_disconnect`, flag
 //!   DC) and decides `aborted:downstream_reset`, but the process exits before the abort
-//!   goes out: kvguard-control receives none of them (as with a cold stop,
-//!   `robust_envoy_restart.rs`). The lossy hop keeps their engine side generating;
-//!   kvguard-control's max-age backstop (24 s here) ends all 800: no sequence is left
-//!   behind, but only as fast as `--max-age`.
+//!   goes out: kvguard-control receives none of them, or a stray one on a loaded machine
+//!   (as with a cold stop, `robust_envoy_restart.rs`). The lossy hop keeps their engine
+//!   side generating; kvguard-control's max-age backstop (24 s here) ends the rest: no
+//!   sequence is left behind, but only as fast as `--max-age` (the liveness lease, in
+//!   enforce mode, bounds them by its TTL instead: `lease_peers.rs`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 #[path = "filter_support.rs"]
@@ -342,12 +343,24 @@ async fn hot_restart_with_1000_live_streams() {
             .iter()
             .chain(&dropped_ids)
             .all(|id| !old_log.contains_key(id)));
-        // ... but none of those aborts left: kvguard-control answered only epoch 1's.
+        // ... but (nearly) none of those aborts left: the process exits before its VMs
+        // can send. How many slip out is the host's timing (0 in most runs, 1 of 800 on a
+        // loaded machine; lease_peers measures it), so it is read, not fixed.
         let m = control.metrics_text().await.unwrap();
-        assert_eq!(abort_api_answers(&m), NEW_DROPPED as f64, "{m}");
+        let answered = abort_api_answers(&m);
+        assert!(answered >= NEW_DROPPED as f64, "{m}");
+        let escaped = answered as usize - NEW_DROPPED;
+        assert!(
+            escaped <= LONG / 100,
+            "{escaped} of epoch 0's aborts left: {m}"
+        );
         // The lossy hop keeps the cut streams running at the engine ...
         let running: BTreeSet<String> = engine.state().running.into_iter().collect();
-        assert_eq!(running, long_ids, "the engine right after epoch 0's exit");
+        assert!(
+            running.is_subset(&long_ids) && running.len() + escaped >= LONG,
+            "the engine right after epoch 0's exit: {} running, {escaped} aborts escaped",
+            running.len()
+        );
         // ... until kvguard-control's max-age backstop ends every one of them.
         engine
             .wait_state(
@@ -364,7 +377,7 @@ async fn hot_restart_with_1000_live_streams() {
         let by_reason = control.aborts_by_reason().await.unwrap();
         assert_eq!(
             by_reason.get("max_age"),
-            Some(&(LONG as f64)),
+            Some(&((LONG - escaped) as f64)),
             "{by_reason:?}"
         );
         eprintln!(
