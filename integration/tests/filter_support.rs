@@ -357,3 +357,35 @@ pub async fn raw_request(addr: SocketAddr, request: &[u8], timeout: Duration) ->
     let _ = tokio::time::timeout(timeout, s.read_to_end(&mut out)).await;
     out
 }
+
+/// Opens `n` streams of `max_tokens` at `rate` tokens/s (HTTP/1.1 and HTTP/2 alternately)
+/// and reads each one's first data event.
+pub async fn open_streams(
+    entry: SocketAddr,
+    n: usize,
+    max_tokens: u32,
+    rate: &'static str,
+) -> Vec<kvguard_integration::client::SseStream> {
+    let mut set = tokio::task::JoinSet::new();
+    for i in 0..n {
+        set.spawn(async move {
+            let mut s = kvguard_integration::client::stream_sse(
+                entry,
+                "/v1/chat/completions",
+                &chat(max_tokens),
+                &[("x-sim-rate", rate)],
+                i % 2 == 0,
+            )
+            .await
+            .unwrap();
+            assert_eq!(s.status, 200);
+            s.next_data(W).await.unwrap().unwrap();
+            s
+        });
+    }
+    let mut out = Vec::with_capacity(n);
+    while let Some(r) = set.join_next().await {
+        out.push(r.unwrap());
+    }
+    out
+}

@@ -16,7 +16,6 @@
 #[path = "filter_support.rs"]
 mod support;
 
-use kvguard_integration::client::{self, SseStream};
 use kvguard_integration::demo::stack::{self, Control};
 use kvguard_integration::envoy::{Envoy, EnvoyOptions};
 use kvguard_integration::gate::Gate;
@@ -25,7 +24,7 @@ use kvguard_integration::sim::{self, SimConfig};
 use kvguard_integration::wait::{bounded, poll_until_async};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
-use support::{chat, W};
+use support::{open_streams as open, W};
 
 const TTL: Duration = Duration::from_secs(2);
 const RENEW_MS: u64 = 400;
@@ -43,32 +42,6 @@ async fn gateway(upstream: SocketAddr, control: SocketAddr) -> Envoy {
     eo.concurrency = 2;
     eo.component_log_level = Some("wasm:info".into());
     Envoy::start(eo).await.unwrap()
-}
-
-/// Opens `n` streams and reads each one's first data event.
-async fn open(entry: SocketAddr, n: usize, max_tokens: u32, rate: &'static str) -> Vec<SseStream> {
-    let mut set = tokio::task::JoinSet::new();
-    for i in 0..n {
-        set.spawn(async move {
-            let mut s = client::stream_sse(
-                entry,
-                "/v1/chat/completions",
-                &chat(max_tokens),
-                &[("x-sim-rate", rate)],
-                i % 2 == 0,
-            )
-            .await
-            .unwrap();
-            assert_eq!(s.status, 200);
-            s.next_data(W).await.unwrap().unwrap();
-            s
-        });
-    }
-    let mut out = Vec::with_capacity(n);
-    while let Some(r) = set.join_next().await {
-        out.push(r.unwrap());
-    }
-    out
 }
 
 async fn metric(control: &Control, series: &str) -> f64 {

@@ -22,7 +22,7 @@
 mod support;
 
 use kvguard_contract::{signature, AbortReason, AbortRequest, Forwarded, Key, Renewal, RequestId};
-use kvguard_integration::client::{self, SseStream};
+use kvguard_integration::client;
 use kvguard_integration::demo::stack::{self, Control};
 use kvguard_integration::envoy::{
     Envoy, EnvoyOptions, CONTROL_CLUSTER, CONTROL_TARGET_CLUSTER, UPSTREAM_CLUSTER,
@@ -34,7 +34,7 @@ use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::{chat, W};
+use support::{chat, open_streams as open, W};
 
 const TTL: Duration = Duration::from_secs(2);
 const RENEW_MS: u64 = 400;
@@ -175,32 +175,6 @@ fn send_non_streaming(entry: SocketAddr, i: usize) -> tokio::task::JoinHandle<()
         )
         .await;
     })
-}
-
-/// Opens `n` streams and reads each one's first data event.
-async fn open(entry: SocketAddr, n: usize, max_tokens: u32, rate: &'static str) -> Vec<SseStream> {
-    let mut set = tokio::task::JoinSet::new();
-    for i in 0..n {
-        set.spawn(async move {
-            let mut s = client::stream_sse(
-                entry,
-                "/v1/chat/completions",
-                &chat(max_tokens),
-                &[("x-sim-rate", rate)],
-                i % 2 == 0,
-            )
-            .await
-            .unwrap();
-            assert_eq!(s.status, 200);
-            s.next_data(W).await.unwrap().unwrap();
-            s
-        });
-    }
-    let mut out = Vec::with_capacity(n);
-    while let Some(r) = set.join_next().await {
-        out.push(r.unwrap());
-    }
-    out
 }
 
 async fn inflight(controls: &[Control]) -> Vec<usize> {
