@@ -13,8 +13,8 @@ use kvguard_contract::abort::MAX_ABORT_BODY;
 use kvguard_contract::peer::MAX_PEER_BODY;
 use kvguard_contract::signature::{self, SignatureError};
 use kvguard_contract::{
-    AbortAnswer, AbortReason, AbortRequest, Forwarded, Renewal, RequestId, ABORT_PATH, LEASE_PATH,
-    PEER_ABORT_PATH, PEER_LEASE_PATH, SIGNATURE_HEADER,
+    AbortAnswer, AbortReason, AbortRequest, Forwarded, InstanceId, Renewal, RequestId, ABORT_PATH,
+    LEASE_PATH, PEER_ABORT_PATH, PEER_LEASE_PATH, SIGNATURE_HEADER,
 };
 use serde_json::json;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -337,14 +337,7 @@ async fn peer_lease(State(st): State<Arc<AppState>>, req: Request) -> Response {
             "forwarded renewal: bad inner body".to_owned(),
         );
     };
-    let now = st.clock.now();
-    let result = {
-        let mut leases = st.leases.lock().unwrap_or_else(|p| p.into_inner());
-        let new = !leases.holds(&instance);
-        let r = leases.renew(instance, counter, now);
-        st.metrics.lease.held.set(leases.len() as i64);
-        r.map(|()| new)
-    };
+    let result = apply_renewal(&st, instance, counter);
     let duplicate = match result {
         Ok(new) => {
             st.metrics.peer.receive("renewal", "accepted");
@@ -404,14 +397,7 @@ async fn renew_lease(State(st): State<Arc<AppState>>, req: Request) -> Response 
             "renewal body: expected {\"instance\":\"<32 hex>\",\"counter\":<u64>}".to_owned(),
         );
     };
-    let now = st.clock.now();
-    let result = {
-        let mut leases = st.leases.lock().unwrap_or_else(|p| p.into_inner());
-        let new = !leases.holds(&instance);
-        let r = leases.renew(instance, counter, now);
-        st.metrics.lease.held.set(leases.len() as i64);
-        r.map(|()| new)
-    };
+    let result = apply_renewal(&st, instance, counter);
     let ttl_ms = u64::try_from(st.cfg.lease_ttl.as_millis()).unwrap_or(u64::MAX);
     match result {
         Ok(new) => {
@@ -521,4 +507,15 @@ async fn readyz(State(st): State<Arc<AppState>>) -> Response {
         )
             .into_response()
     }
+}
+
+/// Renews `instance`'s lease at `counter` now, by a renewal from a gateway or forwarded by
+/// a peer; `Ok(true)` when this replica held no lease for it yet.
+fn apply_renewal(st: &AppState, instance: InstanceId, counter: u64) -> Result<bool, RenewError> {
+    let now = st.clock.now();
+    let mut leases = st.leases.lock().unwrap_or_else(|p| p.into_inner());
+    let new = !leases.holds(&instance);
+    let r = leases.renew(instance, counter, now);
+    st.metrics.lease.held.set(leases.len() as i64);
+    r.map(|()| new)
 }

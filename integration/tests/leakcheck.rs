@@ -78,6 +78,16 @@ impl Outcome {
     fn verdict(&self, kind: &str) -> String {
         self.kind(kind)["verdict"].as_str().unwrap().to_string()
     }
+    /// Asserts `verdict` for each of the three request kinds.
+    fn assert_every_kind(&self, verdict: &str) {
+        for k in [
+            "streaming_dropped",
+            "streaming_silent",
+            "non_streaming_dropped",
+        ] {
+            assert_eq!(self.verdict(k), verdict, "{k}:\n{}", self.log);
+        }
+    }
 }
 
 /// Runs leakcheck with `args` (plus `--report`), bounded by `within`.
@@ -191,13 +201,7 @@ async fn behind_litellm_with_kvguard_no_leak() {
         let st = litellm_stack(&sim, true).await;
         let o = leakcheck(&args(st.entry(), sim.addr(), true), RUN).await;
         assert_eq!(o.code, 0, "exit 0 = no leak:\n{}\n{}", o.log, st.logs(30));
-        for k in [
-            "streaming_dropped",
-            "streaming_silent",
-            "non_streaming_dropped",
-        ] {
-            assert_eq!(o.verdict(k), "no_leak", "{k}:\n{}", o.log);
-        }
+        o.assert_every_kind("no_leak");
     })
     .await
     .unwrap();
@@ -212,13 +216,7 @@ async fn through_vllm_router_straight_to_the_engine_no_leak() {
         let hop = Hop::start(&HopKind::VllmRouter, sim.addr()).await.unwrap();
         let o = leakcheck(&args(hop.addr(), sim.addr(), true), RUN).await;
         assert_eq!(o.code, 0, "exit 0 = no leak:\n{}\n{}", o.log, hop.log());
-        for k in [
-            "streaming_dropped",
-            "streaming_silent",
-            "non_streaming_dropped",
-        ] {
-            assert_eq!(o.verdict(k), "no_leak", "{k}:\n{}", o.log);
-        }
+        o.assert_every_kind("no_leak");
     })
     .await
     .unwrap();
@@ -243,13 +241,7 @@ async fn through_a_hop_that_passes_no_disconnect_every_kind_leaks() {
         a.extend(["--header".to_string(), format!("{}: 1", lossy::HOLD_HEADER)]);
         let o = leakcheck(&a, RUN).await;
         assert_eq!(o.code, 1, "exit 1 = leaks:\n{}", o.log);
-        for k in [
-            "streaming_dropped",
-            "streaming_silent",
-            "non_streaming_dropped",
-        ] {
-            assert_eq!(o.verdict(k), "leaks", "{k}:\n{}", o.log);
-        }
+        o.assert_every_kind("leaks");
     })
     .await
     .unwrap();
