@@ -474,7 +474,19 @@ impl Root {
         };
         let (current, cas) = match abi::get_shared_data_cas(lease::SLOT_KEY) {
             Ok(Some((v, cas))) => (Some(v), cas),
-            Ok(None) => (None, 0),
+            Ok(None) => {
+                // No slot yet. A write with cas 0 is unconditional, so two workers that both
+                // found none would both "win" and send counter 1 twice: create the slot
+                // (due now, nothing sent), and elect on the next tick under a real cas.
+                let init = lease::Slot {
+                    due_ms: now,
+                    counter: 0,
+                };
+                if abi::set_shared_data_cas(lease::SLOT_KEY, &init.value(), 0).is_err() {
+                    let _ = with_engine(&self.shared, |_, p| p.add(Metric::HostErrors, 1));
+                }
+                return;
+            }
             Err(_) => {
                 let _ = with_engine(&self.shared, |_, p| p.add(Metric::HostErrors, 1));
                 return;
