@@ -125,8 +125,19 @@ pub async fn run(opts: SoakOptions) -> Result<Value> {
             .await
             .map(|v| v.len())
             .unwrap_or(usize::MAX);
-        // A figure that cannot be read fails the soak (it is not 0, nor "no growth").
-        let fs = st.filter_stats().await?;
+        // A figure that cannot be read fails the soak (it is not 0, nor "no growth"). The
+        // filter hands its active-request gauge to Envoy on its tick (envoy-config/METRICS.md):
+        // give it a few ticks to show the last streams' ends before judging.
+        let f0 = Instant::now();
+        let fs = loop {
+            let fs = st.filter_stats().await?;
+            let idle = stack::stat_ending(&fs, "kvguard_filter_active_requests")? == 0.0
+                && stack::stat_ending(&fs, "kvguard_filter_pending_aborts")? == 0.0;
+            if idle || f0.elapsed() > Duration::from_secs(2) {
+                break fs;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
         let find = |k: &str| stack::stat_ending(&fs, k);
         tokio::time::sleep(Duration::from_millis(300)).await;
         let point = json!({
