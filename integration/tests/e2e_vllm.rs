@@ -1122,8 +1122,11 @@ async fn leakcheck_on_vllm_direct_no_leak_and_behind_the_lossy_hop_leaks() {
                 "1",
                 "--duration",
                 "8s",
+                // Long enough that an abandoned request left running clearly outlasts
+                // --free-within even when vLLM is fast (600 tokens ran 5.7 s on a quiet
+                // machine: too soon to tell freed from finished, so inconclusive).
                 "--max-tokens",
-                "600",
+                "1500",
                 "--disconnect-share",
                 "0.5",
                 "--silent-share",
