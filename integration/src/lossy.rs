@@ -34,6 +34,17 @@ pub struct LossyConfig {
     pub upstream_http2: bool,
 }
 
+impl LossyConfig {
+    /// A hop on a free local port forwarding to `upstream` over HTTP/1.1.
+    pub fn to(upstream: SocketAddr) -> LossyConfig {
+        LossyConfig {
+            listen: None,
+            upstream,
+            upstream_http2: false,
+        }
+    }
+}
+
 /// Counters of a lossy hop.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LossyStats {

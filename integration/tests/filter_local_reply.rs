@@ -319,13 +319,7 @@ async fn behind_a_hop_that_hides_disconnects_kvguard_control_ends_the_engines_wo
         let any = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
         let off = ["--idle-timeout", "off", "--max-age", "off"].map(String::from);
         let control = Control::start(sim.addr(), any, any, &off).await.unwrap();
-        let hop = lossy::spawn(LossyConfig {
-            listen: None,
-            upstream: control.proxy,
-            upstream_http2: false,
-        })
-        .await
-        .unwrap();
+        let hop = lossy::spawn(LossyConfig::to(control.proxy)).await.unwrap();
         let mut o =
             EnvoyOptions::with_filter(hop.addr(), control.admin, stack::filter_config(0, 0))
                 .vm_env("KVGUARD_SECRET", stack::SECRET);

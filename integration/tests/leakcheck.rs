@@ -230,13 +230,7 @@ async fn through_vllm_router_straight_to_the_engine_no_leak() {
 async fn through_a_hop_that_passes_no_disconnect_every_kind_leaks() {
     bounded("leakcheck, lossy hop", T, async {
         let sim = sim50().await;
-        let hop = lossy::spawn(LossyConfig {
-            listen: None,
-            upstream: sim.addr(),
-            upstream_http2: false,
-        })
-        .await
-        .unwrap();
+        let hop = lossy::spawn(LossyConfig::to(sim.addr())).await.unwrap();
         let mut a = args(hop.addr(), sim.addr(), true);
         a.extend(["--header".to_string(), format!("{}: 1", lossy::HOLD_HEADER)]);
         let o = leakcheck(&a, RUN).await;
@@ -353,13 +347,7 @@ async fn bad_input_is_refused_with_distinct_exit_codes_and_never_hangs() {
         check(&o, 5, &["did not count the two probe requests"]);
 
         // A target that answers errors (a proxy whose backend is down answers 502): 7.
-        let down = lossy::spawn(LossyConfig {
-            listen: None,
-            upstream: closed,
-            upstream_http2: false,
-        })
-        .await
-        .unwrap();
+        let down = lossy::spawn(LossyConfig::to(closed)).await.unwrap();
         let o = leakcheck(
             &with(
                 format!("http://{}", down.addr()),

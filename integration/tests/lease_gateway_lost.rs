@@ -87,13 +87,7 @@ async fn a_sigkilled_gateways_streams_end_within_the_ttl_and_only_its_own() {
         )
         .await
         .unwrap();
-        let hop = lossy::spawn(LossyConfig {
-            listen: None,
-            upstream: control.proxy,
-            upstream_http2: false,
-        })
-        .await
-        .unwrap();
+        let hop = lossy::spawn(LossyConfig::to(control.proxy)).await.unwrap();
         let mut a = gateway(hop.addr(), control.admin).await;
         let b = gateway(hop.addr(), control.admin).await;
         wait_leases(&control, 2.0).await;
@@ -175,13 +169,7 @@ async fn renewals_blocked_for_three_ttls_never_end_a_stream_someone_reads() {
         )
         .await
         .unwrap();
-        let hop = lossy::spawn(LossyConfig {
-            listen: None,
-            upstream: control.proxy,
-            upstream_http2: false,
-        })
-        .await
-        .unwrap();
+        let hop = lossy::spawn(LossyConfig::to(control.proxy)).await.unwrap();
         // Renewals (and aborts) go through the gate; inference traffic does not.
         let gate = Gate::spawn(control.admin).await.unwrap();
         let envoy = gateway(hop.addr(), gate.addr()).await;

@@ -78,15 +78,7 @@ async fn replicas(engine: &SimHandle, extra: &[&str]) -> (Vec<Control>, Vec<Loss
         let c = Control::start(engine.addr(), any, *admin, &args)
             .await
             .unwrap();
-        hops.push(
-            lossy::spawn(LossyConfig {
-                listen: None,
-                upstream: c.proxy,
-                upstream_http2: false,
-            })
-            .await
-            .unwrap(),
-        );
+        hops.push(lossy::spawn(LossyConfig::to(c.proxy)).await.unwrap());
         controls.push(c);
     }
     (controls, hops)
@@ -393,13 +385,7 @@ async fn a_hot_restart_parent_that_exits_has_its_streams_ended_by_its_lease_the_
         )
         .await
         .unwrap();
-        let hop = lossy::spawn(LossyConfig {
-            listen: None,
-            upstream: control.proxy,
-            upstream_http2: false,
-        })
-        .await
-        .unwrap();
+        let hop = lossy::spawn(LossyConfig::to(control.proxy)).await.unwrap();
         let epoch0 = gateway(&[hop.addr()], &[control.admin], |eo| {
             eo.hot_restart = true;
             eo.drain_time_s = 1;
@@ -603,11 +589,7 @@ async fn measure_aborts_leaving_a_sigtermed_envoy_during_disconnects() {
         let control = Control::start(engine.addr(), any, any, &["--idle-timeout".into(), "off".into()])
             .await
             .unwrap();
-        let hop = lossy::spawn(LossyConfig {
-            listen: None,
-            upstream: control.proxy,
-            upstream_http2: false,
-        })
+        let hop = lossy::spawn(LossyConfig::to(control.proxy))
         .await
         .unwrap();
         let series = "kvguard_control_abort_api_answers_total{result=\"aborted\"}";

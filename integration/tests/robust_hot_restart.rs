@@ -156,13 +156,7 @@ async fn hot_restart_with_1000_live_streams() {
         )
         .await
         .unwrap();
-        let hop = lossy::spawn(LossyConfig {
-            listen: None,
-            upstream: control.proxy,
-            upstream_http2: false,
-        })
-        .await
-        .unwrap();
+        let hop = lossy::spawn(LossyConfig::to(control.proxy)).await.unwrap();
         let mut eo =
             EnvoyOptions::with_filter(hop.addr(), control.admin, stack::filter_config(0, 0))
                 .vm_env("KVGUARD_SECRET", stack::SECRET);

@@ -827,12 +827,7 @@ pub async fn abort_and_stall(
     if run_abort || run_stall {
         // A: Envoy + kvguard → lossy hop → fast upstream; aborts to the mock receiver.
         let up = FastUpstream::spawn().await?;
-        let hop = lossy::spawn(LossyConfig {
-            listen: None,
-            upstream: up.addr(),
-            upstream_http2: false,
-        })
-        .await?;
+        let hop = lossy::spawn(LossyConfig::to(up.addr())).await?;
         let rx =
             receiver::spawn(ReceiverConfig::new(vec![Key::try_new(SECRET.as_bytes())?])).await?;
         let filter = json!({

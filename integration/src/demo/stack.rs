@@ -281,12 +281,7 @@ impl Stack {
         let (hop, upstream) = if let Some(h) = &real_hop {
             (None, h.addr())
         } else if opts.lossy {
-            let h = lossy::spawn(LossyConfig {
-                listen: None,
-                upstream: control.proxy,
-                upstream_http2: false,
-            })
-            .await?;
+            let h = lossy::spawn(LossyConfig::to(control.proxy)).await?;
             let a = h.addr();
             (Some(h), a)
         } else {
