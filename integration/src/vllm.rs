@@ -455,28 +455,57 @@ pub async fn engine_figures(addr: SocketAddr) -> Result<EngineFigures> {
     parse_figures(&r.text())
 }
 
-/// Polls an engine's `/metrics` until `pred` holds (every 100 ms, bounded).
+/// Polls an engine's `/metrics` until `pred` holds (every 100 ms, bounded). On a timeout
+/// the error shows the last figures read and how many scrapes failed (a stale "last" is
+/// then visible as such).
 pub async fn wait_figures(
     addr: SocketAddr,
     what: &str,
     timeout: Duration,
     pred: impl Fn(&EngineFigures) -> bool,
 ) -> Result<EngineFigures> {
-    let last = std::sync::Arc::new(std::sync::Mutex::new(None));
+    #[derive(Default)]
+    struct Seen {
+        last: Option<EngineFigures>,
+        scrapes: u32,
+        failed: u32,
+        last_error: Option<String>,
+    }
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Seen::default()));
     let r = crate::wait::poll_until_async(what, timeout, Duration::from_millis(100), || {
-        let last = last.clone();
+        let seen = seen.clone();
         let pred = &pred;
         async move {
-            let f = engine_figures(addr).await.ok()?;
-            if let Ok(mut l) = last.lock() {
-                *l = Some(f);
+            let got = engine_figures(addr).await;
+            let mut s = seen.lock().ok()?;
+            s.scrapes += 1;
+            match got {
+                Ok(f) => {
+                    s.last = Some(f);
+                    pred(&f).then_some(f)
+                }
+                Err(e) => {
+                    s.failed += 1;
+                    s.last_error = Some(format!("{e:#}"));
+                    None
+                }
             }
-            pred(&f).then_some(f)
         }
     })
     .await;
-    let last = last.lock().map(|l| *l).unwrap_or_default();
-    r.with_context(|| format!("last engine figures: {last:?}"))
+    r.with_context(|| match seen.lock() {
+        Ok(s) => format!(
+            "last engine figures: {:?} ({} of {} scrapes failed{})",
+            s.last,
+            s.failed,
+            s.scrapes,
+            s.last_error
+                .as_deref()
+                .map(|e| format!(", the last with: {e}"))
+                .unwrap_or_default()
+        ),
+        Err(_) => "last engine figures: unknown".to_string(),
+    })
 }
 
 /// TCP addresses process `pid` listens on (read from `/proc/<pid>/fd` and

@@ -26,6 +26,10 @@ const W: Duration = Duration::from_secs(30);
 /// Tokens of a long request: ~25 s at ~60 tok/s (the suite's model on one CPU), so it is
 /// still generating whenever a test looks.
 const LONG: u32 = 1500;
+/// Tokens of a non-streaming request a test leaves behind beside a [`LONG`] stream: four
+/// times as long, so it still generates whenever the stream starts, runs and ends beside
+/// it (the test ends it either way: the abort, or the stack's teardown closing its hop).
+const LEFT: u32 = 6000;
 /// Bound of a whole normal stream of several hundred tokens.
 const LONG_STREAM: Duration = Duration::from_secs(120);
 
@@ -643,10 +647,21 @@ async fn vllm_scale_out_abort_api_frees_the_sequence_while_its_client_stays_conn
 /// The lossy hop's header that holds a request before its head too.
 const HOLD: (&str, &str) = (kvguard_integration::lossy::HOLD_HEADER, "1");
 
-/// Sends the non-streaming completion `body` through `entry` with `extra` headers, waits
-/// until vLLM's figures satisfy `until` (named `what`), then leaves (the client never gets
-/// an answer before that: it comes at the end). Returns when the client left.
-async fn leave_completion(
+/// A non-streaming request whose client still waits for the answer (it comes at the end).
+struct Waiting(tokio::task::JoinHandle<anyhow::Result<client::Resp>>);
+
+impl Waiting {
+    /// The client leaves; returns when it has.
+    async fn leave(self) -> Instant {
+        self.0.abort();
+        let _ = self.0.await;
+        Instant::now()
+    }
+}
+
+/// Sends the non-streaming completion `body` through `entry` with `extra` headers and
+/// waits until vLLM's figures satisfy `until` (named `what`); the client keeps waiting.
+async fn send_completion(
     v: &Vllm,
     entry: SocketAddr,
     st: &Stack,
@@ -654,11 +669,11 @@ async fn leave_completion(
     extra: Option<(&'static str, &'static str)>,
     what: &str,
     until: impl Fn(&kvguard_integration::vllm::EngineFigures) -> bool,
-) -> Instant {
+) -> Waiting {
     let body = serde_json::to_vec(&body).unwrap();
     let mut headers = vec![("content-type", "application/json")];
     headers.extend(extra);
-    let waiting = tokio::spawn(async move {
+    let waiting = Waiting(tokio::spawn(async move {
         client::request(
             entry,
             hyper::Method::POST,
@@ -669,13 +684,27 @@ async fn leave_completion(
             T,
         )
         .await
-    });
+    }));
     v.wait_figures(what, W, until)
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
-    waiting.abort();
-    let _ = waiting.await;
-    Instant::now()
+    waiting
+}
+
+/// [`send_completion`], then the client leaves. Returns when it left.
+async fn leave_completion(
+    v: &Vllm,
+    entry: SocketAddr,
+    st: &Stack,
+    body: Value,
+    extra: Option<(&'static str, &'static str)>,
+    what: &str,
+    until: impl Fn(&kvguard_integration::vllm::EngineFigures) -> bool,
+) -> Instant {
+    send_completion(v, entry, st, body, extra, what, until)
+        .await
+        .leave()
+        .await
 }
 
 /// Sends a long non-streaming completion through `entry` (held by the lossy hop before
@@ -823,17 +852,17 @@ fn with_hop(mut o: StackOptions, hop: HopKind) -> StackOptions {
     o
 }
 
-/// Sends a long non-streaming completion through `entry`, waits until vLLM generates it
-/// (`running` one more than `before`), and leaves.
-async fn leave_non_streaming_behind_hop(
+/// Sends a [`LEFT`]-token non-streaming completion through `entry` and waits until vLLM
+/// generates it (`running` one more than `before`); the client still waits.
+async fn send_non_streaming_behind_hop(
     v: &Vllm,
     entry: SocketAddr,
     st: &Stack,
     before: f64,
-) -> Instant {
+) -> Waiting {
     let body = json!({"model": "tiny", "prompt": "kvguard hop", "stream": false,
-                      "max_tokens": LONG, "ignore_eos": true});
-    leave_completion(
+                      "max_tokens": LEFT, "ignore_eos": true});
+    send_completion(
         v,
         entry,
         st,
@@ -856,7 +885,10 @@ async fn litellm_on_vllm_non_streaming_left_leaks_without_kvguard_and_is_freed_w
         let st = Stack::start(with_hop(leak_opts(v.addr()), hop()))
             .await
             .unwrap();
-        leave_non_streaming_behind_hop(&v, st.entry(), &st, 0.0).await;
+        let _left = send_non_streaming_behind_hop(&v, st.entry(), &st, 0.0)
+            .await
+            .leave()
+            .await;
         let end = Instant::now() + Duration::from_secs(3);
         while Instant::now() < end {
             let f = v.figures().await.unwrap();
@@ -870,22 +902,23 @@ async fn litellm_on_vllm_non_streaming_left_leaks_without_kvguard_and_is_freed_w
         }
         drop(st);
         v.wait_idle(W).await.unwrap();
-        // With kvguard: a stream someone reads runs beside it and completes untouched.
+        // With kvguard: a stream someone reads runs beside it and completes untouched. The
+        // non-streaming request goes first and is 4x as long, so it still generates when the
+        // stream shows in vLLM's gauge (the other way round, a stream that ended before
+        // LiteLLM's first completions call reached vLLM left the gauge at 1).
         let st = Stack::start(with_hop(filter_opts(v.addr(), 30_000), hop()))
             .await
             .unwrap();
-        // Long enough to be running at vLLM's next metrics update and still while the
-        // non-streaming request is left (a 200-token stream ended in 2.9 s on an idle
-        // machine, before vLLM's gauge ever showed it).
+        let waiting = send_non_streaming_behind_hop(&v, st.entry(), &st, 0.0).await;
         let mut healthy =
             client::stream_sse(st.entry(), "/v1/chat/completions", &chat(LONG), &[], false)
                 .await
                 .unwrap();
         healthy.read_events(1, W).await.unwrap();
-        v.wait_figures("the stream runs", W, |f| f.running == 1.0)
+        v.wait_figures("the stream runs beside it", W, |f| f.running == 2.0)
             .await
-            .unwrap();
-        let left = leave_non_streaming_behind_hop(&v, st.entry(), &st, 1.0).await;
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+        let left = waiting.leave().await;
         v.wait_figures("vLLM frees it", Duration::from_secs(5), |f| {
             f.running <= 1.0
         })
@@ -919,8 +952,10 @@ async fn vllm_router_on_vllm_passes_disconnects_and_kvguard_cuts_nothing_else() 
         let st = Stack::start(with_hop(filter_opts(v.addr(), 30_000), HopKind::VllmRouter))
             .await
             .unwrap();
+        // LONG: still running when the non-streaming request below reaches vLLM (a
+        // 200-token stream ended in 2.9 s on an idle machine).
         let mut healthy =
-            client::stream_sse(st.entry(), "/v1/completions", &completion(200), &[], false)
+            client::stream_sse(st.entry(), "/v1/completions", &completion(LONG), &[], false)
                 .await
                 .unwrap();
         healthy.read_events(1, W).await.unwrap();
@@ -940,7 +975,10 @@ async fn vllm_router_on_vllm_passes_disconnects_and_kvguard_cuts_nothing_else() 
         )
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
-        let left = leave_non_streaming_behind_hop(&v, st.entry(), &st, 1.0).await;
+        let left = send_non_streaming_behind_hop(&v, st.entry(), &st, 1.0)
+            .await
+            .leave()
+            .await;
         v.wait_figures(
             "vLLM frees the request that left",
             Duration::from_secs(5),
