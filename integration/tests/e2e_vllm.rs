@@ -691,30 +691,16 @@ async fn send_completion(
     waiting
 }
 
-/// [`send_completion`], then the client leaves. Returns when it left.
-async fn leave_completion(
-    v: &Vllm,
-    entry: SocketAddr,
-    st: &Stack,
-    body: Value,
-    extra: Option<(&'static str, &'static str)>,
-    what: &str,
-    until: impl Fn(&kvguard_integration::vllm::EngineFigures) -> bool,
-) -> Instant {
-    send_completion(v, entry, st, body, extra, what, until)
-        .await
-        .leave()
-        .await
-}
-
 /// Sends a long non-streaming completion through `entry` (held by the lossy hop before
 /// its head too), waits until vLLM generates it, and leaves while it is generating.
 async fn leave_non_streaming(v: &Vllm, entry: SocketAddr, st: &Stack) -> Instant {
     let body = json!({"model": "tiny", "prompt": "kvguard e2e", "stream": false,
                       "max_tokens": LONG, "ignore_eos": true});
-    leave_completion(v, entry, st, body, Some(HOLD), "one generating", |f| {
+    send_completion(v, entry, st, body, Some(HOLD), "one generating", |f| {
         f.running == 1.0
     })
+    .await
+    .leave()
     .await
 }
 
@@ -796,9 +782,11 @@ async fn a_queued_non_streaming_request_left_behind_the_lossy_hop_is_freed_on_vl
         let st = Stack::start(filter_opts(v.addr(), 30_000)).await.unwrap();
         let body = json!({"model": "tiny", "prompt": vec![9u32; 2000], "max_tokens": 100,
                           "ignore_eos": true});
-        let left = leave_completion(&v, st.entry(), &st, body, Some(HOLD), "one queued", |f| {
+        let left = send_completion(&v, st.entry(), &st, body, Some(HOLD), "one queued", |f| {
             f.running == 2.0 && f.waiting == 1.0
         })
+        .await
+        .leave()
         .await;
         // Out of vLLM's queue while the two others still run.
         v.wait_figures(

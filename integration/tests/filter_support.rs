@@ -366,6 +366,23 @@ pub async fn open_streams(
     max_tokens: u32,
     rate: &'static str,
 ) -> Vec<kvguard_integration::client::SseStream> {
+    open_streams_with_first(entry, n, max_tokens, rate)
+        .await
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect()
+}
+
+/// [`open_streams`], each stream with its first data event.
+pub async fn open_streams_with_first(
+    entry: SocketAddr,
+    n: usize,
+    max_tokens: u32,
+    rate: &'static str,
+) -> Vec<(
+    kvguard_integration::client::SseStream,
+    kvguard_integration::client::SseEvent,
+)> {
     let mut set = tokio::task::JoinSet::new();
     for i in 0..n {
         set.spawn(async move {
@@ -379,8 +396,8 @@ pub async fn open_streams(
             .await
             .unwrap();
             assert_eq!(s.status, 200);
-            s.next_data(W).await.unwrap().unwrap();
-            s
+            let first = s.next_data(W).await.unwrap().unwrap();
+            (s, first)
         });
     }
     let mut out = Vec::with_capacity(n);

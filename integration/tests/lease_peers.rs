@@ -470,6 +470,31 @@ async fn post(admin: SocketAddr, path: &'static str, body: Vec<u8>, sig: String)
     .unwrap()
 }
 
+/// Posts `env` to `path` three times: signed with `forged` (401), signed with `key`
+/// (`genuine`), and that same signature replayed (409).
+async fn forged_genuine_replayed(
+    admin: SocketAddr,
+    path: &'static str,
+    env: &[u8],
+    key: &Key,
+    forged: &Key,
+    genuine: u16,
+) {
+    let r = post(
+        admin,
+        path,
+        env.to_vec(),
+        signature::sign(forged, unix(), env),
+    )
+    .await;
+    assert_eq!(r.status, 401, "forged, {path}: {}", r.text());
+    let sig = signature::sign(key, unix(), env);
+    let r = post(admin, path, env.to_vec(), sig.clone()).await;
+    assert_eq!(r.status, genuine, "genuine, {path}: {}", r.text());
+    let r = post(admin, path, env.to_vec(), sig).await;
+    assert_eq!(r.status, 409, "replayed, {path}: {}", r.text());
+}
+
 fn unix() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -496,23 +521,9 @@ async fn forged_and_replayed_forwarded_messages_are_refused_and_counted() {
                 kvguard_contract::PEER_ABORT_PATH,
                 kvguard_contract::PEER_LEASE_PATH,
             );
-            // Forged: another key.
-            let r = post(
-                a,
-                pa,
-                env.clone(),
-                signature::sign(&forged_key, unix(), &env),
-            )
-            .await;
-            assert_eq!(r.status, 401, "{}", r.text());
             // Genuine: not held here, 404, and no tombstone (a request with the id is admitted).
-            let sig = signature::sign(&key, unix(), &env);
-            let r = post(a, pa, env.clone(), sig.clone()).await;
-            assert_eq!(r.status, 404, "{}", r.text());
+            forged_genuine_replayed(a, pa, &env, &key, &forged_key, 404).await;
             assert_eq!(metric(&control, "kvguard_control_tombstones").await, 0.0);
-            // Replayed: the same signature again.
-            let r = post(a, pa, env.clone(), sig).await;
-            assert_eq!(r.status, 409, "{}", r.text());
             // A gateway's own signed abort is not a forwarded one (and is not forwarded on).
             let r = post(a, pa, abort.clone(), signature::sign(&key, unix(), &abort)).await;
             assert_eq!(r.status, 400, "{}", r.text());
@@ -520,20 +531,8 @@ async fn forged_and_replayed_forwarded_messages_are_refused_and_counted() {
             let inst = kvguard_contract::InstanceId([5; 16]);
             let renewal = Renewal::new(inst, 1).to_json();
             let env = Forwarded::new("10.9.9.9:9902", &renewal).unwrap().to_json();
-            let r = post(
-                a,
-                pl,
-                env.clone(),
-                signature::sign(&forged_key, unix(), &env),
-            )
-            .await;
-            assert_eq!(r.status, 401, "{}", r.text());
-            let sig = signature::sign(&key, unix(), &env);
-            let r = post(a, pl, env.clone(), sig.clone()).await;
-            assert_eq!(r.status, 200, "{}", r.text());
+            forged_genuine_replayed(a, pl, &env, &key, &forged_key, 200).await;
             assert_eq!(metric(&control, "kvguard_control_leases").await, 1.0);
-            let r = post(a, pl, env.clone(), sig).await;
-            assert_eq!(r.status, 409, "{}", r.text());
             // Stale signature time (outside ±30 s): refused like an abort's.
             let r = post(
                 a,

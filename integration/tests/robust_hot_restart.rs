@@ -65,36 +65,21 @@ fn request_id(first: &client::SseEvent) -> String {
 }
 
 /// Opens `n` streams of `max_tokens` at `rate` tokens/s (HTTP/1.1 and HTTP/2 alternately)
-/// and reads each one's first event.
+/// and reads each one's first event; each with its request id.
 async fn open_many(
     entry: SocketAddr,
     n: usize,
     max_tokens: u32,
     rate: &'static str,
 ) -> Vec<(SseStream, String)> {
-    let mut set = tokio::task::JoinSet::new();
-    for i in 0..n {
-        set.spawn(async move {
-            let mut s = client::stream_sse(
-                entry,
-                "/v1/chat/completions",
-                &chat(max_tokens),
-                &[("x-sim-rate", rate)],
-                i % 2 == 0,
-            )
-            .await
-            .unwrap();
-            assert_eq!(s.status, 200);
-            let first = s.next_data(W).await.unwrap().unwrap();
+    support::open_streams_with_first(entry, n, max_tokens, rate)
+        .await
+        .into_iter()
+        .map(|(s, first)| {
             let id = request_id(&first);
             (s, id)
-        });
-    }
-    let mut out = Vec::with_capacity(n);
-    while let Some(r) = set.join_next().await {
-        out.push(r.unwrap());
-    }
-    out
+        })
+        .collect()
 }
 
 /// Reads every stream to its end in the background; yields (id, completed, end time).
