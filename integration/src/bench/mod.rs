@@ -323,48 +323,14 @@ pub fn kvguard_envoy(upstream: SocketAddr, control: SocketAddr, filter: Value) -
     eo
 }
 
-/// Starts the three-listener Envoy of the overhead section.
+/// Starts the Envoy of the overhead section: one listener per [`VARIANTS`] entry.
 pub async fn three_listener_envoy(
     upstream: SocketAddr,
     receiver: SocketAddr,
     noop_wasm: PathBuf,
 ) -> Result<Envoy> {
-    let filter = json!({
-        "control_cluster": crate::envoy::CONTROL_CLUSTER,
-        "secret_env": "KVGUARD_SECRET",
-        "mode": "enforce",
-    });
-    let mut eo = kvguard_envoy(upstream, receiver, filter);
-    eo.patch = Some(Arc::new(move |b: &mut Value| {
-        raise_circuit_breakers(b);
-        let Some(listeners) = b["static_resources"]["listeners"].as_array_mut() else {
-            return;
-        };
-        let Some(base) = listeners.first().cloned() else {
-            return;
-        };
-        let mut out = Vec::new();
-        for variant in VARIANTS {
-            let mut l = base.clone();
-            // The harness waits for a listener named `ingress`: kvguard's keeps that name.
-            l["name"] = json!(listener_name(variant));
-            let hcm = &mut l["filter_chains"][0]["filters"][0]["typed_config"];
-            hcm["stat_prefix"] = json!(format!("ingress_{variant}"));
-            if let Some(filters) = hcm["http_filters"].as_array_mut() {
-                match variant {
-                    "none" => filters.retain(|f| f["name"] == "envoy.filters.http.router"),
-                    "noop" | "noop-read" => {
-                        filters.retain(|f| f["name"] == "envoy.filters.http.router");
-                        filters.insert(0, noop_filter_json(&noop_wasm, variant == "noop-read"));
-                    }
-                    _ => {}
-                }
-            }
-            out.push(l);
-        }
-        *listeners = out;
-    }));
-    Envoy::start(eo).await
+    let (envoy, _) = requests::envoy(upstream, receiver, noop_wasm, Vec::new(), None).await?;
+    Ok(envoy)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
