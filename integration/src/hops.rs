@@ -23,6 +23,9 @@ pub const VLLM_ROUTER_VERSION: &str = "0.1.17";
 /// Python tree: ~12 s on an idle 2-core machine, much more under load.
 const READY_TIMEOUT: Duration = Duration::from_secs(180);
 
+/// The model [`Hop`]'s LiteLLM warm-up asks for: no deployment serves it.
+const WARM_UP_MODEL: &str = "kvguard-warm-up";
+
 /// The virtualenv `scripts/setup-hops` fills: `KVGUARD_HOPS_VENV`, else
 /// `$KVGUARD_CACHE/hops-venv`, else `~/.cache/kvguard/hops-venv`.
 pub fn venv() -> Result<PathBuf> {
@@ -198,9 +201,52 @@ impl Hop {
             kind: "litellm",
         };
         hop.wait_ready("/health/readiness").await?;
+        let key = env
+            .iter()
+            .find(|(k, _)| k == "LITELLM_MASTER_KEY")
+            .map(|(_, v)| format!("Bearer {v}"));
+        hop.warm_up_litellm(key.as_deref()).await?;
         // The config file is read at start-up; keep it beside the log for a failed test.
         let _ = std::fs::copy(conf, hop.guard.dir().join("config.yaml"));
         Ok(hop)
+    }
+
+    /// Makes LiteLLM load what its first chat call would: it imports the modules of that
+    /// path and its default tokenizer on first use, in its one event loop (~0.4 s of CPU
+    /// on an idle machine, seconds on a busy 2-core one, by `python -X importtime`), and
+    /// a request that paid it in a test reached the engine or answered its client that
+    /// much later. A LiteLLM in service did so long ago. The calls name a model no
+    /// deployment serves, or only count tokens: none reaches the upstream.
+    async fn warm_up_litellm(&mut self, authorization: Option<&str>) -> Result<()> {
+        let mut headers = vec![("content-type", "application/json")];
+        headers.extend(authorization.map(|a| ("authorization", a)));
+        let chat = serde_json::json!({"model": WARM_UP_MODEL, "stream": true,
+            "messages": [{"role": "user", "content": "warm up"}]});
+        let completion = serde_json::json!({"model": WARM_UP_MODEL, "prompt": "warm up"});
+        for (path, body) in [
+            ("/v1/chat/completions", &chat),
+            ("/v1/completions", &completion),
+            ("/utils/token_counter", &chat),
+        ] {
+            self.guard.ensure_running()?;
+            crate::client::request(
+                self.addr,
+                hyper::Method::POST,
+                path,
+                &headers,
+                bytes::Bytes::from(serde_json::to_vec(body)?),
+                false,
+                READY_TIMEOUT,
+            )
+            .await
+            .with_context(|| {
+                format!(
+                    "litellm: warm-up POST {path} got no answer; last log lines:\n{}",
+                    self.guard.log_tail(60)
+                )
+            })?;
+        }
+        Ok(())
     }
 
     async fn vllm_router(upstream: SocketAddr, addr: SocketAddr) -> Result<Hop> {
