@@ -5,8 +5,8 @@
 //!
 //! Each hop listens on a free local port, forwards to one OpenAI-compatible upstream
 //! (kvguard-control's proxy listener, or an engine), is waited for with a bounded
-//! readiness poll (failing early, with its log, if it exits) and is killed with its process
-//! group on drop ([`ChildGuard`]).
+//! readiness poll (failing early, with its log, if it exits), LiteLLM then warmed up (see
+//! `Hop::warm_up_litellm`), and is killed with its process group on drop ([`ChildGuard`]).
 
 use crate::proc::ChildGuard;
 use anyhow::{bail, Context, Result};
