@@ -585,12 +585,9 @@ async fn measure_aborts_leaving_a_sigtermed_envoy_during_disconnects() {
         const STREAMS: usize = 100;
         let engine = sim::spawn(sim_config()).await.unwrap();
         let any = SocketAddr::from(([127, 0, 0, 1], 0));
-        let control = Control::start(engine.addr(), any, any, &["--idle-timeout".into(), "off".into()])
-            .await
-            .unwrap();
-        let hop = lossy::spawn(LossyConfig::to(control.proxy))
-        .await
-        .unwrap();
+        let off = ["--idle-timeout", "off"].map(String::from);
+        let control = Control::start(engine.addr(), any, any, &off).await.unwrap();
+        let hop = lossy::spawn(LossyConfig::to(control.proxy)).await.unwrap();
         let series = "kvguard_control_abort_api_answers_total{result=\"aborted\"}";
         for delay_ms in [0u64, 10, 50, 200] {
             let mut envoy = gateway(&[hop.addr()], &[control.admin], |_| {}).await;

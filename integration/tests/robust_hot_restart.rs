@@ -75,10 +75,7 @@ async fn open_many(
     support::open_streams_with_first(entry, n, max_tokens, rate)
         .await
         .into_iter()
-        .map(|(s, first)| {
-            let id = request_id(&first);
-            (s, id)
-        })
+        .map(|(s, first)| (s, request_id(&first)))
         .collect()
 }
 
