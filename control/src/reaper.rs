@@ -43,22 +43,30 @@ pub fn spawn_leases(st: Arc<AppState>, stop: CancellationToken) {
                 _ = iv.tick() => {}
             }
             let now = st.clock.now();
-            let stalled = leases::stall(now.saturating_duration_since(last), every);
+            note_lease_loop_gap(&st, now.saturating_duration_since(last), every);
             last = now;
-            if !stalled.is_zero() {
-                st.metrics.lease.stalls.inc();
-                tracing::warn!(
-                    stall_ms = stalled.as_millis() as u64,
-                    "the lease loop stalled; every lease is extended by the stall"
-                );
-                st.leases
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .extend(stalled);
-            }
             judge_leases(&st);
         }
     });
+}
+
+/// Takes the gap since the lease loop's last pass: a stall in it (see [`leases::stall`])
+/// is counted, logged and added to every lease, so that no gateway loses its lease for
+/// renewals kvguard-control could not read. Returns the stall.
+pub fn note_lease_loop_gap(st: &AppState, gap: Duration, every: Duration) -> Duration {
+    let stalled = leases::stall(gap, every);
+    if !stalled.is_zero() {
+        st.metrics.lease.stalls.inc();
+        tracing::warn!(
+            stall_ms = stalled.as_millis() as u64,
+            "the lease loop stalled; every lease is extended by the stall"
+        );
+        st.leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(stalled);
+    }
+    stalled
 }
 
 /// How often the lease loop looks: an eighth of the TTL, between 10 ms and 1 s.

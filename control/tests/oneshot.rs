@@ -788,3 +788,45 @@ async fn observe_mode_lease_expiry_counts_and_ends_nothing() {
         1.0
     );
 }
+
+#[tokio::test]
+async fn a_stalled_lease_loop_is_counted_and_extends_every_lease_by_the_stall() {
+    let (st, clock) = state(|c| {
+        c.lease_mode = kvguard_control::leases::LeaseMode::Enforce;
+        c.lease_ttl = Duration::from_secs(2);
+    });
+    let every = reaper::lease_tick(st.cfg.lease_ttl);
+    let a = kvguard_contract::InstanceId([5; 16]);
+    for n in [1, 2] {
+        let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, a, n)).await;
+        assert_eq!(s, StatusCode::OK);
+    }
+    let e = st
+        .admit(RequestId::try_new(b"r").unwrap(), "POST".into(), "/".into())
+        .unwrap();
+    e.set_instance(a);
+    // A gap within twice the period is no stall.
+    assert_eq!(
+        reaper::note_lease_loop_gap(&st, every * 2, every),
+        Duration::ZERO
+    );
+    // kvguard-control stalled 3 s (beyond the 2 s TTL): the renewals sent meanwhile could
+    // not be read, so the lease is extended and the request keeps running.
+    clock.advance(Duration::from_secs(3));
+    let stalled = reaper::note_lease_loop_gap(&st, Duration::from_secs(3), every);
+    assert_eq!(stalled, Duration::from_secs(3) - every);
+    reaper::judge_leases(&st);
+    assert_eq!(
+        e.ended(),
+        None,
+        "expired by a stall of kvguard-control's own"
+    );
+    assert_eq!(
+        lease_metric(&st, "kvguard_control_lease_loop_stalls_total").await,
+        1.0
+    );
+    // Silent past the TTL after that: expired, its request ended.
+    clock.advance(Duration::from_secs(3));
+    reaper::judge_leases(&st);
+    assert_eq!(e.ended(), Some(AbortReason::GatewayLost));
+}

@@ -4,7 +4,7 @@
 //! - [`paths`] finds the binaries and fixtures (Envoy, the wasm, kvguard-control).
 //! - [`proc`] runs child processes that are always killed, even when a test panics.
 //! - [`prom`] a real Prometheus scraping the stack, with the shipped rules time-scaled.
-//! - [`wait`] bounded polling.
+//! - [`wait`] bounded polling; [`stall`] latency bounds credited with measured stalls.
 //! - [`sim`] the workspace's one engine simulator (vLLM-like OpenAI streaming API, paged
 //!   KV pool with admission control, vLLM metric names, abort APIs).
 //! - [`receiver`] a mock `POST /v1/abort` endpoint that verifies signatures per contract.
@@ -34,6 +34,7 @@ pub mod proc;
 pub mod prom;
 pub mod receiver;
 pub mod sim;
+pub mod stall;
 pub mod vllm;
 pub mod wait;
 

@@ -364,6 +364,24 @@ impl Vllm {
         wait_figures(self.addr, what, timeout, pred).await
     }
 
+    /// Like [`Vllm::wait_figures`], for a latency bound: `pred` must hold within `bound` of
+    /// `from`, credited with the stalls measured since `mark` ([`crate::stall::within`]).
+    pub async fn wait_figures_within(
+        &self,
+        what: &str,
+        from: Instant,
+        bound: Duration,
+        mark: &crate::stall::StallMark,
+        pred: impl Fn(&EngineFigures) -> bool,
+    ) -> Result<EngineFigures> {
+        let seen = Scrapes::default();
+        let r = crate::stall::within(what, from, bound, mark, FIGURES_EVERY, || {
+            seen.probe(self.addr, &pred)
+        })
+        .await;
+        r.with_context(|| seen.describe())
+    }
+
     /// Waits until nothing runs or waits (before each test: earlier tests may leave
     /// streams that are still ending).
     pub async fn wait_idle(&self, timeout: Duration) -> Result<EngineFigures> {
@@ -464,48 +482,63 @@ pub async fn wait_figures(
     timeout: Duration,
     pred: impl Fn(&EngineFigures) -> bool,
 ) -> Result<EngineFigures> {
-    #[derive(Default)]
-    struct Seen {
-        last: Option<EngineFigures>,
-        scrapes: u32,
-        failed: u32,
-        last_error: Option<String>,
-    }
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(Seen::default()));
-    let r = crate::wait::poll_until_async(what, timeout, Duration::from_millis(100), || {
-        let seen = seen.clone();
-        let pred = &pred;
-        async move {
-            let got = engine_figures(addr).await;
-            let mut s = seen.lock().ok()?;
-            s.scrapes += 1;
-            match got {
-                Ok(f) => {
-                    s.last = Some(f);
-                    pred(&f).then_some(f)
-                }
-                Err(e) => {
-                    s.failed += 1;
-                    s.last_error = Some(format!("{e:#}"));
-                    None
-                }
+    let seen = Scrapes::default();
+    let r = crate::wait::poll_until_async(what, timeout, FIGURES_EVERY, || seen.probe(addr, &pred))
+        .await;
+    r.with_context(|| seen.describe())
+}
+
+const FIGURES_EVERY: Duration = Duration::from_millis(100);
+
+/// What a wait for engine figures read, for its error.
+#[derive(Default)]
+struct Scrapes(std::sync::Mutex<Seen>);
+
+#[derive(Default)]
+struct Seen {
+    last: Option<EngineFigures>,
+    scrapes: u32,
+    failed: u32,
+    last_error: Option<String>,
+}
+
+impl Scrapes {
+    async fn probe(
+        &self,
+        addr: SocketAddr,
+        pred: &impl Fn(&EngineFigures) -> bool,
+    ) -> Option<EngineFigures> {
+        let got = engine_figures(addr).await;
+        let mut s = self.0.lock().ok()?;
+        s.scrapes += 1;
+        match got {
+            Ok(f) => {
+                s.last = Some(f);
+                pred(&f).then_some(f)
+            }
+            Err(e) => {
+                s.failed += 1;
+                s.last_error = Some(format!("{e:#}"));
+                None
             }
         }
-    })
-    .await;
-    r.with_context(|| match seen.lock() {
-        Ok(s) => format!(
-            "last engine figures: {:?} ({} of {} scrapes failed{})",
-            s.last,
-            s.failed,
-            s.scrapes,
-            s.last_error
-                .as_deref()
-                .map(|e| format!(", the last with: {e}"))
-                .unwrap_or_default()
-        ),
-        Err(_) => "last engine figures: unknown".to_string(),
-    })
+    }
+
+    fn describe(&self) -> String {
+        match self.0.lock() {
+            Ok(s) => format!(
+                "last engine figures: {:?} ({} of {} scrapes failed{})",
+                s.last,
+                s.failed,
+                s.scrapes,
+                s.last_error
+                    .as_deref()
+                    .map(|e| format!(", the last with: {e}"))
+                    .unwrap_or_default()
+            ),
+            Err(_) => "last engine figures: unknown".to_string(),
+        }
+    }
 }
 
 /// TCP addresses process `pid` listens on (read from `/proc/<pid>/fd` and

@@ -13,6 +13,7 @@
 
 use kvguard_integration::client;
 use kvguard_integration::demo::stack::{self, Stack, StackOptions};
+use kvguard_integration::stall::StallMark;
 use kvguard_integration::vllm::Vllm;
 use kvguard_integration::wait::{bounded, poll_until_async};
 use serde_json::{json, Value};
@@ -82,6 +83,13 @@ async fn control_aborts(st: &Stack, reason: &str) -> f64 {
         .get(reason)
         .copied()
         .unwrap_or_else(|| panic!("kvguard-control exports no {reason:?} aborts"))
+}
+
+/// Measures the stalls of this process and of the stack's kvguard-control from now on:
+/// taken just before the event a latency bound starts from, it credits the bound with
+/// them (see `kvguard_integration::stall`).
+fn stall_mark(st: &Stack) -> StallMark {
+    StallMark::control(st.control.admin)
 }
 
 async fn wait_control_aborts(st: &Stack, reason: &str, n: f64) {
@@ -170,11 +178,18 @@ async fn disconnect_mid_stream_is_aborted_within_2s_and_leaks_without_the_filter
         assert_eq!(first.json().unwrap()["id"], engine_id.as_str());
         s.read_events(4, W).await.unwrap();
         v.wait_figures("one running", W, |f| f.running == 1.0).await.unwrap();
+        let mark = stall_mark(&st);
         s.disconnect();
         let dropped = Instant::now();
-        v.wait_figures("vLLM frees it within 2 s", Duration::from_secs(2), |f| f.running == 0.0)
-            .await
-            .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+        v.wait_figures_within(
+            "vLLM frees it within 2 s of the disconnect",
+            dropped,
+            Duration::from_secs(2),
+            &mark,
+            |f| f.running == 0.0,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
         eprintln!("with the filter: freed {:?} after the disconnect", dropped.elapsed());
         wait_control_aborts(&st, "downstream_reset", 1.0).await;
         assert_eq!(control_aborts(&st, "downstream_reset").await, 1.0);
@@ -217,6 +232,7 @@ async fn silent_client_is_reaped_as_stalled_and_vllm_frees_it_within_2s() {
         v.wait_figures("one running", W, |f| f.running == 1.0)
             .await
             .unwrap();
+        let mark = stall_mark(&st);
         // The client reads nothing; vLLM keeps generating. The buffers on the way fill
         // (Envoy's, the lossy hop's, the kernel's), Envoy stops passing tokens to the
         // filter, and the filter's idle clock runs out. When the filter saw its last token
@@ -252,9 +268,13 @@ async fn silent_client_is_reaped_as_stalled_and_vllm_frees_it_within_2s() {
             Duration::from_millis(idle_ms) <= since_start,
             "the filter's last token ({idle_ms} ms before the abort) is older than the request ({since_start:?})"
         );
-        v.wait_figures("vLLM frees the stalled sequence within 2 s of the abort", Duration::from_secs(2), |f| {
-            f.running == 0.0
-        })
+        v.wait_figures_within(
+            "vLLM frees the stalled sequence within 2 s of the abort",
+            aborted,
+            Duration::from_secs(2),
+            &mark,
+            |f| f.running == 0.0,
+        )
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
         eprintln!(
@@ -605,6 +625,8 @@ async fn vllm_scale_out_abort_api_frees_the_sequence_while_its_client_stays_conn
             .unwrap()
             .as_secs();
         let sig = kvguard_contract::signature::sign(&key, t, &body);
+        // kvguard-control runs in this process: this process's stalls are its stalls.
+        let mark = StallMark::process();
         let r = client::request(
             ctl.admin_addr,
             hyper::Method::POST,
@@ -617,9 +639,13 @@ async fn vllm_scale_out_abort_api_frees_the_sequence_while_its_client_stays_conn
         .await
         .unwrap();
         assert_eq!(r.status, 200, "{}", r.text());
-        v.wait_figures("vLLM frees it", Duration::from_secs(2), |f| {
-            f.running == 0.0
-        })
+        v.wait_figures_within(
+            "vLLM frees it within 2 s of the answer",
+            Instant::now(),
+            Duration::from_secs(2),
+            &mark,
+            |f| f.running == 0.0,
+        )
         .await
         .unwrap();
         let _ = s.collect(W).await;
@@ -692,15 +718,13 @@ async fn send_completion(
 }
 
 /// Sends a long non-streaming completion through `entry` (held by the lossy hop before
-/// its head too), waits until vLLM generates it, and leaves while it is generating.
-async fn leave_non_streaming(v: &Vllm, entry: SocketAddr, st: &Stack) -> Instant {
+/// its head too) and waits until vLLM generates it; the client waits for the answer.
+async fn generating_non_streaming(v: &Vllm, entry: SocketAddr, st: &Stack) -> Waiting {
     let body = json!({"model": "tiny", "prompt": "kvguard e2e", "stream": false,
                       "max_tokens": LONG, "ignore_eos": true});
     send_completion(v, entry, st, body, Some(HOLD), "one generating", |f| {
         f.running == 1.0
     })
-    .await
-    .leave()
     .await
 }
 
@@ -712,7 +736,10 @@ async fn a_non_streaming_request_left_behind_the_lossy_hop_is_freed_on_vllm() {
         };
         // Without kvguard's filter the hop keeps the request alive after the client left.
         let st = Stack::start(leak_opts(v.addr())).await.unwrap();
-        leave_non_streaming(&v, st.entry(), &st).await;
+        generating_non_streaming(&v, st.entry(), &st)
+            .await
+            .leave()
+            .await;
         let end = Instant::now() + Duration::from_secs(3);
         while Instant::now() < end {
             let f = v.figures().await.unwrap();
@@ -728,10 +755,16 @@ async fn a_non_streaming_request_left_behind_the_lossy_hop_is_freed_on_vllm() {
         v.wait_idle(W).await.unwrap();
         // Envoy + filter → lossy hop → kvguard-control → vLLM: freed within 2 s.
         let st = Stack::start(filter_opts(v.addr(), 30_000)).await.unwrap();
-        let left = leave_non_streaming(&v, st.entry(), &st).await;
-        v.wait_figures("vLLM frees it within 2 s", Duration::from_secs(2), |f| {
-            f.running == 0.0 && f.waiting == 0.0
-        })
+        let waiting = generating_non_streaming(&v, st.entry(), &st).await;
+        let mark = stall_mark(&st);
+        let left = waiting.leave().await;
+        v.wait_figures_within(
+            "vLLM frees it within 2 s of the client leaving",
+            left,
+            Duration::from_secs(2),
+            &mark,
+            |f| f.running == 0.0 && f.waiting == 0.0,
+        )
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
         eprintln!(
@@ -782,16 +815,18 @@ async fn a_queued_non_streaming_request_left_behind_the_lossy_hop_is_freed_on_vl
         let st = Stack::start(filter_opts(v.addr(), 30_000)).await.unwrap();
         let body = json!({"model": "tiny", "prompt": vec![9u32; 2000], "max_tokens": 100,
                           "ignore_eos": true});
-        let left = send_completion(&v, st.entry(), &st, body, Some(HOLD), "one queued", |f| {
+        let waiting = send_completion(&v, st.entry(), &st, body, Some(HOLD), "one queued", |f| {
             f.running == 2.0 && f.waiting == 1.0
         })
-        .await
-        .leave()
         .await;
+        let mark = stall_mark(&st);
+        let left = waiting.leave().await;
         // Out of vLLM's queue while the two others still run.
-        v.wait_figures(
-            "vLLM drops the queued one within 2 s",
+        v.wait_figures_within(
+            "vLLM drops the queued one within 2 s of the client leaving",
+            left,
             Duration::from_secs(2),
+            &mark,
             |f| f.waiting == 0.0 && f.running == 2.0,
         )
         .await

@@ -1,11 +1,14 @@
-//! `ChildGuard` really cleans up, and the path helpers answer.
+//! `ChildGuard` really cleans up, the path helpers answer, and a stall of a child
+//! (kvguard-control) is measured and credited to a latency bound.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use kvguard_integration::demo::stack::Control;
 use kvguard_integration::paths;
 use kvguard_integration::proc::ChildGuard;
-use kvguard_integration::wait::{bounded, poll_until, poll_until_blocking};
+use kvguard_integration::stall::{self, StallMark};
+use kvguard_integration::wait::{bounded, poll_until, poll_until_async, poll_until_blocking};
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(20);
 
@@ -148,5 +151,72 @@ fn panic_prints_the_log_tail_and_still_kills() {
     poll_until_blocking("probe child killed", T, Duration::from_millis(10), || {
         (!alive(pid)).then_some(())
     })
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_kvguard_control_is_measured_and_credited_to_a_bound() {
+    bounded("control stall", T, async {
+        // No engine answers on port 9: kvguard-control runs, its scrapes fail.
+        let any = "127.0.0.1:0".parse().unwrap();
+        let mut c = Control::start("127.0.0.1:9".parse().unwrap(), any, any, &[])
+            .await
+            .unwrap();
+        let admin = c.admin;
+        let mark = StallMark::control(admin);
+        // Stopped for 2 s: what a descheduled process looks like from outside.
+        let from = Instant::now();
+        c.guard().signal(libc::SIGSTOP).unwrap();
+        let pid = c.guard().pid();
+        let resume = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(2));
+            // SAFETY: kill(2) on the child's pid.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) };
+        });
+        // Bound: an answer within 500 ms. Met only thanks to the credit for the stop.
+        stall::within(
+            "kvguard-control answers /healthz",
+            from,
+            Duration::from_millis(500),
+            &mark,
+            Duration::from_millis(50),
+            || async move {
+                let r = kvguard_integration::client::get(admin, "/healthz").await;
+                r.ok().filter(|r| r.status == 200)
+            },
+        )
+        .await
+        .unwrap();
+        resume.join().unwrap();
+        assert!(
+            from.elapsed() >= Duration::from_secs(2),
+            "answered while stopped"
+        );
+        let (credit, said) = mark.since();
+        assert!(
+            (Duration::from_millis(1500)..=Duration::from_millis(2500)).contains(&credit),
+            "a 2 s stop credited as {credit:?}: {said}"
+        );
+        // kvguard-control's own measure saw it too.
+        let c = &c;
+        poll_until_async(
+            "kvguard-control counts a lease-loop stall",
+            T,
+            Duration::from_millis(50),
+            || async move {
+                let text = c.metrics_text().await.ok()?;
+                let n: f64 = text.lines().find_map(|l| {
+                    l.strip_prefix("kvguard_control_lease_loop_stalls_total")?
+                        .trim()
+                        .parse()
+                        .ok()
+                })?;
+                (n >= 1.0).then_some(())
+            },
+        )
+        .await
+        .unwrap();
+    })
+    .await
     .unwrap();
 }
