@@ -6,7 +6,8 @@
 //! checks a bound and credits it with the stalls *measured* meanwhile, and only with those:
 //!
 //! - this process's own: a thread sleeps [`METER_PERIOD`] in a loop and adds up every
-//!   wake-up later than [`METER_GRACE`] beyond it ([`process_stalls`]);
+//!   wake-up later than [`METER_GRACE`] beyond it, the one still to come included
+//!   ([`process_stalls`]);
 //! - kvguard-control's ([`StallMark::control`]): a task asks its `/healthz` one call after
 //!   another and adds up how much later than [`ANSWER_GRACE`] each answer came, the call
 //!   still waiting included. kvguard-control serves `/healthz` on the runtime that takes
@@ -20,7 +21,6 @@
 use anyhow::{bail, Result};
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -35,29 +35,57 @@ pub const PING_EVERY: Duration = Duration::from_millis(50);
 /// The most a bound is ever extended by.
 pub const MAX_CREDIT: Duration = Duration::from_secs(30);
 
-static STALLED_US: AtomicU64 = AtomicU64::new(0);
-static METER: OnceLock<()> = OnceLock::new();
+/// The meter's reading: the lateness added up, and when it last woke.
+struct Meter {
+    stalled: Duration,
+    woke: Instant,
+}
+
+static METER: OnceLock<Option<Arc<Mutex<Meter>>>> = OnceLock::new();
 
 /// How long this process has stalled since the meter started (it starts on the first call,
-/// and runs for the rest of the process).
+/// and runs for the rest of the process). A stall still going on, as far as the meter
+/// thread has not woken since, counts too: read just after the process runs again, the
+/// figure already holds the stall.
 pub fn process_stalls() -> Duration {
-    METER.get_or_init(|| {
+    let meter = METER.get_or_init(|| {
+        let m = Arc::new(Mutex::new(Meter {
+            stalled: Duration::ZERO,
+            woke: Instant::now(),
+        }));
+        let m2 = m.clone();
         let spawned = std::thread::Builder::new()
             .name("stall-meter".into())
-            .spawn(|| loop {
-                let t = Instant::now();
+            .spawn(move || loop {
                 std::thread::sleep(METER_PERIOD);
-                let late = t.elapsed().saturating_sub(METER_PERIOD);
-                if late > METER_GRACE {
-                    let us = u64::try_from(late.as_micros()).unwrap_or(u64::MAX);
-                    STALLED_US.fetch_add(us, Ordering::Relaxed);
-                }
+                let now = Instant::now();
+                let mut g = lock(&m2);
+                let late = lateness(now.saturating_duration_since(g.woke));
+                g.stalled += late;
+                g.woke = now;
             });
-        if let Err(e) = spawned {
-            eprintln!("stall meter: cannot start its thread ({e}); no stall is credited");
+        match spawned {
+            Ok(_) => Some(m),
+            Err(e) => {
+                eprintln!("stall meter: cannot start its thread ({e}); no stall is credited");
+                None
+            }
         }
     });
-    Duration::from_micros(STALLED_US.load(Ordering::Relaxed))
+    meter.as_ref().map_or(Duration::ZERO, |m| {
+        let g = lock(m);
+        g.stalled + lateness(g.woke.elapsed())
+    })
+}
+
+/// The part of a gap between two wake-ups of the meter that was a stall.
+fn lateness(gap: Duration) -> Duration {
+    let late = gap.saturating_sub(METER_PERIOD);
+    if late > METER_GRACE {
+        late
+    } else {
+        Duration::ZERO
+    }
 }
 
 /// What the `/healthz` calls to kvguard-control found.
@@ -151,14 +179,14 @@ impl StallMark {
     }
 }
 
-fn lock(p: &Mutex<Pings>) -> std::sync::MutexGuard<'_, Pings> {
+fn lock<T>(p: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     p.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Polls `probe` every `interval` until it returns `Some`, for at most `bound` after
 /// `from`, extended by the stalls measured since `mark` (looked at when the bound has run
-/// out, then each time the extension has). The error names `what`, the bound and the
-/// credit.
+/// out, then each time the extension has). A probe still running at the deadline is cut
+/// there. The error names `what`, the bound and the credit.
 pub async fn within<T, F, Fut>(
     what: &str,
     from: Instant,
@@ -174,7 +202,7 @@ where
     let mut deadline = from + bound;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        if let Ok(Some(v)) = tokio::time::timeout(left.max(interval), probe()).await {
+        if let Ok(Some(v)) = tokio::time::timeout(left, probe()).await {
             return Ok(v);
         }
         if Instant::now() >= deadline {
