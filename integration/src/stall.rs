@@ -202,20 +202,17 @@ where
     let mut deadline = from + bound;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        if let Ok(Some(v)) = tokio::time::timeout(left, probe()).await {
+        if let Ok(v) = crate::wait::poll_until_async(what, left, interval, &mut probe).await {
             return Ok(v);
         }
-        if Instant::now() >= deadline {
-            let (credit, said) = mark.since();
-            let extended = from + bound + credit;
-            if Instant::now() >= extended {
-                bail!(
-                    "{what}: not within {bound:?} (+{credit:?} credited for stalls measured meanwhile: {said})"
-                );
-            }
-            deadline = extended;
+        let (credit, said) = mark.since();
+        let extended = from + bound + credit;
+        if Instant::now() >= extended {
+            bail!(
+                "{what}: not within {bound:?} (+{credit:?} credited for stalls measured meanwhile: {said})"
+            );
         }
-        tokio::time::sleep(interval).await;
+        deadline = extended;
     }
 }
 

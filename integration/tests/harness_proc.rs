@@ -6,6 +6,7 @@ use kvguard_integration::demo::stack::Control;
 use kvguard_integration::paths;
 use kvguard_integration::proc::ChildGuard;
 use kvguard_integration::stall::{self, StallMark};
+use kvguard_integration::vllm::metric_sum;
 use kvguard_integration::wait::{bounded, poll_until, poll_until_async, poll_until_blocking};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -205,12 +206,7 @@ async fn a_stopped_kvguard_control_is_measured_and_credited_to_a_bound() {
             Duration::from_millis(50),
             || async move {
                 let text = c.metrics_text().await.ok()?;
-                let n: f64 = text.lines().find_map(|l| {
-                    l.strip_prefix("kvguard_control_lease_loop_stalls_total")?
-                        .trim()
-                        .parse()
-                        .ok()
-                })?;
+                let n = metric_sum(&text, "kvguard_control_lease_loop_stalls_total")?;
                 (n >= 1.0).then_some(())
             },
         )
