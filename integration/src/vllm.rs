@@ -169,6 +169,11 @@ pub struct VllmOptions {
     /// `--enable-scale-out`: serve `POST /inference/v1/abort_requests` (kvguard-control's
     /// `vllm-scale-out` strategy). Routes only: on by default for the suite's one server.
     pub enable_scale_out: bool,
+    /// vLLM's CPU priority, a nice value (0..=19); `None`: `KVGUARD_VLLM_NICE`, else 10.
+    /// vLLM on CPU busy-polls about 1.5 cores; at nice 0 on a 2-core machine it starved the
+    /// processes under test (kvguard-control, Envoy) for seconds at a time, which beside a
+    /// GPU engine with cores of its own they are not. It still gets every cycle they leave.
+    pub nice: Option<u8>,
     /// Extra arguments.
     pub extra_args: Vec<String>,
     /// Bound on start-up (model load, warm-up, `/health`).
@@ -185,6 +190,7 @@ impl Default for VllmOptions {
             max_num_seqs: 64,
             omp_bind: default_omp_bind(),
             enable_scale_out: true,
+            nice: None,
             extra_args: Vec::new(),
             ready_timeout: Duration::from_secs(240),
         }
@@ -203,6 +209,16 @@ pub fn default_omp_bind() -> String {
     (n.saturating_sub(1)).to_string()
 }
 
+/// The nice value of [`VllmOptions::nice`] `None`: `KVGUARD_VLLM_NICE`, else 10.
+pub fn nice_from_env() -> Result<u8> {
+    match std::env::var("KVGUARD_VLLM_NICE") {
+        Err(_) => Ok(10),
+        Ok(v) => v.parse::<u8>().ok().filter(|n| *n <= 19).with_context(|| {
+            format!("KVGUARD_VLLM_NICE={v}: expected a nice value from 0 to 19 (unset: 10)")
+        }),
+    }
+}
+
 /// A vLLM server: started here (killed on drop, with its EngineCore) or reached by URL.
 pub struct Vllm {
     addr: SocketAddr,
@@ -216,8 +232,16 @@ impl Vllm {
         let py = venv_python()?;
         let model = opts.model;
         let model_dir = tokio::task::spawn_blocking(move || model.ensure()).await??;
-        let mut cmd = Command::new(&py);
-        cmd.args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
+        let nice = match opts.nice {
+            Some(n) if n <= 19 => n,
+            Some(n) => bail!("VllmOptions::nice {n}: expected a nice value from 0 to 19"),
+            None => nice_from_env()?,
+        };
+        // `nice` execs vLLM: the guard's pid and process group are vLLM's.
+        let mut cmd = Command::new("nice");
+        cmd.args(["-n", &nice.to_string()])
+            .arg(&py)
+            .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
             .arg(&model_dir)
             .args(["--served-model-name", MODEL_NAME])
             .args(["--host", "127.0.0.1", "--port", "0"])

@@ -305,6 +305,9 @@ async fn normal_streams_complete_untouched_chat_and_completions_h1_and_h2() {
             .await
             .unwrap();
         let n = 600u32;
+        // Not a credit (a cut stream cannot be made whole): it says, on failure, whether
+        // kvguard-control or this process was starved meanwhile.
+        let mark = stall_mark(&st);
         for http2 in [false, true] {
             for (path, body) in [
                 ("/v1/completions", completion(n)),
@@ -319,9 +322,21 @@ async fn normal_streams_complete_untouched_chat_and_completions_h1_and_h2() {
                 let end = s
                     .wait_end(LONG_STREAM)
                     .await
-                    .unwrap_or_else(|e| panic!("{path} h2={http2}: {e:#}"));
+                    .unwrap_or_else(|e| {
+                        panic!(
+                            "{path} h2={http2}: {e:#} ({} meanwhile)\n{}",
+                            mark.since().1,
+                            st.logs(40)
+                        )
+                    });
                 let took = t0.elapsed();
-                assert!(end.completed(), "{path} h2={http2}: no [DONE]: {:?}", end.reset);
+                assert!(
+                    end.completed(),
+                    "{path} h2={http2}: no [DONE]: {:?} ({} meanwhile)\n{}",
+                    end.reset,
+                    mark.since().1,
+                    st.logs(40)
+                );
                 assert!(
                     took >= 2 * idle,
                     "{path} h2={http2}: the stream took {took:?}, not several idle timeouts ({idle:?})"
@@ -784,6 +799,9 @@ async fn a_queued_non_streaming_request_left_behind_the_lossy_hop_is_freed_on_vl
         let Some((v, _turn)) = vllm("non_streaming_queued").await else {
             return;
         };
+        // The stack first: the pool stays full only for the hogs' few seconds, which must
+        // not be spent starting Envoy and kvguard-control.
+        let st = Stack::start(filter_opts(v.addr(), 30_000)).await.unwrap();
         // Two requests straight to vLLM with distinct 7900-token prompts fill its KV pool
         // (512 blocks of 32) for several seconds, so a third with a 2000-token prompt waits.
         let hog = |t: u32| {
@@ -812,7 +830,6 @@ async fn a_queued_non_streaming_request_left_behind_the_lossy_hop_is_freed_on_vl
         })
         .await
         .unwrap();
-        let st = Stack::start(filter_opts(v.addr(), 30_000)).await.unwrap();
         let body = json!({"model": "tiny", "prompt": vec![9u32; 2000], "max_tokens": 100,
                           "ignore_eos": true});
         let waiting = send_completion(&v, st.entry(), &st, body, Some(HOLD), "one queued", |f| {
