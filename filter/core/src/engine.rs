@@ -157,6 +157,17 @@ pub fn stall_threshold(tracked: usize) -> usize {
     MIN_STALL_THRESHOLD.max(tracked / 5)
 }
 
+/// How long the worker did not run, seen by a host tick `gap` ms after the previous one
+/// with period `tick`: the lateness beyond one period once the tick came more than two
+/// periods apart (a loaded event loop is late by less), else 0.
+pub fn worker_stall(gap: u64, tick: u64) -> u64 {
+    if gap > tick.saturating_mul(2) {
+        gap - tick
+    } else {
+        0
+    }
+}
+
 /// The per-VM state.
 #[derive(Debug)]
 pub struct Engine {
@@ -177,6 +188,12 @@ pub struct Engine {
     keep_ticking: bool,
     memory_reported: u64,
     finished: Vec<Finished>,
+    /// When the host's previous tick came (ms; `None` until one has since the tick started).
+    last_host_tick: Option<u64>,
+    /// No stream is closed for idleness before then (ms): the worker did not run for a
+    /// while, and what its upstreams sent meanwhile is still to be read (see
+    /// [`Engine::on_host_tick`]).
+    idle_hold_until: u64,
 }
 
 /// Decides `reason` for `req` at `now_ms` and queues its abort (enforce mode);
@@ -242,6 +259,8 @@ impl Engine {
             keep_ticking: false,
             memory_reported: 0,
             finished: Vec::new(),
+            last_host_tick: None,
+            idle_hold_until: 0,
         }
     }
 
@@ -251,6 +270,8 @@ impl Engine {
         self.queue.set_max_pending(cfg.max_pending_aborts);
         let mode = cfg.mode;
         self.cfg = cfg;
+        // The period may have changed: the next tick measures no gap.
+        self.last_host_tick = None;
         self.set_mode(p, mode);
     }
 
@@ -613,11 +634,43 @@ impl Engine {
         }
     }
 
+    /// The host's tick (what the glue calls): first notes a stall of this worker, then
+    /// [`Engine::tick`].
+    ///
+    /// A tick more than two periods after the previous one means the worker did not run
+    /// meanwhile (descheduled, starved of CPU, throttled, stopped). Its streams' engines
+    /// kept sending; those bytes wait in sockets that Envoy reads only after this tick, so
+    /// every stream would look idle for the length of the stall. For as long as the stall
+    /// lasted, no stream is then closed for idleness (first token or stall; max age still
+    /// applies): counted (`worker_stalls_total`) and logged. A stream whose engine is really
+    /// silent is still closed, that much later.
+    pub fn on_host_tick<P: Platform + ?Sized>(&mut self, p: &mut P) -> Vec<Action> {
+        let now = p.now_ms();
+        if let Some(prev) = self.last_host_tick.replace(now) {
+            let gap = now.saturating_sub(prev);
+            let stall = worker_stall(gap, self.cfg.tick_ms);
+            if stall > 0 {
+                self.idle_hold_until = self.idle_hold_until.max(now.saturating_add(stall));
+                p.add(Metric::WorkerStalls, 1);
+                p.log(
+                    Level::Warn,
+                    &format!(
+                        "this worker did not run for {stall} ms (a tick {gap} ms after the last, period {} ms); no stream is closed for idleness for {stall} ms, so that what its engine sent meanwhile is read first (kvguard_filter_worker_stalls_total counts these)",
+                        self.cfg.tick_ms
+                    ),
+                );
+            }
+        }
+        self.tick(p)
+    }
+
     /// The tick: decides stalled / over-age streams (holding a mass stall one more idle
-    /// window, see [`stall_threshold`]), pumps the abort queue, and returns what to do to
+    /// window, see [`stall_threshold`], and idleness after a stall of the worker, see
+    /// [`Engine::on_host_tick`]), pumps the abort queue, and returns what to do to
     /// streams (for [`apply`]).
     pub fn tick<P: Platform + ?Sized>(&mut self, p: &mut P) -> Vec<Action> {
         let now = p.now_ms();
+        let idle_held = now < self.idle_hold_until;
         // The tick stamps the progress chunks counted since the last one (they read no
         // clock), then looks for what is due.
         let mut due: Vec<(u32, AbortReason)> = self
@@ -625,7 +678,12 @@ impl Engine {
             .iter_mut()
             .filter_map(|(ctx, req)| {
                 req.stamp(now);
-                req.due(now).map(|r| (*ctx, r))
+                req.due(now)
+                    .filter(|r| {
+                        !(idle_held
+                            && matches!(r, AbortReason::Stalled | AbortReason::FirstTokenTimeout))
+                    })
+                    .map(|r| (*ctx, r))
             })
             .collect();
         self.hold_mass_stall(p, now, &mut due);
@@ -806,6 +864,8 @@ impl Engine {
             return None;
         }
         self.tick_on = want;
+        // A tick that starts again measures no gap (it was off, not stalled).
+        self.last_host_tick = None;
         Some(if want { self.cfg.tick_ms } else { 0 })
     }
 
@@ -1086,6 +1146,109 @@ mod tests {
         e.pump(&mut h);
         // No data event seen: no idle_ms.
         assert!(body(&h, 0).ends_with(r#""tokens":0,"gone_ms":0,"attempt":1}"#));
+    }
+
+    #[test]
+    fn a_worker_stall_is_a_tick_more_than_two_periods_late() {
+        assert_eq!(worker_stall(250, 250), 0);
+        assert_eq!(worker_stall(500, 250), 0, "a loaded loop, not a stall");
+        assert_eq!(worker_stall(501, 250), 251);
+        assert_eq!(worker_stall(2_550, 50), 2_500);
+        assert_eq!(worker_stall(0, 250), 0);
+    }
+
+    /// Envoy stopped 2.5 s (idle timeout 1 s, tick 50 ms): the late tick closes nothing,
+    /// the tokens read just after it keep the flowing stream alive, the silent stream is
+    /// closed once the hold (the stall's length) is over, and max age is not held.
+    #[test]
+    fn after_a_worker_stall_idleness_waits_as_long_as_the_stall() {
+        let (mut e, mut h) = engine(
+            r#","idle_timeout_ms":1000,"tick_ms":50,"routes":[{"path_prefix":"/v1/chat/completions/aged","max_age_ms":2000}]"#,
+        );
+        track(&mut e, &mut h, 1, "flowing");
+        track(&mut e, &mut h, 2, "silent");
+        assert_eq!(
+            e.on_request_headers(&mut h, 3, Some(b"/v1/chat/completions/aged"), Some(b"aged")),
+            Verdict::Tracked
+        );
+        for ctx in [1, 2, 3] {
+            sse(&mut e, &mut h, ctx);
+            e.on_response_body(&mut h, ctx, b"data: {}\n\n", 0, false);
+        }
+        for _ in 0..4 {
+            h.now += 50;
+            e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
+            e.on_response_body(&mut h, 3, b"data: {}\n\n", 0, false);
+            assert!(e.on_host_tick(&mut h).is_empty());
+        }
+        assert_eq!(h.metric(Metric::WorkerStalls), 0, "on-time ticks");
+        // The worker does not run for 2.5 s; its first tick comes before Envoy reads what
+        // the flowing stream's engine sent meanwhile.
+        h.now += 2_550;
+        assert!(
+            e.on_host_tick(&mut h).is_empty(),
+            "nothing closed for idleness"
+        );
+        assert_eq!(h.metric(Metric::WorkerStalls), 1);
+        assert!(h
+            .logs
+            .iter()
+            .any(|(l, m)| *l == Level::Warn && m.contains("did not run for 2500 ms")));
+        e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
+        e.on_response_body(&mut h, 3, b"data: {}\n\n", 0, false);
+        // Max age is not idleness: the aged stream (2 s) closes on the next tick.
+        h.now += 50;
+        assert_eq!(
+            e.on_host_tick(&mut h),
+            vec![Action::Close {
+                ctx: 3,
+                tag: OutcomeTag::Aborted(AbortReason::MaxAge)
+            }]
+        );
+        // The silent one waits out the hold (2.5 s from the late tick), then closes.
+        let mut closed = Vec::new();
+        while closed.is_empty() {
+            h.now += 50;
+            e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
+            closed = e.on_host_tick(&mut h);
+        }
+        assert_eq!(
+            closed,
+            vec![Action::Close {
+                ctx: 2,
+                tag: OutcomeTag::Aborted(AbortReason::Stalled)
+            }]
+        );
+        assert_eq!(
+            h.now,
+            1_000 + 200 + 2_550 + 2_500,
+            "closed when the hold ended"
+        );
+        assert_eq!(h.metric(Metric::WorkerStalls), 1);
+    }
+
+    /// A tick switched off (nothing tracked) and on again is not a stall.
+    #[test]
+    fn a_tick_started_again_is_not_a_worker_stall() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":1000,"tick_ms":50"#);
+        track(&mut e, &mut h, 1, "a");
+        assert_eq!(e.tick_change(), Some(50));
+        assert!(e.on_host_tick(&mut h).is_empty());
+        e.forget(&mut h, 1);
+        assert_eq!(e.tick_change(), Some(0));
+        h.now += 60_000;
+        track(&mut e, &mut h, 2, "b");
+        assert_eq!(e.tick_change(), Some(50));
+        h.now += 50;
+        assert!(e.on_host_tick(&mut h).is_empty());
+        h.now += 50;
+        assert!(e.on_host_tick(&mut h).is_empty());
+        assert_eq!(h.metric(Metric::WorkerStalls), 0);
+        // A reconfiguration (the period may change) measures no gap either.
+        e.reconfigure(&mut h, config(r#","idle_timeout_ms":1000,"tick_ms":10"#));
+        h.now += 50;
+        assert!(e.on_host_tick(&mut h).is_empty());
+        assert_eq!(h.metric(Metric::WorkerStalls), 0);
     }
 
     #[test]

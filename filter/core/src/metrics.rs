@@ -237,6 +237,9 @@ pub enum Metric {
     HostErrors,
     /// Stall closes held one more idle window by the mass-stall valve.
     StallHolds,
+    /// Host ticks that came more than two periods late: this worker did not run meanwhile,
+    /// and idleness closes waited as long (see `Engine::on_host_tick`).
+    WorkerStalls,
     // ---- Per-request histograms (one observation each, at the request's end), labelled
     // by how the request ended: the label picks which histogram is recorded, so it adds no
     // host call ----
@@ -301,7 +304,8 @@ const BASE_CLOSED: usize = BASE_WOULD + R;
 const BASE_MEMORY: usize = BASE_CLOSED + 1;
 const BASE_HOST: usize = BASE_MEMORY + 1;
 const BASE_HOLDS: usize = BASE_HOST + 1;
-const BASE_HIST: usize = BASE_HOLDS + 1;
+const BASE_WORKER_STALLS: usize = BASE_HOLDS + 1;
+const BASE_HIST: usize = BASE_WORKER_STALLS + 1;
 const E: usize = Ended::ALL.len();
 const BASE_ROUND_TRIP: usize = BASE_HIST + 3 * E;
 const BASE_LEASE: usize = BASE_ROUND_TRIP + O;
@@ -329,6 +333,7 @@ impl Metric {
             Metric::VmMemoryBytes => BASE_MEMORY,
             Metric::HostErrors => BASE_HOST,
             Metric::StallHolds => BASE_HOLDS,
+            Metric::WorkerStalls => BASE_WORKER_STALLS,
             Metric::FirstTokenMs(e) => BASE_HIST + e as usize,
             Metric::MaxTokenGapMs(e) => BASE_HIST + E + e as usize,
             Metric::StreamDurationMs(e) => BASE_HIST + 2 * E + e as usize,
@@ -376,6 +381,7 @@ impl Metric {
             Metric::VmMemoryBytes => format!("{PREFIX}vm_memory_bytes"),
             Metric::HostErrors => format!("{PREFIX}host_errors_total"),
             Metric::StallHolds => format!("{PREFIX}stall_holds_total"),
+            Metric::WorkerStalls => format!("{PREFIX}worker_stalls_total"),
             Metric::FirstTokenMs(e) => tag("first_token_ms", "outcome", e.as_str()),
             Metric::MaxTokenGapMs(e) => tag("max_token_gap_ms", "outcome", e.as_str()),
             Metric::StreamDurationMs(e) => tag("stream_duration_ms", "outcome", e.as_str()),
@@ -406,6 +412,7 @@ impl Metric {
         v.push(Metric::VmMemoryBytes);
         v.push(Metric::HostErrors);
         v.push(Metric::StallHolds);
+        v.push(Metric::WorkerStalls);
         v.extend(Ended::ALL.map(Metric::FirstTokenMs));
         v.extend(Ended::ALL.map(Metric::MaxTokenGapMs));
         v.extend(Ended::ALL.map(Metric::StreamDurationMs));

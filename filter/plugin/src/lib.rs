@@ -816,7 +816,7 @@ impl RootContext for Root {
         sync_mode(&self.shared);
         self.renew_lease();
         let actions = with_engine(&self.shared, |e, p| {
-            let a = e.tick(p);
+            let a = e.on_host_tick(p);
             report_clock_errors(p);
             a
         })
