@@ -198,7 +198,9 @@ async fn hot_restart_hands_the_listener_to_the_next_epoch() {
         let a1 = a0.hot_restart(a0.options().clone()).await.unwrap();
         assert_eq!(a1.hot_restart_epoch(), Some((base, 1)));
         assert_eq!(a1.listener_addr(), a0.listener_addr());
-        assert_ne!(a1.admin_addr(), a0.admin_addr());
+        // Its own admin listener (read from its own address file): on port 0 it may get the
+        // parent's port back, since Envoy shuts the parent's admin down first (seen in CI).
+        // That it is epoch 1's shows below: it answers after epoch 0 has exited.
         assert!(live.collect(W).await.unwrap().last().unwrap().is_done());
         // Epoch 0 exits at parent-shutdown time; epoch 1 serves on the same port.
         let t = std::time::Instant::now();
