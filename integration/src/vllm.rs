@@ -209,14 +209,16 @@ pub fn default_omp_bind() -> String {
     (n.saturating_sub(1)).to_string()
 }
 
-/// The nice value of [`VllmOptions::nice`] `None`: `KVGUARD_VLLM_NICE`, else 10.
-pub fn nice_from_env() -> Result<u8> {
-    match std::env::var("KVGUARD_VLLM_NICE") {
-        Err(_) => Ok(10),
-        Ok(v) => v.parse::<u8>().ok().filter(|n| *n <= 19).with_context(|| {
-            format!("KVGUARD_VLLM_NICE={v}: expected a nice value from 0 to 19 (unset: 10)")
-        }),
-    }
+/// The nice value vLLM runs at: `given` ([`VllmOptions::nice`]), else `KVGUARD_VLLM_NICE`,
+/// else 10; a value outside 0..=19 is refused, naming where it came from.
+pub fn nice_value(given: Option<u8>) -> Result<u8> {
+    let (n, from) = match (given, std::env::var("KVGUARD_VLLM_NICE")) {
+        (Some(n), _) => (Some(n), format!("VllmOptions::nice {n}")),
+        (None, Err(_)) => return Ok(10),
+        (None, Ok(v)) => (v.parse::<u8>().ok(), format!("KVGUARD_VLLM_NICE={v}")),
+    };
+    n.filter(|n| *n <= 19)
+        .with_context(|| format!("{from}: expected a nice value from 0 to 19 (unset: 10)"))
 }
 
 /// A vLLM server: started here (killed on drop, with its EngineCore) or reached by URL.
@@ -232,11 +234,7 @@ impl Vllm {
         let py = venv_python()?;
         let model = opts.model;
         let model_dir = tokio::task::spawn_blocking(move || model.ensure()).await??;
-        let nice = match opts.nice {
-            Some(n) if n <= 19 => n,
-            Some(n) => bail!("VllmOptions::nice {n}: expected a nice value from 0 to 19"),
-            None => nice_from_env()?,
-        };
+        let nice = nice_value(opts.nice)?;
         // `nice` execs vLLM: the guard's pid and process group are vLLM's.
         let mut cmd = Command::new("nice");
         cmd.args(["-n", &nice.to_string()])
@@ -638,6 +636,17 @@ pub fn write_atomic(path: &Path, text: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_given_nice_value_is_checked() {
+        assert_eq!(nice_value(Some(0)).unwrap(), 0);
+        assert_eq!(nice_value(Some(19)).unwrap(), 19);
+        let e = nice_value(Some(20)).unwrap_err().to_string();
+        assert!(
+            e.contains("VllmOptions::nice 20: expected a nice value from 0 to 19"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn metric_sum_and_figures() {
