@@ -2,8 +2,9 @@
 # scripts/test-compose. Source it after lib.sh: `. "$REPO/scripts/lib-containers.sh"`.
 #
 # What these machines need (Debian bookworm, root, hybrid cgroups, no systemd):
-# - Debian's podman 4.3, buildah, skopeo, docker-compose 1.29, mmdebstrap, iptables
-#   (containers_install installs the missing ones);
+# - Debian's podman 4.3, buildah, skopeo, docker-compose 1.29, mmdebstrap, iptables, and
+#   runc and catatonit, which podman only recommends (containers_install installs the
+#   missing ones, scripts/check-tools checks them);
 # - a containers.conf of our own through CONTAINERS_CONF (no system file is edited):
 #   `runtime = "runc"` (crun refuses the hybrid cgroup layout) and default ulimits within
 #   what root may set here (podman's default asks for more nofile than the machine allows);
@@ -21,11 +22,14 @@ export KVGUARD_IMAGE_CACHE KVGUARD_BASE_IMAGE KVGUARD_VERSION
 containers_install() {
   local -A want=([podman]=podman [buildah]=buildah [skopeo]=skopeo
     [docker-compose]=docker-compose [mmdebstrap]=mmdebstrap [iptables]=iptables
-    [jq]=jq [curl]=curl [ss]=iproute2)
+    [jq]=jq [curl]=curl [ss]=iproute2 [runc]=runc)
   local missing=() cmd
   for cmd in "${!want[@]}"; do
     command -v "$cmd" >/dev/null 2>&1 || missing+=("${want[$cmd]}")
   done
+  # podman's container init (compose's `init: true`): a Recommends of podman, so
+  # --no-install-recommends leaves it out.
+  [ -x /usr/libexec/podman/catatonit ] || missing+=(catatonit)
   if [ "${#missing[@]}" -gt 0 ]; then
     echo "installing ${missing[*]} (apt-get)"
     local sudo=()
