@@ -11,6 +11,7 @@ use kvguard_integration::demo::{self, DemoConfig, EngineKind, Mode};
 use kvguard_integration::load::LoadSummary;
 use kvguard_integration::proc::ChildGuard;
 use kvguard_integration::sim::{self, EndKind, SeqState, SimConfig};
+use kvguard_integration::stall::{self, StallMark};
 use kvguard_integration::wait::{bounded, poll_until_async};
 use kvguard_integration::{bench, paths};
 use serde_json::json;
@@ -125,6 +126,48 @@ async fn stall_with_keepalives_only_is_reaped_by_kvguard_control_alone() {
         let took = stall_is_reaped(&sim, &st, idle).await;
         eprintln!("kvguard-control: stall ended {took:?} after the last token");
         assert_eq!(control_aborts(&st, "stalled").await, 1.0);
+    })
+    .await
+    .unwrap();
+}
+
+/// The simulator's form of `e2e_vllm`'s "vLLM frees it within 2 s of the disconnect": a
+/// client leaves a running stream, the filter calls kvguard-control's `POST /v1/abort`, and
+/// kvguard-control ends the engine request (the lossy hop in between does not pass the
+/// disconnect on: the abort is the only way the engine hears of it). The bound is credited
+/// with the run-queue wait of kvguard-control and of this process (the simulator's), and
+/// with nothing else: kvguard-control's runtime blocked in the abort handler fails it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disconnect_is_aborted_and_the_engine_frees_it_within_2s() {
+    bounded("disconnect aborted within 2 s", T, async {
+        let sim = sim::spawn(SimConfig::default()).await.unwrap();
+        let mut o = StackOptions::new(sim.addr(), Some(stack::filter_config(60_000, 0)));
+        o.control_args = off();
+        let st = Stack::start(o).await.unwrap();
+        let mut s =
+            client::stream_sse(st.entry(), "/v1/completions", &completion(1500), &[], false)
+                .await
+                .unwrap();
+        let rid = s.header("x-request-id").unwrap().to_owned();
+        s.read_events(3, W).await.unwrap();
+        let mark = StallMark::control(st.control.pid());
+        s.disconnect();
+        let dropped = Instant::now();
+        stall::within(
+            "the engine frees the stream within 2 s of the disconnect",
+            dropped,
+            Duration::from_secs(2),
+            &mark,
+            Duration::from_millis(10),
+            || {
+                let ended = sim.state().request(&rid).and_then(|r| r.ended);
+                async move { ended }
+            },
+        )
+        .await
+        .map(|ended| assert_eq!(ended, EndKind::Disconnected))
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
+        assert_eq!(control_aborts(&st, "downstream_reset").await, 1.0);
     })
     .await
     .unwrap();

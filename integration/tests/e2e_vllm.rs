@@ -85,11 +85,11 @@ async fn control_aborts(st: &Stack, reason: &str) -> f64 {
         .unwrap_or_else(|| panic!("kvguard-control exports no {reason:?} aborts"))
 }
 
-/// Measures the stalls of this process and of the stack's kvguard-control from now on:
-/// taken just before the event a latency bound starts from, it credits the bound with
-/// them (see `kvguard_integration::stall`).
+/// Measures the run-queue wait (time runnable without a CPU) of this process and of the
+/// stack's kvguard-control from now on: taken just before the event a latency bound starts
+/// from, it credits the bound with it (see `kvguard_integration::stall`).
 fn stall_mark(st: &Stack) -> StallMark {
-    StallMark::control(st.control.admin)
+    StallMark::control(st.control.pid())
 }
 
 async fn wait_control_aborts(st: &Stack, reason: &str, n: f64) {

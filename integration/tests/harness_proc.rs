@@ -1,5 +1,5 @@
 //! `ChildGuard` really cleans up, the path helpers answer, and a stall of a child
-//! (kvguard-control) is measured and credited to a latency bound.
+//! (kvguard-control) that is not a wait for a CPU is not credited to a latency bound.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use kvguard_integration::demo::stack::Control;
@@ -156,7 +156,7 @@ fn panic_prints_the_log_tail_and_still_kills() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stopped_kvguard_control_is_measured_and_credited_to_a_bound() {
+async fn a_stopped_kvguard_control_is_not_credited_to_a_bound() {
     bounded("control stall", T, async {
         // No engine answers on port 9: kvguard-control runs, its scrapes fail.
         let any = "127.0.0.1:0".parse().unwrap();
@@ -164,18 +164,20 @@ async fn a_stopped_kvguard_control_is_measured_and_credited_to_a_bound() {
             .await
             .unwrap();
         let admin = c.admin;
-        let mark = StallMark::control(admin);
-        // Stopped for 2 s: what a descheduled process looks like from outside.
+        let pid = c.pid();
+        let mark = StallMark::control(pid);
+        // Stopped for 2 s: not runnable, so not waiting for a CPU. A stall that is not the
+        // machine's (here a signal's; in the product's case, say, a blocking call on its
+        // runtime) is no credit: the bound fails.
         let from = Instant::now();
         c.guard().signal(libc::SIGSTOP).unwrap();
-        let pid = c.guard().pid();
         let resume = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_secs(2));
             // SAFETY: kill(2) on the child's pid.
             unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) };
         });
-        // Bound: an answer within 500 ms. Met only thanks to the credit for the stop.
-        stall::within(
+        // Bound: an answer within 500 ms, not met while it is stopped.
+        let e = stall::within(
             "kvguard-control answers /healthz",
             from,
             Duration::from_millis(500),
@@ -187,17 +189,18 @@ async fn a_stopped_kvguard_control_is_measured_and_credited_to_a_bound() {
             },
         )
         .await
-        .unwrap();
+        .unwrap_err();
+        let msg = format!("{e:#}");
+        assert!(from.elapsed() < Duration::from_secs(2), "{msg}");
+        assert!(
+            msg.contains("bound 0.50 s: over ") && msg.contains("NOT met (credit "),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("kvguard-control run-queue wait 0.0"),
+            "a stopped kvguard-control credited: {msg}"
+        );
         resume.join().unwrap();
-        assert!(
-            from.elapsed() >= Duration::from_secs(2),
-            "answered while stopped"
-        );
-        let (credit, said) = mark.since();
-        assert!(
-            (Duration::from_millis(1500)..=Duration::from_millis(2500)).contains(&credit),
-            "a 2 s stop credited as {credit:?}: {said}"
-        );
         // kvguard-control's own measure saw it too.
         let c = &c;
         poll_until_async(

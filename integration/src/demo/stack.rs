@@ -136,6 +136,11 @@ impl Control {
         Ok(())
     }
 
+    /// Its process id (for [`crate::stall::StallMark::control`]).
+    pub fn pid(&self) -> u32 {
+        self.guard.pid()
+    }
+
     /// The process guard.
     pub fn guard(&mut self) -> &mut ChildGuard {
         &mut self.guard
