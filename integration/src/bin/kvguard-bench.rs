@@ -58,6 +58,10 @@ struct Args {
     /// Soak: allowed wasm VM memory growth between quiet points, MiB.
     #[arg(long, default_value_t = 1)]
     soak_vm_slack_mib: u64,
+    /// Soak, the mutation check: run the filter in observe mode (it sends no abort). The
+    /// soak must then fail: its abandoned long streams outlive the quiet point.
+    #[arg(long)]
+    soak_filter_observe: bool,
     /// Only render <out>.md and <out>.svg again from this results JSON (no measurement).
     #[arg(long)]
     render: Option<PathBuf>,
@@ -138,12 +142,17 @@ async fn main() -> Result<()> {
             minutes,
             rss_slack: a.soak_rss_slack_mib << 20,
             vm_slack: a.soak_vm_slack_mib << 20,
+            filter_observe: a.soak_filter_observe,
         }))
         .await?;
         let mut p = a.out.clone().into_os_string();
         p.push(".json");
         std::fs::write(&p, serde_json::to_string_pretty(&res)?).context("writing json")?;
         println!("{}", serde_json::to_string_pretty(&res["growth"])?);
+        println!(
+            "abandoned long streams: {}",
+            serde_json::to_string(&res["abandoned_long_streams"])?
+        );
         println!(
             "soak: {} waves, invariants held; report in {}",
             res["waves"],

@@ -53,6 +53,10 @@ struct Args {
     /// divided by 60) and print when each alert fired.
     #[arg(long)]
     prometheus: bool,
+    /// The verdict's mutation check: the kvguard run's filter in observe mode (it sends
+    /// no abort). The demo must then fail.
+    #[arg(long)]
+    filter_observe: bool,
     /// Output directory (results.json, table.txt).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -117,6 +121,7 @@ async fn demo(a: Args) -> Result<()> {
         (None, demo::Hop::Lossy) => 0.0,
     };
     cfg.prometheus = a.prometheus;
+    cfg.filter_observe = a.filter_observe;
     let modes: Vec<Mode> = match a.only.as_deref() {
         None => vec![Mode::Leak, Mode::Kvguard],
         Some("leak") => vec![Mode::Leak],
@@ -183,7 +188,32 @@ async fn demo(a: Args) -> Result<()> {
     let json = serde_json::to_string_pretty(&res)?;
     std::fs::write(out.join("results.json"), json)?;
     println!("results: {}", out.join("results.json").display());
-    demo::verdict(&res)
+    // Both verdicts, every reason printed: no false abort (and kvguard-control's figures),
+    // and the absolute one from the engine's side.
+    let wrong: Vec<String> = [demo::verdict(&res), demo::engine_verdict(&res)]
+        .into_iter()
+        .filter_map(|v| v.err().map(|e| format!("{e:#}")))
+        .collect();
+    if !wrong.is_empty() {
+        bail!("demo verdict: FAIL\n{}", wrong.join("\n"));
+    }
+    if let (Some(l), Some(k)) = (
+        res.leak.as_ref().and_then(|r| r.engine_orphans.as_ref()),
+        res.kvguard.as_ref().and_then(|r| r.engine_orphans.as_ref()),
+    ) {
+        println!(
+            "demo verdict: PASS (engine side: kvguard {:.3} orphan-seconds, at most {:.0} % of {:.1} without it and at most {} s; no false abort)",
+            k.orphan_seconds,
+            demo::ENGINE_ORPHAN_SHARE * 100.0,
+            l.orphan_seconds,
+            demo::ENGINE_ORPHAN_BOUND_S
+        );
+    } else {
+        println!(
+            "demo verdict: PASS (no false abort; no engine-side figure on this engine or hop)"
+        );
+    }
+    Ok(())
 }
 
 fn main() -> Result<()> {

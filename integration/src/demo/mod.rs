@@ -126,6 +126,10 @@ pub struct DemoConfig {
     /// ([`observe`]): alert timeline, dashboard queries, scraped names.
     #[serde(default)]
     pub prometheus: bool,
+    /// The mutation check of the verdict: the kvguard run's filter in observe mode (it
+    /// sends no abort). [`engine_verdict`] must then fail.
+    #[serde(default)]
+    pub filter_observe: bool,
 }
 
 /// The hop between Envoy and kvguard-control in the demo (`--hop`).
@@ -163,6 +167,7 @@ impl DemoConfig {
                 hop: Hop::Lossy,
                 nonstream_share: 0.0,
                 prometheus: false,
+                filter_observe: false,
             },
             EngineKind::Vllm => DemoConfig {
                 engine,
@@ -187,6 +192,7 @@ impl DemoConfig {
                 hop: Hop::Lossy,
                 nonstream_share: 0.0,
                 prometheus: false,
+                filter_observe: false,
             },
         }
     }
@@ -325,7 +331,39 @@ pub struct RunResult {
     /// What Prometheus saw (`DemoConfig::prometheus`).
     #[serde(default)]
     pub observed: Option<observe::Observed>,
+    /// Orphans from the engine's side: the simulator's own records (`None` on vLLM, and
+    /// behind a hop that returns no request id to the client).
+    #[serde(default)]
+    pub engine_orphans: Option<EngineOrphans>,
 }
+
+/// Orphans measured from the engine's side, from the simulator's own request records: for
+/// every request whose client left (disconnected, or gave up on a stall), how long the
+/// engine still held it after the client left (generating, or stalled holding its KV
+/// blocks), to its end in the engine or, still there, to the end of the run. The client's
+/// leaving and the engine's end are on one clock (the simulator runs in the demo's
+/// process); kvguard-control's table plays no part.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct EngineOrphans {
+    /// Requests whose client left.
+    pub left: usize,
+    /// Of those, found in the engine's records by their request id (must be all).
+    pub matched: usize,
+    /// Engine-seconds held after the clients left, summed.
+    pub orphan_seconds: f64,
+    /// Per request, ms from its client leaving to its end in the engine.
+    pub after_leaving_ms: Percentiles,
+    /// Still in the engine at the end of the run.
+    pub still_at_end: usize,
+}
+
+/// [`engine_verdict`]: kvguard's engine-side orphan-seconds at most this share of the run
+/// without kvguard's.
+pub const ENGINE_ORPHAN_SHARE: f64 = 0.01;
+/// [`engine_verdict`]: kvguard's engine-side orphan-seconds at most this, absolute (s).
+/// Measured in the CI demo (`--arrival-s 20 --drain-s 10 --seed 42`, 16 clients left):
+/// 0.042, 0.042, 0.033 s (per client p99 ≤ 12 ms); without kvguard 77.1 s.
+pub const ENGINE_ORPHAN_BOUND_S: f64 = 0.25;
 
 /// Both runs and the settings.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -355,10 +393,28 @@ pub async fn run_once(
     engine: SocketAddr,
     progress: &(dyn Fn(String) + Sync),
 ) -> Result<RunResult> {
+    run_once_on(cfg, mode, engine, None, progress).await
+}
+
+/// [`run_once`]; with `sim`, the simulator at `engine`, also measures the orphans from
+/// the engine's side ([`RunResult::engine_orphans`]).
+pub async fn run_once_on(
+    cfg: &DemoConfig,
+    mode: Mode,
+    engine: SocketAddr,
+    sim: Option<&sim::Sim>,
+    progress: &(dyn Fn(String) + Sync),
+) -> Result<RunResult> {
     let started = Instant::now();
     let filter = match mode {
         Mode::Leak => None,
-        Mode::Kvguard => Some(stack::filter_config(cfg.filter_idle_ms, 0)),
+        Mode::Kvguard => {
+            let mut f = stack::filter_config(cfg.filter_idle_ms, 0);
+            if cfg.filter_observe {
+                f["mode"] = serde_json::json!("observe");
+            }
+            Some(f)
+        }
     };
     let mut opts = StackOptions::new(engine, filter);
     opts.control_args = match mode {
@@ -397,6 +453,8 @@ pub async fn run_once(
     let live = Arc::new(Live::default());
     let records = Arc::new(Mutex::new(Vec::<ClientRecord>::new()));
     let t0 = Instant::now();
+    // The first arrival on the simulator's clock (ms since it started).
+    let t0_engine_ms = sim.map(|s| s.now_ms() as f64);
     let entry = st.entry();
 
     // The load: one task per planned request, at its arrival time.
@@ -613,11 +671,42 @@ pub async fn run_once(
             .context("Prometheus's figures at the end")?;
         r.observed = Some(o.seen);
     }
+    if let (Some(sim), Some(t0_ms), false) = (sim, t0_engine_ms, by_path) {
+        r.engine_orphans = Some(engine_orphans(sim, t0_ms, &clients));
+    }
     r.series = series;
     r.clients = clients;
     r.wall_s = started.elapsed().as_secs_f64();
     drop(st);
     Ok(r)
+}
+
+/// [`EngineOrphans`] of a run whose first arrival was at `t0_ms` on the simulator's clock.
+fn engine_orphans(sim: &sim::Sim, t0_ms: f64, clients: &[ClientRecord]) -> EngineOrphans {
+    let now_ms = sim.now_ms() as f64;
+    let state = sim.state();
+    let mut o = EngineOrphans::default();
+    let mut per = Vec::new();
+    for c in clients {
+        let Some(gone) = c.gone_s else { continue };
+        o.left += 1;
+        let Some(rec) = c.request_id.as_deref().and_then(|id| state.request(id)) else {
+            continue;
+        };
+        o.matched += 1;
+        let end_ms = match rec.ended_ms {
+            Some(e) => e as f64,
+            None => {
+                o.still_at_end += 1;
+                now_ms
+            }
+        };
+        let ms = (end_ms - (t0_ms + gone * 1000.0)).max(0.0);
+        per.push(ms);
+        o.orphan_seconds += ms / 1000.0;
+    }
+    o.after_leaving_ms = Percentiles::of(per);
+    o
 }
 
 /// How long the run waits, after its drain phase, for the clients still reading.
@@ -692,6 +781,59 @@ pub fn verdict(res: &DemoResults) -> Result<()> {
     }
 }
 
+/// The demo's verdict from the engine's side, absolute: on the simulator behind the lossy
+/// hop (where the engine's records and the clients' request ids meet), kvguard's
+/// engine-side orphan-seconds ([`EngineOrphans`]) at most [`ENGINE_ORPHAN_SHARE`] of the
+/// run without kvguard's and at most [`ENGINE_ORPHAN_BOUND_S`]; every client that left
+/// found in the engine's records. Elsewhere (vLLM, LiteLLM) there is no engine-side
+/// figure and this passes, [`verdict`] stands alone. `kvguard-demo` exits non-zero on it.
+pub fn engine_verdict(res: &DemoResults) -> Result<()> {
+    if res.config.engine != EngineKind::Sim || res.config.hop != Hop::Lossy {
+        return Ok(());
+    }
+    let mut wrong = Vec::new();
+    let mut figure = |r: &Option<RunResult>, label: &str| -> Option<f64> {
+        let r = r.as_ref()?;
+        match &r.engine_orphans {
+            None => {
+                wrong.push(format!("{label}: no engine-side orphan figure"));
+                None
+            }
+            Some(o) if o.matched != o.left => {
+                wrong.push(format!(
+                    "{label}: {} of the {} clients that left are not in the engine's records",
+                    o.left - o.matched,
+                    o.left
+                ));
+                None
+            }
+            Some(o) => Some(o.orphan_seconds),
+        }
+    };
+    let leak = figure(&res.leak, "without kvguard");
+    let kvg = figure(&res.kvguard, "with kvguard");
+    if let Some(k) = kvg {
+        if k > ENGINE_ORPHAN_BOUND_S {
+            wrong.push(format!(
+                "kvguard's engine-side orphan-seconds {k:.3} are above the bound {ENGINE_ORPHAN_BOUND_S} s"
+            ));
+        }
+        if let Some(l) = leak {
+            if k > ENGINE_ORPHAN_SHARE * l {
+                wrong.push(format!(
+                    "kvguard's engine-side orphan-seconds {k:.3} are above {:.0} % of the run without it ({l:.1})",
+                    ENGINE_ORPHAN_SHARE * 100.0
+                ));
+            }
+        }
+    }
+    if wrong.is_empty() {
+        Ok(())
+    } else {
+        anyhow::bail!("{}", wrong.join("\n"))
+    }
+}
+
 /// Starts the engine for a run: a fresh simulator (returned, keep it alive), or the
 /// given vLLM address (waited idle first).
 pub async fn engine_for_run(
@@ -729,7 +871,14 @@ pub async fn run_demo(
     for &m in modes {
         let (engine, sim) = engine_for_run(cfg, vllm).await?;
         progress(format!("== run: {} (engine {engine}) ==", m.label()));
-        let r = run_once(cfg, m, engine, progress).await?;
+        let r = run_once_on(
+            cfg,
+            m,
+            engine,
+            sim.as_ref().map(|h| h.sim().as_ref()),
+            progress,
+        )
+        .await?;
         drop(sim);
         match m {
             Mode::Leak => out.leak = Some(r),
@@ -796,6 +945,32 @@ pub fn table(res: &DemoResults) -> String {
             a.orphans_at_end.to_string(),
             b.orphans_at_end.to_string(),
         ),
+    ];
+    if a.engine_orphans.is_some() || b.engine_orphans.is_some() {
+        let eo = |r: &RunResult, f: &dyn Fn(&EngineOrphans) -> String| {
+            r.engine_orphans
+                .as_ref()
+                .map(f)
+                .unwrap_or_else(|| "-".into())
+        };
+        rows.push((
+            "orphan-seconds, engine side (its own records)".into(),
+            eo(a, &|o| format!("{:.3}", o.orphan_seconds)),
+            eo(b, &|o| format!("{:.3}", o.orphan_seconds)),
+        ));
+        rows.push((
+            "  per left client, ms to the engine's end p50/p99/max".into(),
+            eo(a, &|o| {
+                let p = &o.after_leaving_ms;
+                format!("{:.0} / {:.0} / {:.0}", p.p50, p.p99, p.max)
+            }),
+            eo(b, &|o| {
+                let p = &o.after_leaving_ms;
+                format!("{:.0} / {:.0} / {:.0}", p.p50, p.p99, p.max)
+            }),
+        ));
+    }
+    rows.extend([
         (
             "KV usage: mean while loaded".into(),
             pct(a.kv_mean),
@@ -825,7 +1000,7 @@ pub fn table(res: &DemoResults) -> String {
             format!("{:.0} / {:.0}", a.ttft_ms.p50, a.ttft_ms.p99),
             format!("{:.0} / {:.0}", b.ttft_ms.p50, b.ttft_ms.p99),
         ),
-    ];
+    ]);
     let mut reasons: Vec<&String> = a
         .aborts_by_reason
         .keys()
@@ -956,6 +1131,52 @@ mod tests {
         assert!(all.iter().enumerate().all(|(i, c)| c.index == i));
         assert_eq!(all[3].outcome, HUNG);
         assert_eq!(all[3].plan, plan[3].kind.label());
+    }
+
+    #[test]
+    fn engine_verdict_is_absolute_and_reads_the_engine_side_figure() {
+        let eo = |orphan_seconds: f64| EngineOrphans {
+            left: 10,
+            matched: 10,
+            orphan_seconds,
+            ..EngineOrphans::default()
+        };
+        let both = |leak: Option<EngineOrphans>, kvg: Option<EngineOrphans>| DemoResults {
+            config: DemoConfig::new(EngineKind::Sim),
+            leak: Some(RunResult {
+                engine_orphans: leak,
+                ..run("leak", 70.0, 0)
+            }),
+            kvguard: Some(RunResult {
+                engine_orphans: kvg,
+                ..run("kvguard", 0.0, 0)
+            }),
+        };
+        assert!(engine_verdict(&both(Some(eo(77.0)), Some(eo(0.05)))).is_ok());
+        // Below 1 % of the leak run but above the absolute bound.
+        let e = engine_verdict(&both(
+            Some(eo(1000.0)),
+            Some(eo(ENGINE_ORPHAN_BOUND_S + 0.1)),
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("above the bound"), "{e}");
+        // Below the absolute bound but above 1 % of the leak run.
+        let e = engine_verdict(&both(Some(eo(5.0)), Some(eo(0.06)))).unwrap_err();
+        assert!(e.to_string().contains("1 % of the run without it"), "{e}");
+        // A missing figure, or a client the engine has no record of, is not 0.
+        let e = engine_verdict(&both(Some(eo(77.0)), None)).unwrap_err();
+        assert!(
+            e.to_string().contains("with kvguard: no engine-side"),
+            "{e}"
+        );
+        let mut partial = eo(0.0);
+        partial.matched = 9;
+        let e = engine_verdict(&both(Some(eo(77.0)), Some(partial))).unwrap_err();
+        assert!(e.to_string().contains("1 of the 10 clients"), "{e}");
+        // vLLM has no engine-side figure: the verdict is verdict()'s alone.
+        let mut v = both(None, None);
+        v.config = DemoConfig::new(EngineKind::Vllm);
+        assert!(engine_verdict(&v).is_ok());
     }
 
     #[test]
