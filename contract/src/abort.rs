@@ -208,6 +208,43 @@ mod tests {
         ));
     }
 
+    /// A valid abort body padded with trailing whitespace to exactly `len` bytes.
+    fn body_of_len(len: usize) -> Vec<u8> {
+        let mut body = br#"{"request_id":"r1","reason":"stalled"}"#.to_vec();
+        body.resize(len, b' ');
+        body
+    }
+
+    #[test]
+    fn a_body_of_exactly_max_abort_body_bytes_is_read_and_one_more_is_refused() {
+        let (req, id) = AbortRequest::parse(&body_of_len(MAX_ABORT_BODY)).unwrap();
+        assert_eq!((req.reason, id.as_str()), (AbortReason::Stalled, "r1"));
+        assert_eq!(
+            AbortRequest::parse(&body_of_len(MAX_ABORT_BODY + 1)),
+            Err(BodyError::TooLarge(MAX_ABORT_BODY + 1))
+        );
+        assert_eq!(MAX_ABORT_BODY, 4096);
+    }
+
+    #[test]
+    fn body_error_messages_say_what_is_wrong() {
+        assert_eq!(
+            BodyError::TooLarge(5000).to_string(),
+            "abort body is 5000 bytes, at most 4096"
+        );
+        let json = AbortRequest::parse(b"{").unwrap_err();
+        assert!(json.to_string().starts_with("abort body: EOF"), "{json}");
+        assert_eq!(
+            BodyError::Id(IdError::Empty).to_string(),
+            "abort body: request id is empty"
+        );
+        let bad_id = AbortRequest::parse(br#"{"request_id":"a b","reason":"stalled"}"#);
+        assert_eq!(
+            bad_id.unwrap_err().to_string(),
+            "abort body: request id has a byte outside [A-Za-z0-9._:-] at offset 1"
+        );
+    }
+
     #[test]
     fn answers_serialise_per_contract() {
         let a = AbortAnswer {

@@ -61,4 +61,40 @@ mod tests {
         assert_eq!(decode32(&[b'g'; 64]), None);
         assert_eq!(decode32(&[b'a'; 63]), None);
     }
+
+    #[test]
+    fn uppercase_digits_decode_to_the_same_bytes_as_lowercase() {
+        // A verifier keys its replay memory on the decoded MAC, so an upper-case copy of a
+        // signature it accepted must decode to the very same bytes (and be a replay).
+        let bytes: [u8; 32] = core::array::from_fn(|i| (i * 37 + 0xa0) as u8);
+        let lower = encode(&bytes);
+        let upper = lower.to_ascii_uppercase();
+        assert_ne!(lower, upper);
+        assert_eq!(decode32(upper.as_bytes()), Some(bytes));
+        let mut every_letter = [0u8; 32];
+        every_letter[..6].copy_from_slice(&[0xab, 0xcd, 0xef, 0xAF, 0xFA, 0xBE]);
+        let mixed = format!("ABcdEFaffABe{}", "0".repeat(52));
+        assert_eq!(decode32(mixed.as_bytes()), Some(every_letter));
+        assert_eq!(
+            decode16(b"0123456789ABCDEFabcdef0123456789"),
+            Some([
+                0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef, 0xab, 0xcd, 0xef, 0x01, 0x23, 0x45,
+                0x67, 0x89
+            ])
+        );
+        for bad in [b'G', b'@', b'[', b'`', b'g', b'/', b':'] {
+            let mut s = [b'0'; 32];
+            s[31] = bad;
+            assert_eq!(decode16(&s), None, "{}", char::from(bad));
+        }
+    }
+
+    #[test]
+    fn decode16_takes_exactly_32_digits() {
+        let bytes: [u8; 16] = core::array::from_fn(|i| (i * 17) as u8);
+        assert_eq!(decode16(encode(&bytes).as_bytes()), Some(bytes));
+        assert_eq!(decode16(&[b'a'; 31]), None);
+        assert_eq!(decode16(&[b'a'; 33]), None);
+        assert_eq!(decode16(&[b'a'; 64]), None);
+    }
 }

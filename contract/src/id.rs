@@ -135,6 +135,30 @@ mod tests {
         );
     }
 
+    #[test]
+    fn error_messages_name_the_rule_and_the_culprit() {
+        assert_eq!(IdError::Empty.to_string(), "request id is empty");
+        assert_eq!(
+            IdError::TooLong(129).to_string(),
+            "request id is 129 bytes, at most 128 allowed"
+        );
+        assert_eq!(
+            IdError::BadByte(3).to_string(),
+            "request id has a byte outside [A-Za-z0-9._:-] at offset 3"
+        );
+    }
+
+    #[test]
+    fn an_id_shows_as_its_text_in_display_debug_as_ref_and_parse() {
+        let id: RequestId = "fx-chat.1:a_b".parse().unwrap();
+        assert_eq!(id.to_string(), "fx-chat.1:a_b");
+        assert_eq!(format!("[{id}]"), "[fx-chat.1:a_b]");
+        assert_eq!(format!("{id:?}"), "RequestId(fx-chat.1:a_b)");
+        let as_ref: &str = id.as_ref();
+        assert_eq!(as_ref, "fx-chat.1:a_b");
+        assert_eq!("a b".parse::<RequestId>(), Err(IdError::BadByte(1)));
+    }
+
     proptest! {
         #[test]
         fn never_panics_and_valid_means_charset(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {

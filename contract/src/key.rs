@@ -94,4 +94,24 @@ mod tests {
         assert_eq!(k, Key::try_new(b"0123456789abcdef").unwrap());
         assert!(!format!("{k:?}").contains("0123"));
     }
+
+    #[test]
+    fn debug_shows_the_length_and_never_the_secret() {
+        let k = Key::try_new(b"kvguard-secret-0123456789").unwrap();
+        let shown = format!("{k:?}");
+        assert_eq!(shown, "Key(<25 bytes>)");
+        assert!(!shown.contains("secret"));
+        assert_eq!(
+            format!("{:?}", Some(Key::try_new(&[b'z'; MIN_KEY_LEN]).unwrap())),
+            "Some(Key(<16 bytes>))"
+        );
+    }
+
+    #[test]
+    fn too_short_message_gives_the_length_and_the_minimum() {
+        assert_eq!(
+            KeyError::TooShort(5).to_string(),
+            "secret is 5 bytes, at least 16 are required"
+        );
+    }
 }

@@ -88,4 +88,18 @@ mod tests {
         assert_eq!(Renewal::parse(br#"{"instance":"x","counter":1}"#), None);
         assert_eq!(Renewal::parse(&[b' '; 600]), None);
     }
+
+    #[test]
+    fn a_renewal_of_exactly_max_renewal_body_bytes_is_read_and_one_more_is_refused() {
+        let id = InstanceId([0x5a; 16]);
+        let padded = |len: usize| {
+            let mut body = Renewal::new(id, 9).to_json();
+            body.resize(len, b' ');
+            body
+        };
+        assert_eq!(MAX_RENEWAL_BODY, 512);
+        assert_eq!(Renewal::parse(&padded(MAX_RENEWAL_BODY)), Some((id, 9)));
+        assert_eq!(Renewal::parse(&padded(MAX_RENEWAL_BODY + 1)), None);
+        assert_eq!(Renewal::parse(&padded(MAX_RENEWAL_BODY + 100)), None);
+    }
 }

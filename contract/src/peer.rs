@@ -61,6 +61,7 @@ impl Forwarded {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::abort::MAX_ABORT_BODY;
     use crate::{AbortReason, AbortRequest, Renewal, RequestId};
 
     #[test]
@@ -79,5 +80,33 @@ mod tests {
         assert!(Forwarded::new("x", &[0xff]).is_none());
         let long = Forwarded::new(&"a".repeat(MAX_PEER_NAME + 1), b"{}").unwrap();
         assert!(Forwarded::parse(&long.to_json()).is_none());
+    }
+
+    #[test]
+    fn the_largest_abort_forwarded_by_the_longest_name_fits_the_envelope_bound() {
+        // Every byte of the inner body that JSON escapes to two (here newlines between
+        // tokens, still a valid abort body) at the largest size, forwarded by the longest
+        // name: the bound of 2 × 4096 + 512 bytes must still take it.
+        let mut abort = br#"{"request_id":"r1","reason":"operator"}"#.to_vec();
+        abort.resize(MAX_ABORT_BODY, b'\n');
+        assert!(AbortRequest::parse(&abort).is_ok());
+        let env = Forwarded::new(&"n".repeat(MAX_PEER_NAME), &abort).unwrap();
+        let json = env.to_json();
+        assert!(json.len() > 2 * MAX_ABORT_BODY, "{}", json.len());
+        assert_eq!(Forwarded::parse(&json), Some(env));
+    }
+
+    #[test]
+    fn an_envelope_of_exactly_max_peer_body_bytes_is_read_and_one_more_is_refused() {
+        assert_eq!(MAX_PEER_BODY, 2 * 4096 + 512);
+        let env = Forwarded::new("10.0.0.1:9902", br#"{"counter":1}"#).unwrap();
+        let padded = |len: usize| {
+            let mut json = env.to_json();
+            json.resize(len, b' ');
+            json
+        };
+        assert_eq!(Forwarded::parse(&padded(8704)), Some(env.clone()));
+        assert_eq!(Forwarded::parse(&padded(8705)), None);
+        assert_eq!(Forwarded::parse(&padded(20_000)), None);
     }
 }

@@ -110,4 +110,19 @@ mod tests {
         }
         assert!("nope".parse::<AbortReason>().is_err());
     }
+
+    #[test]
+    fn display_is_the_wire_label_and_unknown_reason_says_so() {
+        for r in AbortReason::ALL {
+            assert_eq!(r.to_string(), r.as_str());
+        }
+        assert_eq!(
+            AbortReason::FirstTokenTimeout.to_string(),
+            "first_token_timeout"
+        );
+        assert_eq!(AbortReason::LocalReply.to_string(), "local_reply");
+        let err = "Stalled".parse::<AbortReason>().unwrap_err();
+        assert_eq!(err, UnknownReason);
+        assert_eq!(err.to_string(), "unknown abort reason");
+    }
 }

@@ -223,6 +223,69 @@ mod tests {
         }
     }
 
+    #[test]
+    fn t_takes_one_to_twenty_digits_up_to_u64_max() {
+        let mac = "cd".repeat(32);
+        assert_eq!(
+            parse(format!("t=18446744073709551615,v1={mac}").as_bytes()),
+            Ok(Signature {
+                t: u64::MAX,
+                v1: [0xcd; 32]
+            })
+        );
+        assert_eq!(
+            parse(format!("t=00000000000000000007,v1={mac}").as_bytes()).map(|s| s.t),
+            Ok(7)
+        );
+        let h = sign(&key(), u64::MAX, b"{}");
+        assert!(verify_any_time(&[key()], Some(h.as_bytes()), b"{}").is_ok());
+        for bad in [
+            format!("t=,v1={mac}"),
+            format!("v1={mac},t="),
+            format!("t=000000000000000000007,v1={mac}"),
+            format!("t=18446744073709551616,v1={mac}"),
+            format!("t=+7,v1={mac}"),
+            format!("t=7 7,v1={mac}"),
+        ] {
+            assert_eq!(
+                parse(bad.as_bytes()),
+                Err(SignatureError::Malformed),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn labels_and_messages_name_each_refusal() {
+        let cases = [
+            (
+                SignatureError::Missing,
+                "missing",
+                "missing x-kvguard-signature header",
+            ),
+            (
+                SignatureError::Malformed,
+                "malformed",
+                "malformed x-kvguard-signature header",
+            ),
+            (
+                SignatureError::Stale,
+                "stale",
+                "signature timestamp outside the allowed skew",
+            ),
+            (
+                SignatureError::Mismatch,
+                "mismatch",
+                "signature does not match any configured key",
+            ),
+            (SignatureError::Replay, "replay", "signature already used"),
+        ];
+        for (err, label, message) in cases {
+            assert_eq!(err.as_str(), label);
+            assert_eq!(err.to_string(), message);
+        }
+    }
+
     proptest! {
         #[test]
         fn parse_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {

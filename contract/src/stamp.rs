@@ -151,6 +151,36 @@ mod tests {
         }
     }
 
+    #[test]
+    fn t_must_be_plain_digits() {
+        let sig = "00".repeat(32);
+        assert_eq!(
+            parse(format!("1.2.3.4:5;t=7;sig={sig}").as_bytes()).map(|s| s.t),
+            Ok(7)
+        );
+        // Rust's integer parser would take a sign; the contract's `t` is digits only.
+        for t in ["+7", "", " ", "-7", "7a", "0x7"] {
+            let bad = format!("1.2.3.4:5;t={t};sig={sig}");
+            assert_eq!(parse(bad.as_bytes()), Err(StampError::Malformed), "{bad}");
+        }
+        assert_eq!(
+            parse(format!("1.2.3.4:5;t=7;sig={sig};x").as_bytes()),
+            Err(StampError::Malformed)
+        );
+    }
+
+    #[test]
+    fn error_messages_name_the_header() {
+        assert_eq!(
+            StampError::Malformed.to_string(),
+            "malformed x-kvguard-control header"
+        );
+        assert_eq!(
+            StampError::Mismatch.to_string(),
+            "x-kvguard-control signature does not verify"
+        );
+    }
+
     proptest! {
         #[test]
         fn parse_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
