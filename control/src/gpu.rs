@@ -240,12 +240,80 @@ mod tests {
         assert_eq!(j["unavailable_reason"], "NVML init failed: LibloadingError");
     }
 
+    /// What is wrong with a sample from a machine with a GPU, if anything: no device,
+    /// indices out of order, a device without a name, uuid or memory, used or free above
+    /// total, a process using more than its device has.
+    fn insane(snap: &GpuSnapshot) -> Option<String> {
+        if snap.devices.is_empty() {
+            return Some("no device".into());
+        }
+        for (i, d) in snap.devices.iter().enumerate() {
+            let bad = if d.index as usize != i {
+                "index out of order"
+            } else if d.name.trim().is_empty() {
+                "no name"
+            } else if d.uuid.trim().is_empty() {
+                "no uuid"
+            } else if d.total_bytes == 0 {
+                "no memory"
+            } else if d.used_bytes > d.total_bytes {
+                "used > total"
+            } else if d.free_bytes > d.total_bytes {
+                "free > total"
+            } else if d
+                .processes
+                .iter()
+                .any(|p| p.used_bytes.unwrap_or(0) > d.total_bytes)
+            {
+                "process uses more than the device has"
+            } else {
+                continue;
+            };
+            return Some(format!("device {i}: {bad}"));
+        }
+        None
+    }
+
+    #[test]
+    fn the_gpu_sanity_check_catches_broken_samples() {
+        assert_eq!(insane(&snap(100)), None);
+        type Breaker = fn(&mut GpuSnapshot);
+        let breaks: [(Breaker, &str); 8] = [
+            (|s| s.devices.clear(), "no device"),
+            (|s| s.devices[0].index = 1, "index out of order"),
+            (|s| s.devices[0].name.clear(), "no name"),
+            (|s| s.devices[0].uuid = " ".into(), "no uuid"),
+            (|s| s.devices[0].total_bytes = 0, "no memory"),
+            (|s| s.devices[0].used_bytes = 1001, "used > total"),
+            (|s| s.devices[0].free_bytes = 1001, "free > total"),
+            (
+                |s| s.devices[0].processes[0].used_bytes = Some(1001),
+                "process uses more",
+            ),
+        ];
+        for (brk, what) in breaks {
+            let mut s = snap(100);
+            brk(&mut s);
+            let got = insane(&s);
+            assert!(
+                got.as_deref().is_some_and(|g| g.contains(what)),
+                "{what}: {got:?}"
+            );
+        }
+    }
+
     #[test]
     fn real_nvml_init_never_panics() {
-        // On machines without a driver this is an Err with a reason; with one, Ok.
+        // On machines without a driver this is an Err with a reason; with one, Ok, and then
+        // a sample must succeed and describe real devices.
         match NvmlProbe::init() {
             Ok(p) => {
-                let _ = p.sample();
+                let snap = p.sample();
+                eprintln!("NVML sample: {snap:?}");
+                match snap {
+                    Ok(s) => assert_eq!(insane(&s), None, "{s:?}"),
+                    Err(e) => panic!("NVML initialised but the sample failed: {e}"),
+                }
             }
             // The reason carries NVML's own error after the prefix.
             Err(reason) => assert!(
