@@ -80,6 +80,10 @@ pub struct BenchOptions {
     pub host_call_costs: Option<u32>,
     /// `requests` section: only these clients (empty: all of [`requests::CLIENTS`]).
     pub request_clients: Vec<String>,
+    /// Keys set in kvguard's filter configuration in the overhead and requests sections
+    /// (on top of the bench's), e.g. `{"max_age_ms": 1, "tick_ms": 10}` to check that the
+    /// bench fails when healthy streams are aborted.
+    pub kvguard_config: serde_json::Map<String, Value>,
 }
 
 /// Restricts every thread of process `pid` to `cpus` (`sched_setaffinity` per task).
@@ -328,29 +332,44 @@ pub async fn three_listener_envoy(
     upstream: SocketAddr,
     receiver: SocketAddr,
     noop_wasm: PathBuf,
+    kvguard_config: &serde_json::Map<String, Value>,
 ) -> Result<Envoy> {
-    let (envoy, _) = requests::envoy(upstream, receiver, noop_wasm, Vec::new(), None).await?;
+    let (envoy, _) = requests::envoy(
+        upstream,
+        receiver,
+        noop_wasm,
+        Vec::new(),
+        None,
+        kvguard_config,
+    )
+    .await?;
     Ok(envoy)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The `p` quantile (0 ≤ p ≤ 1) of `v`, interpolated linearly between the closest ranks
+/// (rank (n − 1) × p, 0-based: numpy's and R's default, type 7); NaN when `v` is empty.
+fn quantile(mut v: Vec<f64>, p: f64) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }
     v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    let h = (v.len() - 1) as f64 * p.clamp(0.0, 1.0);
+    let (lo, hi) = (h.floor() as usize, h.ceil() as usize);
+    match (v.get(lo), v.get(hi)) {
+        (Some(a), Some(b)) => a + (h - lo as f64) * (b - a),
+        _ => f64::NAN,
     }
 }
 
-/// Median, min and max of a series.
+/// Median, interquartile range and extremes of a series (across rounds).
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct Spread {
     /// Median.
     pub median: f64,
+    /// First quartile ([`quantile`] 0.25).
+    pub q1: f64,
+    /// Third quartile ([`quantile`] 0.75).
+    pub q3: f64,
     /// Smallest.
     pub min: f64,
     /// Largest.
@@ -358,11 +377,13 @@ pub struct Spread {
 }
 
 impl Spread {
-    /// Of a series.
+    /// Of a series (non-finite values are left out).
     pub fn of(v: &[f64]) -> Spread {
         let v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
         Spread {
-            median: median(v.clone()),
+            median: quantile(v.clone(), 0.5),
+            q1: quantile(v.clone(), 0.25),
+            q3: quantile(v.clone(), 0.75),
             min: v.iter().copied().fold(f64::INFINITY, f64::min),
             max: v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
         }
@@ -373,7 +394,13 @@ impl Spread {
 pub async fn overhead(opts: &BenchOptions) -> Result<Value> {
     let up = FastUpstream::spawn().await?;
     let rx = receiver::spawn(ReceiverConfig::new(vec![Key::try_new(SECRET.as_bytes())?])).await?;
-    let mut envoy = three_listener_envoy(up.addr(), rx.addr(), opts.noop_wasm.clone()).await?;
+    let mut envoy = three_listener_envoy(
+        up.addr(),
+        rx.addr(),
+        opts.noop_wasm.clone(),
+        &opts.kvguard_config,
+    )
+    .await?;
     let pid = envoy.guard().pid();
     pin_proxy(opts, pid)?;
     let mut ports = BTreeMap::new();
@@ -394,7 +421,11 @@ pub async fn overhead(opts: &BenchOptions) -> Result<Value> {
             };
             let s = load_once(ports[v], &w, 1).await;
             if s.errors > 0 || s.completed == 0 {
-                bail!("warm-up through {v} failed: {:?}", s.error_samples);
+                bail!(
+                    "warm-up through {v} failed: {:?}{}",
+                    s.error_samples,
+                    aborts_note("overhead", &rx.calls())
+                );
             }
         }
     }
@@ -483,7 +514,7 @@ pub async fn overhead(opts: &BenchOptions) -> Result<Value> {
         .stats_matching("kvguard_filter")
         .await
         .unwrap_or_default();
-    let false_aborts = rx.calls().len();
+    let false_aborts = rx.calls();
     // Summaries per scenario.
     let mut summary = Vec::new();
     for sc in &scs {
@@ -549,7 +580,8 @@ pub async fn overhead(opts: &BenchOptions) -> Result<Value> {
         "summary": summary,
         "ttfb_probe": ttfb_probe,
         "runs": runs,
-        "aborts_sent_during_healthy_load": false_aborts,
+        "aborts_sent_during_healthy_load": false_aborts.len(),
+        "abort_reasons_during_healthy_load": abort_reasons(&false_aborts),
         "filter_stats": stats,
     }))
 }
@@ -1043,7 +1075,13 @@ pub async fn control(opts: &BenchOptions) -> Result<Value> {
     };
     // The reference: the same hop through a plain Envoy (router only), on the same CPU.
     let rx = receiver::spawn(ReceiverConfig::new(vec![Key::try_new(SECRET.as_bytes())?])).await?;
-    let mut envoy = three_listener_envoy(up.addr(), rx.addr(), opts.noop_wasm.clone()).await?;
+    let mut envoy = three_listener_envoy(
+        up.addr(),
+        rx.addr(),
+        opts.noop_wasm.clone(),
+        &opts.kvguard_config,
+    )
+    .await?;
     pin_proxy(opts, envoy.guard().pid())?;
     let envoy_port = envoy.listener_named(listener_name("none")).await?;
     let mut direct = Vec::new();
@@ -1097,6 +1135,61 @@ pub async fn control(opts: &BenchOptions) -> Result<Value> {
     }))
 }
 
+/// The abort calls a receiver got, counted by reason (`unparsed` for a body that did not
+/// parse as an abort).
+pub fn abort_reasons(calls: &[crate::receiver::ReceivedCall]) -> BTreeMap<String, usize> {
+    let mut by = BTreeMap::new();
+    for c in calls {
+        let r = c.abort.as_ref().map_or("unparsed", |a| a.reason.as_str());
+        *by.entry(r.to_owned()).or_insert(0) += 1;
+    }
+    by
+}
+
+/// The sections whose healthy load (nothing stalls, nothing disconnects early) saw an abort,
+/// each as a message naming the section, the count and the reasons: a healthy stream is
+/// never to be aborted, so the bench fails on any (`kvguard-bench` exits non-zero after
+/// writing its results). Empty when every healthy load ran without one.
+pub fn healthy_load_aborts(res: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    for section in ["overhead", "requests"] {
+        let s = &res[section];
+        let n = s["aborts_sent_during_healthy_load"].as_u64().unwrap_or(0);
+        if n == 0 {
+            continue;
+        }
+        let reasons = s["abort_reasons_during_healthy_load"]
+            .as_object()
+            .filter(|o| !o.is_empty())
+            .map_or_else(
+                || "reasons not recorded".to_owned(),
+                |o| {
+                    o.iter()
+                        .map(|(r, c)| format!("{r} × {c}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                },
+            );
+        out.push(format!(
+            "{section} section: {n} abort(s) sent during the healthy load ({reasons})"
+        ));
+    }
+    out
+}
+
+/// `; <section> section: N abort(s) …` when `calls` holds any, for a failure message (a
+/// warm-up's streams cut by aborts); empty otherwise.
+fn aborts_note(section: &str, calls: &[crate::receiver::ReceivedCall]) -> String {
+    let res = json!({section: {
+        "aborts_sent_during_healthy_load": calls.len(),
+        "abort_reasons_during_healthy_load": abort_reasons(calls),
+    }});
+    healthy_load_aborts(&res)
+        .iter()
+        .map(|m| format!("; {m}"))
+        .collect()
+}
+
 /// Runs the selected sections; returns the whole result.
 pub async fn run(opts: BenchOptions) -> Result<Value> {
     let want = |s: &str| opts.sections.iter().any(|x| x == s || x == "all");
@@ -1138,4 +1231,45 @@ pub async fn run(opts: BenchOptions) -> Result<Value> {
     }
     res["duration_s"] = json!(started.elapsed().as_secs_f64());
     Ok(res)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spread_gives_median_quartiles_and_extremes() {
+        let s = Spread::of(&[4.0, 1.0, 3.0, 2.0, f64::NAN, 5.0]);
+        assert_eq!(
+            (s.median, s.q1, s.q3, s.min, s.max),
+            (3.0, 2.0, 4.0, 1.0, 5.0)
+        );
+        // Between ranks: linear interpolation (0-based rank (n − 1) × p).
+        let s = Spread::of(&[10.0, 20.0, 30.0, 40.0]);
+        assert_eq!((s.median, s.q1, s.q3), (25.0, 17.5, 32.5));
+        assert!(Spread::of(&[]).median.is_nan());
+    }
+
+    #[test]
+    fn a_healthy_load_abort_is_a_failure_naming_section_count_and_reason() {
+        let ok = json!({
+            "overhead": {"aborts_sent_during_healthy_load": 0},
+            "requests": {"aborts_sent_during_healthy_load": 0, "abort_reasons_during_healthy_load": {}},
+            "abort": {"abort_to_receiver_n": 1000},
+        });
+        assert!(healthy_load_aborts(&ok).is_empty());
+        assert!(healthy_load_aborts(&json!({})).is_empty());
+        let bad = json!({
+            "overhead": {"aborts_sent_during_healthy_load": 2},
+            "requests": {"aborts_sent_during_healthy_load": 5,
+                         "abort_reasons_during_healthy_load": {"max_age": 4, "stalled": 1}},
+        });
+        assert_eq!(
+            healthy_load_aborts(&bad),
+            [
+                "overhead section: 2 abort(s) sent during the healthy load (reasons not recorded)",
+                "requests section: 5 abort(s) sent during the healthy load (max_age × 4, stalled × 1)",
+            ]
+        );
+    }
 }

@@ -40,26 +40,44 @@ fn f(v: &Value) -> f64 {
     v.as_f64().unwrap_or(f64::NAN)
 }
 
+/// `median [q1…q3] (min…max)`; results recorded before the quartiles were (no `q1`)
+/// read `median (min…max)`.
 fn spread(v: &Value, scale: f64, digits: usize) -> String {
+    let x = |k: &str| f(&v[k]) * scale;
+    let iqr = if v["q1"].is_number() {
+        format!(" [{:.*}…{:.*}]", digits, x("q1"), digits, x("q3"))
+    } else {
+        String::new()
+    };
     format!(
-        "{:.*} ({:.*}–{:.*})",
+        "{:.*}{iqr} ({:.*}…{:.*})",
         digits,
-        f(&v["median"]) * scale,
+        x("median"),
         digits,
-        f(&v["min"]) * scale,
+        x("min"),
         digits,
-        f(&v["max"]) * scale
+        x("max")
     )
 }
 
+/// A ratio's spread as percentages: `+m% [q1…q3] (min…max)`.
 fn pct(v: &Value) -> String {
+    let p = |k: &str| (f(&v[k]) - 1.0) * 100.0;
+    let iqr = if v["q1"].is_number() {
+        format!(" [{:+.1}…{:+.1}]", p("q1"), p("q3"))
+    } else {
+        String::new()
+    };
     format!(
-        "{:+.1}% ({:+.1}…{:+.1})",
-        (f(&v["median"]) - 1.0) * 100.0,
-        (f(&v["min"]) - 1.0) * 100.0,
-        (f(&v["max"]) - 1.0) * 100.0
+        "{:+.1}%{iqr} ({:+.1}…{:+.1})",
+        p("median"),
+        p("min"),
+        p("max")
     )
 }
+
+/// How a spread across rounds reads, for table titles.
+const SPREAD: &str = "median [interquartile range] (min…max) across rounds";
 
 /// The markdown tables of a result.
 pub fn markdown(res: &Value) -> String {
@@ -84,7 +102,7 @@ pub fn markdown(res: &Value) -> String {
     if let Some(sum) = res["overhead"]["summary"].as_array() {
         let _ = writeln!(
             m,
-            "### Filter overhead ({} interleaved rounds; median (min–max) across rounds)\n",
+            "### Filter overhead ({} interleaved rounds; {SPREAD})\n",
             res["overhead"]["rounds"]
         );
         let _ = writeln!(m, "| scenario | listener | Envoy CPU µs/event | TTFB p50 ms | TTFB p99 ms | inter-event p99 ms | events/s | errors |");
@@ -105,10 +123,7 @@ pub fn markdown(res: &Value) -> String {
                 );
             }
         }
-        let _ = writeln!(
-            m,
-            "\nCPU per relayed event, ratios per round (median (min…max)):\n"
-        );
+        let _ = writeln!(m, "\nCPU per relayed event, ratios per round ({SPREAD}):\n");
         let _ = writeln!(m, "| scenario | kvguard vs noop (goal ≤ +3%) | kvguard vs none (goal ≤ +10%) | noop vs none (wasm runtime) | noop-read vs noop (body copy into the VM) | kvguard vs noop-read (scan + bookkeeping) |");
         let _ = writeln!(m, "|---|---|---|---|---|---|");
         for s in sum {
@@ -328,7 +343,7 @@ fn requests_md(m: &mut String, r: &Value) {
     };
     let _ = writeln!(
         m,
-        "### Per request ({} rounds; {} one-event requests at {} concurrent per run; median (min–max) across rounds)\n",
+        "### Per request ({} rounds; {} one-event requests at {} concurrent per run; {SPREAD})\n",
         r["rounds"], r["requests_per_run"], r["concurrency"]
     );
     let _ = writeln!(
@@ -572,4 +587,20 @@ pub fn svg(res: &Value) -> String {
     }
     s.push_str("</svg>\n");
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_spread_reads_with_its_interquartile_range_when_recorded() {
+        let v = json!({"median": 2.0, "q1": 1.5, "q3": 3.0, "min": 1.0, "max": 4.0});
+        assert_eq!(spread(&v, 1.0, 1), "2.0 [1.5…3.0] (1.0…4.0)");
+        let r = json!({"median": 1.1, "q1": 1.05, "q3": 1.2, "min": 0.9, "max": 1.3});
+        assert_eq!(pct(&r), "+10.0% [+5.0…+20.0] (-10.0…+30.0)");
+        // Results recorded before the quartiles were.
+        let old = json!({"median": 2.0, "min": 1.0, "max": 4.0});
+        assert_eq!(spread(&old, 1.0, 1), "2.0 (1.0…4.0)");
+    }
 }

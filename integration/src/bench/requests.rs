@@ -89,12 +89,16 @@ pub(super) async fn envoy(
     noop_wasm: PathBuf,
     compare: Vec<(String, PathBuf)>,
     host_calls: Option<u32>,
+    kvguard_config: &serde_json::Map<String, Value>,
 ) -> Result<(Envoy, Vec<String>)> {
-    let filter = json!({
+    let mut filter = json!({
         "control_cluster": crate::envoy::CONTROL_CLUSTER,
         "secret_env": "KVGUARD_SECRET",
         "mode": "enforce",
     });
+    for (k, v) in kvguard_config {
+        filter[k] = v.clone();
+    }
     let mut variants: Vec<String> = super::VARIANTS.iter().map(|v| (*v).to_owned()).collect();
     variants.extend(compare.iter().map(|(l, _)| format!("kvguard@{l}")));
     if host_calls.is_some() {
@@ -275,6 +279,7 @@ pub async fn requests(opts: &BenchOptions) -> Result<Value> {
         opts.noop_wasm.clone(),
         opts.compare_wasm.clone(),
         opts.host_call_costs,
+        &opts.kvguard_config,
     )
     .await?;
     let pid = envoy.guard().pid();
@@ -315,7 +320,11 @@ pub async fn requests(opts: &BenchOptions) -> Result<Value> {
         )
         .await;
         if s.errors > 0 || s.completed == 0 {
-            bail!("warm-up through {v} failed: {:?}", s.error_samples);
+            bail!(
+                "warm-up through {v} failed: {:?}{}",
+                s.error_samples,
+                super::aborts_note("requests", &rx.calls())
+            );
         }
     }
     let started = Instant::now();
@@ -472,6 +481,7 @@ pub async fn requests(opts: &BenchOptions) -> Result<Value> {
         "per_event": per_event_summary,
         "runs": runs,
         "aborts_sent_during_healthy_load": rx.calls().len(),
+        "abort_reasons_during_healthy_load": super::abort_reasons(&rx.calls()),
         "measure_s": started.elapsed().as_secs_f64(),
     }))
 }

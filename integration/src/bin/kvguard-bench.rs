@@ -49,6 +49,11 @@ struct Args {
     /// load-h1, load-h1-64; default all).
     #[arg(long, value_delimiter = ',')]
     clients: Vec<String>,
+    /// Keys set in kvguard's filter configuration in the overhead and requests sections, as
+    /// a JSON object. The bench's own check: `--kvguard-config '{"max_age_ms":1,"tick_ms":10}'`
+    /// aborts healthy streams, and the bench must then exit non-zero.
+    #[arg(long, value_parser = parse_kvguard_config)]
+    kvguard_config: Option<serde_json::Map<String, serde_json::Value>>,
     /// Run the soak instead of the benchmarks, for this many minutes (scripts/soak).
     #[arg(long)]
     soak_minutes: Option<f64>,
@@ -92,6 +97,15 @@ fn parse_compare(s: &str) -> Result<(String, PathBuf), String> {
         ));
     }
     Ok((label.to_owned(), path))
+}
+
+/// `--kvguard-config`: a JSON object.
+fn parse_kvguard_config(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    match serde_json::from_str(s) {
+        Ok(serde_json::Value::Object(m)) => Ok(m),
+        Ok(_) => Err(format!("--kvguard-config {s}: expected a JSON object")),
+        Err(e) => Err(format!("--kvguard-config {s}: {e}")),
+    }
 }
 
 /// Runs `fut` until it ends or SIGINT/SIGTERM arrives; on a signal the future is dropped,
@@ -172,6 +186,7 @@ async fn main() -> Result<()> {
         compare_wasm: a.compare_wasm,
         host_call_costs: a.host_call_costs,
         request_clients: a.clients,
+        kvguard_config: a.kvguard_config.unwrap_or_default(),
     };
     let res = interruptible(bench::run(opts)).await?;
     let with = |ext: &str| {
@@ -185,5 +200,13 @@ async fn main() -> Result<()> {
     std::fs::write(with(".svg"), report::svg(&res)).context("writing svg")?;
     println!("{md}");
     println!("wrote {}.{{json,md,svg}}", a.out.display());
+    let aborted = bench::healthy_load_aborts(&res);
+    if !aborted.is_empty() {
+        anyhow::bail!(
+            "{}: a healthy stream must never be aborted (results in {}.json)",
+            aborted.join("; "),
+            a.out.display()
+        );
+    }
     Ok(())
 }
