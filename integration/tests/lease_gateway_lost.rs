@@ -151,7 +151,7 @@ async fn a_sigkilled_gateways_streams_end_within_the_ttl_and_only_its_own() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn renewals_blocked_for_three_ttls_never_end_a_stream_someone_reads() {
+async fn renewals_blocked_for_three_ttls_in_the_default_observe_mode_end_no_stream_someone_reads() {
     bounded("renewals blocked", Duration::from_secs(120), async {
         let engine = sim::spawn(sim_config()).await.unwrap();
         let any = SocketAddr::from(([127, 0, 0, 1], 0));

@@ -409,10 +409,21 @@ async fn injected_resets_and_error_statuses() {
             )
             .await
             .unwrap();
-            assert!(s.next_data(W).await.unwrap().is_some());
-            assert!(s.next_data(W).await.unwrap().is_some());
-            let end = s.next_event(W).await;
+            // The engine resets after 2 token steps. The client sees at most those 2 events,
+            // then an error: the last ones can be lost with the connection when hyper polls
+            // the reset before it flushed them (seen on a loaded machine: 1 event).
+            let mut events = 0;
+            let end = loop {
+                match s.next_data(W).await {
+                    Ok(Some(_)) => events += 1,
+                    other => break other,
+                }
+            };
             assert!(end.is_err(), "{id}: a reset, not a clean end: {end:?}");
+            assert!(
+                events <= 2,
+                "{id}: {events} events before a reset after 2 steps"
+            );
         }
         let r = client::post_json(
             sim.addr(),
@@ -429,7 +440,14 @@ async fn injected_resets_and_error_statuses() {
             .wait_state("three resets", W, |s| s.resets == 3)
             .await
             .unwrap();
-        assert_eq!(st.request("r2").unwrap().ended, Some(EndKind::Reset));
+        for id in ["r1", "r2"] {
+            let rec = st.request(id).unwrap();
+            assert_eq!(rec.ended, Some(EndKind::Reset), "{id}: {rec:?}");
+            assert_eq!(
+                rec.tokens_sent, 2,
+                "{id}: reset after 2 token steps: {rec:?}"
+            );
+        }
         assert_eq!(st.blocks_used, 0);
         let r = client::post_json(
             sim.addr(),
