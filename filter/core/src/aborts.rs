@@ -726,4 +726,123 @@ mod tests {
         }
         assert!(seen.len() > 10, "jitter varies");
     }
+
+    #[test]
+    fn a_job_remembers_when_it_was_decided() {
+        assert_eq!(job("r", 1_234).queued_ms(), 1_234);
+        assert_eq!(job("r", 0).queued_ms(), 0);
+    }
+
+    #[test]
+    fn a_new_bound_refuses_new_jobs_and_keeps_those_queued() {
+        let mut q = AbortQueue::new(3, 1);
+        let mut h = MockHost::default();
+        q.push(job("a", 0), &mut h).unwrap();
+        q.push(job("b", 0), &mut h).unwrap();
+        q.set_max_pending(1);
+        assert!(q.push(job("c", 0), &mut h).is_err());
+        assert_eq!(q.pending(), 2);
+        q.set_max_pending(5);
+        assert!(q.push(job("c", 0), &mut h).is_ok());
+        assert_eq!(q.pending(), 3);
+    }
+
+    #[test]
+    fn a_retry_is_ready_only_once_due() {
+        let cfg = config(r#","abort_retries":1"#);
+        let mut q = AbortQueue::new(10, 1);
+        let mut h = MockHost::default();
+        let mut fin = Vec::new();
+        q.push(job("r", 0), &mut h).unwrap();
+        q.pump(&cfg, 0, 1, &mut h, &mut fin);
+        q.on_answer(&cfg, h.calls[0].0, Some(503), b"", 0, &mut h, &mut fin);
+        let due = q.next_due_ms().unwrap();
+        assert!(!q.has_ready(due - 1));
+        assert!(q.has_ready(due));
+        assert!(q.has_ready(due + 1));
+    }
+
+    #[test]
+    fn jitter_spans_the_whole_range_and_differs_between_seeds() {
+        let draws = |seed: u64| {
+            let mut q = AbortQueue::new(1, seed);
+            (0..5_000).map(|_| q.backoff_ms(1)).collect::<Vec<u64>>()
+        };
+        let a = draws(1);
+        // The first retry waits within [base/2, base], both ends included.
+        assert!(a
+            .iter()
+            .all(|d| (BACKOFF_BASE_MS / 2..=BACKOFF_BASE_MS).contains(d)));
+        assert_eq!(a.iter().min(), Some(&(BACKOFF_BASE_MS / 2)));
+        assert_eq!(a.iter().max(), Some(&BACKOFF_BASE_MS));
+        // Queues seeded differently (other VMs) do not retry in lockstep.
+        assert_ne!(a, draws(2));
+    }
+
+    #[test]
+    fn a_retry_may_be_due_at_the_deadline_but_not_after() {
+        let cfg = config(r#","abort_retries":3"#);
+        // The same seed draws the same jitter: a twin queue tells the first retry's delay.
+        let delay = AbortQueue::new(10, 3).backoff_ms(1);
+        for late in [0, 1] {
+            let mut q = AbortQueue::new(10, 3);
+            let mut h = MockHost::default();
+            let mut fin = Vec::new();
+            q.push(job("r", 0), &mut h).unwrap();
+            q.pump(&cfg, 0, 1, &mut h, &mut fin);
+            let answered = DEADLINE_MS - delay + late;
+            q.on_answer(
+                &cfg,
+                h.calls[0].0,
+                Some(503),
+                b"",
+                answered,
+                &mut h,
+                &mut fin,
+            );
+            if late == 0 {
+                // Due at the deadline's last moment: kept, and sent then.
+                assert!(fin.is_empty());
+                assert_eq!(q.next_due_ms(), Some(DEADLINE_MS));
+                q.pump(&cfg, DEADLINE_MS, 1, &mut h, &mut fin);
+                assert_eq!(h.calls.len(), 2);
+                assert!(fin.is_empty());
+                assert_eq!(q.in_flight(), 1);
+            } else {
+                // It would be due past the deadline: given up at once, with the last status.
+                assert_eq!(fin.len(), 1);
+                assert_eq!(fin[0].outcome, Outcome::Failed);
+                assert_eq!(fin[0].status, Some(503));
+                assert_eq!(q.pending(), 0);
+            }
+        }
+    }
+
+    #[test]
+    fn abandoning_fails_every_job_wherever_it_is() {
+        let cfg = config(r#","abort_retries":3"#);
+        let mut q = AbortQueue::new(10, 1);
+        let mut h = MockHost::default();
+        let mut fin = Vec::new();
+        // "a" in flight, "b" backing off, "c" queued.
+        q.push(job("a", 0), &mut h).unwrap();
+        q.pump(&cfg, 0, 1, &mut h, &mut fin);
+        h.refuse = Some(DispatchError::Other);
+        q.push(job("b", 0), &mut h).unwrap();
+        q.pump(&cfg, 0, 1, &mut h, &mut fin);
+        q.push(job("c", 0), &mut h).unwrap();
+        assert_eq!((q.pending(), q.in_flight()), (3, 1));
+        assert!(fin.is_empty());
+        q.abandon(&mut h, &mut fin);
+        let mut ids: Vec<String> = fin.iter().map(|f| f.job.id.to_string()).collect();
+        ids.sort();
+        assert_eq!(ids, ["a", "b", "c"]);
+        assert!(fin.iter().all(|f| f.outcome == Outcome::Failed));
+        assert_eq!(q.pending(), 0);
+        assert_eq!(h.metric(Metric::PendingAborts), 0);
+        assert_eq!(
+            h.metric(Metric::Aborts(AbortReason::Stalled, Outcome::Failed)),
+            3
+        );
+    }
 }

@@ -887,6 +887,7 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::aborts::BACKOFF_MAX_MS;
     use crate::request::flags;
     use crate::testing::{config, MockHost, SECRET};
     use kvguard_contract::{Key, RequestId};
@@ -962,6 +963,26 @@ mod tests {
             None
         );
         assert_eq!(e.on_log(&mut h, 9, b"", 0), None);
+    }
+
+    #[test]
+    fn a_context_reused_without_on_log_replaces_its_stale_request() {
+        let (mut e, mut h) = engine("");
+        track(&mut e, &mut h, 1, "old");
+        track(&mut e, &mut h, 2, "other");
+        assert_eq!(e.tracked(), 2);
+        track(&mut e, &mut h, 1, "new");
+        assert_eq!(e.tracked(), 2);
+        assert_eq!(
+            e.request(1).map(|r| r.id.to_string()),
+            Some("new".to_owned())
+        );
+        // The gauge counts streams, not headers seen.
+        assert_eq!(h.metric(Metric::ActiveRequests), 2);
+        assert!(h
+            .logs
+            .iter()
+            .any(|(l, m)| *l == Level::Warn && m.contains("dropping stale request old")));
     }
 
     #[test]
@@ -1598,10 +1619,10 @@ mod tests {
             )),
             1
         );
-        assert!(h
-            .logs
-            .iter()
-            .any(|(l, m)| *l == Level::Warn && m.contains("outcome=dropped")));
+        assert!(h.logs.iter().any(|(l, m)| *l == Level::Warn
+            && m.contains("outcome=dropped")
+            && m.contains("status=none")
+            && m.contains("(max_pending_aborts reached)")));
     }
 
     #[test]
@@ -1613,10 +1634,10 @@ mod tests {
         let t = h.calls[0].0;
         e.on_abort_answer(&mut h, t, Some(401), b"");
         assert_eq!(h.calls.len(), 1);
-        assert!(h
-            .logs
-            .iter()
-            .any(|(l, m)| *l == Level::Error && m.contains("outcome=unauthorized")));
+        assert!(h.logs.iter().any(|(l, m)| *l == Level::Error
+            && m.contains("outcome=unauthorized")
+            && m.contains("status=401")
+            && m.contains("check that the filter's secret is one of its keys")));
         assert_eq!(e.pending_aborts(), 0);
     }
 
@@ -1645,6 +1666,100 @@ mod tests {
         );
         assert_eq!(h.metric(Metric::AbortAttempts), 2);
         assert!(!e.tick_wanted());
+    }
+
+    #[test]
+    fn an_abort_s_round_trip_counts_from_its_decision() {
+        let (mut e, mut h) = engine("");
+        track(&mut e, &mut h, 1, "r1");
+        e.on_log(&mut h, 1, b"downstream_remote_disconnect", flags::DC);
+        h.now += 30;
+        e.pump(&mut h);
+        h.now += 40;
+        let t = h.calls[0].0;
+        e.on_abort_answer(&mut h, t, Some(200), br#"{"aborted":true}"#);
+        assert_eq!(
+            h.observed(Metric::AbortRoundTripMs(Outcome::Aborted)),
+            vec![70]
+        );
+    }
+
+    #[test]
+    fn a_call_the_host_refuses_is_loud_and_names_the_clusters() {
+        let (mut e, mut h) = engine("");
+        h.refuse = Some(crate::host::DispatchError::BadArgument);
+        track(&mut e, &mut h, 1, "r1");
+        e.on_log(&mut h, 1, b"downstream_remote_disconnect", flags::DC);
+        e.pump(&mut h);
+        assert_eq!(e.pending_aborts(), 0);
+        assert!(h.logs.iter().any(|(l, m)| *l == Level::Error
+            && m.contains("outcome=dispatch_error")
+            && m.contains("check control_cluster")));
+    }
+
+    #[test]
+    fn aborts_are_ready_only_when_one_is_due() {
+        let (mut e, mut h) = engine(r#","abort_retries":1"#);
+        assert!(!e.has_ready_aborts(h.now));
+        track(&mut e, &mut h, 1, "r1");
+        e.on_log(&mut h, 1, b"downstream_remote_disconnect", flags::DC);
+        assert!(e.has_ready_aborts(h.now));
+        e.pump(&mut h);
+        assert!(!e.has_ready_aborts(h.now), "in flight");
+        let t = h.calls[0].0;
+        e.on_abort_answer(&mut h, t, Some(503), b"");
+        assert!(!e.has_ready_aborts(h.now), "backing off");
+        assert!(e.has_ready_aborts(h.now + BACKOFF_MAX_MS));
+    }
+
+    #[test]
+    fn stopping_the_vm_gives_up_its_pending_aborts() {
+        let (mut e, mut h) = engine("");
+        for ctx in 1..=2 {
+            track(&mut e, &mut h, ctx, &format!("r{ctx}"));
+            e.on_log(&mut h, ctx, b"downstream_remote_disconnect", flags::DC);
+        }
+        e.pump(&mut h);
+        assert_eq!(e.pending_aborts(), 2);
+        e.abandon_pending(&mut h);
+        assert_eq!(e.pending_aborts(), 0);
+        assert_eq!(h.metric(Metric::PendingAborts), 0);
+        assert_eq!(
+            h.metric(Metric::Aborts(
+                AbortReason::DownstreamReset,
+                Outcome::Failed
+            )),
+            2
+        );
+        assert_eq!(
+            h.logs
+                .iter()
+                .filter(|(l, m)| *l == Level::Warn && m.contains("outcome=failed"))
+                .count(),
+            2
+        );
+    }
+
+    #[test]
+    fn the_tick_can_be_kept_on_with_nothing_tracked() {
+        let (mut e, _) = engine("");
+        assert_eq!(e.tick_change(), None);
+        e.keep_ticking(true);
+        assert!(e.tick_wanted());
+        assert_eq!(e.tick_change(), Some(250));
+        e.keep_ticking(false);
+        assert_eq!(e.tick_change(), Some(0));
+    }
+
+    #[test]
+    fn a_tick_change_the_host_refused_is_asked_again() {
+        let (mut e, mut h) = engine("");
+        track(&mut e, &mut h, 1, "r1");
+        assert_eq!(e.tick_change(), Some(250));
+        // The host refused to start the tick: the next check asks again.
+        e.set_tick_state(false);
+        assert_eq!(e.tick_change(), Some(250));
+        assert_eq!(e.tick_change(), None);
     }
 
     #[test]
@@ -1761,6 +1876,89 @@ mod tests {
     }
 
     #[test]
+    fn stalls_spread_over_ticks_within_one_window_add_up() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        for ctx in 1..=20 {
+            stream(&mut e, &mut h, ctx);
+        }
+        // Half go quiet at once, the other half 10 ms later (after a tick: their chunks
+        // then read the clock).
+        h.now += 10;
+        assert!(e.tick(&mut h).is_empty());
+        for ctx in 11..=20 {
+            e.on_response_body(&mut h, ctx, b"data: {}\n\n", 0, false);
+        }
+        h.now += 90;
+        assert_eq!(e.tick(&mut h).len(), 8, "max(8, 20 % of 20) close");
+        h.now += 10;
+        assert!(
+            e.tick(&mut h).is_empty(),
+            "the stalls of the window's earlier ticks still count"
+        );
+        assert_eq!(h.metric(Metric::StallHolds), 12);
+    }
+
+    #[test]
+    fn each_mass_stall_is_reported_once() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        let reports = |h: &MockHost| {
+            h.logs
+                .iter()
+                .filter(|(_, m)| m.starts_with("mass stall"))
+                .count()
+        };
+        for ctx in 1..=20 {
+            stream(&mut e, &mut h, ctx);
+        }
+        h.now += 10;
+        assert!(e.tick(&mut h).is_empty());
+        for ctx in 11..=20 {
+            e.on_response_body(&mut h, ctx, b"data: {}\n\n", 0, false);
+        }
+        h.now += 90;
+        assert_eq!(e.tick(&mut h).len(), 8);
+        // A tick that holds nothing within the episode does not end it...
+        h.now += 5;
+        assert!(e.tick(&mut h).is_empty());
+        h.now += 5;
+        assert!(e.tick(&mut h).is_empty());
+        assert_eq!(h.metric(Metric::StallHolds), 12);
+        assert_eq!(reports(&h), 1, "one episode, one report");
+        // ...a window without stalls does: the next mass stall is reported again.
+        for ctx in 1..=20 {
+            e.forget(&mut h, ctx);
+        }
+        h.now += 200;
+        assert!(e.tick(&mut h).is_empty());
+        for ctx in 21..=40 {
+            stream(&mut e, &mut h, ctx);
+        }
+        h.now += 100;
+        assert_eq!(e.tick(&mut h).len(), 8);
+        assert_eq!(reports(&h), 2);
+    }
+
+    #[test]
+    fn only_stalls_count_toward_a_mass_stall() {
+        let (mut e, mut h) = engine(r#","first_token_timeout_ms":100"#);
+        for ctx in 1..=20 {
+            track(&mut e, &mut h, ctx, &format!("f{ctx}"));
+            sse(&mut e, &mut h, ctx);
+        }
+        h.now += 100;
+        let closed = e.tick(&mut h);
+        assert_eq!(closed.len(), 20);
+        assert!(closed.iter().all(|a| matches!(
+            a,
+            Action::Close {
+                tag: OutcomeTag::Aborted(AbortReason::FirstTokenTimeout),
+                ..
+            }
+        )));
+        assert_eq!(h.metric(Metric::StallHolds), 0);
+    }
+
+    #[test]
     fn a_few_stalls_close_at_once() {
         let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
         for ctx in 1..=8 {
@@ -1769,6 +1967,10 @@ mod tests {
         h.now += 100;
         assert_eq!(e.tick(&mut h).len(), 8);
         assert_eq!(h.metric(Metric::StallHolds), 0);
+        assert!(
+            !h.logs.iter().any(|(_, m)| m.starts_with("mass stall")),
+            "no mass stall is reported"
+        );
     }
 
     #[test]
@@ -1819,6 +2021,65 @@ mod tests {
     }
 
     #[test]
+    fn a_chunk_is_read_only_when_its_bytes_are_scanned() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        let reads = std::cell::Cell::new(0);
+        let read = |b: &'static [u8]| {
+            let reads = &reads;
+            move || {
+                reads.set(reads.get() + 1);
+                Some(b.to_vec())
+            }
+        };
+        stream(&mut e, &mut h, 1);
+        // A chunk with no bytes (an end of stream alone, say) is not read.
+        assert_eq!(e.on_chunk(&mut h, 1, 0, false, read(b"")), None);
+        assert_eq!(reads.get(), 0);
+        // A chunk the host cannot hand over is progress and a host error.
+        h.now += 90;
+        assert_eq!(e.on_chunk(&mut h, 1, 5, false, || None), None);
+        assert_eq!(h.metric(Metric::HostErrors), 1);
+        h.now += 20;
+        assert!(
+            e.tick(&mut h).is_empty(),
+            "no stall after an unreadable chunk"
+        );
+        // A chunk with bytes is read and scanned.
+        let done = b"data: [DONE]\n\n";
+        assert_eq!(
+            e.on_chunk(&mut h, 1, done.len(), false, read(done)),
+            Some(OutcomeTag::Completed)
+        );
+        assert_eq!(reads.get(), 1);
+        // An opaque body's chunks are counted, never read.
+        track(&mut e, &mut h, 2, "o2");
+        assert_eq!(
+            e.on_response_headers(
+                &mut h,
+                2,
+                Some(b"application/octet-stream"),
+                None,
+                None,
+                false
+            ),
+            BodyNeed::Length
+        );
+        e.on_chunk(&mut h, 2, 10, false, read(b"0123456789"));
+        // Nor are an untracked stream's.
+        assert_eq!(e.on_chunk(&mut h, 9, done.len(), false, read(done)), None);
+        assert_eq!(reads.get(), 1);
+    }
+
+    #[test]
+    fn a_chunk_without_anomalies_makes_no_metric_call() {
+        let (mut e, mut h) = engine("");
+        stream(&mut e, &mut h, 1);
+        let before = h.adds;
+        e.on_response_body(&mut h, 1, b"data: {}\n\ndata: {}\n\n", 0, false);
+        assert_eq!(h.adds, before, "anomaly counters are host calls");
+    }
+
+    #[test]
     fn trailers_end_a_stream_without_done() {
         let (mut e, mut h) = engine("");
         stream(&mut e, &mut h, 1);
@@ -1865,11 +2126,14 @@ mod tests {
     struct FakeStreams {
         log: Vec<String>,
         refuse_select: Option<u32>,
+        refuse_close: Option<u32>,
+        selected: u32,
     }
 
     impl Streams for FakeStreams {
         fn select(&mut self, ctx: u32) -> bool {
             self.log.push(format!("select {ctx}"));
+            self.selected = ctx;
             self.refuse_select != Some(ctx)
         }
         fn set_outcome(&mut self, tag: OutcomeTag) {
@@ -1877,7 +2141,7 @@ mod tests {
         }
         fn close(&mut self) -> bool {
             self.log.push("close".into());
-            true
+            self.refuse_close != Some(self.selected)
         }
         fn restore(&mut self) {
             self.log.push("restore".into());
@@ -1929,6 +2193,70 @@ mod tests {
         let mut s = FakeStreams::default();
         assert_eq!(apply(&[], &mut s), Applied::default());
         assert!(s.log.is_empty());
+    }
+
+    #[test]
+    fn a_close_the_host_refuses_counts_as_failed() {
+        let mut s = FakeStreams {
+            refuse_close: Some(2),
+            ..FakeStreams::default()
+        };
+        let close = |ctx| Action::Close {
+            ctx,
+            tag: OutcomeTag::Aborted(AbortReason::Stalled),
+        };
+        let done = apply(&[close(1), close(2), close(3)], &mut s);
+        assert_eq!(
+            done,
+            Applied {
+                closed: 2,
+                failed: 1
+            }
+        );
+    }
+
+    #[test]
+    fn an_observed_request_s_histograms_are_labelled_observed() {
+        let (mut e, mut h) = engine(r#","mode":"observe","idle_timeout_ms":100"#);
+        track(&mut e, &mut h, 1, "o1");
+        sse(&mut e, &mut h, 1);
+        e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
+        h.now += 100;
+        assert_eq!(e.tick(&mut h).len(), 1);
+        e.on_response_body(&mut h, 1, b"data: [DONE]\n\n", 0, false);
+        e.on_log(&mut h, 1, b"via_upstream", 0);
+        assert_eq!(
+            h.observed(Metric::StreamDurationMs(Ended::Observed)),
+            vec![100]
+        );
+        assert!(h
+            .observed(Metric::StreamDurationMs(Ended::Completed))
+            .is_empty());
+    }
+
+    #[test]
+    fn reconfiguring_applies_the_new_mode_and_abort_bound() {
+        let (mut e, mut h) = engine("");
+        e.reconfigure(&mut h, config(r#","max_pending_aborts":1"#));
+        for ctx in 1..=2 {
+            track(&mut e, &mut h, ctx, &format!("d{ctx}"));
+            e.on_log(&mut h, ctx, b"downstream_remote_disconnect", flags::DC);
+        }
+        assert_eq!(e.pending_aborts(), 1);
+        assert_eq!(
+            h.metric(Metric::Aborts(
+                AbortReason::DownstreamReset,
+                Outcome::Dropped
+            )),
+            1
+        );
+        e.reconfigure(&mut h, config(r#","mode":"observe""#));
+        assert_eq!(e.mode(), Mode::Observe);
+        track(&mut e, &mut h, 3, "o3");
+        assert_eq!(
+            e.on_log(&mut h, 3, b"downstream_remote_disconnect", flags::DC),
+            Some(OutcomeTag::Observed(AbortReason::DownstreamReset))
+        );
     }
 
     /// The reason in the abort body of call `i`.

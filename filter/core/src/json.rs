@@ -482,6 +482,37 @@ mod tests {
     }
 
     #[test]
+    fn hex_escapes_are_read_in_either_case() {
+        assert!(look(br#"{"d\u006Fne":true}"#).done);
+        assert!(look(br#"{"type":"response.c\u006Fmpleted"}"#).terminal_type);
+        assert!(!inert(br#"{"d\u006Fne":true}"#));
+        assert_eq!(
+            unescape(br#"\u00C9\u00c9"#).unwrap(),
+            "\u{C9}\u{C9}".as_bytes()
+        );
+    }
+
+    #[test]
+    fn simple_escapes_decode_as_json_says() {
+        assert_eq!(
+            unescape(br#"\"\\\/\b\f\n\r\t"#).unwrap(),
+            b"\"\\/\x08\x0c\n\r\t"
+        );
+        // A high surrogate without its low half is a replacement character; what
+        // follows it still decodes.
+        assert_eq!(
+            unescape(br#"\ud800\u0041"#).unwrap(),
+            "\u{FFFD}A".as_bytes()
+        );
+        assert_eq!(
+            unescape(br#"\ud83d\ude00"#).unwrap(),
+            "\u{1F600}".as_bytes()
+        );
+        // What they decode to is what keys and types are compared as.
+        assert!(!look(br#"{"\/done":true,"done\t":true}"#).done);
+    }
+
+    #[test]
     fn malformed_inputs() {
         for bad in [
             &b""[..],

@@ -335,4 +335,85 @@ mod tests {
         assert_eq!(h.metric(Metric::LeaseRenewals(LeaseResult::Accepted)), 1);
         assert_eq!(h.metric(Metric::LeaseRenewals(LeaseResult::Failed)), 1);
     }
+
+    #[test]
+    fn the_replicas_value_lists_each_address_with_when_it_was_named() {
+        let a: SocketAddr = "10.0.0.1:9902".parse().unwrap();
+        let b: SocketAddr = "[fd00::2]:9902".parse().unwrap();
+        let v = replicas_value(&[(a, 1), (b, 2)]);
+        assert_eq!(v, b"v1:10.0.0.1:9902@1,[fd00::2]:9902@2");
+        assert_eq!(parse_replicas(&v), vec![(a, 1), (b, 2)]);
+        assert_eq!(replicas_value(&[]), b"v1:");
+        assert!(parse_replicas(b"v1:").is_empty());
+        assert!(parse_replicas(b"v2:10.0.0.1:9902@1").is_empty());
+    }
+
+    #[test]
+    fn a_replica_is_remembered_for_exactly_forget_periods() {
+        let a: SocketAddr = "10.0.0.1:9902".parse().unwrap();
+        let b: SocketAddr = "10.0.0.2:9902".parse().unwrap();
+        let horizon = 5000 * FORGET_PERIODS;
+        let v = remember(None, a, 1000, 5000).unwrap();
+        assert_eq!(live_replicas(Some(&v), 1000 + horizon, 5000), vec![a]);
+        assert!(live_replicas(Some(&v), 1001 + horizon, 5000).is_empty());
+        // Naming another replica keeps it up to the horizon, and drops it past it.
+        let kept = remember(Some(&v), b, 1000 + horizon, 5000).unwrap();
+        assert_eq!(parse_replicas(&kept).len(), 2);
+        let dropped = remember(Some(&v), b, 1001 + horizon, 5000).unwrap();
+        assert_eq!(parse_replicas(&dropped), vec![(b, 1001 + horizon)]);
+    }
+
+    #[test]
+    fn a_replica_named_again_a_period_later_is_written_again() {
+        let a: SocketAddr = "10.0.0.1:9902".parse().unwrap();
+        let v = remember(None, a, 1000, 5000).unwrap();
+        assert_eq!(remember(Some(&v), a, 5999, 5000), None);
+        let again = remember(Some(&v), a, 6000, 5000).unwrap();
+        assert_eq!(parse_replicas(&again), vec![(a, 6000)]);
+    }
+
+    #[test]
+    fn a_slot_due_within_two_periods_is_trusted() {
+        let slot = |due_ms| Slot { due_ms, counter: 7 }.value();
+        assert_eq!(elect(Some(&slot(10 + 7_500)), 10, 5000, 0), None);
+        assert_eq!(elect(Some(&slot(10 + 10_000)), 10, 5000, 0), None);
+        assert_eq!(
+            elect(Some(&slot(10 + 10_001)), 10, 5000, 0).map(|s| s.counter),
+            Some(8)
+        );
+    }
+
+    #[test]
+    fn a_failed_renewal_says_why() {
+        let mut h = MockHost::default();
+        on_answer(&mut h, Some(401));
+        on_answer(&mut h, Some(404));
+        on_answer(&mut h, Some(500));
+        on_answer(&mut h, None);
+        assert_eq!(h.metric(Metric::LeaseRenewals(LeaseResult::Failed)), 4);
+        let logs: Vec<&str> = h.logs.iter().map(|(_, m)| m.as_str()).collect();
+        assert!(h.logs.iter().all(|(l, _)| *l == Level::Warn));
+        assert!(logs[0].contains("status 401") && logs[0].contains("refused the signature"));
+        assert!(logs[1].contains("status 404") && logs[1].contains("--lease-mode off"));
+        assert!(logs[2].ends_with("status 500"));
+        assert!(logs[3].contains("none (timeout or reset)"));
+    }
+
+    #[test]
+    fn a_renewal_the_host_refuses_is_counted_and_logged() {
+        let mut h = MockHost {
+            refuse: Some(crate::host::DispatchError::Other),
+            ..MockHost::default()
+        };
+        assert_eq!(
+            send(&config(""), &mut h, InstanceId([1; 16]), 4, None),
+            None
+        );
+        assert_eq!(h.metric(Metric::LeaseRenewals(LeaseResult::Failed)), 1);
+        assert_eq!(h.metric(Metric::LeaseRenewals(LeaseResult::Sent)), 0);
+        assert!(h
+            .logs
+            .iter()
+            .any(|(l, m)| *l == Level::Warn && m.contains("counter=4 not sent to kvguard")));
+    }
 }

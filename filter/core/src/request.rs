@@ -193,11 +193,6 @@ impl Request {
         u64::from(self.max_gap)
     }
 
-    /// Whether every clock of this request is off.
-    pub fn clocks_off(&self) -> bool {
-        self.clocks.all_off()
-    }
-
     /// Whether the body said it is complete.
     pub fn complete(&self) -> bool {
         matches!(self.phase, Phase::Complete)

@@ -28,6 +28,8 @@ pub(crate) struct MockHost {
     pub calls: Vec<Recorded>,
     pub logs: Vec<(Level, String)>,
     pub metrics: Vec<i64>,
+    /// Calls to [`Metrics::add`] (each is a host call in the plugin).
+    pub adds: usize,
     /// Histogram observations, in order.
     pub observations: Vec<(Metric, u64)>,
     pub refuse: Option<DispatchError>,
@@ -86,6 +88,7 @@ impl Host for MockHost {
 
 impl Metrics for MockHost {
     fn add(&mut self, m: Metric, delta: i64) {
+        self.adds += 1;
         if self.metrics.len() < Metric::COUNT {
             self.metrics.resize(Metric::COUNT, 0);
         }
