@@ -211,6 +211,22 @@ mod tests {
     }
 
     #[test]
+    fn a_lease_is_held_from_its_first_renewal_until_it_expires() {
+        let t0 = Instant::now();
+        let ttl = Duration::from_secs(30);
+        let mut l = Leases::new(ttl);
+        assert_eq!(l.ttl(), ttl);
+        assert!(l.is_empty());
+        assert!(!l.holds(&A));
+        l.renew(A, 1, t0).unwrap();
+        assert!(!l.is_empty());
+        assert!(l.holds(&A));
+        assert!(!l.holds(&B), "only the instance that renewed holds a lease");
+        assert_eq!(l.judge(t0 + Duration::from_secs(31)).expired, vec![A]);
+        assert!(!l.holds(&A));
+    }
+
+    #[test]
     fn counters_refuse_replays() {
         let t0 = Instant::now();
         let mut l = Leases::new(Duration::from_secs(30));

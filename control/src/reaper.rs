@@ -253,6 +253,19 @@ mod tests {
     }
 
     #[test]
+    fn the_lease_loop_looks_eight_times_per_ttl_within_10_ms_and_1_s() {
+        assert_eq!(
+            lease_tick(Duration::from_secs(2)),
+            Duration::from_millis(250)
+        );
+        assert_eq!(
+            lease_tick(Duration::from_millis(40)),
+            Duration::from_millis(10)
+        );
+        assert_eq!(lease_tick(Duration::from_secs(30)), Duration::from_secs(1));
+    }
+
+    #[test]
     fn everything_off() {
         let c = ManualClock::new(0);
         let t = Times {

@@ -93,12 +93,29 @@ mod tests {
     #[test]
     fn replay_within_window_then_forgotten() {
         let mut m = ReplayMemory::new(100);
+        assert!(m.is_empty());
         assert!(m.check_and_remember(&sig(1000, 1), 1000));
+        assert!(!m.is_empty());
         assert!(!m.check_and_remember(&sig(1000, 1), 1010));
         assert!(m.check_and_remember(&sig(1000, 2), 1010));
         // Out of the window the signature is stale anyway; memory is released.
         assert!(m.check_and_remember(&sig(1100, 3), 1100));
         assert_eq!(m.len(), 1);
+    }
+
+    #[test]
+    fn when_full_stale_signatures_are_forgotten_before_a_live_one_is_evicted() {
+        let mut m = ReplayMemory::new(2);
+        // The oldest in arrival order is the newest in `t`: it stays live the longest.
+        assert!(m.check_and_remember(&sig(1000, 1), 1000));
+        assert!(m.check_and_remember(&sig(1000 - MAX_SKEW_SECS, 2), 1000));
+        // A second later the second one is out of the window; the memory is full.
+        assert!(m.check_and_remember(&sig(1001, 3), 1001));
+        assert_eq!(m.evicted(), 0, "the stale one made room");
+        assert!(
+            !m.check_and_remember(&sig(1000, 1), 1001),
+            "a live signature is still refused as a replay"
+        );
     }
 
     #[test]

@@ -369,6 +369,66 @@ mod tests {
     }
 
     #[test]
+    fn events_are_counted_and_a_frame_of_another_body_is_progress_without_an_event() {
+        let t0 = Instant::now();
+        let e = Entry::new(
+            RequestId::try_new(b"r").unwrap(),
+            1,
+            "POST".into(),
+            "/v1/completions".into(),
+            t0,
+            100,
+        );
+        assert_eq!(e.events(), 0);
+        e.record_events(2, t0 + Duration::from_secs(1));
+        e.record_events(3, t0 + Duration::from_secs(2));
+        assert_eq!(e.events(), 5);
+        let plain = Entry::new(
+            RequestId::try_new(b"p").unwrap(),
+            2,
+            "GET".into(),
+            "/".into(),
+            t0,
+            100,
+        );
+        plain.record_progress(t0 + Duration::from_secs(1));
+        plain.record_progress(t0 + Duration::from_secs(4));
+        let t = plain.times();
+        assert_eq!(t.first_data, Some(t0 + Duration::from_secs(1)));
+        assert_eq!(t.last_data, Some(t0 + Duration::from_secs(4)));
+        assert_eq!(plain.events(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ending_closes_the_engine_connection_even_one_attached_after_the_end() {
+        let e = Entry::new(
+            RequestId::try_new(b"r").unwrap(),
+            1,
+            "POST".into(),
+            "/v1/completions".into(),
+            Instant::now(),
+            100,
+        );
+        let closed = |task: tokio::task::JoinHandle<()>| async move {
+            tokio::time::timeout(Duration::from_secs(1), task)
+                .await
+                .is_ok_and(|r| r.is_err_and(|e| e.is_cancelled()))
+        };
+        let conn = tokio::spawn(std::future::pending::<()>());
+        e.set_conn(conn.abort_handle());
+        tokio::task::yield_now().await;
+        assert!(
+            !conn.is_finished(),
+            "a request not ended keeps its connection"
+        );
+        e.end();
+        assert!(closed(conn).await);
+        let late = tokio::spawn(std::future::pending::<()>());
+        e.set_conn(late.abort_handle());
+        assert!(closed(late).await, "attached after the end: closed at once");
+    }
+
+    #[test]
     fn orphan_cost_from_the_client_leaving_to_the_close_once() {
         let t0 = Instant::now();
         let e = Entry::new(

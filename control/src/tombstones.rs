@@ -131,6 +131,50 @@ mod tests {
     }
 
     #[test]
+    fn a_tombstone_leaves_at_the_instant_it_stops_refusing() {
+        let t0 = Instant::now();
+        let ttl = Duration::from_secs(60);
+        let mut t = Tombstones::new(ttl, 10);
+        t.insert(id("a"), AbortReason::Stalled, t0);
+        t.purge(t0 + ttl - Duration::from_nanos(1));
+        assert_eq!(t.len(), 1);
+        assert!(!t.is_empty());
+        assert_eq!(t.evicted(), 0, "none evicted below the bound");
+        t.purge(t0 + ttl);
+        assert!(t.get(&id("a"), t0 + ttl).is_none());
+        assert_eq!(t.len(), 0, "expired at its expiry instant, so purged then");
+    }
+
+    #[test]
+    fn the_queue_stays_bounded_after_refreshes_at_one_instant() {
+        let t0 = Instant::now();
+        let mut t = Tombstones::new(Duration::from_secs(10), 1);
+        // Two refreshes at one instant queue the same (id, expiry) twice.
+        t.insert(id("a"), AbortReason::MaxAge, t0);
+        t.insert(id("a"), AbortReason::MaxAge, t0);
+        for i in 1..100 {
+            t.insert(id("a"), AbortReason::MaxAge, t0 + Duration::from_millis(i));
+            assert!(t.order.len() <= 3, "{} queued", t.order.len());
+        }
+        assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn a_tombstone_refreshed_many_times_still_expires_at_its_last_refresh() {
+        let t0 = Instant::now();
+        let ttl = Duration::from_secs(10);
+        let mut t = Tombstones::new(ttl, 2);
+        for i in 0..10 {
+            t.insert(id("a"), AbortReason::MaxAge, t0 + Duration::from_secs(i));
+        }
+        let last = t0 + Duration::from_secs(9);
+        t.purge(last + ttl - Duration::from_nanos(1));
+        assert_eq!(t.len(), 1);
+        t.purge(last + ttl);
+        assert!(t.is_empty());
+    }
+
+    #[test]
     fn bound_evicts_oldest() {
         let t0 = Instant::now();
         let mut t = Tombstones::new(Duration::from_secs(60), 3);

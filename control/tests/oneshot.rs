@@ -830,3 +830,350 @@ async fn a_stalled_lease_loop_is_counted_and_extends_every_lease_by_the_stall() 
     reaper::judge_leases(&st);
     assert_eq!(e.ended(), Some(AbortReason::GatewayLost));
 }
+
+/// Lets both clocks run at the loops' pace: the paused tokio clock (which drives their
+/// intervals) by `step`, the injected clock by half of it (so a loop never sees a gap it
+/// would take for a stall of its own), `n` times.
+async fn run_clocks(clock: &ManualClock, step: Duration, n: u32) {
+    for _ in 0..n {
+        clock.advance(step / 2);
+        tokio::time::sleep(step).await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_reaper_loop_ends_an_overdue_request_on_its_own_until_stopped() {
+    let (st, clock) = state(|c| c.limits.first_token_timeout = Some(Duration::from_secs(1)));
+    let every = reaper::tick(&st.cfg.limits);
+    let stop = tokio_util::sync::CancellationToken::new();
+    reaper::spawn(st.clone(), stop.clone());
+    let id = |s: &str| RequestId::try_new(s.as_bytes()).unwrap();
+    let late = st.admit(id("late"), "POST".into(), "/".into()).unwrap();
+    run_clocks(&clock, every, 12).await;
+    assert_eq!(late.ended(), Some(AbortReason::FirstTokenTimeout));
+    // Stopped: nothing more is reaped.
+    stop.cancel();
+    let after = st.admit(id("after"), "POST".into(), "/".into()).unwrap();
+    run_clocks(&clock, every, 12).await;
+    assert_eq!(after.ended(), None);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_lease_loop_ends_a_silent_gateways_requests_on_its_own() {
+    let (st, clock) = state(|c| {
+        c.lease_mode = kvguard_control::leases::LeaseMode::Enforce;
+        c.lease_ttl = Duration::from_secs(2);
+    });
+    let every = reaper::lease_tick(st.cfg.lease_ttl);
+    let a = kvguard_contract::InstanceId([6; 16]);
+    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, a, 1)).await;
+    assert_eq!(s, StatusCode::OK);
+    let e = st
+        .admit(RequestId::try_new(b"r").unwrap(), "POST".into(), "/".into())
+        .unwrap();
+    e.set_instance(a);
+    let stop = tokio_util::sync::CancellationToken::new();
+    reaper::spawn_leases(st.clone(), stop.clone());
+    // Within the TTL on the injected clock: kept.
+    run_clocks(&clock, every, 12).await;
+    assert_eq!(e.ended(), None, "1.5 s of silence is within the 2 s TTL");
+    run_clocks(&clock, every, 12).await;
+    assert_eq!(e.ended(), Some(AbortReason::GatewayLost));
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_lease_mode_off_no_lease_loop_runs() {
+    let (st, clock) = state(|c| {
+        c.lease_mode = kvguard_control::leases::LeaseMode::Off;
+        c.lease_ttl = Duration::from_secs(2);
+    });
+    let every = reaper::lease_tick(st.cfg.lease_ttl);
+    let a = kvguard_contract::InstanceId([8; 16]);
+    st.leases.lock().unwrap().renew(a, 1, clock.now()).unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    reaper::spawn_leases(st.clone(), stop.clone());
+    run_clocks(&clock, every, 40).await;
+    assert!(
+        st.leases.lock().unwrap().holds(&a),
+        "silent 5 s past a 2 s TTL, and never judged"
+    );
+    stop.cancel();
+}
+
+/// What the `tracing` events of `f` (run on this thread) print.
+fn logs_of(f: impl FnOnce()) -> String {
+    #[derive(Clone, Default)]
+    struct Buf(Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Buf::default();
+    let w = buf.clone();
+    let sub = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_writer(move || w.clone())
+        .finish();
+    tracing::subscriber::with_default(sub, f);
+    let text = String::from_utf8_lossy(&buf.0.lock().unwrap()).into_owned();
+    text
+}
+
+#[tokio::test]
+async fn only_a_mass_silence_is_logged_as_held_expiries() {
+    let (st, clock) = state(|c| c.lease_ttl = Duration::from_secs(30));
+    let (a, b) = (
+        kvguard_contract::InstanceId([1; 16]),
+        kvguard_contract::InstanceId([2; 16]),
+    );
+    for i in [a, b] {
+        let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, i, 1)).await;
+        assert_eq!(s, StatusCode::OK);
+    }
+    let held = "expiries held";
+    let quiet = logs_of(|| reaper::judge_leases(&st));
+    assert!(!quiet.contains(held), "nothing silent: {quiet}");
+    clock.advance(Duration::from_secs(31));
+    let mass = logs_of(|| reaper::judge_leases(&st));
+    assert!(mass.contains(held), "both silent: {mass}");
+    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, b, 2)).await;
+    assert_eq!(s, StatusCode::OK);
+    let lone = logs_of(|| reaper::judge_leases(&st));
+    assert!(lone.contains("gateway lease expired"), "{lone}");
+    assert!(!lone.contains(held), "A alone is silent: {lone}");
+}
+
+#[tokio::test]
+async fn once_draining_no_request_is_admitted_and_those_in_flight_run_on() {
+    let (st, _clock) = state(|_| {});
+    let id = |s: &str| RequestId::try_new(s.as_bytes()).unwrap();
+    let before = st.admit(id("before"), "POST".into(), "/".into()).unwrap();
+    assert!(!st.is_draining());
+    st.start_draining();
+    assert!(st.is_draining());
+    assert_eq!(
+        st.admit(id("after"), "POST".into(), "/".into())
+            .unwrap_err(),
+        kvguard_control::state::Refusal::Draining
+    );
+    assert_eq!(before.ended(), None);
+    assert_eq!(st.inflight(), 1);
+}
+
+#[tokio::test]
+async fn a_retry_with_the_same_id_ends_the_older_attempt_and_tombstones_nothing() {
+    let (st, _clock) = state(|_| {});
+    let id = RequestId::try_new(b"retried").unwrap();
+    let first = st.admit(id.clone(), "POST".into(), "/".into()).unwrap();
+    let retry = st.admit(id.clone(), "POST".into(), "/".into()).unwrap();
+    assert_eq!(first.ended(), Some(AbortReason::Timeout));
+    assert!(first.cancel_token().is_cancelled(), "its stream is ended");
+    assert_eq!(retry.ended(), None);
+    assert!(!retry.cancel_token().is_cancelled());
+    assert_eq!(st.inflight(), 1);
+    assert_eq!(
+        series(&st, "kvguard_control_superseded_total").as_deref(),
+        Some("1")
+    );
+    // The id belongs to the retry: not tombstoned, so the next attempt is admitted too.
+    st.remove(&retry);
+    assert!(st.admit(id, "POST".into(), "/".into()).is_ok());
+}
+
+#[tokio::test]
+async fn a_dry_run_counts_a_superseded_attempt_and_ends_nothing() {
+    let (st, _clock) = state(|c| c.dry_run = true);
+    let id = RequestId::try_new(b"retried").unwrap();
+    let first = st.admit(id.clone(), "POST".into(), "/".into()).unwrap();
+    let retry = st.admit(id, "POST".into(), "/".into()).unwrap();
+    assert_eq!(first.ended(), None);
+    assert!(!first.cancel_token().is_cancelled());
+    assert_eq!(retry.ended(), None);
+    assert_eq!(
+        series(&st, "kvguard_control_superseded_total").as_deref(),
+        Some("1")
+    );
+}
+
+#[tokio::test]
+async fn the_state_debugs_as_its_name_alone_never_its_keys() {
+    let (st, _clock) = state(|_| {});
+    assert_eq!(format!("{st:?}"), "AppState { .. }");
+}
+
+#[tokio::test]
+async fn the_engine_is_ready_while_its_last_answer_is_within_three_sample_intervals() {
+    let (st, clock) = state(|c| c.sample_interval = Duration::from_secs(2));
+    assert!(!st.engine_ready(), "never answered");
+    st.engine_status.lock().unwrap().last_ok = Some(clock.now());
+    assert!(st.engine_ready());
+    clock.advance(Duration::from_secs(6));
+    assert!(st.engine_ready(), "three intervals after its answer");
+    clock.advance(Duration::from_millis(1));
+    assert!(!st.engine_ready());
+    st.engine_status.lock().unwrap().last_ok = Some(clock.now());
+    st.engine_status.lock().unwrap().last_error = Some("refused".into());
+    assert!(!st.engine_ready(), "its last attempt failed");
+}
+
+#[tokio::test]
+async fn a_short_sample_interval_still_gives_the_engine_a_second() {
+    let (st, clock) = state(|c| c.sample_interval = Duration::from_millis(100));
+    st.engine_status.lock().unwrap().last_ok = Some(clock.now());
+    clock.advance(Duration::from_secs(1));
+    assert!(st.engine_ready());
+    clock.advance(Duration::from_millis(1));
+    assert!(!st.engine_ready());
+}
+
+#[tokio::test]
+async fn tombstones_beyond_the_bound_evict_the_oldest_and_each_eviction_is_counted() {
+    let (st, _clock) = state(|c| c.max_tombstones = 2);
+    for s in ["a", "b", "c", "d"] {
+        st.tombstone(
+            RequestId::try_new(s.as_bytes()).unwrap(),
+            AbortReason::Operator,
+        );
+    }
+    assert_eq!(
+        series(&st, "kvguard_control_tombstones_evicted_total").as_deref(),
+        Some("2")
+    );
+    assert_eq!(
+        series(&st, "kvguard_control_tombstones").as_deref(),
+        Some("2")
+    );
+}
+
+#[tokio::test]
+async fn expired_tombstones_are_purged_and_no_longer_counted() {
+    let (st, clock) = state(|c| c.tombstone_ttl = Duration::from_secs(60));
+    let id = RequestId::try_new(b"a").unwrap();
+    st.tombstone(id.clone(), AbortReason::Operator);
+    assert_eq!(
+        series(&st, "kvguard_control_tombstones").as_deref(),
+        Some("1")
+    );
+    clock.advance(Duration::from_secs(61));
+    st.purge_tombstones();
+    assert_eq!(
+        series(&st, "kvguard_control_tombstones").as_deref(),
+        Some("0")
+    );
+    assert!(st.admit(id, "POST".into(), "/".into()).is_ok());
+}
+
+#[tokio::test]
+async fn a_dry_run_logs_the_age_of_the_request_it_would_end() {
+    let (st, clock) = state(|c| {
+        c.dry_run = true;
+        c.limits.first_token_timeout = Some(Duration::from_secs(1));
+    });
+    st.admit(RequestId::try_new(b"q").unwrap(), "POST".into(), "/".into())
+        .unwrap();
+    clock.advance(Duration::from_millis(5250));
+    let logs = logs_of(|| reaper::reap_once(&st));
+    assert!(logs.contains("age_ms=5250"), "{logs}");
+}
+
+#[tokio::test]
+async fn ending_a_request_whose_client_had_gone_counts_the_orphans_cost() {
+    use kvguard_control::scan::BodyKind;
+    let (st, clock) = state(|_| {});
+    let id = RequestId::try_new(b"orphan").unwrap();
+    let e = st.admit(id.clone(), "POST".into(), "/".into()).unwrap();
+    e.record_response(200, BodyKind::Sse, clock.now());
+    e.record_events(3, clock.now());
+    clock.advance(Duration::from_secs(2));
+    e.record_events(4, clock.now());
+    // The sender saw the client go 2 s ago, having passed on the first 3 events.
+    assert_eq!(
+        st.abort_or_tombstone(
+            &id,
+            AbortReason::DownstreamReset,
+            Some((Duration::from_secs(2), 3))
+        ),
+        kvguard_control::state::AbortFound::Ended
+    );
+    let l = "{reason=\"downstream_reset\"}";
+    assert_eq!(
+        lease_metric(&st, &format!("kvguard_control_orphan_ends_total{l}")).await,
+        1.0
+    );
+    assert_eq!(
+        lease_metric(&st, &format!("kvguard_control_orphan_seconds_total{l}")).await,
+        2.0
+    );
+    assert_eq!(
+        lease_metric(&st, &format!("kvguard_control_wasted_tokens_total{l}")).await,
+        4.0
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_ended_request_whose_client_stops_reading_is_cut_after_the_flush_timeout() {
+    use kvguard_control::downstream::{Downstream, Scope};
+    let (st, _clock) = state(|c| c.abort_flush_timeout = Duration::from_secs(5));
+    let id = |s: &str| RequestId::try_new(s.as_bytes()).unwrap();
+    let mut tasks = Vec::new();
+    let mut entries = Vec::new();
+    for s in ["reading", "stuck"] {
+        let e = st.admit(id(s), "POST".into(), "/".into()).unwrap();
+        let d = Downstream::new(Scope::H2Stream);
+        e.set_downstream(d.clone());
+        tasks.push(tokio::spawn(d.run(std::future::pending::<()>())));
+        assert!(st.end_request(&e, AbortReason::Operator, "reaper"));
+        entries.push(e);
+    }
+    // One client takes its end: its response is gone.
+    entries[0].finish();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(!tasks[1].is_finished(), "within the flush timeout");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(tasks[1].is_finished(), "cut: it never took its end");
+    assert!(
+        !tasks[0].is_finished(),
+        "a client that read its end is never cut"
+    );
+    assert_eq!(
+        series(
+            &st,
+            "kvguard_control_downstream_cuts_total{scope=\"h2_stream\"}"
+        )
+        .as_deref(),
+        Some("1")
+    );
+}
+
+#[tokio::test]
+async fn replaced_keys_take_effect_on_the_next_abort_call() {
+    let (st, _clock) = state(|_| {});
+    let new = Key::try_new(b"the-rotated-key-0123456789-abcdef").unwrap();
+    let keys = kvguard_control::state::KeySet {
+        accept: vec![new.clone()],
+        stamp: None,
+    };
+    st.set_keys(keys.clone());
+    assert_eq!(*st.keys(), keys);
+    let body = br#"{"request_id":"k","reason":"operator"}"#;
+    let old_sig = signature::sign(&Key::try_new(KEY).unwrap(), NOW, body);
+    let (s, _) = call(admin::app(st.clone()), abort_req(body, Some(old_sig))).await;
+    assert_eq!(
+        s,
+        StatusCode::UNAUTHORIZED,
+        "the old key is no longer accepted"
+    );
+    let new_sig = signature::sign(&new, NOW, body);
+    let (s, _) = call(admin::app(st.clone()), abort_req(body, Some(new_sig))).await;
+    assert_eq!(
+        s,
+        StatusCode::NOT_FOUND,
+        "signed with the new key: accepted"
+    );
+}
