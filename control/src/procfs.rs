@@ -79,10 +79,10 @@ fn read_one(proc_root: &Path, pid: u32) -> Result<ProcStats, ReadError> {
     let status_path = dir.join("status");
     let status = std::fs::read_to_string(&status_path).map_err(|e| fail(&status_path, e))?;
     let rss_bytes = parse_vmrss(&status).ok_or_else(|| ReadError {
-        // A zombie (exited, not yet reaped) has no VmRSS: it holds no memory and no fds.
-        gone: status
-            .lines()
-            .any(|l| l.starts_with("State:") && l.contains('Z')),
+        // No VmRSS: the process has no address space. It is exiting (the kernel drops its
+        // memory before it shows as a zombie, still `R` or `S` meanwhile), a zombie, or a
+        // kernel thread: it holds no memory, and is left out like one that has gone.
+        gone: true,
         message: format!("{}: no VmRSS line", status_path.display()),
     })?;
     let fd_path = dir.join("fd");
@@ -226,6 +226,28 @@ mod tests {
         fn drop(&mut self) {
             let _ = std::fs::remove_dir_all(&self.0);
         }
+    }
+
+    /// A descendant without a VmRSS line has no address space (exiting, a zombie, a kernel
+    /// thread): it is left out of the sum, not an error that would blank the metric.
+    #[test]
+    fn a_descendant_without_an_address_space_is_left_out() {
+        let dir = TempDir::new();
+        let root = dir.0.as_path();
+        let proc_entry = |pid: u32, ppid: u32, status: &str| {
+            let d = root.join(pid.to_string());
+            std::fs::create_dir_all(d.join("fd")).unwrap();
+            std::fs::write(d.join("fd/0"), "").unwrap();
+            std::fs::write(d.join("stat"), format!("{pid} (x) S {ppid} 0 0")).unwrap();
+            std::fs::write(d.join("status"), status).unwrap();
+        };
+        proc_entry(10, 1, "State:\tS (sleeping)\nVmRSS:\t    100 kB\n");
+        proc_entry(11, 10, "State:\tR (running)\n");
+        proc_entry(12, 10, "State:\tS (sleeping)\nVmRSS:\t      2 kB\n");
+        let t = read_tree(root, 10).unwrap();
+        assert_eq!(t.pids, vec![10, 12]);
+        assert_eq!(t.total.rss_bytes, 102 * 1024);
+        assert_eq!(t.total.open_fds, 2);
     }
 
     /// Real processes: a shell that starts two children, one of which starts a
