@@ -192,7 +192,9 @@ impl Default for VllmOptions {
             enable_scale_out: true,
             nice: None,
             extra_args: Vec::new(),
-            ready_timeout: Duration::from_secs(240),
+            // A new machine compiles the model's graphs first (torch inductor, g++, one
+            // core): seen to take over 4 minutes on a loaded 2-core machine.
+            ready_timeout: Duration::from_secs(420),
         }
     }
 }
