@@ -359,7 +359,8 @@ fn walk(json: &[u8], out: &mut Look) -> Option<()> {
                     stack.pop();
                     i += 1;
                 }
-                b',' => i += 1,
+                // A comma where a key must stand (`{,` or `,,`) is malformed, as in
+                // serde_json.
                 _ => return None,
             }
             continue;
@@ -532,6 +533,56 @@ mod tests {
         }
         let deep = format!("{{\"a\":{}1{}}}", "[".repeat(100), "]".repeat(100));
         assert!(look(deep.as_bytes()).malformed);
+    }
+
+    #[test]
+    fn whitespace_may_stand_between_a_key_and_its_colon() {
+        assert!(look(br#"{"done" : true}"#).done);
+        assert!(look(b"{\"done\"\n\t:true}").done);
+        // Cut right after a key (or its whitespace): no colon, malformed.
+        for cut in [&b"{\"done\""[..], b"{\"done\" ", b"{\"done\" x:true}"] {
+            let l = look(cut);
+            assert!(l.malformed && !l.done, "{:?}", String::from_utf8_lossy(cut));
+        }
+    }
+
+    #[test]
+    fn a_stray_comma_where_a_key_must_stand_is_malformed_as_in_serde() {
+        for bad in [
+            &br#"{,"done":true}"#[..],
+            br#"{"a":1,,"done":true}"#,
+            br#"{"a":1, ,"type":"response.completed"}"#,
+        ] {
+            assert!(serde_json::from_slice::<serde_json::Value>(bad).is_err());
+            let l = look(bad);
+            assert!(
+                l.malformed && !l.done && !l.terminal_type,
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    #[test]
+    fn a_later_value_of_any_kind_replaces_an_earlier_one_of_the_same_key() {
+        // Containers.
+        assert!(!look(br#"{"type":"response.completed","type":{}}"#).terminal_type);
+        assert!(!look(br#"{"type":"response.failed","type":["x"]}"#).terminal_type);
+        assert!(!look(br#"{"done":true,"done":[true]}"#).done);
+        assert!(look(br#"{"type":{},"type":"response.completed"}"#).terminal_type);
+        // Strings.
+        assert!(!look(br#"{"done":true,"done":"true"}"#).done);
+        assert!(look(br#"{"done":"true","done":true}"#).done);
+    }
+
+    #[test]
+    fn an_event_cut_inside_a_literal_is_malformed() {
+        // The text ends in the middle of a number or `true`: the literal runs to the end
+        // of the text, and the object is never closed.
+        for cut in [&b"{\"done\":true"[..], b"{\"a\":12", b"{\"a\":[1,2"] {
+            let l = look(cut);
+            assert!(l.malformed && !l.done, "{:?}", String::from_utf8_lossy(cut));
+        }
     }
 
     #[test]

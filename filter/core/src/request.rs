@@ -81,11 +81,6 @@ impl Clocks {
             max_age: n(l.max_age_ms),
         }
     }
-
-    /// Whether every clock is off (nothing for the tick to time).
-    pub fn all_off(self) -> bool {
-        self.idle == 0 && self.first_token == 0 && self.max_age == 0
-    }
 }
 
 /// A tracked request.
@@ -323,12 +318,12 @@ impl Request {
         }
     }
 
-    /// The reason a clock fired at `now_ms`, if one did. The earliest deadline wins.
-    /// Progress must be stamped first ([`Request::stamp`]).
+    /// The reason a clock fired at `now_ms`, if one did. The earliest deadline wins (on a
+    /// tie, max age: the request's own bound). Progress must be stamped first
+    /// ([`Request::stamp`]).
     pub fn due(&self, now_ms: u64) -> Option<AbortReason> {
-        if !matches!(self.phase, Phase::Requested | Phase::Streaming(_))
-            || self.observed.is_some()
-            || self.clocks.all_off()
+        // A clock that is off (0) is never considered below: with all off, none fires.
+        if !matches!(self.phase, Phase::Requested | Phase::Streaming(_)) || self.observed.is_some()
         {
             return None;
         }
@@ -576,6 +571,82 @@ mod tests {
     }
 
     #[test]
+    fn on_a_tie_max_age_is_the_reason() {
+        // First token and max age both due at 1500.
+        let r = req(Limits {
+            idle_timeout_ms: 0,
+            first_token_timeout_ms: 500,
+            max_age_ms: 500,
+        });
+        assert_eq!(r.due(1500), Some(AbortReason::MaxAge));
+        // Idle and max age both due at 2000.
+        let mut r = req(Limits {
+            idle_timeout_ms: 400,
+            first_token_timeout_ms: 0,
+            max_age_ms: 1000,
+        });
+        r.on_response_headers(Framing::Sse, 1024, false);
+        body_at(&mut r, b"data: x\n\n", 9, false, 1600);
+        assert_eq!(r.due(2000), Some(AbortReason::MaxAge));
+    }
+
+    #[test]
+    fn a_request_without_data_events_has_no_first_token_time() {
+        let mut r = req(L);
+        assert_eq!(r.first_token_ms(), None);
+        r.on_response_headers(Framing::Sse, 1024, false);
+        body_at(&mut r, b": keep-alive\n\n", 14, false, 1200);
+        assert_eq!(r.first_token_ms(), None);
+        body_at(&mut r, b"data: x\n\n", 9, false, 1300);
+        assert_eq!(r.first_token_ms(), Some(300));
+    }
+
+    #[test]
+    fn a_chunk_without_data_events_never_asks_for_the_clock() {
+        let mut r = req(L);
+        r.on_response_headers(Framing::Sse, 1024, false);
+        // Before the first event.
+        assert_eq!(r.on_body(b": ping\n\n", 8, false), (Fed::default(), false));
+        body_at(&mut r, b"data: x\n\n", 9, false, 1100);
+        // After a tick that found no progress (the next event reads the clock).
+        r.stamp(1200);
+        assert_eq!(r.on_body(b": ping\n\n", 8, false), (Fed::default(), false));
+        assert!(r.on_body(b"data: y\n\n", 9, false).1);
+    }
+
+    #[test]
+    fn an_empty_opaque_chunk_is_no_progress() {
+        let mut r = req(Limits {
+            first_token_timeout_ms: 300,
+            ..L
+        });
+        r.on_response_headers(Framing::Opaque, 1024, false);
+        assert_eq!(r.on_body(&[], 0, false), (Fed::default(), false));
+        r.stamp(1200);
+        assert_eq!(r.last_event_ms(), None);
+        // The first-token clock still fires on a body of empty chunks.
+        assert_eq!(r.due(1300), Some(AbortReason::FirstTokenTimeout));
+        assert_eq!(r.on_body(&[], 0, true).0.events, 0);
+        assert_eq!(r.events(), 0);
+    }
+
+    #[test]
+    fn an_ndjson_last_line_is_counted_at_end_of_stream_whatever_it_holds() {
+        // Oversized: still progress, counted as oversized.
+        let mut r = req(L);
+        r.on_response_headers(Framing::Ndjson, 16, false);
+        let fed = body_at(&mut r, b"{\"a\":1}\n{\"b\":\"0123456789\"}", 26, true, 1100);
+        assert_eq!((fed.events, fed.oversized, fed.malformed), (2, 1, 0));
+        // Malformed: progress, counted as malformed.
+        let mut r = req(L);
+        r.on_response_headers(Framing::Ndjson, 1024, false);
+        let fed = body_at(&mut r, b"{\"a\":1}\n{\"b\":", 14, true, 1100);
+        assert_eq!((fed.events, fed.oversized, fed.malformed), (2, 0, 1));
+        assert_eq!(r.events(), 2);
+        assert!(matches!(r.phase, Phase::Ended));
+    }
+
+    #[test]
     fn all_off_never_fires() {
         let r = req(Limits {
             idle_timeout_ms: 0,
@@ -674,6 +745,46 @@ mod tests {
     }
 
     #[test]
+    fn each_sign_of_an_early_end_names_it_alone() {
+        let r = req(L);
+        let cases = [
+            (flags::DC, AbortReason::DownstreamReset),
+            (flags::DR, AbortReason::DownstreamReset),
+            (flags::UT, AbortReason::Timeout),
+            (flags::SI, AbortReason::Timeout),
+            (flags::DT, AbortReason::Timeout),
+            (flags::UMSDR, AbortReason::Timeout),
+            (flags::UR, AbortReason::UpstreamReset),
+            (flags::UC, AbortReason::UpstreamReset),
+            (flags::LR, AbortReason::UpstreamReset),
+            (flags::URX, AbortReason::UpstreamReset),
+            (flags::UPE, AbortReason::UpstreamReset),
+        ];
+        for (flag, reason) in cases {
+            assert_eq!(classify_end(&r, b"", flag), End::Abort(reason), "{flag:#x}");
+        }
+        for (details, reason) in [
+            (
+                &b"downstream_remote_disconnect"[..],
+                AbortReason::DownstreamReset,
+            ),
+            (b"stream_idle_timeout", AbortReason::Timeout),
+            (b"response_timeout", AbortReason::Timeout),
+            (
+                b"upstream_reset_before_response_started{overflow}",
+                AbortReason::UpstreamReset,
+            ),
+        ] {
+            assert_eq!(
+                classify_end(&r, details, 0),
+                End::Abort(reason),
+                "{}",
+                String::from_utf8_lossy(details)
+            );
+        }
+    }
+
+    #[test]
     fn outcome_strings() {
         assert_eq!(OutcomeTag::Completed.as_string(), "completed");
         assert_eq!(OutcomeTag::Untracked.as_string(), "untracked");
@@ -736,7 +847,9 @@ mod tests {
         let mut r = req(L);
         r.on_response_headers(Framing::Sse, 1024, false);
         body_at(&mut r, b"data: {}\n\n", 10, false, 1100);
+        assert!(!r.held());
         assert!(r.hold(1200));
+        assert!(r.held());
         assert!(!r.hold(1250));
         assert_eq!(r.due(1299), None);
         assert_eq!(r.due(1300), Some(AbortReason::Stalled));

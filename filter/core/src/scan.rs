@@ -226,7 +226,8 @@ impl Scanner {
     /// event not closed by a blank line is discarded, as the SSE spec says.)
     pub fn finish(&mut self, on_event: &mut dyn FnMut(Event<'_>)) -> Fed {
         let mut fed = Fed::default();
-        if self.framing == Framing::Ndjson && matches!(self.line, Line::Value(_)) {
+        // A line still open: `end_line` makes it an event only in NDJSON.
+        if matches!(self.line, Line::Value(_)) {
             self.end_line(&mut fed, on_event, &[], &mut None);
         }
         fed
@@ -251,7 +252,8 @@ impl Scanner {
                 Line::Start => {
                     let b = chunk[i];
                     if b == b'\n' || b == b'\r' {
-                        self.skip_lf = b == b'\r';
+                        // A blank line. (The LF of its CRLF needs no skip: it reads as a
+                        // second blank line, which has nothing to dispatch.)
                         i += 1;
                         self.blank_line(fed, on_event, chunk, &mut pending);
                         continue;
@@ -263,8 +265,8 @@ impl Scanner {
                         continue;
                     }
                     if b == b':' {
+                        // A comment: skipped from its colon (no line end) to the line's end.
                         self.line = Line::Skip;
-                        i += 1;
                         continue;
                     }
                     self.line = Line::Name;
@@ -310,11 +312,12 @@ impl Scanner {
                     let rest = &chunk[i..];
                     let found = memchr2(b'\n', b'\r', rest);
                     let end = found.unwrap_or(rest.len());
+                    // The line's data can stay in the chunk when it is all the event has
+                    // so far. (A second SSE data line finds the joining LF in `data`; an
+                    // event already oversized ignores its data whichever way it comes.)
                     let whole_line_here = found.is_some()
                         && field == Field::Data
-                        && self.data_lines == 1
                         && self.data.is_empty()
-                        && !self.oversized
                         && pending.is_none()
                         && end <= self.max_event_bytes as usize;
                     if whole_line_here {
@@ -603,6 +606,42 @@ mod tests {
     }
 
     #[test]
+    fn a_comment_or_a_field_without_colon_ends_its_line_like_any_other() {
+        for body in [
+            &b"data: x\n: comment\n\ndata: y\n\n"[..],
+            b"data: x\nevent\n\ndata: y\n\n",
+            b"data: x\r\n: comment\r\n\r\ndata: y\r\n\r\n",
+            b"data: x\r\nevent\r\n\r\ndata: y\r\n\r\n",
+            b"data: x\r: comment\r\rdata: y\r\r",
+            b"data: x\revent\r\rdata: y\r\r",
+        ] {
+            let (ev, _, _) = whole(Framing::Sse, body);
+            assert_eq!(
+                ev,
+                vec![Some(b"x".to_vec()), Some(b"y".to_vec())],
+                "{:?}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        // A comment inside an event does not end it.
+        for body in [
+            &b"data: x\n: comment\ndata: y\n\n"[..],
+            b"data: x\r\n: comment\r\ndata: y\r\n\r\n",
+        ] {
+            let (ev, _, _) = whole(Framing::Sse, body);
+            assert_eq!(ev, vec![Some(b"x\ny".to_vec())]);
+        }
+    }
+
+    #[test]
+    fn an_event_with_empty_data_is_no_progress_whatever_fields_follow_in_a_later_chunk() {
+        for later in [&b"id: 1\n\n"[..], b"event: response.completed\n\n"] {
+            let (ev, done, _) = run(Framing::Sse, 1024, &[b"data:\n", later]);
+            assert!(ev.is_empty() && done.is_none(), "{:?}", ev);
+        }
+    }
+
+    #[test]
     fn comments_and_empty_events_are_not_progress() {
         let body =
             b": keep-alive\n\n:\n\nevent: ping\n\ndata:\n\ndata:   \n\nretry: 5\n\nid: 3\n\n";
@@ -722,6 +761,38 @@ mod tests {
     }
 
     #[test]
+    fn an_event_of_exactly_max_event_bytes_is_kept_one_byte_more_is_oversized() {
+        let at_max = "x".repeat(16);
+        let over = "x".repeat(17);
+        for framing in [Framing::Sse, Framing::Ndjson] {
+            let prefix = if framing == Framing::Sse {
+                "data: "
+            } else {
+                ""
+            };
+            let kept = format!("{prefix}{at_max}\n\n");
+            let dropped = format!("{prefix}{over}\n\n");
+            for (body, want) in [(&kept, Some(at_max.as_bytes().to_vec())), (&dropped, None)] {
+                // Whole in one chunk, and split inside the data.
+                let b = body.as_bytes();
+                let (ev, _, _) = run(framing, 16, &[b]);
+                assert_eq!(ev, vec![want.clone()], "{framing:?} {body:?}");
+                let (ev, _, _) = run(
+                    framing,
+                    16,
+                    &[&b[..prefix.len() + 3], &b[prefix.len() + 3..]],
+                );
+                assert_eq!(ev, vec![want.clone()], "{framing:?} {body:?} split");
+            }
+        }
+        // Two data lines: their joining LF counts.
+        let (ev, _, _) = run(Framing::Sse, 16, &[b"data: 1234567\ndata: 12345678\n\n"]);
+        assert_eq!(ev, vec![Some(b"1234567\n12345678".to_vec())]);
+        let (ev, _, _) = run(Framing::Sse, 16, &[b"data: 1234567\ndata: 123456789\n\n"]);
+        assert_eq!(ev, vec![None]);
+    }
+
+    #[test]
     fn ndjson_lines() {
         let body = b"{\"model\":\"m\",\"done\":false}\n\n  \n{\"model\":\"m\",\"done\":false}\r\n{\"done\":true}";
         let (ev, done, _) = whole(Framing::Ndjson, body);
@@ -742,6 +813,46 @@ mod tests {
     fn opaque_counts_nothing() {
         let mut s = Scanner::new(Framing::Opaque, 1024);
         assert_eq!(s.feed(b"data: x\n\n"), Fed::default());
+        assert!(!s.completed());
+    }
+
+    #[test]
+    fn every_ndjson_media_type_is_read_line_by_line() {
+        for media in [
+            &b"application/x-ndjson"[..],
+            b"application/ndjson",
+            b"application/jsonl",
+            b"application/x-jsonlines",
+            b"Application/JSONLines; charset=utf-8",
+        ] {
+            assert_eq!(
+                Framing::of(Some(media), None),
+                (Framing::Ndjson, false),
+                "{}",
+                String::from_utf8_lossy(media)
+            );
+        }
+    }
+
+    #[test]
+    fn the_scanner_says_once_the_body_completed() {
+        let mut s = Scanner::new(Framing::Sse, 1024);
+        s.feed(b"data: {\"choices\":[]}\n\n");
+        assert!(!s.completed());
+        s.feed(b"data: [DONE]\n\n");
+        assert!(s.completed());
+        s.feed(b"data: x\n\n");
+        assert!(s.completed());
+    }
+
+    #[test]
+    fn an_sse_event_not_closed_by_a_blank_line_is_dropped_at_the_end() {
+        let mut s = Scanner::new(Framing::Sse, 1024);
+        assert_eq!(s.feed(b"data: [DONE]\n"), Fed::default());
+        assert_eq!(s.finish(&mut |_| {}), Fed::default());
+        let mut s = Scanner::new(Framing::Sse, 1024);
+        assert_eq!(s.feed(b"data: [DO"), Fed::default());
+        assert_eq!(s.finish(&mut |_| {}), Fed::default());
         assert!(!s.completed());
     }
 
