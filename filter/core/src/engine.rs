@@ -1875,20 +1875,25 @@ mod tests {
         assert_eq!(h.metric(Metric::StallHolds), 12, "held once only");
     }
 
+    /// 20 streams; half go quiet at once, the other half 10 ms later (after a tick: their
+    /// chunks then read the clock); the clock then stands where the first half's idle
+    /// timeout (100 ms) runs out.
+    fn stall_in_two_halves(e: &mut Engine, h: &mut MockHost) {
+        for ctx in 1..=20 {
+            stream(e, h, ctx);
+        }
+        h.now += 10;
+        assert!(e.tick(h).is_empty());
+        for ctx in 11..=20 {
+            e.on_response_body(h, ctx, b"data: {}\n\n", 0, false);
+        }
+        h.now += 90;
+    }
+
     #[test]
     fn stalls_spread_over_ticks_within_one_window_add_up() {
         let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
-        for ctx in 1..=20 {
-            stream(&mut e, &mut h, ctx);
-        }
-        // Half go quiet at once, the other half 10 ms later (after a tick: their chunks
-        // then read the clock).
-        h.now += 10;
-        assert!(e.tick(&mut h).is_empty());
-        for ctx in 11..=20 {
-            e.on_response_body(&mut h, ctx, b"data: {}\n\n", 0, false);
-        }
-        h.now += 90;
+        stall_in_two_halves(&mut e, &mut h);
         assert_eq!(e.tick(&mut h).len(), 8, "max(8, 20 % of 20) close");
         h.now += 10;
         assert!(
@@ -1907,15 +1912,7 @@ mod tests {
                 .filter(|(_, m)| m.starts_with("mass stall"))
                 .count()
         };
-        for ctx in 1..=20 {
-            stream(&mut e, &mut h, ctx);
-        }
-        h.now += 10;
-        assert!(e.tick(&mut h).is_empty());
-        for ctx in 11..=20 {
-            e.on_response_body(&mut h, ctx, b"data: {}\n\n", 0, false);
-        }
-        h.now += 90;
+        stall_in_two_halves(&mut e, &mut h);
         assert_eq!(e.tick(&mut h).len(), 8);
         // A tick that holds nothing within the episode does not end it...
         h.now += 5;

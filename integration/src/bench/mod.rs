@@ -327,23 +327,24 @@ pub fn kvguard_envoy(upstream: SocketAddr, control: SocketAddr, filter: Value) -
     eo
 }
 
-/// Starts the Envoy of the overhead section: one listener per [`VARIANTS`] entry.
+/// Starts the Envoy of the overhead section, one listener per [`VARIANTS`] entry, with
+/// the abort receiver kvguard's listener calls, and pins Envoy to the proxy's CPU.
 pub async fn three_listener_envoy(
     upstream: SocketAddr,
-    receiver: SocketAddr,
-    noop_wasm: PathBuf,
-    kvguard_config: &serde_json::Map<String, Value>,
-) -> Result<Envoy> {
-    let (envoy, _) = requests::envoy(
+    opts: &BenchOptions,
+) -> Result<(Envoy, receiver::Receiver)> {
+    let rx = receiver::spawn(ReceiverConfig::new(vec![Key::try_new(SECRET.as_bytes())?])).await?;
+    let (mut envoy, _) = requests::envoy(
         upstream,
-        receiver,
-        noop_wasm,
+        rx.addr(),
+        opts.noop_wasm.clone(),
         Vec::new(),
         None,
-        kvguard_config,
+        &opts.kvguard_config,
     )
     .await?;
-    Ok(envoy)
+    pin_proxy(opts, envoy.guard().pid())?;
+    Ok((envoy, rx))
 }
 
 /// The `p` quantile (0 ≤ p ≤ 1) of `v`, interpolated linearly between the closest ranks
@@ -393,16 +394,8 @@ impl Spread {
 /// The overhead section.
 pub async fn overhead(opts: &BenchOptions) -> Result<Value> {
     let up = FastUpstream::spawn().await?;
-    let rx = receiver::spawn(ReceiverConfig::new(vec![Key::try_new(SECRET.as_bytes())?])).await?;
-    let mut envoy = three_listener_envoy(
-        up.addr(),
-        rx.addr(),
-        opts.noop_wasm.clone(),
-        &opts.kvguard_config,
-    )
-    .await?;
+    let (mut envoy, rx) = three_listener_envoy(up.addr(), opts).await?;
     let pid = envoy.guard().pid();
-    pin_proxy(opts, pid)?;
     let mut ports = BTreeMap::new();
     for v in VARIANTS {
         ports.insert(v, envoy.listener_named(listener_name(v)).await?);
@@ -1074,15 +1067,7 @@ pub async fn control(opts: &BenchOptions) -> Result<Value> {
         interval_us: 0,
     };
     // The reference: the same hop through a plain Envoy (router only), on the same CPU.
-    let rx = receiver::spawn(ReceiverConfig::new(vec![Key::try_new(SECRET.as_bytes())?])).await?;
-    let mut envoy = three_listener_envoy(
-        up.addr(),
-        rx.addr(),
-        opts.noop_wasm.clone(),
-        &opts.kvguard_config,
-    )
-    .await?;
-    pin_proxy(opts, envoy.guard().pid())?;
+    let (envoy, _rx) = three_listener_envoy(up.addr(), opts).await?;
     let envoy_port = envoy.listener_named(listener_name("none")).await?;
     let mut direct = Vec::new();
     let mut via = Vec::new();
