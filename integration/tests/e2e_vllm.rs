@@ -31,6 +31,12 @@ const LONG: u32 = 1500;
 /// times as long, so it still generates whenever the stream starts, runs and ends beside
 /// it (the test ends it either way: the abort, or the stack's teardown closing its hop).
 const LEFT: u32 = 6000;
+/// Tokens of each stream read to its end beside requests that leave.
+const HEALTHY: u32 = 600;
+/// Bound of the [`HEALTHY`] streams read side by side: a hang guard, not a speed claim
+/// (on a 2-core machine loaded by other builds three of them read 466 events each in
+/// 120 s).
+const HEALTHY_STREAMS: Duration = Duration::from_secs(300);
 /// Bound of a whole normal stream of several hundred tokens.
 const LONG_STREAM: Duration = Duration::from_secs(120);
 
@@ -206,6 +212,57 @@ async fn disconnect_mid_stream_is_aborted_within_2s_and_leaks_without_the_filter
     .unwrap();
 }
 
+/// One reading of Envoy's byte counters by the test: asked at `asked`, answered at `got`
+/// (the figures are from some instant between the two).
+#[derive(Debug, Clone, Copy)]
+struct EnvoyBytes {
+    asked: Instant,
+    got: Instant,
+    /// `cluster.upstream.upstream_cx_rx_bytes_total`: what Envoy read from the upstream
+    /// (printed beside `passed`: in each run measured it stopped in the same reading).
+    upstream_rx: f64,
+    /// `http.ingress_http.downstream_cx_tx_bytes_total` + `..._tx_bytes_buffered`: what
+    /// passed the filter towards the client, written or in Envoy's write buffer (data the
+    /// filter passes on is added to that buffer in the same dispatch).
+    passed: f64,
+}
+
+/// Envoy's upstream-read and towards-the-client byte figures now.
+async fn envoy_bytes(st: &Stack) -> Option<EnvoyBytes> {
+    let asked = Instant::now();
+    let v = client::get_json(
+        st.envoy.admin_addr(),
+        "/stats?format=json&filter=upstream_cx_rx_bytes_total%7Cdownstream_cx_tx_bytes",
+    )
+    .await
+    .ok()?;
+    let got = Instant::now();
+    let stat =
+        |name: &str| v["stats"].as_array()?.iter().find(|s| s["name"] == name)?["value"].as_f64();
+    Some(EnvoyBytes {
+        asked,
+        got,
+        upstream_rx: stat("cluster.upstream.upstream_cx_rx_bytes_total")?,
+        passed: stat("http.ingress_http.downstream_cx_tx_bytes_total")?
+            + stat("http.ingress_http.downstream_cx_tx_bytes_buffered")?,
+    })
+}
+
+/// Bound of the time the silent client's buffers take to fill (~200 tokens: 4 s on an
+/// idle machine, 44 s on a loaded one).
+const FILL: Duration = Duration::from_secs(120);
+/// How often the silent-client test reads Envoy's byte counters.
+const BYTES_EVERY: Duration = Duration::from_millis(50);
+
+/// The most the stalled abort may come after the idle timeout has run out from the answer
+/// of the reading that saw data last pass the filter, beyond the filter's two ticks (the
+/// one that sees the clock run out, the one that sends) and the stalls credited: the
+/// call's way from Envoy to the tap and timers firing late. Measured in four runs: the abort
+/// came 0.07, 0.26, 0.23 and 0.26 s over the idle timeout after that answer, ticks included
+/// (the filter's own word put its last data event 27, 218, 179 ms after the answer: it
+/// stamps data with the tick that finds it).
+const STALL_SLACK: Duration = Duration::from_millis(250);
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_client_is_reaped_as_stalled_and_vllm_frees_it_within_2s() {
     bounded("silent client", T, async {
@@ -213,12 +270,23 @@ async fn silent_client_is_reaped_as_stalled_and_vllm_frees_it_within_2s() {
             return;
         };
         let idle = Duration::from_secs(5);
+        let tick = Duration::from_millis(stack::FILTER_TICK_MS);
         let mut o = filter_opts(v.addr(), idle.as_millis() as u64);
         // The filter's abort calls pass through a recording tap to kvguard-control.
         o.abort_tap = true;
-        let st = Stack::start(o).await.unwrap();
+        let mut st = Stack::start(o).await.unwrap();
+        let envoy_pid = st.envoy.guard().pid();
+        let st = st;
         let tap = st.abort_tap.as_ref().unwrap();
+        let gen0 = vllm_generated(&v).await;
         let started = Instant::now();
+        // Before the request Envoy has read nothing from the upstream (a fresh stack).
+        let mut readings = vec![EnvoyBytes {
+            asked: started,
+            got: started,
+            upstream_rx: 0.0,
+            passed: 0.0,
+        }];
         let mut c = client::silent_client(
             st.entry(),
             "/v1/completions",
@@ -229,44 +297,134 @@ async fn silent_client_is_reaped_as_stalled_and_vllm_frees_it_within_2s() {
         )
         .await
         .unwrap();
-        v.wait_figures("one running", W, |f| f.running == 1.0)
-            .await
-            .unwrap();
-        let mark = stall_mark(&st);
+        // The filter runs in Envoy: its stalls are credited too, from the reading that saw
+        // data last pass it on (taken afresh at each growth).
+        let marked = || stall_mark(&st).and("envoy", envoy_pid);
+        let mut mark = marked();
         // The client reads nothing; vLLM keeps generating. The buffers on the way fill
-        // (Envoy's, the lossy hop's, the kernel's), Envoy stops passing tokens to the
-        // filter, and the filter's idle clock runs out. When the filter saw its last token
-        // cannot be observed from outside (Envoy's upstream reads do not time it: data
-        // Envoy has read can wait before the filter while the client side is paused), so
-        // the filter says it: the abort body's `idle_ms` is how long before the call it
-        // last saw a data event. The abort must come within the idle timeout plus two
-        // ticks of that token (the tick that sees the clock run out, and the one that
-        // sends), and that token cannot be older than the request.
+        // (Envoy's, the kernel's), Envoy stops reading the upstream, so the filter sees
+        // no more data, and its idle clock runs out. The test reads the bytes that passed
+        // the filter towards the client until the abort call arrives (the buffers fill
+        // after ~200 tokens: [`FILL`]): the last reading that saw them grow bounds when the
+        // filter last saw data (after the reading before it was asked, by that reading's
+        // answer). The abort must come at least the idle timeout after the former, and at
+        // most the idle timeout, two ticks and [`STALL_SLACK`] (and the stalls credited)
+        // after the latter. The filter's own `idle_ms` is only a cross-check.
+        let deadline = Instant::now() + FILL + idle + W;
+        while tap.calls().is_empty() && Instant::now() < deadline {
+            if let Some(b) = envoy_bytes(&st).await {
+                if readings.last().is_some_and(|l| l.passed != b.passed) {
+                    mark = marked();
+                }
+                readings.push(b);
+            }
+            tokio::time::sleep(BYTES_EVERY).await;
+        }
         let calls = tap
-            .wait_for_calls(1, idle + W)
+            .wait_for_calls(1, W)
             .await
             .unwrap_or_else(|e| panic!("no abort call: {e:#}\n{}", st.logs(40)));
         let call = &calls[0];
         let aborted = call.at;
+        let (credit, credit_said) = mark.since();
+        let generated = vllm_generated(&v).await - gen0;
         let a = call.abort.as_ref().expect("an abort body per the contract");
         assert_eq!(a.reason.as_str(), "stalled", "{a:?}");
         assert_eq!(a.gone_ms, None, "the client was still connected: {a:?}");
+        // The readings answered before the abort; the last growth of the bytes that passed
+        // the filter.
+        let seen: Vec<&EnvoyBytes> = readings.iter().filter(|b| b.got <= aborted).collect();
+        let last_of = |f: fn(&EnvoyBytes) -> f64| {
+            let end = f(seen.last().unwrap());
+            seen.iter()
+                .rposition(|b| f(b) != end)
+                .map_or(0, |i| i + 1)
+        };
+        let last = last_of(|b| b.passed);
+        let rx_last = seen[last_of(|b| b.upstream_rx)];
+        assert!(
+            last + 1 < seen.len(),
+            "the readings did not see data stop passing the filter before the abort: {:?}",
+            &seen[seen.len().saturating_sub(3)..]
+        );
+        let (before, grew) = (seen[last.saturating_sub(1)], seen[last]);
+        assert!(
+            grew.passed > 0.0 && last > 0,
+            "the test saw nothing pass the filter: {readings:?}"
+        );
+        let final_bytes = seen.last().unwrap();
+        let stalled_for = aborted - grew.got;
+        let (lo, hi) = (
+            before.asked + idle,
+            grew.got + idle + 2 * tick + STALL_SLACK + credit,
+        );
+        eprintln!(
+            "stalled: data last passed the filter between {:?} and {:?} after the request started \
+             ({} bytes passed; Envoy read {} bytes from the upstream, the last by {:?}; {} readings, \
+             the last {:?} after the start); \
+             the abort came {:?} after the request started, {stalled_for:?} after that reading's \
+             answer (idle timeout {idle:?}: {:?} over it; bound {:?} = 2 ticks + {STALL_SLACK:?} + \
+             credit {credit:?}: {credit_said}); vLLM generated {generated} tokens \
+             meanwhile, the filter saw {} and says it last saw data {:?} ms before the call \
+             (its abort body)",
+            before.asked - started,
+            grew.got - started,
+            final_bytes.passed,
+            final_bytes.upstream_rx,
+            rx_last.got - started,
+            seen.len(),
+            final_bytes.got - started,
+            aborted - started,
+            stalled_for.saturating_sub(idle),
+            hi - grew.got - idle,
+            a.tokens,
+            a.idle_ms,
+        );
+        assert!(
+            aborted >= lo,
+            "stalled abort {:?} after data could last have passed the filter (when the \
+             last reading before they grew was asked), under the idle timeout {idle:?}\n{}",
+            aborted - before.asked,
+            st.logs(40)
+        );
+        assert!(
+            aborted <= hi,
+            "stalled abort {stalled_for:?} after the test last saw data pass the filter, over \
+             the idle timeout {idle:?} + {:?}\n{}",
+            hi - grew.got - idle,
+            st.logs(40)
+        );
+        // Cross-check with the filter's own word: the abort body's `idle_ms` is how long
+        // before the call it last saw a data event: within the idle timeout plus two ticks,
+        // and that event lies where the test saw data last pass it, or up to a tick after
+        // (the filter stamps data with the tick that finds it) and STALL_SLACK (the call's
+        // way). Measured: 27 and 218 ms after.
         let idle_ms = a
             .idle_ms
             .unwrap_or_else(|| panic!("a stalled abort without idle_ms: {a:?}"));
-        let (lo, hi) = (
-            idle.as_millis() as u64,
-            idle.as_millis() as u64 + 2 * stack::FILTER_TICK_MS,
-        );
+        let own = Duration::from_millis(idle_ms);
         assert!(
-            (lo..=hi).contains(&idle_ms),
-            "stalled abort {idle_ms} ms after the filter's last token, expected {lo}..={hi} ms\n{}",
+            own >= idle && own <= idle + 2 * tick,
+            "the filter says it last saw data {idle_ms} ms before the abort, expected {idle:?} \
+             ..= {:?}\n{}",
+            idle + 2 * tick,
             st.logs(40)
         );
-        let since_start = aborted - started;
+        let filters_last = aborted - own;
+        eprintln!(
+            "the filter's own idle_ms {idle_ms}: its last data event {:?} after the request \
+             started; the test's window for it: {:?} ..= {:?}",
+            filters_last - started,
+            before.asked - started,
+            grew.got - started
+        );
         assert!(
-            Duration::from_millis(idle_ms) <= since_start,
-            "the filter's last token ({idle_ms} ms before the abort) is older than the request ({since_start:?})"
+            filters_last >= before.asked && filters_last <= grew.got + tick + STALL_SLACK,
+            "the filter's last data event ({:?} after the start, by its idle_ms) is not where \
+             the test saw data last pass it ({:?} ..= {:?})",
+            filters_last - started,
+            before.asked - started,
+            grew.got - started
         );
         v.wait_figures_within(
             "vLLM frees the stalled sequence within 2 s of the abort",
@@ -277,10 +435,6 @@ async fn silent_client_is_reaped_as_stalled_and_vllm_frees_it_within_2s() {
         )
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
-        eprintln!(
-            "stalled: aborted {since_start:?} after the request started, {idle_ms} ms after the filter's last token (idle timeout {idle:?}), freed {:?} after the abort",
-            aborted.elapsed()
-        );
         wait_control_aborts(&st, "stalled", 1.0).await;
         // The filter closed the client's connection too.
         c.read_to_close(W).await.unwrap();
@@ -288,6 +442,13 @@ async fn silent_client_is_reaped_as_stalled_and_vllm_frees_it_within_2s() {
     })
     .await
     .unwrap();
+}
+
+/// vLLM's `vllm:generation_tokens_total` (tokens generated so far, every request).
+async fn vllm_generated(v: &Vllm) -> f64 {
+    let r = client::get(v.addr(), "/metrics").await.unwrap();
+    kvguard_integration::vllm::metric_sum(&r.text(), "vllm:generation_tokens_total")
+        .expect("vllm:generation_tokens_total in vLLM's /metrics")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -992,37 +1153,52 @@ async fn vllm_router_on_vllm_passes_disconnects_and_kvguard_cuts_nothing_else() 
         let st = Stack::start(with_hop(filter_opts(v.addr(), 30_000), HopKind::VllmRouter))
             .await
             .unwrap();
-        // LONG: still running when the non-streaming request below reaches vLLM (a
+        // Streams someone reads to their end (each from a task of its own, from its first
+        // event on): completions and chat, HTTP/1.1 and HTTP/2, of HEALTHY tokens: still
+        // running when the two requests below have left beside them (checked below; a
         // 200-token stream ended in 2.9 s on an idle machine).
-        let mut healthy =
-            client::stream_sse(st.entry(), "/v1/completions", &completion(LONG), &[], false)
+        let mut healthy = Vec::new();
+        for (path, body, http2) in [
+            ("/v1/completions", completion(HEALTHY), false),
+            ("/v1/chat/completions", chat(HEALTHY), false),
+            ("/v1/chat/completions", chat(HEALTHY), true),
+        ] {
+            let mut s = client::stream_sse(st.entry(), path, &body, &[], http2)
                 .await
                 .unwrap();
-        healthy.read_events(1, W).await.unwrap();
+            assert_eq!(s.status, 200, "{path} h2={http2}");
+            let started = Instant::now();
+            let reading = tokio::spawn(async move {
+                let evs = s.collect(HEALTHY_STREAMS).await;
+                (evs, started.elapsed())
+            });
+            healthy.push((format!("{path} h2={http2}"), reading));
+        }
+        let n = healthy.len() as f64;
         let mut gone =
             client::stream_sse(st.entry(), "/v1/chat/completions", &chat(LONG), &[], false)
                 .await
                 .unwrap();
         gone.read_events(3, W).await.unwrap();
-        v.wait_figures("two streams run", W, |f| f.running == 2.0)
+        v.wait_figures("the streams run", W, |f| f.running == n + 1.0)
             .await
-            .unwrap();
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
         gone.disconnect();
         v.wait_figures(
             "vLLM frees the stream that left",
             Duration::from_secs(5),
-            |f| f.running <= 1.0,
+            |f| f.running <= n,
         )
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
-        let left = send_non_streaming_behind_hop(&v, st.entry(), &st, 1.0)
+        let left = send_non_streaming_behind_hop(&v, st.entry(), &st, n)
             .await
             .leave()
             .await;
         v.wait_figures(
             "vLLM frees the request that left",
             Duration::from_secs(5),
-            |f| f.running <= 1.0,
+            |f| f.running <= n,
         )
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
@@ -1030,14 +1206,76 @@ async fn vllm_router_on_vllm_passes_disconnects_and_kvguard_cuts_nothing_else() 
             "vllm-router on vLLM, non-streaming: freed {:?} after the client left",
             left.elapsed()
         );
-        let evs = healthy.collect(LONG_STREAM).await.unwrap();
+        let ended: Vec<&String> = healthy
+            .iter()
+            .filter(|(_, r)| r.is_finished())
+            .map(|(w, _)| w)
+            .collect();
         assert!(
-            evs.last().unwrap().is_done(),
-            "a stream someone reads was cut: {evs:?}\n{}",
+            ended.is_empty(),
+            "{ended:?} ended before the others had left beside them: nothing was checked"
+        );
+        for (what, reading) in healthy {
+            let (evs, took) = reading.await.unwrap();
+            let evs = evs.unwrap_or_else(|e| panic!("{what}: {e:#}\n{}", st.logs(40)));
+            assert!(
+                evs.last().is_some_and(|e| e.is_done()),
+                "{what}: a stream someone reads was cut: {:?}\n{}",
+                evs.iter().rev().take(3).collect::<Vec<_>>(),
+                st.logs(40)
+            );
+            assert_finished_at_length(&evs);
+            eprintln!(
+                "{what}: {} events to [DONE] in {took:?}, finish_reason length",
+                evs.len()
+            );
+        }
+        v.wait_idle(W).await.unwrap();
+        // Nothing else was cut: the only aborts kvguard sent or counted are for the two
+        // clients that left (downstream_reset: at most one each; vllm-router passed their
+        // disconnects on too, so kvguard's may find them ended); every other reason reads
+        // 0, in the filter and in kvguard-control.
+        let control = st.control.aborts_by_reason().await.unwrap();
+        assert!(
+            control.contains_key("stalled") && control.contains_key("downstream_reset"),
+            "kvguard-control exports every reason from the start: {control:?}"
+        );
+        let others: Vec<_> = control
+            .iter()
+            .filter(|(r, c)| r.as_str() != "downstream_reset" && **c != 0.0)
+            .collect();
+        assert!(
+            others.is_empty(),
+            "kvguard-control counted other aborts: {control:?}\n{}",
             st.logs(40)
         );
-        assert_finished_at_length(&evs);
-        v.wait_idle(W).await.unwrap();
+        assert!(control["downstream_reset"] <= 2.0, "{control:?}");
+        let filter: Vec<(String, f64)> = st
+            .filter_stats()
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|(k, _)| k.contains("kvguard_filter_aborts_total"))
+            .collect();
+        assert!(
+            filter.iter().any(|(k, _)| k.contains("reason=.=stalled;")),
+            "the filter exports its stalled aborts from the start: {filter:?}"
+        );
+        let reset = |k: &str| k.contains("reason=.=downstream_reset;");
+        let others: Vec<_> = filter
+            .iter()
+            .filter(|(k, c)| !reset(k) && *c != 0.0)
+            .collect();
+        assert!(
+            others.is_empty(),
+            "the filter sent other aborts: {filter:?}\n{}",
+            st.logs(40)
+        );
+        let resets: f64 = filter.iter().filter(|(k, _)| reset(k)).map(|(_, c)| c).sum();
+        assert!(resets <= 2.0, "{filter:?}");
+        eprintln!(
+            "aborts: kvguard-control {control:?}; the filter's downstream_reset {resets}, every other reason 0"
+        );
     })
     .await
     .unwrap();
