@@ -14,9 +14,8 @@
 //! - Time a process spends *not runnable* is never credited: sleeping, blocked in a
 //!   syscall, stopped by a signal. A stall of kvguard-control's own making (a blocking
 //!   call on its runtime, a lock held across an await) therefore counts against the bound,
-//!   as it must: that is the product's bug, and the bound is there to catch it. (The
-//!   earlier measure, how late kvguard-control answered `/healthz`, credited exactly such
-//!   a stall.)
+//!   as it must: that is the product's bug, and the bound is there to catch it (how late
+//!   kvguard-control answers a probe would credit exactly such a stall).
 //! - The credit is at most [`MAX_CREDIT`]: a machine so loaded that the product waits
 //!   longer for a CPU says nothing about the product either way, and a bound that stretches
 //!   without limit cannot fail.
