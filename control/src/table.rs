@@ -338,17 +338,22 @@ impl Entry {
 mod tests {
     use super::*;
 
-    #[test]
-    fn first_reason_wins_and_progress() {
-        let t0 = Instant::now();
-        let e = Entry::new(
+    /// A streaming completion `r` (sequence 1) admitted at `t0`.
+    fn completion(t0: Instant) -> Entry {
+        Entry::new(
             RequestId::try_new(b"r").unwrap(),
             1,
             "POST".into(),
             "/v1/completions".into(),
             t0,
             100,
-        );
+        )
+    }
+
+    #[test]
+    fn first_reason_wins_and_progress() {
+        let t0 = Instant::now();
+        let e = completion(t0);
         assert!(e.mark_ended(AbortReason::Stalled));
         assert!(!e.mark_ended(AbortReason::MaxAge));
         assert_eq!(e.ended(), Some(AbortReason::Stalled));
@@ -371,14 +376,7 @@ mod tests {
     #[test]
     fn events_are_counted_and_a_frame_of_another_body_is_progress_without_an_event() {
         let t0 = Instant::now();
-        let e = Entry::new(
-            RequestId::try_new(b"r").unwrap(),
-            1,
-            "POST".into(),
-            "/v1/completions".into(),
-            t0,
-            100,
-        );
+        let e = completion(t0);
         assert_eq!(e.events(), 0);
         e.record_events(2, t0 + Duration::from_secs(1));
         e.record_events(3, t0 + Duration::from_secs(2));
@@ -401,14 +399,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn ending_closes_the_engine_connection_even_one_attached_after_the_end() {
-        let e = Entry::new(
-            RequestId::try_new(b"r").unwrap(),
-            1,
-            "POST".into(),
-            "/v1/completions".into(),
-            Instant::now(),
-            100,
-        );
+        let e = completion(Instant::now());
         let closed = |task: tokio::task::JoinHandle<()>| async move {
             tokio::time::timeout(Duration::from_secs(1), task)
                 .await
@@ -431,14 +422,7 @@ mod tests {
     #[test]
     fn orphan_cost_from_the_client_leaving_to_the_close_once() {
         let t0 = Instant::now();
-        let e = Entry::new(
-            RequestId::try_new(b"r").unwrap(),
-            1,
-            "POST".into(),
-            "/v1/completions".into(),
-            t0,
-            100,
-        );
+        let e = completion(t0);
         assert_eq!(e.take_orphan_cost(t0), None);
         e.record_response(200, BodyKind::Sse, t0);
         e.record_events(5, t0 + Duration::from_secs(1));
