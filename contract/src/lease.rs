@@ -1,19 +1,37 @@
 //! Liveness leases (contract §8): a gateway process's instance id, the header that tags
-//! its requests with it, and the signed renewal `POST /v1/lease`.
+//! its requests with it, the host key that survives its restarts, and the signed renewal
+//! it sends out of band (`POST /v1/lease`, admin listener) and in band
+//! (`POST /v1/kvguard/lease`, over its upstream cluster, answered by kvguard-control's
+//! proxy listener).
 
 use crate::hex;
 use core::fmt;
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 /// The request header naming the gateway process that carries the request. The filter
 /// overwrites any client copy on every tracked request (and strips it from the others).
 pub const INSTANCE_HEADER: &str = "x-kvguard-instance";
 
-/// Path of the renewal endpoint on kvguard-control's admin listener.
+/// Path of the out-of-band renewal endpoint on kvguard-control's admin listener.
 pub const LEASE_PATH: &str = "/v1/lease";
+
+/// Path of the in-band renewal on kvguard-control's proxy listener: sent over the
+/// gateway's upstream cluster, through every hop its streams take, and answered by
+/// kvguard-control itself (never proxied to the engine). Under `/v1/` so hops that admit
+/// the OpenAI prefix pass it.
+pub const DATA_LEASE_PATH: &str = "/v1/kvguard/lease";
 
 /// Largest renewal body kvguard-control reads, in bytes.
 pub const MAX_RENEWAL_BODY: usize = 512;
+
+/// The shortest TTL kvguard-control accepts, in renewal periods: a lease survives two
+/// lost renewals in a row.
+pub const MIN_TTL_PERIODS: u32 = 3;
+
+/// Renewals of the data path an instance must have had accepted before its lease is
+/// enforced: proof that its hops carry a renewal at all.
+pub const DATA_RENEWALS_TO_ENFORCE: u32 = 3;
 
 /// A gateway process's 128-bit random id (32 lowercase hex digits on the wire).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -32,25 +50,146 @@ impl fmt::Display for InstanceId {
     }
 }
 
-/// The renewal body: `{"instance":"<32 hex>","counter":<u64>}`. `counter` grows with
-/// every renewal the process sends (any of its worker VMs); kvguard-control accepts a
-/// renewal only if its counter is above the last one it accepted for that instance, so a
-/// replay is refused whatever the clocks say. Unknown fields are ignored.
+/// What stays the same when a gateway process is replaced on the same host: a hash of
+/// Envoy's node id and the filter's VM id (32 hex digits on the wire). A crash restart in
+/// place, a hot restart's child and a pod restarted with its identity all renew with the
+/// host key of the process they replaced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HostKey(pub [u8; 16]);
+
+impl HostKey {
+    /// The host key of Envoy node `node_id` running the filter in VM `vm_id`.
+    pub fn derive(node_id: &[u8], vm_id: &[u8]) -> HostKey {
+        let mut h = Sha256::new();
+        h.update(b"kvguard.host.v1\0");
+        h.update((node_id.len() as u64).to_be_bytes());
+        h.update(node_id);
+        h.update(vm_id);
+        let d = h.finalize();
+        let mut k = [0u8; 16];
+        k.copy_from_slice(&d[..16]);
+        HostKey(k)
+    }
+
+    /// Parses 32 hex digits.
+    pub fn parse(text: &[u8]) -> Option<HostKey> {
+        hex::decode16(text.trim_ascii()).map(HostKey)
+    }
+}
+
+impl fmt::Display for HostKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&hex::encode(&self.0))
+    }
+}
+
+/// The path a renewal travelled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Via {
+    /// Out of band, to the admin listener (`control_cluster` or one replica).
+    Admin,
+    /// In band, over the upstream cluster the gateway's streams use.
+    Data,
+}
+
+impl Via {
+    /// The wire and label value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Via::Admin => "admin",
+            Via::Data => "data",
+        }
+    }
+}
+
+fn is_admin(v: &Via) -> bool {
+    *v == Via::Admin
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
+}
+
+const fn yes() -> bool {
+    true
+}
+
+/// The renewal body:
+/// `{"instance":"<32 hex>","counter":<u64>,"host":"<32 hex>","period_ms":<u64>,"via":"data","fanout":false}`.
+///
+/// `counter` grows with every renewal the process sends (any of its worker VMs); the
+/// same period's renewal carries the same counter on every path. `via` says which path
+/// it was sent on (signed, so a renewal captured on one path cannot be passed off on the
+/// other; absent = `admin`); `fanout: false` marks a renewal sent to every replica
+/// directly, which the receiver does not forward to its peers (absent = `true`).
+/// `host` and `period_ms` are optional for older senders. Unknown fields are ignored.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Renewal {
     /// The instance id, 32 hex digits.
     pub instance: String,
     /// The per-sender counter.
     pub counter: u64,
+    /// The host key, 32 hex digits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// The sender's renewal period.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub period_ms: Option<u64>,
+    /// The path it was sent on.
+    #[serde(default = "admin", skip_serializing_if = "is_admin")]
+    pub via: Via,
+    /// Whether the receiver forwards it to its peers.
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub fanout: bool,
+}
+
+const fn admin() -> Via {
+    Via::Admin
+}
+
+/// A parsed and validated renewal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RenewalBody {
+    /// The renewing process.
+    pub instance: InstanceId,
+    /// Its counter.
+    pub counter: u64,
+    /// Its host key (`None` from an older sender).
+    pub host: Option<HostKey>,
+    /// Its renewal period, ms (`None` from an older sender).
+    pub period_ms: Option<u64>,
+    /// The path it was sent on.
+    pub via: Via,
+    /// Whether the receiver forwards it to its peers.
+    pub fanout: bool,
 }
 
 impl Renewal {
-    /// A renewal of `instance` with `counter`.
+    /// An out-of-band renewal of `instance` with `counter` (no host key, no period).
     pub fn new(instance: InstanceId, counter: u64) -> Renewal {
         Renewal {
             instance: instance.to_string(),
             counter,
+            host: None,
+            period_ms: None,
+            via: Via::Admin,
+            fanout: true,
         }
+    }
+
+    /// This renewal with `host` and `period_ms`.
+    pub fn from_host(mut self, host: HostKey, period_ms: u64) -> Renewal {
+        self.host = Some(host.to_string());
+        self.period_ms = Some(period_ms);
+        self
+    }
+
+    /// This renewal sent on `via`, forwarded to peers or not.
+    pub fn sent(mut self, via: Via, fanout: bool) -> Renewal {
+        self.via = via;
+        self.fanout = fanout;
+        self
     }
 
     /// Compact JSON.
@@ -58,13 +197,28 @@ impl Renewal {
         serde_json::to_vec(self).unwrap_or_default()
     }
 
-    /// Parses and validates a body.
-    pub fn parse(body: &[u8]) -> Option<(InstanceId, u64)> {
+    /// Parses and validates a body (`None`: too long, not JSON, a bad instance or host
+    /// key, a zero period).
+    pub fn parse(body: &[u8]) -> Option<RenewalBody> {
         if body.len() > MAX_RENEWAL_BODY {
             return None;
         }
         let r: Renewal = serde_json::from_slice(body).ok()?;
-        Some((InstanceId::parse(r.instance.as_bytes())?, r.counter))
+        let host = match &r.host {
+            Some(h) => Some(HostKey::parse(h.as_bytes())?),
+            None => None,
+        };
+        if r.period_ms == Some(0) {
+            return None;
+        }
+        Some(RenewalBody {
+            instance: InstanceId::parse(r.instance.as_bytes())?,
+            counter: r.counter,
+            host,
+            period_ms: r.period_ms,
+            via: r.via,
+            fanout: r.fanout,
+        })
     }
 }
 
@@ -84,9 +238,55 @@ mod tests {
             body,
             format!(r#"{{"instance":"{}","counter":7}}"#, "ab".repeat(16)).into_bytes()
         );
-        assert_eq!(Renewal::parse(&body), Some((id, 7)));
+        let parsed = Renewal::parse(&body).unwrap();
+        assert_eq!((parsed.instance, parsed.counter), (id, 7));
+        assert_eq!((parsed.host, parsed.period_ms), (None, None));
+        assert_eq!((parsed.via, parsed.fanout), (Via::Admin, true));
         assert_eq!(Renewal::parse(br#"{"instance":"x","counter":1}"#), None);
         assert_eq!(Renewal::parse(&[b' '; 600]), None);
+    }
+
+    #[test]
+    fn host_period_path_and_fanout_round_trip() {
+        let id = InstanceId([1; 16]);
+        let host = HostKey::derive(b"router~10.0.0.1~gw-0.ns~ns.svc.cluster.local", b"kvguard");
+        let body = Renewal::new(id, 9)
+            .from_host(host, 5000)
+            .sent(Via::Data, false)
+            .to_json();
+        let text = String::from_utf8(body.clone()).unwrap();
+        assert!(text.contains(r#""via":"data""#) && text.contains(r#""fanout":false"#));
+        assert_eq!(
+            Renewal::parse(&body),
+            Some(RenewalBody {
+                instance: id,
+                counter: 9,
+                host: Some(host),
+                period_ms: Some(5000),
+                via: Via::Data,
+                fanout: false,
+            })
+        );
+        let bad_host = format!(r#"{{"instance":"{id}","counter":1,"host":"zz"}}"#);
+        assert_eq!(Renewal::parse(bad_host.as_bytes()), None);
+        let zero = format!(r#"{{"instance":"{id}","counter":1,"period_ms":0}}"#);
+        assert_eq!(Renewal::parse(zero.as_bytes()), None);
+        let bad_via = format!(r#"{{"instance":"{id}","counter":1,"via":"carrier-pigeon"}}"#);
+        assert_eq!(Renewal::parse(bad_via.as_bytes()), None);
+    }
+
+    #[test]
+    fn a_host_key_depends_on_the_node_and_the_vm_only() {
+        let a = HostKey::derive(b"node-a", b"vm");
+        assert_eq!(a, HostKey::derive(b"node-a", b"vm"));
+        assert_ne!(a, HostKey::derive(b"node-b", b"vm"));
+        assert_ne!(a, HostKey::derive(b"node-a", b"vm2"));
+        // The node id's length is hashed: moving bytes between the two parts changes it.
+        assert_ne!(
+            HostKey::derive(b"node-a", b"vm"),
+            HostKey::derive(b"node-av", b"m")
+        );
+        assert_eq!(HostKey::parse(a.to_string().as_bytes()), Some(a));
     }
 
     #[test]
@@ -98,7 +298,10 @@ mod tests {
             body
         };
         assert_eq!(MAX_RENEWAL_BODY, 512);
-        assert_eq!(Renewal::parse(&padded(MAX_RENEWAL_BODY)), Some((id, 9)));
+        assert_eq!(
+            Renewal::parse(&padded(MAX_RENEWAL_BODY)).map(|r| r.counter),
+            Some(9)
+        );
         assert_eq!(Renewal::parse(&padded(MAX_RENEWAL_BODY + 1)), None);
         assert_eq!(Renewal::parse(&padded(MAX_RENEWAL_BODY + 100)), None);
     }

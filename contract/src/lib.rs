@@ -21,7 +21,9 @@ pub mod stamp;
 pub use abort::{AbortAnswer, AbortRequest, Disposition, ABORT_PATH};
 pub use id::{IdError, RequestId, MAX_ID_LEN};
 pub use key::{Key, KeyError, MIN_KEY_LEN};
-pub use lease::{InstanceId, Renewal, INSTANCE_HEADER, LEASE_PATH};
+pub use lease::{
+    HostKey, InstanceId, Renewal, RenewalBody, Via, DATA_LEASE_PATH, INSTANCE_HEADER, LEASE_PATH,
+};
 pub use peer::{Forwarded, PEER_ABORT_PATH, PEER_LEASE_PATH};
 pub use reason::AbortReason;
 pub use signature::{SignatureError, MAX_SKEW_SECS, SIGNATURE_HEADER};

@@ -1,7 +1,6 @@
 //! The admin listener: the abort API (contract §3), the in-flight table, GPU and engine
 //! status, metrics, health and readiness.
 
-use crate::leases::{LeaseMode, RenewError};
 use crate::state::{AbortFound, AppState};
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -13,8 +12,8 @@ use kvguard_contract::abort::MAX_ABORT_BODY;
 use kvguard_contract::peer::MAX_PEER_BODY;
 use kvguard_contract::signature::{self, SignatureError};
 use kvguard_contract::{
-    AbortAnswer, AbortReason, AbortRequest, Forwarded, InstanceId, Renewal, RequestId, ABORT_PATH,
-    LEASE_PATH, PEER_ABORT_PATH, PEER_LEASE_PATH, SIGNATURE_HEADER,
+    AbortAnswer, AbortReason, AbortRequest, Forwarded, RequestId, ABORT_PATH, LEASE_PATH,
+    PEER_ABORT_PATH, PEER_LEASE_PATH, SIGNATURE_HEADER,
 };
 use serde_json::json;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -36,9 +35,9 @@ pub const REFUSAL_LOG_PERIOD: Duration = Duration::from_secs(10);
 pub fn app(state: Arc<AppState>) -> Router {
     Router::new()
         .route(ABORT_PATH, post(abort))
-        .route(LEASE_PATH, post(renew_lease))
+        .route(LEASE_PATH, post(crate::lease::endpoints::admin))
         .route(PEER_ABORT_PATH, post(peer_abort))
-        .route(PEER_LEASE_PATH, post(peer_lease))
+        .route(PEER_LEASE_PATH, post(crate::lease::endpoints::peer))
         .route("/v1/requests", get(requests))
         .route("/v1/gpu", get(gpu))
         .route("/v1/engine", get(engine))
@@ -84,12 +83,12 @@ impl LogLimiter {
     }
 }
 
-static REFUSALS: LogLimiter = LogLimiter {
+pub(crate) static REFUSALS: LogLimiter = LogLimiter {
     next_ms: AtomicU64::new(0),
     held: AtomicU64::new(0),
 };
 
-fn refuse(status: StatusCode, error: &str, message: String) -> Response {
+pub(crate) fn refuse(status: StatusCode, error: &str, message: String) -> Response {
     (status, Json(json!({ "error": error, "message": message }))).into_response()
 }
 
@@ -228,7 +227,7 @@ fn abort_answer(
 
 /// Reads, verifies (signature, freshness, replay) and opens a forwarded envelope; the
 /// refusal is counted under `kind` and returned as the response.
-async fn open_forwarded(
+pub(crate) async fn open_forwarded(
     st: &AppState,
     kind: &'static str,
     req: Request,
@@ -313,129 +312,6 @@ async fn peer_abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
     }
 }
 
-/// `POST /v1/peer/lease`: a renewal another replica accepted, taken here too (so a
-/// renewal reaching any replica counts at every one). Its counter is the gateway's: a
-/// counter this replica already has is a duplicate (200, no effect). Never forwarded
-/// again.
-async fn peer_lease(State(st): State<Arc<AppState>>, req: Request) -> Response {
-    if st.cfg.lease_mode == LeaseMode::Off {
-        return refuse(
-            StatusCode::NOT_FOUND,
-            "leases_off",
-            "kvguard-control runs with --lease-mode off".to_owned(),
-        );
-    }
-    let env = match open_forwarded(&st, "renewal", req).await {
-        Ok(e) => e,
-        Err(r) => return r,
-    };
-    let Some((instance, counter)) = Renewal::parse(env.body.as_bytes()) else {
-        st.metrics.peer.receive("renewal", "bad_request");
-        return refuse(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-            "forwarded renewal: bad inner body".to_owned(),
-        );
-    };
-    let result = apply_renewal(&st, instance, counter);
-    let duplicate = match result {
-        Ok(new) => {
-            st.metrics.peer.receive("renewal", "accepted");
-            if new {
-                tracing::info!(%instance, counter, forwarded_by = %env.forwarded_by, "gateway lease taken (renewal forwarded by a peer)");
-            }
-            false
-        }
-        Err(_) => {
-            st.metrics.peer.receive("renewal", "duplicate");
-            true
-        }
-    };
-    (
-        StatusCode::OK,
-        Json(json!({ "instance": instance.to_string(), "duplicate": duplicate })),
-    )
-        .into_response()
-}
-
-/// `POST /v1/lease` (contract §8): a signed renewal, fresh by its counter (not by `t`).
-async fn renew_lease(State(st): State<Arc<AppState>>, req: Request) -> Response {
-    if st.cfg.lease_mode == LeaseMode::Off {
-        return refuse(
-            StatusCode::NOT_FOUND,
-            "leases_off",
-            "kvguard-control runs with --lease-mode off".to_owned(),
-        );
-    }
-    let (parts, body) = req.into_parts();
-    let Ok(body) = axum::body::to_bytes(body, MAX_ABORT_BODY).await else {
-        st.metrics.lease.renewal("bad_request");
-        return refuse(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-            "renewal body unreadable".to_owned(),
-        );
-    };
-    let header = parts
-        .headers
-        .get(SIGNATURE_HEADER)
-        .map(HeaderValue::as_bytes);
-    let keys = st.keys();
-    if let Err(e) = signature::verify_any_time(&keys.accept, header, &body) {
-        st.metrics.lease.renewal("unauthorized");
-        let now_ms = st.clock.unix_secs().saturating_mul(1000);
-        if let Some(held) = REFUSALS.admit(now_ms, REFUSAL_LOG_PERIOD) {
-            tracing::warn!(why = e.as_str(), refused_since_last_line = held, "lease renewal refused: {e} (every refusal is counted in kvguard_control_lease_renewals_total{{result=\"unauthorized\"}})");
-        }
-        return refuse(StatusCode::UNAUTHORIZED, "unauthorized", e.to_string());
-    }
-    let Some((instance, counter)) = Renewal::parse(&body) else {
-        st.metrics.lease.renewal("bad_request");
-        return refuse(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-            "renewal body: expected {\"instance\":\"<32 hex>\",\"counter\":<u64>}".to_owned(),
-        );
-    };
-    let result = apply_renewal(&st, instance, counter);
-    let ttl_ms = u64::try_from(st.cfg.lease_ttl.as_millis()).unwrap_or(u64::MAX);
-    match result {
-        Ok(new) => {
-            st.metrics.lease.renewal("accepted");
-            if new {
-                tracing::info!(%instance, counter, "gateway lease taken");
-            }
-            if let Some(peers) = &st.peers {
-                peers.fan_out_renewal(&st, body.to_vec());
-            }
-            (
-                StatusCode::OK,
-                Json(json!({ "instance": instance.to_string(), "ttl_ms": ttl_ms })),
-            )
-                .into_response()
-        }
-        Err(RenewError::Duplicate) => {
-            // The same period's renewal again (through control_cluster and directly, or
-            // after a peer forwarded it): no evidence of life, and not the sender's fault.
-            st.metrics.lease.renewal("duplicate");
-            (
-                StatusCode::OK,
-                Json(json!({ "instance": instance.to_string(), "ttl_ms": ttl_ms, "duplicate": true })),
-            )
-                .into_response()
-        }
-        Err(RenewError::Replay) => {
-            st.metrics.lease.renewal("replay");
-            tracing::warn!(%instance, counter, "lease renewal refused: counter below the last accepted (replay)");
-            refuse(
-                StatusCode::CONFLICT,
-                "replay",
-                "renewal counter below the last accepted".to_owned(),
-            )
-        }
-    }
-}
-
 async fn requests(State(st): State<Arc<AppState>>) -> Response {
     let now = st.clock.now();
     let mut rows: Vec<_> = st.entries().iter().map(|e| e.view(now)).collect();
@@ -507,15 +383,4 @@ async fn readyz(State(st): State<Arc<AppState>>) -> Response {
         )
             .into_response()
     }
-}
-
-/// Renews `instance`'s lease at `counter` now, by a renewal from a gateway or forwarded by
-/// a peer; `Ok(true)` when this replica held no lease for it yet.
-fn apply_renewal(st: &AppState, instance: InstanceId, counter: u64) -> Result<bool, RenewError> {
-    let now = st.clock.now();
-    let mut leases = st.leases.lock().unwrap_or_else(|p| p.into_inner());
-    let new = !leases.holds(&instance);
-    let r = leases.renew(instance, counter, now);
-    st.metrics.lease.held.set(leases.len() as i64);
-    r.map(|()| new)
 }

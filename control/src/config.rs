@@ -152,18 +152,20 @@ pub struct Args {
     /// an HTTP/1.1 connection closed.
     #[arg(long, env = "KVGUARD_ABORT_FLUSH_TIMEOUT", default_value = "2s")]
     pub abort_flush_timeout: String,
-    /// Liveness leases of gateways (contract §8): `observe` judges and counts expiries,
-    /// `enforce` also ends every in-flight request of an expired gateway (reason
-    /// `gateway_lost`), `off` ignores renewals.
+    /// Liveness leases of gateways (contract §8): `enforce` ends the in-flight requests
+    /// of a gateway that is dead (its renewals on both paths silent for the TTL, once its
+    /// data path has carried renewals; or replaced on its host), reason `gateway_lost`;
+    /// `observe` (the rollout step) judges and counts only; `off` ignores renewals.
     #[arg(
         long,
         env = "KVGUARD_LEASE_MODE",
         value_enum,
-        default_value = "observe"
+        default_value = "enforce"
     )]
-    pub lease_mode: crate::leases::LeaseMode,
+    pub lease_mode: crate::lease::LeaseMode,
     /// A gateway's lease expires after this long with no renewal and no request from it
-    /// (the filter renews every `lease_renew_ms`, at most a quarter of this).
+    /// (the filter renews every `lease_renew_ms`; a renewal whose period is over a third
+    /// of this is refused, 422).
     #[arg(long, env = "KVGUARD_LEASE_TTL", default_value = "30s")]
     pub lease_ttl: String,
     /// File holding the one key that signs the x-kvguard-control response stamp (watched
@@ -472,7 +474,7 @@ pub struct Config {
     /// Post-abort deadline before the downstream side is cut.
     pub abort_flush_timeout: Duration,
     /// Lease handling.
-    pub lease_mode: crate::leases::LeaseMode,
+    pub lease_mode: crate::lease::LeaseMode,
     /// Lease TTL.
     pub lease_ttl: Duration,
     /// The other replicas (`--peers`), with this one's own address; `None` without peers.

@@ -13,6 +13,10 @@
 //! its engine connection, calls the [`engine`]'s abort API, and arms the post-abort
 //! deadline after which [`downstream`] cuts the client's h2 stream or HTTP/1.1
 //! connection. [`server`] wires the listeners and tasks.
+//!
+//! The liveness lease (a dead gateway's streams) is [`lease`]: the judgement in
+//! `lease/mod.rs`, the renewal endpoints in `lease/endpoints.rs`, the loop that enforces
+//! it in `lease/enforce.rs`.
 #![forbid(unsafe_code)]
 
 pub mod admin;
@@ -23,7 +27,7 @@ pub mod engine;
 pub mod expo;
 pub mod gpu;
 pub mod keys;
-pub mod leases;
+pub mod lease;
 pub mod metrics;
 pub mod peers;
 pub mod procfs;

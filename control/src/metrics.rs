@@ -604,17 +604,21 @@ mod tests {
 pub struct LeaseMetrics {
     /// Gateway instances holding a lease here.
     pub held: Gauge,
-    /// Renewals received, by `result` = `accepted`, `duplicate` (the last accepted counter
-    /// again: no effect), `replay` (counter below the last accepted), `unauthorized`
+    /// Of those, instances whose data path has carried enough renewals to be enforced.
+    pub enforceable: Gauge,
+    /// Renewals received from gateways, by `path` = `admin` | `data` and `result` =
+    /// `accepted`, `duplicate` (the last accepted counter again: no effect), `replay`
+    /// (counter not above the last accepted), `period_too_long`, `unauthorized`
     /// (signature), `bad_request` (body).
-    pub renewals: Family<L1, Counter>,
-    /// Leases expired, by `mode` = `enforce` (its requests were ended) or `observe`.
-    pub expiries: Family<L1, Counter>,
-    /// Expiries held because every instance with a lease (two or more) went silent at once.
+    pub renewals: Family<L2, Counter>,
+    /// Leases expired, by `mode` = `enforce` (its requests were ended) or `observe`, and
+    /// `why` = `silent` | `replaced` | `unproven`.
+    pub expiries: Family<L2, Counter>,
+    /// Expiries held because no other gateway was heard from since the silent one went silent.
     pub held_expiries: Counter,
     /// In-flight requests ended (or, observe mode, that would have been) by an expiry, by
-    /// `mode`.
-    pub requests_ended: Family<L1, Counter>,
+    /// `mode` and `why`.
+    pub requests_ended: Family<L2, Counter>,
     /// Passes of the lease loop that found kvguard-control itself stalled (every lease
     /// was extended by the stall).
     pub stalls: Counter,
@@ -628,23 +632,28 @@ impl LeaseMetrics {
             self.held.clone(),
         );
         reg.register(
+            "kvguard_control_leases_enforceable",
+            "Gateway instances whose data path has carried enough in-band renewals for their lease to be enforced",
+            self.enforceable.clone(),
+        );
+        reg.register(
             "kvguard_control_lease_renewals",
-            "Lease renewals received by result (accepted, duplicate, replay, unauthorized, bad_request)",
+            "Lease renewals received from gateways by path (admin, data) and result (accepted, duplicate, replay, period_too_long, unauthorized, bad_request)",
             self.renewals.clone(),
         );
         reg.register(
             "kvguard_control_lease_expiries",
-            "Gateway leases expired by mode (enforce: its requests were ended; observe: counted only)",
+            "Gateway leases expired by mode (enforce: its requests were ended; observe: counted only) and why (silent, replaced, unproven)",
             self.expiries.clone(),
         );
         reg.register(
             "kvguard_control_lease_held_expiries",
-            "Lease expiries held because every gateway with a lease went silent at once",
+            "Lease expiries held because no other gateway was heard from since the silent one went silent",
             self.held_expiries.clone(),
         );
         reg.register(
             "kvguard_control_lease_requests_ended",
-            "In-flight requests ended by a lease expiry (observe: that would have been), by mode",
+            "In-flight requests ended by a lease expiry (observe: that would have been), by mode and why",
             self.requests_ended.clone(),
         );
         reg.register(
@@ -652,24 +661,55 @@ impl LeaseMetrics {
             "Lease loop passes that found kvguard-control stalled (leases extended by the stall)",
             self.stalls.clone(),
         );
-        for r in [
-            "accepted",
-            "duplicate",
-            "replay",
-            "unauthorized",
-            "bad_request",
-        ] {
-            let _ = self.renewals.get_or_create(&[("result", r)]);
+        for path in ["admin", "data"] {
+            for r in [
+                "accepted",
+                "duplicate",
+                "replay",
+                "period_too_long",
+                "unauthorized",
+                "bad_request",
+            ] {
+                let _ = self
+                    .renewals
+                    .get_or_create(&[("path", path), ("result", r)]);
+            }
         }
         for m in ["enforce", "observe"] {
-            let _ = self.expiries.get_or_create(&[("mode", m)]);
-            let _ = self.requests_ended.get_or_create(&[("mode", m)]);
+            for w in ["silent", "replaced", "unproven"] {
+                let _ = self.expiries.get_or_create(&[("mode", m), ("why", w)]);
+                let _ = self
+                    .requests_ended
+                    .get_or_create(&[("mode", m), ("why", w)]);
+            }
         }
     }
 
     /// Counts a renewal answer.
-    pub fn renewal(&self, result: &'static str) {
-        self.renewals.get_or_create(&[("result", result)]).inc();
+    pub fn renewal(&self, path: &'static str, result: &'static str) {
+        self.renewals
+            .get_or_create(&[("path", path), ("result", result)])
+            .inc();
+    }
+
+    /// Sets the lease gauges.
+    pub fn census(&self, c: crate::lease::Census) {
+        self.held.set(c.held as i64);
+        self.enforceable.set(c.enforceable as i64);
+    }
+
+    /// Counts an expiry.
+    pub fn expired(&self, mode: &'static str, why: crate::lease::Expiry) {
+        self.expiries
+            .get_or_create(&[("mode", mode), ("why", why.as_str())])
+            .inc();
+    }
+
+    /// Counts the requests an expiry ended (or would have).
+    pub fn ended(&self, mode: &'static str, why: crate::lease::Expiry, n: u64) {
+        self.requests_ended
+            .get_or_create(&[("mode", mode), ("why", why.as_str())])
+            .inc_by(n);
     }
 }
 

@@ -5,7 +5,7 @@
 //! closed after its one response.
 
 use crate::downstream::Downstream;
-use crate::leases::LeaseMode;
+use crate::lease::LeaseMode;
 use crate::scan::{BodyKind, Scanner};
 use crate::state::{AppState, Refusal};
 use crate::table::Entry;
@@ -96,9 +96,16 @@ impl Drop for OpenConn {
     }
 }
 
-/// The proxy listener's router: every path goes to the engine.
+/// The proxy listener's router: every path goes to the engine, except the in-band lease
+/// renewal (contract §8), which kvguard-control answers itself.
 pub fn app(state: Arc<AppState>) -> Router {
-    Router::new().fallback(proxy).with_state(state)
+    Router::new()
+        .route(
+            kvguard_contract::DATA_LEASE_PATH,
+            axum::routing::post(crate::lease::endpoints::data),
+        )
+        .fallback(proxy)
+        .with_state(state)
 }
 
 /// A JSON error in the OpenAI shape: `{"error":{"message","type","code",...}}`.

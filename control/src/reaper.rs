@@ -2,7 +2,6 @@
 //! first-token timeouts, judged on an injected clock; the loop that applies them.
 
 use crate::config::Limits;
-use crate::leases::{self, LeaseMode};
 use crate::state::AppState;
 use crate::table::Times;
 use kvguard_contract::AbortReason;
@@ -24,99 +23,6 @@ pub fn spawn(st: Arc<AppState>, stop: CancellationToken) {
             reap_once(&st);
         }
     });
-}
-
-/// Runs the lease loop (contract §8) every [`lease_tick`] until `stop` (not at all with
-/// `--lease-mode off`).
-pub fn spawn_leases(st: Arc<AppState>, stop: CancellationToken) {
-    if st.cfg.lease_mode == LeaseMode::Off {
-        return;
-    }
-    let every = lease_tick(st.cfg.lease_ttl);
-    tokio::spawn(async move {
-        let mut iv = tokio::time::interval(every);
-        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut last = st.clock.now();
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => break,
-                _ = iv.tick() => {}
-            }
-            let now = st.clock.now();
-            note_lease_loop_gap(&st, now.saturating_duration_since(last), every);
-            last = now;
-            judge_leases(&st);
-        }
-    });
-}
-
-/// Takes the gap since the lease loop's last pass: a stall in it (see [`leases::stall`])
-/// is counted, logged and added to every lease, so that no gateway loses its lease for
-/// renewals kvguard-control could not read. Returns the stall.
-pub fn note_lease_loop_gap(st: &AppState, gap: Duration, every: Duration) -> Duration {
-    let stalled = leases::stall(gap, every);
-    if !stalled.is_zero() {
-        st.metrics.lease.stalls.inc();
-        tracing::warn!(
-            stall_ms = stalled.as_millis() as u64,
-            "the lease loop stalled; every lease is extended by the stall"
-        );
-        st.leases
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend(stalled);
-    }
-    stalled
-}
-
-/// How often the lease loop looks: an eighth of the TTL, between 10 ms and 1 s.
-pub fn lease_tick(ttl: Duration) -> Duration {
-    (ttl / 8).clamp(Duration::from_millis(10), Duration::from_secs(1))
-}
-
-/// One lease judgement: held expiries are counted; an expired instance's in-flight
-/// requests are ended (`--lease-mode enforce`) or counted (`observe`).
-pub fn judge_leases(st: &Arc<AppState>) {
-    let now = st.clock.now();
-    let j = {
-        let mut leases = st.leases.lock().unwrap_or_else(|p| p.into_inner());
-        let j = leases.judge(now);
-        st.metrics.lease.held.set(leases.len() as i64);
-        j
-    };
-    if j.held > 0 {
-        st.metrics.lease.held_expiries.inc_by(j.held as u64);
-        tracing::warn!(held = j.held, "every gateway with a lease went silent at once: expiries held (suspect the network or kvguard-control)");
-    }
-    if j.expired.is_empty() {
-        return;
-    }
-    let enforce = st.cfg.lease_mode == LeaseMode::Enforce;
-    let mode = st.cfg.lease_mode.as_str();
-    let entries = st.entries();
-    for instance in j.expired {
-        st.metrics
-            .lease
-            .expiries
-            .get_or_create(&[("mode", mode)])
-            .inc();
-        let mine: Vec<_> = entries
-            .iter()
-            .filter(|e| e.instance() == Some(instance))
-            .collect();
-        let mut ended = 0u64;
-        for e in &mine {
-            if !enforce || st.end_request(e, AbortReason::GatewayLost, "lease") {
-                ended += 1;
-            }
-        }
-        st.metrics
-            .lease
-            .requests_ended
-            .get_or_create(&[("mode", mode)])
-            .inc_by(ended);
-        tracing::warn!(%instance, mode, requests = ended, ttl_ms = st.cfg.lease_ttl.as_millis() as u64, "gateway lease expired: no renewal and no request within the TTL");
-    }
 }
 
 /// One pass over the in-flight table (ended requests have left it already), then the
@@ -250,19 +156,6 @@ mod tests {
         // Max age wins over stalled when both are due.
         c.advance(Duration::from_secs(100));
         assert_eq!(verdict(&t, c.now(), &l), Some(AbortReason::MaxAge));
-    }
-
-    #[test]
-    fn the_lease_loop_looks_eight_times_per_ttl_within_10_ms_and_1_s() {
-        assert_eq!(
-            lease_tick(Duration::from_secs(2)),
-            Duration::from_millis(250)
-        );
-        assert_eq!(
-            lease_tick(Duration::from_millis(40)),
-            Duration::from_millis(10)
-        );
-        assert_eq!(lease_tick(Duration::from_secs(30)), Duration::from_secs(1));
     }
 
     #[test]

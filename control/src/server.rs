@@ -126,7 +126,7 @@ impl Server {
 
         let background = CancellationToken::new();
         reaper::spawn(st.clone(), background.clone());
-        reaper::spawn_leases(st.clone(), background.clone());
+        crate::lease::enforce::spawn(st.clone(), background.clone());
         keys::spawn_watcher(st.clone(), background.clone());
         sampler::spawn(st.clone(), background.clone());
         if let Some(probe) = deps.gpu_probe {

@@ -101,7 +101,7 @@ pub struct AppState {
     admissions: AtomicU64,
     draining: AtomicBool,
     /// Liveness leases of the gateways (contract §8).
-    pub leases: Mutex<crate::leases::Leases>,
+    pub leases: Mutex<crate::lease::Leases>,
     /// The other replicas (`--peers`), if any.
     pub peers: Option<Arc<crate::peers::Peers>>,
 }
@@ -152,7 +152,7 @@ impl AppState {
             seq: AtomicU64::new(1),
             admissions: AtomicU64::new(0),
             draining: AtomicBool::new(false),
-            leases: Mutex::new(crate::leases::Leases::new(cfg_lease_ttl)),
+            leases: Mutex::new(crate::lease::Leases::new(cfg_lease_ttl)),
             peers,
         })
     }

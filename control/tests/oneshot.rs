@@ -12,6 +12,7 @@ use kvguard_control::config::Config;
 use kvguard_control::engine::{BoxFut, Engine};
 use kvguard_control::expo::EngineFigures;
 use kvguard_control::gpu::{DeviceMemory, GpuProbe, GpuSnapshot, GpuTracker, ProcessMemory};
+use kvguard_control::lease::enforce;
 use kvguard_control::state::AppState;
 use kvguard_control::testing::{FakeProbe, ManualClock};
 use kvguard_control::{admin, proxy, reaper, sampler};
@@ -663,18 +664,44 @@ async fn an_abort_overtaken_by_its_request_mid_handler_ends_it() {
     assert_eq!(entry.ended(), Some(AbortReason::DownstreamReset));
 }
 
+fn renewal_on(
+    key: &[u8],
+    t: u64,
+    instance: kvguard_contract::InstanceId,
+    counter: u64,
+    via: kvguard_contract::Via,
+) -> Request<Body> {
+    let body = kvguard_contract::Renewal::new(instance, counter)
+        .sent(via, true)
+        .to_json();
+    let sig = signature::sign(&Key::try_new(key).unwrap(), t, &body);
+    let path = match via {
+        kvguard_contract::Via::Admin => kvguard_contract::LEASE_PATH,
+        kvguard_contract::Via::Data => kvguard_contract::DATA_LEASE_PATH,
+    };
+    Request::post(path)
+        .header(kvguard_contract::SIGNATURE_HEADER, sig)
+        .body(Body::from(body))
+        .unwrap()
+}
+
 fn renewal(
     key: &[u8],
     t: u64,
     instance: kvguard_contract::InstanceId,
     counter: u64,
 ) -> Request<Body> {
-    let body = kvguard_contract::Renewal::new(instance, counter).to_json();
-    let sig = signature::sign(&Key::try_new(key).unwrap(), t, &body);
-    Request::post(kvguard_contract::LEASE_PATH)
-        .header(kvguard_contract::SIGNATURE_HEADER, sig)
-        .body(Body::from(body))
-        .unwrap()
+    renewal_on(key, t, instance, counter, kvguard_contract::Via::Admin)
+}
+
+/// Renews `instance` with `counter` on both paths: out of band on the admin listener, in
+/// band on the proxy listener.
+async fn renew_both(st: &Arc<AppState>, instance: kvguard_contract::InstanceId, counter: u64) {
+    let (s, v) = call(admin::app(st.clone()), renewal(KEY, NOW, instance, counter)).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let data = renewal_on(KEY, NOW, instance, counter, kvguard_contract::Via::Data);
+    let (s, v) = call(kvguard_control::proxy::app(st.clone()), data).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
 }
 
 async fn lease_metric(st: &Arc<AppState>, series: &str) -> f64 {
@@ -682,6 +709,10 @@ async fn lease_metric(st: &Arc<AppState>, series: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
         .unwrap_or_else(|| panic!("{series} missing"))
+}
+
+fn renewals_series(path: &str, result: &str) -> String {
+    format!("kvguard_control_lease_renewals_total{{path=\"{path}\",result=\"{result}\"}}")
 }
 
 #[tokio::test]
@@ -707,7 +738,7 @@ async fn lease_renewals_forged_or_replayed_are_refused_and_counted_a_clock_step_
     assert_eq!(s, StatusCode::OK);
     let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, a, 2)).await;
     assert_eq!(s, StatusCode::CONFLICT, "a lower counter: a replay");
-    let r = |res: &str| format!("kvguard_control_lease_renewals_total{{result=\"{res}\"}}");
+    let r = |res: &str| renewals_series("admin", res);
     assert_eq!(lease_metric(&st, &r("accepted")).await, 2.0);
     assert_eq!(lease_metric(&st, &r("duplicate")).await, 1.0);
     assert_eq!(lease_metric(&st, &r("replay")).await, 1.0);
@@ -716,28 +747,107 @@ async fn lease_renewals_forged_or_replayed_are_refused_and_counted_a_clock_step_
 }
 
 #[tokio::test]
-async fn an_expired_lease_ends_only_its_instances_requests_and_a_mass_silence_is_held() {
-    let (st, clock) = state(|c| {
-        c.lease_mode = kvguard_control::leases::LeaseMode::Enforce;
-        c.lease_ttl = Duration::from_secs(30);
-    });
+async fn the_in_band_renewal_is_answered_by_kvguard_control_and_never_reaches_the_engine() {
+    // The engine is port 9 (discard): a renewal proxied there would fail with 502.
+    let (st, _clock) = state(|_| {});
+    let a = kvguard_contract::InstanceId([4; 16]);
+    let proxy = || kvguard_control::proxy::app(st.clone());
+    for n in 1..=3 {
+        let req = renewal_on(KEY, NOW, a, n, kvguard_contract::Via::Data);
+        let (s, v) = call(proxy(), req).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+    }
+    assert_eq!(st.inflight(), 0, "never tracked");
+    assert_eq!(
+        lease_metric(&st, &renewals_series("data", "accepted")).await,
+        3.0
+    );
+    assert_eq!(
+        lease_metric(&st, "kvguard_control_leases_enforceable").await,
+        1.0
+    );
+    // A renewal signed for the admin path is refused on the data path, and the reverse:
+    // a renewal captured on one path cannot be passed off on the other.
+    let mut wrong = renewal(KEY, NOW, a, 9);
+    *wrong.uri_mut() = kvguard_contract::DATA_LEASE_PATH.parse().unwrap();
+    let (s, v) = call(proxy(), wrong).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert!(v["message"]
+        .as_str()
+        .unwrap()
+        .contains("signed for the admin path"));
+    let mut wrong = renewal_on(KEY, NOW, a, 9, kvguard_contract::Via::Data);
+    *wrong.uri_mut() = kvguard_contract::LEASE_PATH.parse().unwrap();
+    let (s, _) = call(admin::app(st.clone()), wrong).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    // Unsigned: 401, counted on its path.
+    let req = Request::post(kvguard_contract::DATA_LEASE_PATH)
+        .body(Body::from(kvguard_contract::Renewal::new(a, 10).to_json()))
+        .unwrap();
+    let (s, _) = call(proxy(), req).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        lease_metric(&st, &renewals_series("data", "unauthorized")).await,
+        1.0
+    );
+    // Lease mode off: 404 on both listeners.
+    let (off, _) = state(|c| c.lease_mode = kvguard_control::lease::LeaseMode::Off);
+    let req = renewal_on(KEY, NOW, a, 1, kvguard_contract::Via::Data);
+    let (s, v) = call(kvguard_control::proxy::app(off.clone()), req).await;
+    assert_eq!(
+        (s, v["error"].as_str()),
+        (StatusCode::NOT_FOUND, Some("leases_off"))
+    );
+}
+
+#[tokio::test]
+async fn a_renewal_period_too_long_for_the_ttl_is_refused_naming_the_fix() {
+    let (st, _clock) = state(|c| c.lease_ttl = Duration::from_secs(30));
+    let a = kvguard_contract::InstanceId([4; 16]);
+    let body = kvguard_contract::Renewal::new(a, 1)
+        .from_host(kvguard_contract::HostKey([1; 16]), 10_001)
+        .to_json();
+    let sig = signature::sign(&Key::try_new(KEY).unwrap(), NOW, &body);
+    let req = Request::post(kvguard_contract::LEASE_PATH)
+        .header(kvguard_contract::SIGNATURE_HEADER, sig)
+        .body(Body::from(body))
+        .unwrap();
+    let (s, v) = call(admin::app(st.clone()), req).await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{v}");
+    let msg = v["message"].as_str().unwrap();
+    assert!(msg.contains("lease_renew_ms to at most 10000"), "{msg}");
+    assert_eq!(
+        lease_metric(&st, &renewals_series("admin", "period_too_long")).await,
+        1.0
+    );
+    assert_eq!(lease_metric(&st, "kvguard_control_leases").await, 0.0);
+}
+
+#[tokio::test]
+async fn enforce_is_the_default_and_an_expired_lease_ends_only_its_instances_requests() {
+    let (st, clock) = state(|c| c.lease_ttl = Duration::from_secs(30));
+    assert_eq!(
+        st.cfg.lease_mode,
+        kvguard_control::lease::LeaseMode::Enforce,
+        "the default"
+    );
     let (a, b) = (
         kvguard_contract::InstanceId([1; 16]),
         kvguard_contract::InstanceId([2; 16]),
     );
     let id = |s: &str| RequestId::try_new(s.as_bytes()).unwrap();
-    for (i, n) in [(a, 1), (b, 1)] {
-        let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, i, n)).await;
-        assert_eq!(s, StatusCode::OK);
+    for n in 1..=3 {
+        renew_both(&st, a, n).await;
+        renew_both(&st, b, n).await;
     }
     let on_a = st.admit(id("on-a"), "POST".into(), "/".into()).unwrap();
     on_a.set_instance(a);
     let on_b = st.admit(id("on-b"), "POST".into(), "/".into()).unwrap();
     on_b.set_instance(b);
     let untagged = st.admit(id("untagged"), "POST".into(), "/".into()).unwrap();
-    // Both silent past the TTL: held, nothing ended.
+    // Both silent past the TTL, nobody heard from since: held, nothing ended.
     clock.advance(Duration::from_secs(31));
-    reaper::judge_leases(&st);
+    enforce::judge(&st);
     assert_eq!(on_a.ended(), None);
     assert_eq!(on_b.ended(), None);
     assert_eq!(
@@ -745,16 +855,49 @@ async fn an_expired_lease_ends_only_its_instances_requests_and_a_mass_silence_is
         2.0
     );
     // B renews; A stays silent: A alone expires, its request alone ends.
-    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, b, 2)).await;
+    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, b, 4)).await;
     assert_eq!(s, StatusCode::OK);
-    reaper::judge_leases(&st);
+    enforce::judge(&st);
     assert_eq!(on_a.ended(), Some(AbortReason::GatewayLost));
     assert_eq!(on_b.ended(), None);
     assert_eq!(untagged.ended(), None);
     assert_eq!(
         lease_metric(
             &st,
-            "kvguard_control_lease_requests_ended_total{mode=\"enforce\"}"
+            "kvguard_control_lease_requests_ended_total{mode=\"enforce\",why=\"silent\"}"
+        )
+        .await,
+        1.0
+    );
+    // A replayed renewal of A (its counter was kept) cannot take its lease back.
+    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, a, 3)).await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert!(!st.leases.lock().unwrap().holds(&a));
+}
+
+#[tokio::test]
+async fn a_gateway_whose_data_path_never_renewed_is_counted_not_ended() {
+    let (st, clock) = state(|c| c.lease_ttl = Duration::from_secs(30));
+    let a = kvguard_contract::InstanceId([3; 16]);
+    for n in 1..=5 {
+        let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, a, n)).await;
+        assert_eq!(s, StatusCode::OK);
+    }
+    let e = st
+        .admit(RequestId::try_new(b"r").unwrap(), "POST".into(), "/".into())
+        .unwrap();
+    e.set_instance(a);
+    clock.advance(Duration::from_secs(31));
+    enforce::judge(&st);
+    assert_eq!(
+        e.ended(),
+        None,
+        "its hops never carried a renewal: not proof"
+    );
+    assert_eq!(
+        lease_metric(
+            &st,
+            "kvguard_control_lease_requests_ended_total{mode=\"observe\",why=\"unproven\"}"
         )
         .await,
         1.0
@@ -763,26 +906,25 @@ async fn an_expired_lease_ends_only_its_instances_requests_and_a_mass_silence_is
 
 #[tokio::test]
 async fn observe_mode_lease_expiry_counts_and_ends_nothing() {
-    let (st, clock) = state(|c| c.lease_ttl = Duration::from_secs(30));
-    assert_eq!(
-        st.cfg.lease_mode,
-        kvguard_control::leases::LeaseMode::Observe,
-        "the default"
-    );
+    let (st, clock) = state(|c| {
+        c.lease_ttl = Duration::from_secs(30);
+        c.lease_mode = kvguard_control::lease::LeaseMode::Observe;
+    });
     let a = kvguard_contract::InstanceId([3; 16]);
-    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, a, 1)).await;
-    assert_eq!(s, StatusCode::OK);
+    for n in 1..=3 {
+        renew_both(&st, a, n).await;
+    }
     let e = st
         .admit(RequestId::try_new(b"r").unwrap(), "POST".into(), "/".into())
         .unwrap();
     e.set_instance(a);
     clock.advance(Duration::from_secs(31));
-    reaper::judge_leases(&st);
+    enforce::judge(&st);
     assert_eq!(e.ended(), None);
     assert_eq!(
         lease_metric(
             &st,
-            "kvguard_control_lease_requests_ended_total{mode=\"observe\"}"
+            "kvguard_control_lease_requests_ended_total{mode=\"observe\",why=\"silent\"}"
         )
         .await,
         1.0
@@ -790,16 +932,51 @@ async fn observe_mode_lease_expiry_counts_and_ends_nothing() {
 }
 
 #[tokio::test]
+async fn a_request_admitted_as_its_gateway_expires_takes_the_lease_back() {
+    let (st, clock) = state(|c| c.lease_ttl = Duration::from_secs(30));
+    let a = kvguard_contract::InstanceId([9; 16]);
+    for n in 1..=3 {
+        renew_both(&st, a, n).await;
+    }
+    let old = st
+        .admit(
+            RequestId::try_new(b"old").unwrap(),
+            "POST".into(),
+            "/".into(),
+        )
+        .unwrap();
+    old.set_instance(a);
+    clock.advance(Duration::from_secs(31));
+    // Admitted at the judgement's instant (after the lease was judged, before the
+    // entries were read): evidence of life.
+    let new = st
+        .admit(
+            RequestId::try_new(b"new").unwrap(),
+            "POST".into(),
+            "/".into(),
+        )
+        .unwrap();
+    new.set_instance(a);
+    enforce::judge(&st);
+    assert_eq!((old.ended(), new.ended()), (None, None));
+    assert!(st.leases.lock().unwrap().holds(&a));
+    assert_eq!(
+        lease_metric(
+            &st,
+            "kvguard_control_lease_expiries_total{mode=\"enforce\",why=\"silent\"}"
+        )
+        .await,
+        0.0
+    );
+}
+
+#[tokio::test]
 async fn a_stalled_lease_loop_is_counted_and_extends_every_lease_by_the_stall() {
-    let (st, clock) = state(|c| {
-        c.lease_mode = kvguard_control::leases::LeaseMode::Enforce;
-        c.lease_ttl = Duration::from_secs(2);
-    });
-    let every = reaper::lease_tick(st.cfg.lease_ttl);
+    let (st, clock) = state(|c| c.lease_ttl = Duration::from_secs(2));
+    let every = enforce::lease_tick(st.cfg.lease_ttl);
     let a = kvguard_contract::InstanceId([5; 16]);
-    for n in [1, 2] {
-        let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, a, n)).await;
-        assert_eq!(s, StatusCode::OK);
+    for n in 1..=3 {
+        renew_both(&st, a, n).await;
     }
     let e = st
         .admit(RequestId::try_new(b"r").unwrap(), "POST".into(), "/".into())
@@ -807,15 +984,15 @@ async fn a_stalled_lease_loop_is_counted_and_extends_every_lease_by_the_stall() 
     e.set_instance(a);
     // A gap within twice the period is no stall.
     assert_eq!(
-        reaper::note_lease_loop_gap(&st, every * 2, every),
+        enforce::note_loop_gap(&st, every * 2, every),
         Duration::ZERO
     );
     // kvguard-control stalled 3 s (beyond the 2 s TTL): the renewals sent meanwhile could
     // not be read, so the lease is extended and the request keeps running.
     clock.advance(Duration::from_secs(3));
-    let stalled = reaper::note_lease_loop_gap(&st, Duration::from_secs(3), every);
+    let stalled = enforce::note_loop_gap(&st, Duration::from_secs(3), every);
     assert_eq!(stalled, Duration::from_secs(3) - every);
-    reaper::judge_leases(&st);
+    enforce::judge(&st);
     assert_eq!(
         e.ended(),
         None,
@@ -827,7 +1004,7 @@ async fn a_stalled_lease_loop_is_counted_and_extends_every_lease_by_the_stall() 
     );
     // Silent past the TTL after that: expired, its request ended.
     clock.advance(Duration::from_secs(3));
-    reaper::judge_leases(&st);
+    enforce::judge(&st);
     assert_eq!(e.ended(), Some(AbortReason::GatewayLost));
 }
 
@@ -860,20 +1037,18 @@ async fn the_reaper_loop_ends_an_overdue_request_on_its_own_until_stopped() {
 
 #[tokio::test(start_paused = true)]
 async fn the_lease_loop_ends_a_silent_gateways_requests_on_its_own() {
-    let (st, clock) = state(|c| {
-        c.lease_mode = kvguard_control::leases::LeaseMode::Enforce;
-        c.lease_ttl = Duration::from_secs(2);
-    });
-    let every = reaper::lease_tick(st.cfg.lease_ttl);
+    let (st, clock) = state(|c| c.lease_ttl = Duration::from_secs(2));
+    let every = enforce::lease_tick(st.cfg.lease_ttl);
     let a = kvguard_contract::InstanceId([6; 16]);
-    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, a, 1)).await;
-    assert_eq!(s, StatusCode::OK);
+    for n in 1..=3 {
+        renew_both(&st, a, n).await;
+    }
     let e = st
         .admit(RequestId::try_new(b"r").unwrap(), "POST".into(), "/".into())
         .unwrap();
     e.set_instance(a);
     let stop = tokio_util::sync::CancellationToken::new();
-    reaper::spawn_leases(st.clone(), stop.clone());
+    enforce::spawn(st.clone(), stop.clone());
     // Within the TTL on the injected clock: kept.
     run_clocks(&clock, every, 12).await;
     assert_eq!(e.ended(), None, "1.5 s of silence is within the 2 s TTL");
@@ -885,14 +1060,25 @@ async fn the_lease_loop_ends_a_silent_gateways_requests_on_its_own() {
 #[tokio::test(start_paused = true)]
 async fn with_lease_mode_off_no_lease_loop_runs() {
     let (st, clock) = state(|c| {
-        c.lease_mode = kvguard_control::leases::LeaseMode::Off;
+        c.lease_mode = kvguard_control::lease::LeaseMode::Off;
         c.lease_ttl = Duration::from_secs(2);
     });
-    let every = reaper::lease_tick(st.cfg.lease_ttl);
+    let every = enforce::lease_tick(st.cfg.lease_ttl);
     let a = kvguard_contract::InstanceId([8; 16]);
-    st.leases.lock().unwrap().renew(a, 1, clock.now()).unwrap();
+    let body = kvguard_contract::RenewalBody {
+        instance: a,
+        counter: 1,
+        host: None,
+        period_ms: None,
+        via: kvguard_contract::Via::Data,
+        fanout: true,
+    };
+    for n in 1..=3 {
+        let r = kvguard_contract::RenewalBody { counter: n, ..body };
+        st.leases.lock().unwrap().renew(&r, clock.now()).unwrap();
+    }
     let stop = tokio_util::sync::CancellationToken::new();
-    reaper::spawn_leases(st.clone(), stop.clone());
+    enforce::spawn(st.clone(), stop.clone());
     run_clocks(&clock, every, 40).await;
     assert!(
         st.leases.lock().unwrap().holds(&a),
@@ -926,27 +1112,72 @@ fn logs_of(f: impl FnOnce()) -> String {
 }
 
 #[tokio::test]
-async fn only_a_mass_silence_is_logged_as_held_expiries() {
+async fn held_expiries_and_each_kind_of_expiry_are_logged_as_such() {
     let (st, clock) = state(|c| c.lease_ttl = Duration::from_secs(30));
     let (a, b) = (
         kvguard_contract::InstanceId([1; 16]),
         kvguard_contract::InstanceId([2; 16]),
     );
-    for i in [a, b] {
-        let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, i, 1)).await;
-        assert_eq!(s, StatusCode::OK);
+    for n in 1..=3 {
+        renew_both(&st, a, n).await;
+        renew_both(&st, b, n).await;
     }
     let held = "expiries held";
-    let quiet = logs_of(|| reaper::judge_leases(&st));
+    let quiet = logs_of(|| enforce::judge(&st));
     assert!(!quiet.contains(held), "nothing silent: {quiet}");
     clock.advance(Duration::from_secs(31));
-    let mass = logs_of(|| reaper::judge_leases(&st));
+    let mass = logs_of(|| enforce::judge(&st));
     assert!(mass.contains(held), "both silent: {mass}");
-    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, b, 2)).await;
+    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, b, 4)).await;
     assert_eq!(s, StatusCode::OK);
-    let lone = logs_of(|| reaper::judge_leases(&st));
-    assert!(lone.contains("gateway lease expired"), "{lone}");
+    let lone = logs_of(|| enforce::judge(&st));
+    assert!(lone.contains("no renewal on either path"), "{lone}");
     assert!(!lone.contains(held), "A alone is silent: {lone}");
+}
+
+#[tokio::test]
+async fn a_new_process_renewing_with_a_dead_ones_host_key_ends_its_requests_within_two_periods() {
+    let (st, clock) = state(|c| c.lease_ttl = Duration::from_secs(30));
+    let host = kvguard_contract::HostKey([5; 16]);
+    let renew = |i: kvguard_contract::InstanceId, n: u64| {
+        let body = kvguard_contract::Renewal::new(i, n)
+            .from_host(host, 5_000)
+            .to_json();
+        let sig = signature::sign(&Key::try_new(KEY).unwrap(), NOW, &body);
+        Request::post(kvguard_contract::LEASE_PATH)
+            .header(kvguard_contract::SIGNATURE_HEADER, sig)
+            .body(Body::from(body))
+            .unwrap()
+    };
+    let (old, new) = (
+        kvguard_contract::InstanceId([1; 16]),
+        kvguard_contract::InstanceId([2; 16]),
+    );
+    let (s, _) = call(admin::app(st.clone()), renew(old, 1)).await;
+    assert_eq!(s, StatusCode::OK);
+    let e = st
+        .admit(RequestId::try_new(b"r").unwrap(), "POST".into(), "/".into())
+        .unwrap();
+    e.set_instance(old);
+    clock.advance(Duration::from_secs(3));
+    let (s, _) = call(admin::app(st.clone()), renew(new, 1)).await;
+    assert_eq!(s, StatusCode::OK);
+    clock.advance(Duration::from_secs(7));
+    let logs = logs_of(|| enforce::judge(&st));
+    assert_eq!(
+        e.ended(),
+        None,
+        "10 s after its last renewal: two periods, not more"
+    );
+    assert!(logs.is_empty(), "{logs}");
+    clock.advance(Duration::from_millis(1));
+    let logs = logs_of(|| enforce::judge(&st));
+    assert_eq!(
+        e.ended(),
+        Some(AbortReason::GatewayLost),
+        "no data-path renewal needed"
+    );
+    assert!(logs.contains("restarted or replaced"), "{logs}");
 }
 
 #[tokio::test]

@@ -319,6 +319,21 @@ impl Engine {
         self.table.get(&ctx).map(|r| &**r)
     }
 
+    /// The kvguard-control replicas holding this VM's streams in flight (each once, at
+    /// most [`crate::lease::MAX_REPLICAS`]): the lease renews every one of them.
+    pub fn targets(&self) -> Vec<core::net::SocketAddr> {
+        let mut v: Vec<core::net::SocketAddr> = Vec::new();
+        for t in self.table.values().filter_map(|r| r.target.as_deref()) {
+            if !v.contains(t) {
+                v.push(*t);
+                if v.len() >= crate::lease::MAX_REPLICAS {
+                    break;
+                }
+            }
+        }
+        v
+    }
+
     /// Request headers: decides whether to track.
     pub fn on_request_headers<P: Platform + ?Sized>(
         &mut self,

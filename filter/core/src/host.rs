@@ -71,6 +71,24 @@ pub trait Host {
     }
 }
 
+/// Why a shared-data write failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SharedError {
+    /// The value changed since it was read (compare-and-swap lost).
+    CasMismatch,
+    /// Anything else.
+    Other,
+}
+
+/// The process-wide store every worker VM shares (proxy-wasm shared data): the lease's
+/// instance id, renewal slot, replicas and upstreams.
+pub trait SharedData {
+    /// The value of `key` and its compare-and-swap token (`Ok(None)`: absent).
+    fn shared_get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, SharedError>;
+    /// Writes `value` if `key`'s token is still `cas` (0: whatever it is).
+    fn shared_set(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), SharedError>;
+}
+
 /// Everything the engine needs from the host.
 pub trait Platform: Clock + Host + Metrics {}
 

@@ -1,32 +1,49 @@
-//! The gateway side of the liveness lease (contract §8): the process's instance id and
-//! the renewal slot in proxy-wasm shared data, the election of the one VM that renews in
-//! a period, and the signed renewal call.
+//! The gateway side of the liveness lease (contract §8), host-free: the process's
+//! instance id, the renewal slot, the replicas and upstream clusters to renew (all in
+//! proxy-wasm shared data, behind [`SharedData`]), the election of the one VM that renews
+//! in a period, and the signed renewals it sends: out of band to kvguard-control's admin
+//! listener (`control_cluster`, and each replica holding one of the process's streams),
+//! and in band over each upstream cluster its streams use (`/v1/kvguard/lease`, through
+//! every hop on the way).
 //!
 //! Shared data outlives VM reloads and module upgrades (it belongs to the `vm_id` in the
 //! Envoy process), so a config push neither changes the instance id nor resets the
 //! renewal counter; a new Envoy process (a restart, a hot restart's child) starts with
-//! none and draws a fresh id.
+//! none and draws a fresh id, and renews with the same host key as the process it
+//! replaced.
 
 use crate::aborts::ORIGINAL_DST_HEADER;
 use crate::config::Config;
-use crate::host::{Call, Level, Platform};
+use crate::host::{Call, Level, Platform, SharedData, SharedError};
 use crate::metrics::{LeaseResult, Metric};
 use core::net::SocketAddr;
-use kvguard_contract::{signature, InstanceId, Renewal};
+use kvguard_contract::{signature, HostKey, InstanceId, Renewal, Via, DATA_LEASE_PATH};
 
 /// Shared-data key of the instance id (value `v1:<32 hex>`).
 pub const INSTANCE_KEY: &str = "kvguard.instance.v1";
 /// Shared-data key of the renewal slot (value `v1:<due monotonic ms>:<counter>`).
 pub const SLOT_KEY: &str = "kvguard.lease.v1";
 
-/// Shared-data key of the kvguard-control replicas this process has seen in verified
-/// `x-kvguard-control` stamps (value `v1:<ip:port>@<seen monotonic ms>,...`): each
+/// Shared-data key of the kvguard-control replicas that hold this process's streams
+/// (value `v1:<ip:port>@<seen monotonic ms>,...`), named by verified `x-kvguard-control`
+/// stamps and named again every period while a stream there is in flight: each
 /// period's renewal goes to every one of them as well as to `control_cluster`.
 pub const REPLICAS_KEY: &str = "kvguard.replicas.v1";
 /// Most replicas remembered (the longest unseen is forgotten first).
 pub const MAX_REPLICAS: usize = 16;
-/// A replica no stamp has named for this many renewal periods is forgotten.
-pub const FORGET_PERIODS: u64 = 120;
+/// A replica (or upstream cluster) no stream has named for this many renewal periods is
+/// forgotten; one with a stream in flight is named every period, whatever its answers.
+pub const FORGET_PERIODS: u64 = 12;
+
+/// Shared-data key of the upstream clusters this process's tracked streams use, with
+/// the `:authority` they were sent with (value `v1` then, per line,
+/// `<seen ms>\t<cluster>\t<authority>`): the in-band renewal goes over each.
+pub const UPSTREAMS_KEY: &str = "kvguard.upstreams.v1";
+/// Most upstream clusters remembered.
+pub const MAX_UPSTREAMS: usize = 4;
+/// Renewal calls awaiting their answer that a VM remembers (older ones are forgotten:
+/// their answers count as nothing).
+pub const MAX_TOKENS: usize = 64;
 
 /// The replicas remembered in a [`REPLICAS_KEY`] value, with when each was last named
 /// (unreadable entries are skipped).
@@ -92,14 +109,6 @@ pub fn remember(
     Some(replicas_value(&list))
 }
 
-/// `current` without `addr` (`None`: it was not there).
-pub fn forget(current: Option<&[u8]>, addr: SocketAddr) -> Option<Vec<u8>> {
-    let mut list = current.map(parse_replicas).unwrap_or_default();
-    let before = list.len();
-    list.retain(|(a, _)| *a != addr);
-    (list.len() != before).then(|| replicas_value(&list))
-}
-
 /// The shared-data value of an instance id.
 pub fn instance_value(id: InstanceId) -> Vec<u8> {
     format!("v1:{id}").into_bytes()
@@ -153,28 +162,164 @@ pub fn elect(current: Option<&[u8]>, now_ms: u64, period_ms: u64, jitter_ms: u64
     }
 }
 
-/// Sends the renewal `counter` of `instance` to `control_cluster`, or with `replica` to
-/// that kvguard-control replica through `control_target_cluster` (nothing without one);
-/// returns its token. Renewals do not go through the abort queue: an abort storm never
-/// delays them.
+/// An upstream cluster the in-band renewal goes over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upstream {
+    /// The Envoy cluster a tracked stream was routed to.
+    pub cluster: String,
+    /// The `:authority` that stream was sent with (hops route by it).
+    pub authority: String,
+}
+
+fn plain(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 256 && !s.bytes().any(|b| b.is_ascii_control())
+}
+
+/// The upstreams remembered in an [`UPSTREAMS_KEY`] value, with when each was last named
+/// (unreadable lines are skipped).
+pub fn parse_upstreams(v: &[u8]) -> Vec<(Upstream, u64)> {
+    let Some(text) = v
+        .strip_prefix(b"v1\n")
+        .and_then(|t| core::str::from_utf8(t).ok())
+    else {
+        return Vec::new();
+    };
+    text.lines()
+        .filter_map(|line| {
+            let mut f = line.split('\t');
+            let seen = f.next()?.parse().ok()?;
+            let (cluster, authority) = (f.next()?, f.next()?);
+            (f.next().is_none() && plain(cluster) && plain(authority)).then(|| {
+                (
+                    Upstream {
+                        cluster: cluster.to_owned(),
+                        authority: authority.to_owned(),
+                    },
+                    seen,
+                )
+            })
+        })
+        .collect()
+}
+
+fn upstreams_value(list: &[(Upstream, u64)]) -> Vec<u8> {
+    let mut s = String::from("v1\n");
+    for (u, t) in list {
+        s.push_str(&format!("{t}\t{}\t{}\n", u.cluster, u.authority));
+    }
+    s.into_bytes()
+}
+
+/// `current` with `up` named at `now_ms` (`Some(new value)`), or `None` when nothing
+/// needs writing (named less than a period ago, or not storable).
+pub fn remember_upstream(
+    current: Option<&[u8]>,
+    up: &Upstream,
+    now_ms: u64,
+    period_ms: u64,
+) -> Option<Vec<u8>> {
+    if !plain(&up.cluster) || !plain(&up.authority) {
+        return None;
+    }
+    let horizon = period_ms.saturating_mul(FORGET_PERIODS);
+    let mut list = current.map(parse_upstreams).unwrap_or_default();
+    if list
+        .iter()
+        .any(|(u, t)| u == up && now_ms.saturating_sub(*t) < period_ms)
+    {
+        return None;
+    }
+    list.retain(|(u, t)| u != up && now_ms.saturating_sub(*t) <= horizon);
+    list.push((up.clone(), now_ms));
+    list.sort_by_key(|e| core::cmp::Reverse(e.1));
+    list.truncate(MAX_UPSTREAMS);
+    Some(upstreams_value(&list))
+}
+
+/// The upstreams to renew over at `now_ms`: those named within [`FORGET_PERIODS`] periods.
+pub fn live_upstreams(current: Option<&[u8]>, now_ms: u64, period_ms: u64) -> Vec<Upstream> {
+    let horizon = period_ms.saturating_mul(FORGET_PERIODS);
+    current
+        .map(parse_upstreams)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(_, t)| now_ms.saturating_sub(*t) <= horizon)
+        .map(|(u, _)| u)
+        .collect()
+}
+
+/// Where one renewal went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Dest {
+    /// Out of band: `control_cluster` (`None`) or one replica through the target cluster.
+    Admin(Option<SocketAddr>),
+    /// In band, over an upstream cluster.
+    Data(Upstream),
+}
+
+impl Dest {
+    fn metric(&self, r: LeaseResult) -> Metric {
+        match self {
+            Dest::Admin(_) => Metric::LeaseRenewals(r),
+            Dest::Data(_) => Metric::LeaseDataRenewals(r),
+        }
+    }
+}
+
+/// Sends renewal `counter` of `instance` to `dest`; returns its token. Renewals do not go
+/// through the abort queue: an abort storm never delays them.
 pub fn send<P: Platform + ?Sized>(
     cfg: &Config,
     p: &mut P,
     instance: InstanceId,
+    host: Option<HostKey>,
     counter: u64,
-    replica: Option<SocketAddr>,
+    dest: &Dest,
 ) -> Option<u32> {
-    let cluster = match (replica, &cfg.target) {
-        (None, _) => &cfg.control_cluster,
-        (Some(_), Some(t)) => &t.cluster,
-        (Some(_), None) => return None,
+    let mut renewal = Renewal::new(instance, counter);
+    if let Some(h) = host {
+        renewal = renewal.from_host(h, cfg.lease_renew_ms);
+    } else {
+        renewal.period_ms = Some(cfg.lease_renew_ms);
+    }
+    let (cluster, path, authority, replica) = match dest {
+        // To control_cluster: forwarded to the peers only when no replica is renewed
+        // directly (without a target route there is no other way to reach them).
+        Dest::Admin(None) => {
+            renewal = renewal.sent(Via::Admin, cfg.target.is_none());
+            (
+                cfg.control_cluster.as_str(),
+                cfg.lease_path.as_str(),
+                cfg.control_authority.as_str(),
+                None,
+            )
+        }
+        Dest::Admin(Some(addr)) => {
+            let t = cfg.target.as_ref()?;
+            renewal = renewal.sent(Via::Admin, false);
+            (
+                t.cluster.as_str(),
+                cfg.lease_path.as_str(),
+                cfg.control_authority.as_str(),
+                Some(addr),
+            )
+        }
+        Dest::Data(u) => {
+            renewal = renewal.sent(Via::Data, true);
+            (
+                u.cluster.as_str(),
+                DATA_LEASE_PATH,
+                u.authority.as_str(),
+                None,
+            )
+        }
     };
-    let body = Renewal::new(instance, counter).to_json();
+    let body = renewal.to_json();
     let sig = signature::sign(&cfg.key, p.unix_secs(), &body);
     let mut headers = vec![
         (":method", "POST".to_owned()),
-        (":path", cfg.lease_path.clone()),
-        (":authority", cfg.control_authority.clone()),
+        (":path", path.to_owned()),
+        (":authority", authority.to_owned()),
         ("content-type", "application/json".to_owned()),
         (signature::SIGNATURE_HEADER, sig),
     ];
@@ -189,11 +334,11 @@ pub fn send<P: Platform + ?Sized>(
     };
     match p.dispatch(&call) {
         Ok(token) => {
-            p.add(Metric::LeaseRenewals(LeaseResult::Sent), 1);
+            p.add(dest.metric(LeaseResult::Sent), 1);
             Some(token)
         }
         Err(e) => {
-            p.add(Metric::LeaseRenewals(LeaseResult::Failed), 1);
+            p.add(dest.metric(LeaseResult::Failed), 1);
             p.log(
                 Level::Warn,
                 &format!("lease renewal counter={counter} not sent to {cluster}: the host refused the call ({e:?}); check control_cluster / control_target_cluster"),
@@ -203,29 +348,296 @@ pub fn send<P: Platform + ?Sized>(
     }
 }
 
-/// A renewal's answer (`None`: timeout or reset).
-pub fn on_answer<P: Platform + ?Sized>(p: &mut P, status: Option<u16>) {
-    if status == Some(200) {
-        p.add(Metric::LeaseRenewals(LeaseResult::Accepted), 1);
+/// A renewal's answer (`None`: timeout or reset). Failures are logged when a
+/// destination's answer changes (a hop that never carries the in-band renewal is said
+/// once, not every period).
+fn on_answer<P: Platform + ?Sized>(
+    p: &mut P,
+    dest: &Dest,
+    status: Option<u16>,
+    was_ok: Option<bool>,
+) {
+    let ok = status == Some(200);
+    p.add(
+        dest.metric(if ok {
+            LeaseResult::Accepted
+        } else {
+            LeaseResult::Failed
+        }),
+        1,
+    );
+    if was_ok == Some(ok) || ok {
         return;
     }
-    p.add(Metric::LeaseRenewals(LeaseResult::Failed), 1);
     let shown = status.map_or_else(|| "none (timeout or reset)".to_owned(), |s| s.to_string());
-    let hint = match status {
-        Some(401) => " (kvguard-control refused the signature: the filter's first key must be one of its keys)",
-        Some(404) => " (kvguard-control runs with --lease-mode off, or lease_path is wrong)",
-        _ => "",
+    let (what, hint) = match (dest, status) {
+        (Dest::Admin(_), Some(401)) => ("lease renewal", " (kvguard-control refused the signature: the filter's first key must be one of its keys)"),
+        (Dest::Admin(_), Some(404)) => ("lease renewal", " (kvguard-control runs with --lease-mode off, or lease_path is wrong)"),
+        (Dest::Admin(_), Some(422)) => ("lease renewal", " (lease_renew_ms is too long for kvguard-control's --lease-ttl: at most a third of it)"),
+        (Dest::Admin(_), _) => ("lease renewal", ""),
+        (Dest::Data(_), _) => ("in-band lease renewal", " (a hop on the data path does not carry POST /v1/kvguard/lease to kvguard-control: this gateway's lease is then enforced only on positive evidence of its death; see the hop table in docs/DESIGN.md)"),
+    };
+    let to = match dest {
+        Dest::Admin(None) => "control_cluster".to_owned(),
+        Dest::Admin(Some(a)) => format!("replica {a}"),
+        Dest::Data(u) => format!("upstream cluster {}", u.cluster),
     };
     p.log(
         Level::Warn,
-        &format!("lease renewal failed: status {shown}{hint}"),
+        &format!("{what} to {to} failed: status {shown}{hint}"),
     );
+}
+
+/// The renewal state of one worker VM; what the process shares lives in [`SharedData`].
+#[derive(Debug, Default)]
+pub struct Renewer {
+    instance: Option<InstanceId>,
+    host: Option<HostKey>,
+    /// Renewals awaiting their answer.
+    tokens: Vec<(u32, Dest)>,
+    /// Replicas this VM wrote to [`REPLICAS_KEY`], and when (a write at most once per
+    /// period per replica).
+    replicas_noted: Vec<(SocketAddr, u64)>,
+    /// When this VM last noted an upstream (one sample per period).
+    upstream_noted: Option<u64>,
+    /// Per destination, whether its last answer was 200 (for the log).
+    last_ok: Vec<(Dest, bool)>,
+}
+
+impl Renewer {
+    /// A renewer for the process on host `host` (`None`: the host key is unknown).
+    pub fn new(host: Option<HostKey>) -> Renewer {
+        Renewer {
+            host,
+            ..Renewer::default()
+        }
+    }
+
+    /// The instance id this VM tags requests with.
+    pub fn instance(&self) -> Option<InstanceId> {
+        self.instance
+    }
+
+    /// Reads the process's instance id from shared data, creating it (`fresh()`) if
+    /// absent. Called at configure and every tick: two VMs creating it at once both
+    /// write, and each adopts the value that stayed by its next tick.
+    pub fn sync_instance<H: SharedData + Platform + ?Sized>(
+        &mut self,
+        h: &mut H,
+        fresh: &mut dyn FnMut() -> InstanceId,
+    ) {
+        let read = |h: &H| {
+            h.shared_get(INSTANCE_KEY)
+                .map(|v| v.and_then(|(v, _)| parse_instance_value(&v)))
+        };
+        match read(h) {
+            Ok(Some(id)) => {
+                if self.instance != Some(id) {
+                    if let Some(old) = self.instance {
+                        h.log(Level::Info, &format!("lease instance id {id} adopted (this VM had drawn {old}; another worker's stayed)"));
+                    }
+                    self.instance = Some(id);
+                }
+                return;
+            }
+            // Shared data unreadable: keep the id this VM has.
+            Err(_) if self.instance.is_some() => return,
+            _ => {}
+        }
+        let id = fresh();
+        if h.shared_set(INSTANCE_KEY, &instance_value(id), 0).is_err() {
+            h.add(Metric::HostErrors, 1);
+            h.log(
+                Level::Warn,
+                "cannot write the lease instance id to shared data; this VM uses its own",
+            );
+            self.instance = Some(id);
+            return;
+        }
+        h.log(
+            Level::Info,
+            &format!("lease instance id {id} created for this Envoy process"),
+        );
+        self.instance = read(h).ok().flatten().or(Some(id));
+    }
+
+    /// Whether this VM should note the upstream of a tracked response now (one sample
+    /// per period: reading the cluster name costs host calls).
+    pub fn wants_upstream(&self, cfg: &Config, now_ms: u64) -> bool {
+        cfg.lease_renew_ms > 0
+            && self
+                .upstream_noted
+                .is_none_or(|t| now_ms.saturating_sub(t) >= cfg.lease_renew_ms)
+    }
+
+    /// Records the upstream cluster a tracked stream uses.
+    pub fn note_upstream<H: SharedData + ?Sized>(
+        &mut self,
+        cfg: &Config,
+        h: &mut H,
+        up: &Upstream,
+        now_ms: u64,
+    ) {
+        self.upstream_noted = Some(now_ms);
+        let (current, cas) = match h.shared_get(UPSTREAMS_KEY) {
+            Ok(Some((v, cas))) => (Some(v), cas),
+            Ok(None) => (None, 0),
+            Err(_) => return,
+        };
+        if let Some(v) = remember_upstream(current.as_deref(), up, now_ms, cfg.lease_renew_ms) {
+            // A lost race leaves it for the next sample.
+            let _ = h.shared_set(UPSTREAMS_KEY, &v, cas);
+        }
+    }
+
+    /// Records a replica holding one of this process's streams (a verified stamp, or a
+    /// stream still in flight there), at most once per period per replica.
+    pub fn note_replica<H: SharedData + ?Sized>(
+        &mut self,
+        cfg: &Config,
+        h: &mut H,
+        addr: SocketAddr,
+        now_ms: u64,
+    ) {
+        let period = cfg.lease_renew_ms;
+        if period == 0
+            || self
+                .replicas_noted
+                .iter()
+                .any(|(a, t)| *a == addr && now_ms.saturating_sub(*t) < period)
+        {
+            return;
+        }
+        let (current, cas) = match h.shared_get(REPLICAS_KEY) {
+            Ok(Some((v, cas))) => (Some(v), cas),
+            Ok(None) => (None, 0),
+            Err(_) => return,
+        };
+        if let Some(v) = remember(current.as_deref(), addr, now_ms, period) {
+            if h.shared_set(REPLICAS_KEY, &v, cas).is_err() {
+                // A lost race: noted again on the next stamp or tick.
+                return;
+            }
+        }
+        self.replicas_noted.retain(|(a, _)| *a != addr);
+        self.replicas_noted.truncate(MAX_REPLICAS);
+        self.replicas_noted.push((addr, now_ms));
+    }
+
+    /// One tick: re-reads the instance id, names the replicas of this VM's streams in
+    /// flight (`in_flight`), and, if this VM wins the period's slot, sends the period's
+    /// renewal to every destination.
+    pub fn on_tick<H: SharedData + Platform + ?Sized>(
+        &mut self,
+        cfg: &Config,
+        h: &mut H,
+        in_flight: &[SocketAddr],
+        jitter: u64,
+        fresh: &mut dyn FnMut() -> InstanceId,
+    ) {
+        let period = cfg.lease_renew_ms;
+        if period == 0 {
+            return;
+        }
+        let now = h.now_ms();
+        self.sync_instance(h, fresh);
+        for addr in in_flight {
+            self.note_replica(cfg, h, *addr, now);
+        }
+        let (current, cas) = match h.shared_get(SLOT_KEY) {
+            Ok(Some((v, cas))) => (Some(v), cas),
+            Ok(None) => {
+                // No slot yet. A write with cas 0 is unconditional, so two workers that
+                // both found none would both "win" and send counter 1 twice: create the
+                // slot (due now, nothing sent), and elect on the next tick under a real cas.
+                let init = Slot {
+                    due_ms: now,
+                    counter: 0,
+                };
+                if h.shared_set(SLOT_KEY, &init.value(), 0).is_err() {
+                    h.add(Metric::HostErrors, 1);
+                }
+                return;
+            }
+            Err(_) => {
+                h.add(Metric::HostErrors, 1);
+                return;
+            }
+        };
+        let Some(slot) = elect(current.as_deref(), now, period, jitter) else {
+            return;
+        };
+        match h.shared_set(SLOT_KEY, &slot.value(), cas) {
+            Ok(()) => {}
+            // Another worker renews this period.
+            Err(SharedError::CasMismatch) => return,
+            Err(SharedError::Other) => {
+                h.add(Metric::HostErrors, 1);
+                return;
+            }
+        }
+        let Some(instance) = self.instance else {
+            return;
+        };
+        let replicas = match h.shared_get(REPLICAS_KEY) {
+            Ok(v) => live_replicas(v.as_ref().map(|(v, _)| v.as_slice()), now, period),
+            Err(_) => Vec::new(),
+        };
+        let upstreams = match h.shared_get(UPSTREAMS_KEY) {
+            Ok(v) => live_upstreams(v.as_ref().map(|(v, _)| v.as_slice()), now, period),
+            Err(_) => Vec::new(),
+        };
+        let dests = core::iter::once(Dest::Admin(None))
+            .chain(
+                replicas
+                    .into_iter()
+                    .filter(|_| cfg.target.is_some())
+                    .map(|a| Dest::Admin(Some(a))),
+            )
+            .chain(upstreams.into_iter().map(Dest::Data));
+        for dest in dests {
+            if let Some(t) = send(cfg, h, instance, self.host, slot.counter, &dest) {
+                if self.tokens.len() >= MAX_TOKENS {
+                    self.tokens.remove(0);
+                }
+                self.tokens.push((t, dest));
+            }
+        }
+    }
+
+    /// An HTTP call's answer: `true` if it was one of this VM's renewals (counted and,
+    /// when its destination's answer changed, logged).
+    pub fn on_answer<P: Platform + ?Sized>(
+        &mut self,
+        p: &mut P,
+        token: u32,
+        status: Option<u16>,
+    ) -> bool {
+        let Some(i) = self.tokens.iter().position(|(t, _)| *t == token) else {
+            return false;
+        };
+        let (_, dest) = self.tokens.remove(i);
+        let ok = status == Some(200);
+        let was = self.last_ok.iter().position(|(d, _)| *d == dest);
+        let was_ok = was.map(|i| self.last_ok[i].1);
+        on_answer(p, &dest, status, was_ok);
+        match was {
+            Some(i) => self.last_ok[i].1 = ok,
+            None => {
+                if self.last_ok.len() >= MAX_TOKENS {
+                    self.last_ok.remove(0);
+                }
+                self.last_ok.push((dest, ok));
+            }
+        }
+        true
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{config, MockHost};
+    use crate::testing::{config, MockHost, Recorded};
 
     #[test]
     fn values_round_trip() {
@@ -276,9 +688,6 @@ mod tests {
         // Unnamed for FORGET_PERIODS periods: forgotten.
         let late = 1000 + 5000 * FORGET_PERIODS + 1;
         assert_eq!(live_replicas(Some(&v), late, 5000), vec![b]);
-        let v = forget(Some(&v), b).unwrap();
-        assert_eq!(live_replicas(Some(&v), 2000, 5000), vec![a]);
-        assert_eq!(forget(Some(&v), b), None);
         // Bounded: the longest unseen goes.
         let mut v = Vec::new();
         for i in 0..(MAX_REPLICAS as u64 + 4) {
@@ -289,51 +698,6 @@ mod tests {
         assert_eq!(live.len(), MAX_REPLICAS);
         assert!(!live.contains(&"10.0.1.0:9902".parse().unwrap()));
         assert!(parse_replicas(b"v1:garbage,10.0.0.1:1@x").is_empty());
-    }
-
-    #[test]
-    fn a_renewal_to_a_replica_goes_through_the_target_cluster() {
-        let extra = r#","control_target_cluster":"t","control_target_cidrs":["10.0.0.0/8"]"#;
-        let cfg = config(extra);
-        let mut h = MockHost::default();
-        let id = InstanceId([1; 16]);
-        let addr: SocketAddr = "10.1.2.3:9902".parse().unwrap();
-        send(&cfg, &mut h, id, 4, Some(addr)).unwrap();
-        let (_, cluster, headers, _) = &h.calls[0];
-        assert_eq!(cluster, "t");
-        assert!(headers.contains(&(ORIGINAL_DST_HEADER, "10.1.2.3:9902".to_owned())));
-        // Without a target route there is no way to name a replica.
-        assert_eq!(send(&config(""), &mut h, id, 5, Some(addr)), None);
-    }
-
-    #[test]
-    fn renewal_call_is_signed_and_counted() {
-        let cfg = config("");
-        let mut h = MockHost {
-            unix: 1_800_000_000,
-            ..MockHost::default()
-        };
-        let id = InstanceId([1; 16]);
-        let token = send(&cfg, &mut h, id, 4, None).unwrap();
-        let (t, cluster, headers, body) = &h.calls[0];
-        assert_eq!((*t, cluster.as_str()), (token, "kvguard"));
-        assert_eq!(Renewal::parse(body), Some((id, 4)));
-        let sig = headers
-            .iter()
-            .find(|(k, _)| *k == signature::SIGNATURE_HEADER)
-            .unwrap();
-        assert!(signature::verify_any_time(
-            std::slice::from_ref(&cfg.key),
-            Some(sig.1.as_bytes()),
-            body
-        )
-        .is_ok());
-        assert!(headers.contains(&(":path", "/v1/lease".to_owned())));
-        on_answer(&mut h, Some(200));
-        on_answer(&mut h, None);
-        assert_eq!(h.metric(Metric::LeaseRenewals(LeaseResult::Sent)), 1);
-        assert_eq!(h.metric(Metric::LeaseRenewals(LeaseResult::Accepted)), 1);
-        assert_eq!(h.metric(Metric::LeaseRenewals(LeaseResult::Failed)), 1);
     }
 
     #[test]
@@ -383,37 +747,354 @@ mod tests {
         );
     }
 
+    const P: u64 = 5000;
+
+    fn lease_config(extra: &str) -> Config {
+        config(&format!(r#","lease_renew_ms":{P}{extra}"#))
+    }
+
+    const TARGET: &str = r#","control_target_cluster":"t","control_target_cidrs":["10.0.0.0/8"]"#;
+
+    fn ids() -> impl FnMut() -> InstanceId {
+        let mut n = 0u8;
+        move || {
+            n += 1;
+            InstanceId([n; 16])
+        }
+    }
+
+    fn up(cluster: &str) -> Upstream {
+        Upstream {
+            cluster: cluster.to_owned(),
+            authority: "llm.example".to_owned(),
+        }
+    }
+
+    fn header<'a>(call: &'a Recorded, name: &str) -> Option<&'a str> {
+        call.2
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Ticks `r` until it sends (the first tick creates the slot); returns the calls sent.
+    fn renew_once(
+        r: &mut Renewer,
+        cfg: &Config,
+        h: &mut MockHost,
+        in_flight: &[SocketAddr],
+    ) -> Vec<Recorded> {
+        let before = h.calls.len();
+        let mut fresh = ids();
+        r.on_tick(cfg, h, in_flight, 0, &mut fresh);
+        if h.calls.len() == before {
+            r.on_tick(cfg, h, in_flight, 0, &mut fresh);
+        }
+        h.calls[before..].to_vec()
+    }
+
     #[test]
-    fn a_failed_renewal_says_why() {
+    fn a_period_renews_control_cluster_each_replica_in_flight_and_each_upstream_in_band() {
+        let cfg = lease_config(TARGET);
+        let host = HostKey([7; 16]);
+        let mut h = MockHost {
+            now: 1_000,
+            unix: 1_800_000_000,
+            ..MockHost::default()
+        };
+        let mut r = Renewer::new(Some(host));
+        assert!(r.wants_upstream(&cfg, 1_000));
+        r.note_upstream(&cfg, &mut h, &up("outbound|8000||vllm"), 1_000);
+        assert!(!r.wants_upstream(&cfg, 1_000 + P - 1));
+        assert!(r.wants_upstream(&cfg, 1_000 + P));
+        let replica: SocketAddr = "10.1.2.3:9902".parse().unwrap();
+        let calls = renew_once(&mut r, &cfg, &mut h, &[replica]);
+        assert_eq!(calls.len(), 3, "{calls:?}");
+        let instance = r.instance().unwrap();
+        let parsed: Vec<_> = calls
+            .iter()
+            .map(|c| Renewal::parse(&c.3).unwrap())
+            .collect();
+        for (c, b) in calls.iter().zip(&parsed) {
+            assert_eq!(
+                (b.instance, b.counter, b.host, b.period_ms),
+                (instance, 1, Some(host), Some(P))
+            );
+            let sig = header(c, signature::SIGNATURE_HEADER).unwrap();
+            assert!(signature::verify_any_time(
+                std::slice::from_ref(&cfg.key),
+                Some(sig.as_bytes()),
+                &c.3
+            )
+            .is_ok());
+            assert_eq!(header(c, ":method"), Some("POST"));
+        }
+        // control_cluster: not forwarded to peers (every replica is renewed directly).
+        assert_eq!(calls[0].1, "kvguard");
+        assert_eq!(header(&calls[0], ":path"), Some("/v1/lease"));
+        assert_eq!((parsed[0].via, parsed[0].fanout), (Via::Admin, false));
+        // The replica, through the target cluster.
+        assert_eq!(calls[1].1, "t");
+        assert_eq!(
+            header(&calls[1], ORIGINAL_DST_HEADER),
+            Some("10.1.2.3:9902")
+        );
+        assert_eq!((parsed[1].via, parsed[1].fanout), (Via::Admin, false));
+        // In band, over the upstream cluster, with its authority; forwarded to peers.
+        assert_eq!(calls[2].1, "outbound|8000||vllm");
+        assert_eq!(header(&calls[2], ":path"), Some(DATA_LEASE_PATH));
+        assert_eq!(header(&calls[2], ":authority"), Some("llm.example"));
+        assert_eq!((parsed[2].via, parsed[2].fanout), (Via::Data, true));
+        assert_eq!(h.metric(Metric::LeaseRenewals(LeaseResult::Sent)), 2);
+        assert_eq!(h.metric(Metric::LeaseDataRenewals(LeaseResult::Sent)), 1);
+    }
+
+    #[test]
+    fn without_a_target_route_control_cluster_forwards_to_peers_and_no_replica_is_named() {
+        let cfg = lease_config("");
         let mut h = MockHost::default();
-        on_answer(&mut h, Some(401));
-        on_answer(&mut h, Some(404));
-        on_answer(&mut h, Some(500));
-        on_answer(&mut h, None);
-        assert_eq!(h.metric(Metric::LeaseRenewals(LeaseResult::Failed)), 4);
-        let logs: Vec<&str> = h.logs.iter().map(|(_, m)| m.as_str()).collect();
-        assert!(h.logs.iter().all(|(l, _)| *l == Level::Warn));
+        let mut r = Renewer::new(None);
+        let calls = renew_once(&mut r, &cfg, &mut h, &["10.1.2.3:9902".parse().unwrap()]);
+        assert_eq!(calls.len(), 1);
+        let b = Renewal::parse(&calls[0].3).unwrap();
+        assert_eq!(
+            (b.via, b.fanout, b.host, b.period_ms),
+            (Via::Admin, true, None, Some(P))
+        );
+        assert!(send(
+            &cfg,
+            &mut h,
+            InstanceId([1; 16]),
+            None,
+            2,
+            &Dest::Admin(Some("10.0.0.1:1".parse().unwrap()))
+        )
+        .is_none());
+    }
+
+    #[test]
+    fn one_vm_renews_per_period_and_vms_agree_on_one_instance_id() {
+        let cfg = lease_config("");
+        let mut h = MockHost::default();
+        let (mut a, mut b) = (Renewer::new(None), Renewer::new(None));
+        // Both VMs configure at once: each draws and writes its own id.
+        a.sync_instance(&mut h, &mut || InstanceId([1; 16]));
+        h.shared.remove(INSTANCE_KEY);
+        b.sync_instance(&mut h, &mut || InstanceId([2; 16]));
+        assert_ne!(a.instance(), b.instance());
+        let mut never = || -> InstanceId { panic!("an id exists: nothing to draw") };
+        for t in 0..10u64 {
+            h.now = t * P;
+            a.on_tick(&cfg, &mut h, &[], 0, &mut never);
+            b.on_tick(&cfg, &mut h, &[], 0, &mut never);
+            // By the first tick both tag with the id that stayed.
+            assert_eq!(a.instance(), Some(InstanceId([2; 16])));
+            assert_eq!(b.instance(), a.instance());
+        }
+        // The first tick's first VM creates the slot, the second renews; then one renewal
+        // per period, counters 1, 2, ...
+        let counters: Vec<u64> = h
+            .calls
+            .iter()
+            .map(|c| Renewal::parse(&c.3).unwrap().counter)
+            .collect();
+        assert_eq!(counters, (1..=10).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_replica_with_a_stream_in_flight_is_renewed_whatever_its_answers_and_forgotten_after_without(
+    ) {
+        let cfg = lease_config(TARGET);
+        let mut h = MockHost::default();
+        let mut r = Renewer::new(None);
+        let replica: SocketAddr = "10.1.2.3:9902".parse().unwrap();
+        let mut fresh = ids();
+        let to_replica =
+            |h: &MockHost, from: usize| h.calls[from..].iter().filter(|c| c.1 == "t").count();
+        // A long stream there: renewed every period for far longer than FORGET_PERIODS,
+        // even though the replica refuses every renewal.
+        for k in 0..(3 * FORGET_PERIODS) {
+            h.now = k * P;
+            let before = h.calls.len();
+            r.on_tick(&cfg, &mut h, &[replica], 0, &mut fresh);
+            if k > 0 {
+                assert_eq!(to_replica(&h, before), 1, "period {k}");
+            }
+            let sent: Vec<u32> = h.calls[before..].iter().map(|c| c.0).collect();
+            for t in sent {
+                assert!(r.on_answer(&mut h, t, Some(503)));
+            }
+        }
+        // The stream ends: still renewed for FORGET_PERIODS periods, then forgotten.
+        let end = 3 * FORGET_PERIODS * P;
+        let mut renewed = 0;
+        for k in 0..(2 * FORGET_PERIODS) {
+            h.now = end + k * P;
+            let before = h.calls.len();
+            r.on_tick(&cfg, &mut h, &[], 0, &mut fresh);
+            renewed += to_replica(&h, before);
+        }
+        assert_eq!(renewed as u64, FORGET_PERIODS);
+    }
+
+    #[test]
+    fn answers_of_overlapping_renewals_are_all_counted_and_a_failure_is_logged_once() {
+        let cfg = lease_config("");
+        let mut h = MockHost::default();
+        let mut r = Renewer::new(None);
+        r.note_upstream(&cfg, &mut h, &up("llm"), 0);
+        let first = renew_once(&mut r, &cfg, &mut h, &[]);
+        h.now += P;
+        let second = renew_once(&mut r, &cfg, &mut h, &[]);
+        assert_eq!((first.len(), second.len()), (2, 2));
+        // The second period's calls went out before the first's were answered.
+        for c in first.iter().chain(&second) {
+            let status = if c.1 == "llm" { Some(404) } else { Some(200) };
+            assert!(r.on_answer(&mut h, c.0, status));
+        }
+        assert!(!r.on_answer(&mut h, first[0].0, Some(200)), "answered once");
+        assert!(!r.on_answer(&mut h, 999, Some(200)), "not a renewal");
+        assert_eq!(h.metric(Metric::LeaseRenewals(LeaseResult::Accepted)), 2);
+        assert_eq!(h.metric(Metric::LeaseDataRenewals(LeaseResult::Failed)), 2);
+        let warned: Vec<_> = h.logs.iter().filter(|(l, _)| *l == Level::Warn).collect();
+        assert_eq!(warned.len(), 1, "{warned:?}");
+        assert!(warned[0]
+            .1
+            .contains("in-band lease renewal to upstream cluster llm failed: status 404"));
+        assert!(warned[0].1.contains("docs/DESIGN.md"));
+    }
+
+    #[test]
+    fn a_failed_renewal_says_why_when_its_answer_changes() {
+        let cfg = lease_config("");
+        let mut h = MockHost::default();
+        let mut r = Renewer::new(None);
+        let mut answer = |h: &mut MockHost, status: Option<u16>| {
+            let c = renew_once(&mut r, &cfg, h, &[]);
+            h.now += P;
+            r.on_answer(h, c[0].0, status);
+        };
+        for s in [
+            Some(401),
+            Some(401),
+            Some(200),
+            Some(404),
+            Some(422),
+            Some(500),
+            None,
+        ] {
+            answer(&mut h, s);
+        }
+        let logs: Vec<&str> = h
+            .logs
+            .iter()
+            .filter(|(l, _)| *l == Level::Warn)
+            .map(|(_, m)| m.as_str())
+            .collect();
+        assert_eq!(logs.len(), 2, "{logs:?}");
         assert!(logs[0].contains("status 401") && logs[0].contains("refused the signature"));
         assert!(logs[1].contains("status 404") && logs[1].contains("--lease-mode off"));
-        assert!(logs[2].ends_with("status 500"));
-        assert!(logs[3].contains("none (timeout or reset)"));
+        assert_eq!(h.metric(Metric::LeaseRenewals(LeaseResult::Failed)), 6);
+        // Each hint, whatever came before.
+        let mut h = MockHost::default();
+        for (s, hint) in [
+            (Some(422), "at most a third"),
+            (Some(500), "status 500"),
+            (None, "none (timeout or reset)"),
+        ] {
+            on_answer(&mut h, &Dest::Admin(None), s, None);
+            assert!(h.logs.last().unwrap().1.contains(hint), "{:?}", h.logs);
+        }
     }
 
     #[test]
     fn a_renewal_the_host_refuses_is_counted_and_logged() {
+        let cfg = lease_config("");
         let mut h = MockHost {
             refuse: Some(crate::host::DispatchError::Other),
             ..MockHost::default()
         };
         assert_eq!(
-            send(&config(""), &mut h, InstanceId([1; 16]), 4, None),
+            send(
+                &cfg,
+                &mut h,
+                InstanceId([1; 16]),
+                None,
+                4,
+                &Dest::Admin(None)
+            ),
+            None
+        );
+        assert_eq!(
+            send(
+                &cfg,
+                &mut h,
+                InstanceId([1; 16]),
+                None,
+                4,
+                &Dest::Data(up("llm"))
+            ),
             None
         );
         assert_eq!(h.metric(Metric::LeaseRenewals(LeaseResult::Failed)), 1);
+        assert_eq!(h.metric(Metric::LeaseDataRenewals(LeaseResult::Failed)), 1);
         assert_eq!(h.metric(Metric::LeaseRenewals(LeaseResult::Sent)), 0);
         assert!(h
             .logs
             .iter()
             .any(|(l, m)| *l == Level::Warn && m.contains("counter=4 not sent to kvguard")));
+    }
+
+    #[test]
+    fn shared_data_that_fails_is_counted_and_nothing_is_sent() {
+        let cfg = lease_config("");
+        let mut h = MockHost {
+            shared_broken: true,
+            ..MockHost::default()
+        };
+        let mut r = Renewer::new(None);
+        let mut fresh = ids();
+        r.on_tick(&cfg, &mut h, &[], 0, &mut fresh);
+        r.on_tick(&cfg, &mut h, &[], 0, &mut fresh);
+        assert!(h.calls.is_empty());
+        assert!(h.metric(Metric::HostErrors) >= 2);
+        // Its own id, still: requests are tagged.
+        assert_eq!(r.instance(), Some(InstanceId([1; 16])));
+        // Lease off: nothing at all.
+        let mut h = MockHost::default();
+        r.on_tick(
+            &config(r#","lease_renew_ms":0"#),
+            &mut h,
+            &[],
+            0,
+            &mut fresh,
+        );
+        assert!(h.shared.is_empty());
+        assert!(!r.wants_upstream(&config(r#","lease_renew_ms":0"#), 0));
+    }
+
+    #[test]
+    fn upstreams_are_remembered_bounded_and_forgotten() {
+        let v = remember_upstream(None, &up("a"), 1000, P).unwrap();
+        assert_eq!(live_upstreams(Some(&v), 1000, P), vec![up("a")]);
+        assert_eq!(remember_upstream(Some(&v), &up("a"), 1000 + P - 1, P), None);
+        let mut v = v;
+        for (i, c) in ["b", "c", "d", "e"].iter().enumerate() {
+            v = remember_upstream(Some(&v), &up(c), 2000 + i as u64, P).unwrap();
+        }
+        let live = live_upstreams(Some(&v), 3000, P);
+        assert_eq!(live.len(), MAX_UPSTREAMS);
+        assert!(!live.contains(&up("a")), "the longest unseen goes first");
+        let late = 2003 + P * FORGET_PERIODS;
+        assert_eq!(live_upstreams(Some(&v), late, P), vec![up("e")]);
+        assert!(live_upstreams(Some(&v), late + 1, P).is_empty());
+        // Names that cannot be stored are not.
+        let bad = Upstream {
+            cluster: "a\tb".to_owned(),
+            authority: "x".to_owned(),
+        };
+        assert_eq!(remember_upstream(None, &bad, 0, P), None);
+        assert!(parse_upstreams(b"v1\n1\ta\n2\tb\tc\td\nx\ta\tb\n").is_empty());
+        assert!(parse_upstreams(b"v2\n1\ta\tb\n").is_empty());
     }
 }

@@ -251,8 +251,10 @@ pub enum Metric {
     StreamDurationMs(Ended),
     /// Abort decided to its final answer (retries included), ms, by the abort's outcome.
     AbortRoundTripMs(Outcome),
-    /// Liveness-lease renewals, by result (`sent`, `accepted`, `failed`).
+    /// Out-of-band liveness-lease renewals, by result (`sent`, `accepted`, `failed`).
     LeaseRenewals(LeaseResult),
+    /// In-band liveness-lease renewals (over the upstream clusters), by result.
+    LeaseDataRenewals(LeaseResult),
     /// Abort calls whose answer never came (the watchdog freed their slot).
     AbortAnswersLost,
 }
@@ -309,7 +311,8 @@ const BASE_HIST: usize = BASE_WORKER_STALLS + 1;
 const E: usize = Ended::ALL.len();
 const BASE_ROUND_TRIP: usize = BASE_HIST + 3 * E;
 const BASE_LEASE: usize = BASE_ROUND_TRIP + O;
-const BASE_LOST: usize = BASE_LEASE + LeaseResult::ALL.len();
+const BASE_LEASE_DATA: usize = BASE_LEASE + LeaseResult::ALL.len();
+const BASE_LOST: usize = BASE_LEASE_DATA + LeaseResult::ALL.len();
 
 impl Metric {
     /// How many distinct metrics exist (for id caches).
@@ -339,6 +342,7 @@ impl Metric {
             Metric::StreamDurationMs(e) => BASE_HIST + 2 * E + e as usize,
             Metric::AbortRoundTripMs(o) => BASE_ROUND_TRIP + o.index(),
             Metric::LeaseRenewals(r) => BASE_LEASE + r as usize,
+            Metric::LeaseDataRenewals(r) => BASE_LEASE_DATA + r as usize,
             Metric::AbortAnswersLost => BASE_LOST,
         }
     }
@@ -387,6 +391,7 @@ impl Metric {
             Metric::StreamDurationMs(e) => tag("stream_duration_ms", "outcome", e.as_str()),
             Metric::AbortRoundTripMs(o) => tag("abort_round_trip_ms", "outcome", o.as_str()),
             Metric::LeaseRenewals(r) => tag("lease_renewals_total", "result", r.as_str()),
+            Metric::LeaseDataRenewals(r) => tag("lease_data_renewals_total", "result", r.as_str()),
             Metric::AbortAnswersLost => format!("{PREFIX}abort_answers_lost_total"),
         }
     }
@@ -418,6 +423,7 @@ impl Metric {
         v.extend(Ended::ALL.map(Metric::StreamDurationMs));
         v.extend(Outcome::ALL.map(Metric::AbortRoundTripMs));
         v.extend(LeaseResult::ALL.map(Metric::LeaseRenewals));
+        v.extend(LeaseResult::ALL.map(Metric::LeaseDataRenewals));
         v.push(Metric::AbortAnswersLost);
         v
     }

@@ -1,7 +1,7 @@
 //! Mocks for the core's traits (tests only).
 
 use crate::config::Config;
-use crate::host::{Call, Clock, DispatchError, Host, Level};
+use crate::host::{Call, Clock, DispatchError, Host, Level, SharedData, SharedError};
 use crate::metrics::{Metric, Metrics};
 
 pub(crate) const SECRET: &str = "kvguard-test-secret-0123456789";
@@ -37,6 +37,10 @@ pub(crate) struct MockHost {
     pub upstream: bool,
     /// How many times it was asked.
     pub upstream_asked: usize,
+    /// Shared data: key → (value, cas).
+    pub shared: std::collections::BTreeMap<String, (Vec<u8>, u32)>,
+    /// Shared-data calls fail.
+    pub shared_broken: bool,
 }
 
 impl MockHost {
@@ -83,6 +87,27 @@ impl Host for MockHost {
     fn upstream_reached(&mut self) -> bool {
         self.upstream_asked += 1;
         self.upstream
+    }
+}
+
+impl SharedData for MockHost {
+    fn shared_get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, SharedError> {
+        if self.shared_broken {
+            return Err(SharedError::Other);
+        }
+        Ok(self.shared.get(key).cloned())
+    }
+    fn shared_set(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), SharedError> {
+        if self.shared_broken {
+            return Err(SharedError::Other);
+        }
+        // Envoy's rule: a key that is absent is written whatever `cas` says.
+        let e = self.shared.entry(key.to_owned()).or_insert((Vec::new(), 0));
+        if cas != 0 && e.1 != 0 && cas != e.1 {
+            return Err(SharedError::CasMismatch);
+        }
+        *e = (value.to_vec(), e.1 + 1);
+        Ok(())
     }
 }
 

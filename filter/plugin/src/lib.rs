@@ -21,7 +21,7 @@ use kvguard_contract::signature::SIGNATURE_HEADER;
 use kvguard_contract::{InstanceId, INSTANCE_HEADER};
 use kvguard_contract::{CONTROL_HEADER, REQUEST_ID_HEADER};
 use kvguard_filter_core::engine::{self, Engine, Streams, Verdict};
-use kvguard_filter_core::host::{Call, Clock, DispatchError, Host, Level};
+use kvguard_filter_core::host::{Call, Clock, DispatchError, Host, Level, SharedData, SharedError};
 use kvguard_filter_core::metrics::{Kind, Metric, Metrics};
 use kvguard_filter_core::{lease, Config, Mode, OutcomeTag};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -52,14 +52,8 @@ struct Shared {
     queue_id: Option<u32>,
     /// The shared-data key of this plugin's mode (`kvguard.mode.<plugin name>`).
     mode_key: Option<String>,
-    /// This Envoy process's instance id (shared data [`lease::INSTANCE_KEY`]).
-    instance: Option<InstanceId>,
-    /// This VM's renewals in flight: token, and the replica it went to (`None`:
-    /// `control_cluster`).
-    lease_tokens: Vec<(u32, Option<std::net::SocketAddr>)>,
-    /// Replicas this VM wrote to shared data [`lease::REPLICAS_KEY`], and when (so a
-    /// stamp costs a shared-data write at most once per renewal period per replica).
-    replicas_noted: Vec<(std::net::SocketAddr, u64)>,
+    /// This VM's side of the liveness lease (instance id, renewals in flight).
+    renewer: lease::Renewer,
     /// Since when (monotonic ms) the host has been stopping this VM (`on_done`) while
     /// aborts were pending.
     stopping_since: Option<u64>,
@@ -105,6 +99,18 @@ impl Clock for EnvoyHost<'_> {
     }
     fn unix_secs(&self) -> u64 {
         abi::now_nanos() / 1_000_000_000
+    }
+}
+
+impl SharedData for EnvoyHost<'_> {
+    fn shared_get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, SharedError> {
+        abi::get_shared_data_cas(key).map_err(|_| SharedError::Other)
+    }
+    fn shared_set(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), SharedError> {
+        abi::set_shared_data_cas(key, value, cas).map_err(|e| match e {
+            abi::Status(abi::CAS_MISMATCH) => SharedError::CasMismatch,
+            _ => SharedError::Other,
+        })
     }
 }
 
@@ -252,6 +258,47 @@ fn with_engine<R>(
     Some(f(engine, &mut p))
 }
 
+/// Runs `f` with the engine, this VM's lease renewer and the host (fail open: `None`
+/// on a re-entrant call or before the configuration).
+fn with_lease<R>(
+    shared: &SharedRef,
+    f: impl FnOnce(&mut Engine, &mut lease::Renewer, &mut EnvoyHost<'_>) -> R,
+) -> Option<R> {
+    let Ok(mut guard) = shared.try_borrow_mut() else {
+        abi::log(
+            abi::LogLevel::Error,
+            "re-entrant call into the filter state; skipped (fail open)",
+        );
+        return None;
+    };
+    let s = &mut *guard;
+    let engine = s.engine.as_mut()?;
+    let mut p = EnvoyHost {
+        metric_ids: &mut s.metric_ids,
+        batch: &mut s.batch,
+    };
+    Some(f(engine, &mut s.renewer, &mut p))
+}
+
+/// A fresh instance id: 128 random bits.
+fn fresh_instance() -> InstanceId {
+    let mut bytes = [0u8; 16];
+    bytes[..8].copy_from_slice(&random_seed().to_le_bytes());
+    bytes[8..].copy_from_slice(&random_seed().to_le_bytes());
+    InstanceId(bytes)
+}
+
+/// This Envoy node's host key: its node id and this plugin's VM id (`None` when the
+/// host does not say its node id).
+fn host_key() -> Option<kvguard_contract::HostKey> {
+    let node = abi::get_property(&["node", "id"]).ok().flatten()?;
+    let vm = abi::get_property(&["plugin_vm_id"])
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    Some(kvguard_contract::HostKey::derive(&node, &vm))
+}
+
 /// Flushes the batched metric deltas; with `batching`, later `add`s batch (the tick is
 /// on), else they go to the host at once.
 fn flush_metrics(shared: &SharedRef, batching: bool) {
@@ -397,9 +444,7 @@ fn init() {
                 batch: Batch::default(),
                 queue_id: None,
                 mode_key: None,
-                instance: None,
-                lease_tokens: Vec::new(),
-                replicas_noted: Vec::new(),
+                renewer: lease::Renewer::default(),
                 stopping_since: None,
             })),
         })
@@ -464,132 +509,15 @@ impl Root {
         true
     }
 
-    /// Renews the lease if this VM wins the period's slot (one renewal per process per
-    /// period, whichever worker's tick comes first).
+    /// The lease's tick: re-reads the instance id, names the replicas of this VM's
+    /// streams in flight, and renews if this VM wins the period's slot (one renewal per
+    /// process per period, whichever worker's tick comes first).
     fn renew_lease(&self) {
-        let Some(Some((period, now, jitter))) = with_engine(&self.shared, |e, p| {
-            (e.cfg.lease_renew_ms > 0).then(|| (e.cfg.lease_renew_ms, p.now_ms(), random_seed()))
-        }) else {
-            return;
-        };
-        let (current, cas) = match abi::get_shared_data_cas(lease::SLOT_KEY) {
-            Ok(Some((v, cas))) => (Some(v), cas),
-            Ok(None) => {
-                // No slot yet. A write with cas 0 is unconditional, so two workers that both
-                // found none would both "win" and send counter 1 twice: create the slot
-                // (due now, nothing sent), and elect on the next tick under a real cas.
-                let init = lease::Slot {
-                    due_ms: now,
-                    counter: 0,
-                };
-                if abi::set_shared_data_cas(lease::SLOT_KEY, &init.value(), 0).is_err() {
-                    let _ = with_engine(&self.shared, |_, p| p.add(Metric::HostErrors, 1));
-                }
-                return;
-            }
-            Err(_) => {
-                let _ = with_engine(&self.shared, |_, p| p.add(Metric::HostErrors, 1));
-                return;
-            }
-        };
-        let Some(slot) = lease::elect(current.as_deref(), now, period, jitter) else {
-            return;
-        };
-        match abi::set_shared_data_cas(lease::SLOT_KEY, &slot.value(), cas) {
-            Ok(()) => {}
-            // Another worker renews this period.
-            Err(abi::Status(abi::CAS_MISMATCH)) => return,
-            Err(_) => {
-                let _ = with_engine(&self.shared, |_, p| p.add(Metric::HostErrors, 1));
-                return;
-            }
-        }
-        // The id the process uses now (a VM that lost the first-start race adopts it).
-        sync_instance(&self.shared);
-        let Some(instance) = self.shared.try_borrow().ok().and_then(|s| s.instance) else {
-            return;
-        };
-        // The same renewal to control_cluster and to every replica seen in a stamp (a
-        // replica a renewal does not reach would not judge this gateway; peers forward
-        // it too, and a replica that gets it twice answers `duplicate`).
-        let replicas = match abi::get_shared_data(lease::REPLICAS_KEY) {
-            Ok(v) => lease::live_replicas(v.as_deref(), now, period),
-            Err(_) => Vec::new(),
-        };
-        let mut tokens = Vec::with_capacity(replicas.len() + 1);
-        for replica in core::iter::once(None).chain(replicas.into_iter().map(Some)) {
-            let token = with_engine(&self.shared, |e, p| {
-                lease::send(&e.cfg, p, instance, slot.counter, replica)
-            })
-            .flatten();
-            if let Some(t) = token {
-                tokens.push((t, replica));
-            }
-        }
-        if let Ok(mut s) = self.shared.try_borrow_mut() {
-            s.lease_tokens = tokens;
-        }
-    }
-}
-
-/// Records a replica named by a verified stamp in shared data [`lease::REPLICAS_KEY`]
-/// (the lease renews it), at most once per renewal period per replica and VM.
-fn note_replica(shared: &SharedRef, addr: std::net::SocketAddr, now: u64, period: u64) {
-    let fresh = shared.try_borrow().is_ok_and(|s| {
-        s.replicas_noted
-            .iter()
-            .any(|(a, t)| *a == addr && now.saturating_sub(*t) < period)
-    });
-    if fresh {
-        return;
-    }
-    let (current, cas) = match abi::get_shared_data_cas(lease::REPLICAS_KEY) {
-        Ok(Some((v, cas))) => (Some(v), cas),
-        Ok(None) => (None, 0),
-        Err(_) => return,
-    };
-    if let Some(v) = lease::remember(current.as_deref(), addr, now, period) {
-        // A lost race leaves it for the next stamp.
-        if abi::set_shared_data_cas(lease::REPLICAS_KEY, &v, cas).is_err() {
-            return;
-        }
-    }
-    if let Ok(mut s) = shared.try_borrow_mut() {
-        s.replicas_noted.retain(|(a, _)| *a != addr);
-        s.replicas_noted.truncate(lease::MAX_REPLICAS);
-        s.replicas_noted.push((addr, now));
-    }
-}
-
-/// Reads this process's instance id from shared data, creating it if absent: 128 random
-/// bits, drawn once per Envoy process (per `vm_id`) and kept across VM reloads and module
-/// upgrades. Two VMs creating it at once both write; each re-reads and adopts the value
-/// that stayed.
-fn sync_instance(shared: &SharedRef) {
-    let read = || match abi::get_shared_data(lease::INSTANCE_KEY) {
-        Ok(Some(v)) => lease::parse_instance_value(&v),
-        _ => None,
-    };
-    let id = read().or_else(|| {
-        let mut bytes = [0u8; 16];
-        bytes[..8].copy_from_slice(&random_seed().to_le_bytes());
-        bytes[8..].copy_from_slice(&random_seed().to_le_bytes());
-        let fresh = InstanceId(bytes);
-        if abi::set_shared_data(lease::INSTANCE_KEY, &lease::instance_value(fresh)).is_err() {
-            abi::log(
-                abi::LogLevel::Warn,
-                "cannot write the lease instance id to shared data; this VM uses its own",
-            );
-            return Some(fresh);
-        }
-        abi::log(
-            abi::LogLevel::Info,
-            &format!("lease instance id {fresh} created for this Envoy process"),
-        );
-        read().or(Some(fresh))
-    });
-    if let Ok(mut s) = shared.try_borrow_mut() {
-        s.instance = id;
+        let jitter = random_seed();
+        let _ = with_lease(&self.shared, |e, r, p| {
+            let targets = e.targets();
+            r.on_tick(&e.cfg, p, &targets, jitter, &mut fresh_instance);
+        });
     }
 }
 
@@ -623,25 +551,7 @@ impl Context for Root {
         } else {
             Vec::new()
         };
-        let lease = match self.shared.try_borrow_mut() {
-            Ok(mut s) => s
-                .lease_tokens
-                .iter()
-                .position(|(t, _)| *t == token_id)
-                .map(|i| s.lease_tokens.swap_remove(i).1),
-            Err(_) => None,
-        };
-        if let Some(replica) = lease {
-            let _ = with_engine(&self.shared, |_, p| lease::on_answer(p, status));
-            // A replica that does not take the renewal is forgotten until a stamp names
-            // it again (a replaced pod must not fail every period).
-            if let (Some(addr), false) = (replica, status == Some(200)) {
-                if let Ok(Some((v, cas))) = abi::get_shared_data_cas(lease::REPLICAS_KEY) {
-                    if let Some(nv) = lease::forget(Some(&v), addr) {
-                        let _ = abi::set_shared_data_cas(lease::REPLICAS_KEY, &nv, cas);
-                    }
-                }
-            }
+        if with_lease(&self.shared, |_, r, p| r.on_answer(p, token_id, status)) == Some(true) {
             return;
         }
         let _ = with_engine(&self.shared, |e, p| {
@@ -802,7 +712,13 @@ impl RootContext for Root {
         })
         .unwrap_or(false);
         if renew {
-            sync_instance(&self.shared);
+            let host = host_key();
+            let _ = with_lease(&self.shared, |_, r, p| {
+                if r.instance().is_none() {
+                    *r = lease::Renewer::new(host);
+                }
+                r.sync_instance(p, &mut fresh_instance);
+            });
         }
         sync_tick(&self.shared);
         self.report_memory();
@@ -902,7 +818,10 @@ impl HttpContext for Stream {
             Some(Verdict::Tracked) => {
                 self.tracked = true;
                 // The gateway process that carries it (contract §8).
-                self.shared.try_borrow().ok().and_then(|s| s.instance)
+                self.shared
+                    .try_borrow()
+                    .ok()
+                    .and_then(|s| s.renewer.instance())
             }
             // Untracked: no filter state is written (contract §7: an access log shows
             // `-`), which saves a host call on every request the filter does not track.
@@ -944,7 +863,7 @@ impl HttpContext for Stream {
             .ok()
             .flatten();
         let id = self.id;
-        let replica = with_engine(&self.shared, |e, p| {
+        let sample = with_lease(&self.shared, |e, r, p| {
             e.on_response_headers(
                 p,
                 id,
@@ -953,15 +872,27 @@ impl HttpContext for Stream {
                 stamp.as_deref(),
                 end_of_stream,
             );
-            let period = e.cfg.lease_renew_ms;
-            let target = e.request(id).and_then(|r| r.target.as_deref().copied());
-            target
-                .filter(|_| period > 0)
-                .map(|t| (t, p.now_ms(), period))
+            let now = p.now_ms();
+            if let Some(t) = e.request(id).and_then(|r| r.target.as_deref().copied()) {
+                r.note_replica(&e.cfg, p, t, now);
+            }
+            r.wants_upstream(&e.cfg, now).then_some(now)
         })
         .flatten();
-        if let Some((addr, now, period)) = replica {
-            note_replica(&self.shared, addr, now, period);
+        // One tracked response per period per VM names its upstream cluster (the
+        // in-band renewal goes over it).
+        if let Some(now) = sample {
+            let cluster = abi::get_property(&["cluster_name"]).ok().flatten();
+            let authority = abi::get_header(abi::Map::RequestHeaders, ":authority")
+                .ok()
+                .flatten();
+            if let (Some(c), Some(a)) = (cluster, authority) {
+                let up = lease::Upstream {
+                    cluster: String::from_utf8_lossy(&c).into_owned(),
+                    authority: String::from_utf8_lossy(&a).into_owned(),
+                };
+                let _ = with_lease(&self.shared, |e, r, p| r.note_upstream(&e.cfg, p, &up, now));
+            }
         }
         Action::Continue
     }

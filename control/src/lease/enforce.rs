@@ -1,0 +1,138 @@
+//! The lease loop: every [`lease_tick`] it takes kvguard-control's own stall into
+//! account, judges every lease ([`super::Leases::judge`]) and ends (`enforce`) or counts
+//! (`observe`) the in-flight requests of each expired instance, reason `gateway_lost`.
+
+use super::{Expiry, LeaseMode};
+use crate::state::AppState;
+use kvguard_contract::AbortReason;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// Runs the lease loop until `stop` (not at all with `--lease-mode off`).
+pub fn spawn(st: Arc<AppState>, stop: CancellationToken) {
+    if st.cfg.lease_mode == LeaseMode::Off {
+        return;
+    }
+    let every = lease_tick(st.cfg.lease_ttl);
+    tokio::spawn(async move {
+        let mut iv = tokio::time::interval(every);
+        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last = st.clock.now();
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = iv.tick() => {}
+            }
+            let now = st.clock.now();
+            note_loop_gap(&st, now.saturating_duration_since(last), every);
+            last = now;
+            judge(&st);
+        }
+    });
+}
+
+/// Takes the gap since the lease loop's last pass: a stall in it (see
+/// [`super::stall`]) is counted, logged and added to every lease, so that no gateway
+/// loses its lease for renewals kvguard-control could not read. Returns the stall.
+pub fn note_loop_gap(st: &AppState, gap: Duration, every: Duration) -> Duration {
+    let stalled = super::stall(gap, every);
+    if !stalled.is_zero() {
+        st.metrics.lease.stalls.inc();
+        tracing::warn!(
+            stall_ms = stalled.as_millis() as u64,
+            "the lease loop stalled; every lease is extended by the stall"
+        );
+        st.leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(stalled);
+    }
+    stalled
+}
+
+/// How often the lease loop looks: an eighth of the TTL, between 10 ms and 1 s.
+pub fn lease_tick(ttl: Duration) -> Duration {
+    (ttl / 8).clamp(Duration::from_millis(10), Duration::from_secs(1))
+}
+
+/// One lease judgement: held expiries are counted; an expired instance's in-flight
+/// requests are ended (`enforce`, unless the expiry is `unproven`) or counted. A request
+/// of an expired instance admitted after the judgement is evidence of life: the lease is
+/// taken back and nothing of it ended.
+pub fn judge(st: &Arc<AppState>) {
+    let now = st.clock.now();
+    let j = {
+        let mut leases = st.leases.lock().unwrap_or_else(|p| p.into_inner());
+        let j = leases.judge(now);
+        st.metrics.lease.census(leases.census());
+        j
+    };
+    if j.held > 0 {
+        st.metrics.lease.held_expiries.inc_by(j.held as u64);
+        tracing::warn!(held = j.held, "gateways went silent and no other gateway was heard from since: expiries held (suspect the network or kvguard-control)");
+    }
+    if j.expired.is_empty() {
+        return;
+    }
+    let entries = st.entries();
+    for (instance, why) in j.expired {
+        let mine: Vec<_> = entries
+            .iter()
+            .filter(|e| e.instance() == Some(instance))
+            .collect();
+        if let Some(late) = mine
+            .iter()
+            .map(|e| e.times().started)
+            .filter(|t| *t >= now)
+            .max()
+        {
+            st.leases
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .revive(instance, late);
+            tracing::info!(%instance, "gateway lease taken back: a request of it arrived as it expired");
+            continue;
+        }
+        let enforce = st.cfg.lease_mode == LeaseMode::Enforce && why != Expiry::Unproven;
+        let mode = if enforce { "enforce" } else { "observe" };
+        st.metrics.lease.expired(mode, why);
+        let mut ended = 0u64;
+        for e in &mine {
+            if !enforce || st.end_request(e, AbortReason::GatewayLost, "lease") {
+                ended += 1;
+            }
+        }
+        st.metrics.lease.ended(mode, why, ended);
+        let ttl_ms = st.cfg.lease_ttl.as_millis() as u64;
+        match why {
+            Expiry::Silent => {
+                tracing::warn!(%instance, mode, requests = ended, ttl_ms, "gateway lease expired: no renewal on either path and no request within the TTL")
+            }
+            Expiry::Replaced => {
+                tracing::warn!(%instance, mode, requests = ended, "gateway lease expired: a new process renews with its host key and its own renewals stopped (restarted or replaced)")
+            }
+            Expiry::Unproven => {
+                tracing::warn!(%instance, requests = ended, ttl_ms, "gateway lease expired without renewals on its data path (a hop that does not carry /v1/kvguard/lease): its requests are counted, not ended")
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_lease_loop_looks_eight_times_per_ttl_within_10_ms_and_1_s() {
+        assert_eq!(
+            lease_tick(Duration::from_secs(2)),
+            Duration::from_millis(250)
+        );
+        assert_eq!(
+            lease_tick(Duration::from_millis(40)),
+            Duration::from_millis(10)
+        );
+        assert_eq!(lease_tick(Duration::from_secs(30)), Duration::from_secs(1));
+    }
+}

@@ -1,0 +1,410 @@
+//! Liveness leases of gateway processes (contract §8): the evidence of life per instance,
+//! judged on kvguard-control's own monotonic receipt clock.
+//!
+//! The rule: **a gateway's streams are ended only on the silence of evidence that travels
+//! their own path, or on positive evidence that the gateway is dead.** So an instance has
+//! two kinds of evidence, kept apart: the *data path* (an in-band renewal, sent over the
+//! upstream cluster its streams use, or a request tagged with it) and the *admin path* (an
+//! out-of-band renewal). It expires when
+//!
+//! - **replaced**: another instance renews with its host key (same Envoy node and VM:
+//!   a crash restart in place, a hot-restart child, a pod restarted with its identity)
+//!   while its own renewals have stopped for two of its periods — positive evidence,
+//!   whatever its hops; or
+//! - **silent**: both kinds of evidence are older than the TTL, its data path has carried
+//!   [`DATA_RENEWALS_TO_ENFORCE`] renewals (else the path cannot carry one and silence
+//!   proves nothing: it stays observe-only), and — when other instances hold leases —
+//!   one of them has been heard from since this one went silent (one that hears from
+//!   nobody holds: the network or kvguard-control is the suspect, whatever the phases
+//!   of the renewals).
+//!
+//! Soft state: nothing is persisted; an instance is judged only after this process has
+//! accepted a renewal from it. A stall of kvguard-control's own loop extends every lease
+//! by the stall before anything is judged. An expired instance's counters are kept
+//! (bounded) so a captured renewal replayed cannot revive it.
+
+pub mod endpoints;
+pub mod enforce;
+
+use kvguard_contract::lease::DATA_RENEWALS_TO_ENFORCE;
+use kvguard_contract::{HostKey, InstanceId, RenewalBody, Via};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// What the lease does when it expires (`--lease-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LeaseMode {
+    /// No lease handling: renewals are answered 404, requests' instances ignored.
+    Off,
+    /// Expiries are judged, logged and counted; nothing is ended (the rollout step).
+    Observe,
+    /// An expiry ends every in-flight request of the instance (reason `gateway_lost`).
+    Enforce,
+}
+
+impl LeaseMode {
+    /// The flag value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            LeaseMode::Off => "off",
+            LeaseMode::Observe => "observe",
+            LeaseMode::Enforce => "enforce",
+        }
+    }
+}
+
+/// Why a renewal was not taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RenewError {
+    /// Its counter is below the last one accepted on its path for the instance (also
+    /// after the instance expired).
+    Replay,
+    /// Its counter is the last one accepted on its path: the same renewal again (sent
+    /// to `control_cluster` and to the replica directly, or forwarded by a peer). No
+    /// evidence of life.
+    Duplicate,
+    /// Its period is too long for this TTL: fewer than
+    /// [`kvguard_contract::lease::MIN_TTL_PERIODS`] renewals fit in one.
+    PeriodTooLong {
+        /// The renewal's period.
+        period_ms: u64,
+        /// The longest period this TTL allows.
+        max_ms: u64,
+    },
+}
+
+/// Why an instance expired.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expiry {
+    /// Both kinds of evidence silent for the TTL.
+    Silent,
+    /// Another instance renews with its host key and its own renewals stopped.
+    Replaced,
+    /// Silent for the TTL, but its data path never carried a renewal: its requests are
+    /// counted, never ended.
+    Unproven,
+}
+
+impl Expiry {
+    /// The metric label.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Expiry::Silent => "silent",
+            Expiry::Replaced => "replaced",
+            Expiry::Unproven => "unproven",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Lease {
+    host: Option<HostKey>,
+    period: Duration,
+    /// Last accepted counter per path.
+    counter: [u64; 2],
+    /// Last out-of-band renewal.
+    admin: Option<Instant>,
+    /// Last in-band renewal or tagged request.
+    data: Option<Instant>,
+    /// Last renewal of either path (the host-key rule's "its own renewals").
+    renewed: Instant,
+    /// In-band renewals accepted (saturating).
+    data_renewals: u32,
+    /// Held in the current silent spell (counted once).
+    held: bool,
+}
+
+impl Lease {
+    fn last(&self) -> Instant {
+        match (self.admin, self.data) {
+            (Some(a), Some(d)) => a.max(d),
+            (a, d) => a.or(d).unwrap_or(self.renewed),
+        }
+    }
+}
+
+const fn slot(via: Via) -> usize {
+    match via {
+        Via::Admin => 0,
+        Via::Data => 1,
+    }
+}
+
+/// What one judgement found.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Judgement {
+    /// Instances whose lease expired now, and why (they leave the table).
+    pub expired: Vec<(InstanceId, Expiry)>,
+    /// Expiries held now because nobody else was heard from since (counted once per
+    /// silent spell).
+    pub held: usize,
+}
+
+/// What a replica knows of the instances it judges, for `/metrics`.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Census {
+    /// Instances holding a lease.
+    pub held: usize,
+    /// Of those, instances whose data path has carried enough renewals to be enforced.
+    pub enforceable: usize,
+}
+
+/// Most expired instances whose counters are kept.
+pub const MAX_GONE: usize = 4096;
+
+/// Every lease this process holds.
+#[derive(Debug)]
+pub struct Leases {
+    ttl: Duration,
+    table: HashMap<InstanceId, Lease>,
+    /// Counters of expired instances, and when they expired.
+    gone: HashMap<InstanceId, ([u64; 2], Instant)>,
+}
+
+impl Leases {
+    /// Leases expiring after `ttl` without evidence of life.
+    pub fn new(ttl: Duration) -> Leases {
+        Leases {
+            ttl,
+            table: HashMap::new(),
+            gone: HashMap::new(),
+        }
+    }
+
+    /// The TTL.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// Leases held.
+    pub fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Whether no lease is held.
+    pub fn is_empty(&self) -> bool {
+        self.table.is_empty()
+    }
+
+    /// Whether `id` holds a lease.
+    pub fn holds(&self, id: &InstanceId) -> bool {
+        self.table.contains_key(id)
+    }
+
+    /// How many leases are held and enforceable.
+    pub fn census(&self) -> Census {
+        Census {
+            held: self.table.len(),
+            enforceable: self
+                .table
+                .values()
+                .filter(|l| l.data_renewals >= DATA_RENEWALS_TO_ENFORCE)
+                .count(),
+        }
+    }
+
+    /// The longest renewal period this TTL allows.
+    pub fn max_period(&self) -> Duration {
+        self.ttl / kvguard_contract::lease::MIN_TTL_PERIODS
+    }
+
+    /// A renewal received at `now` (from the gateway on either path, or forwarded by a
+    /// peer): accepted if its counter is above the last accepted on its path. The
+    /// counter is the gateway process's and reaches every replica, so each keeps the
+    /// highest it saw. `Ok(true)`: this replica held no lease for the instance yet.
+    pub fn renew(&mut self, r: &RenewalBody, now: Instant) -> Result<bool, RenewError> {
+        if let Some(p) = r.period_ms {
+            let max_ms = u64::try_from(self.max_period().as_millis()).unwrap_or(u64::MAX);
+            if p > max_ms {
+                return Err(RenewError::PeriodTooLong {
+                    period_ms: p,
+                    max_ms,
+                });
+            }
+        }
+        let i = slot(r.via);
+        let period = r
+            .period_ms
+            .map_or(self.ttl / 6, Duration::from_millis)
+            .max(Duration::from_millis(1));
+        let fresh = |l: &mut Lease| {
+            match r.via {
+                Via::Admin => l.admin = Some(l.admin.map_or(now, |t| t.max(now))),
+                Via::Data => {
+                    l.data = Some(l.data.map_or(now, |t| t.max(now)));
+                    l.data_renewals = l.data_renewals.saturating_add(1);
+                }
+            }
+            l.renewed = l.renewed.max(now);
+            l.held = false;
+            if r.host.is_some() {
+                l.host = r.host;
+            }
+            l.period = period;
+        };
+        if let Some(l) = self.table.get_mut(&r.instance) {
+            if r.counter < l.counter[i] {
+                return Err(RenewError::Replay);
+            }
+            if r.counter == l.counter[i] {
+                return Err(RenewError::Duplicate);
+            }
+            l.counter[i] = r.counter;
+            fresh(l);
+            return Ok(false);
+        }
+        let mut counter = [0; 2];
+        if let Some((kept, _)) = self.gone.get(&r.instance) {
+            if r.counter <= kept[i] {
+                return Err(RenewError::Replay);
+            }
+            counter = *kept;
+            self.gone.remove(&r.instance);
+        }
+        counter[i] = r.counter;
+        let mut l = Lease {
+            host: None,
+            period,
+            counter,
+            admin: None,
+            data: None,
+            renewed: now,
+            data_renewals: 0,
+            held: false,
+        };
+        fresh(&mut l);
+        self.table.insert(r.instance, l);
+        Ok(true)
+    }
+
+    /// A request tagged with `id` arrived at `now`: data-path evidence of life for a
+    /// held lease (an instance never seen renewing gets none: it is never judged).
+    pub fn touch(&mut self, id: &InstanceId, now: Instant) {
+        if let Some(l) = self.table.get_mut(id) {
+            l.data = Some(l.data.map_or(now, |t| t.max(now)));
+            l.held = false;
+        }
+    }
+
+    /// An instance judged expired at `judged` had a request admitted at `at`, after the
+    /// judgement: evidence of life after all, so its lease is taken back (with its
+    /// counters, and not enforceable until its data path renews again).
+    pub fn revive(&mut self, id: InstanceId, at: Instant) {
+        let Some((counter, _)) = self.gone.remove(&id) else {
+            return;
+        };
+        self.table.insert(
+            id,
+            Lease {
+                host: None,
+                period: self.ttl / 6,
+                counter,
+                admin: None,
+                data: Some(at),
+                renewed: at,
+                data_renewals: 0,
+                held: false,
+            },
+        );
+    }
+
+    /// kvguard-control's own loop stalled for `stall`: every lease is extended by it
+    /// (the silence may be ours).
+    pub fn extend(&mut self, stall: Duration) {
+        for l in self.table.values_mut() {
+            l.admin = l.admin.map(|t| t + stall);
+            l.data = l.data.map(|t| t + stall);
+            l.renewed += stall;
+        }
+    }
+
+    /// Judges every lease at `now` (see the module doc). Expired instances leave the
+    /// table; their counters are kept.
+    pub fn judge(&mut self, now: Instant) -> Judgement {
+        let mut j = Judgement::default();
+        let ids: Vec<InstanceId> = self.table.keys().copied().collect();
+        let mut verdicts = Vec::new();
+        for id in ids {
+            let Some(l) = self.table.get(&id) else {
+                continue;
+            };
+            let last = l.last();
+            let silent_for = now.saturating_duration_since(last);
+            let replaced = l.host.is_some()
+                && silent_for > l.period * 2
+                && self
+                    .table
+                    .iter()
+                    .any(|(o, ol)| *o != id && ol.host == l.host && ol.renewed > last);
+            if replaced {
+                verdicts.push((id, Some(Expiry::Replaced)));
+                continue;
+            }
+            if silent_for <= self.ttl {
+                continue;
+            }
+            // Silent since its next renewal was due (with room for jitter and tick
+            // lateness); has anyone else been heard from since?
+            let silent_from = last + l.period * 3 / 2;
+            let others = self.table.len() > 1;
+            let heard = self
+                .table
+                .iter()
+                .any(|(o, ol)| *o != id && ol.last() > silent_from);
+            if others && !heard {
+                verdicts.push((id, None));
+            } else if l.data_renewals >= DATA_RENEWALS_TO_ENFORCE {
+                verdicts.push((id, Some(Expiry::Silent)));
+            } else {
+                verdicts.push((id, Some(Expiry::Unproven)));
+            }
+        }
+        for (id, v) in verdicts {
+            match v {
+                None => {
+                    if let Some(l) = self.table.get_mut(&id) {
+                        if !l.held {
+                            l.held = true;
+                            j.held += 1;
+                        }
+                    }
+                }
+                Some(why) => {
+                    if let Some(l) = self.table.remove(&id) {
+                        self.keep_gone(id, l.counter, now);
+                    }
+                    j.expired.push((id, why));
+                }
+            }
+        }
+        j.expired.sort_by_key(|(id, _)| *id);
+        j
+    }
+
+    fn keep_gone(&mut self, id: InstanceId, counter: [u64; 2], now: Instant) {
+        if self.gone.len() >= MAX_GONE {
+            if let Some(oldest) = self
+                .gone
+                .iter()
+                .min_by_key(|(_, (_, t))| *t)
+                .map(|(k, _)| *k)
+            {
+                self.gone.remove(&oldest);
+            }
+        }
+        self.gone.insert(id, (counter, now));
+    }
+}
+
+/// How much of the gap between two passes of a loop meant to run every `period` was a
+/// stall (anything beyond twice the period; none below).
+pub fn stall(gap: Duration, period: Duration) -> Duration {
+    if gap > period * 2 {
+        gap - period
+    } else {
+        Duration::ZERO
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,340 @@
+use super::*;
+
+const A: InstanceId = InstanceId([1; 16]);
+const B: InstanceId = InstanceId([2; 16]);
+const C: InstanceId = InstanceId([3; 16]);
+const TTL: Duration = Duration::from_secs(30);
+const P: u64 = 5_000;
+
+fn s(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn body(id: InstanceId, counter: u64, via: Via) -> RenewalBody {
+    RenewalBody {
+        instance: id,
+        counter,
+        host: None,
+        period_ms: Some(P),
+        via,
+        fanout: true,
+    }
+}
+
+fn on_host(id: InstanceId, counter: u64, via: Via, host: u8) -> RenewalBody {
+    RenewalBody {
+        host: Some(HostKey([host; 16])),
+        ..body(id, counter, via)
+    }
+}
+
+/// `id` renews on both paths with counters 1..=n, one period apart from `t0`; returns
+/// the time of the last.
+fn renew_both(l: &mut Leases, id: InstanceId, n: u64, t0: Instant) -> Instant {
+    for c in 1..=n {
+        let t = t0 + ms(P * (c - 1));
+        l.renew(&body(id, c, Via::Admin), t).unwrap();
+        l.renew(&body(id, c, Via::Data), t).unwrap();
+    }
+    t0 + ms(P * (n - 1))
+}
+
+fn expired(l: &mut Leases, now: Instant) -> Vec<(InstanceId, Expiry)> {
+    l.judge(now).expired
+}
+
+#[test]
+fn a_lone_gateway_whose_data_path_renewed_expires_after_the_ttl_of_silence_on_both_paths() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    l.touch(&A, t0); // never renewed: no lease, never judged
+    assert!(l.is_empty());
+    let last = renew_both(&mut l, A, 3, t0);
+    assert_eq!(
+        l.census(),
+        Census {
+            held: 1,
+            enforceable: 1
+        }
+    );
+    assert!(expired(&mut l, last + TTL).is_empty());
+    l.touch(&A, last + s(20)); // a tagged request is data-path evidence
+    assert!(expired(&mut l, last + s(45)).is_empty());
+    assert_eq!(expired(&mut l, last + s(51)), vec![(A, Expiry::Silent)]);
+    assert!(l.is_empty() && !l.holds(&A));
+}
+
+#[test]
+fn the_admin_path_silent_while_the_data_path_renews_expires_nothing() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    let mut t = renew_both(&mut l, A, 3, t0);
+    for c in 4..40 {
+        t += ms(P);
+        l.renew(&body(A, c, Via::Data), t).unwrap();
+        assert!(expired(&mut l, t).is_empty());
+    }
+    // And the reverse: the data path silent, the admin path renewing.
+    for c in 40..80 {
+        t += ms(P);
+        l.renew(&body(A, c, Via::Admin), t).unwrap();
+        assert!(expired(&mut l, t).is_empty(), "at counter {c}");
+    }
+}
+
+#[test]
+fn a_gateway_whose_data_path_never_carried_three_renewals_is_counted_never_enforced() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    l.renew(&body(A, 1, Via::Admin), t0).unwrap();
+    l.renew(&body(A, 1, Via::Data), t0).unwrap();
+    l.renew(&body(A, 2, Via::Data), t0 + ms(P)).unwrap();
+    assert_eq!(
+        l.census(),
+        Census {
+            held: 1,
+            enforceable: 0
+        }
+    );
+    let last = t0 + ms(P);
+    assert!(expired(&mut l, last + TTL).is_empty());
+    assert_eq!(
+        expired(&mut l, last + TTL + ms(1)),
+        vec![(A, Expiry::Unproven)]
+    );
+    // Admin renewals alone never make it enforceable.
+    let mut l = Leases::new(TTL);
+    for c in 1..=10 {
+        l.renew(&body(B, c, Via::Admin), t0 + ms(P * c)).unwrap();
+    }
+    assert_eq!(l.census().enforceable, 0);
+    assert_eq!(DATA_RENEWALS_TO_ENFORCE, 3);
+}
+
+#[test]
+fn two_gateways_renewing_out_of_phase_and_both_cut_hold_whatever_the_phase() {
+    // A renews at t0 + k*P, B 2.5 s later; both paths of both are cut at `cut`.
+    for offset_ms in [1, 500, 2_500, 4_000, 4_999] {
+        for cut_ms in [1, 1_000, 2_600, 4_900] {
+            let t0 = Instant::now();
+            let mut l = Leases::new(TTL);
+            renew_both(&mut l, A, 5, t0);
+            renew_both(&mut l, B, 5, t0 + ms(offset_ms));
+            let cut = t0 + ms(4 * P + cut_ms);
+            // Whatever arrived before the cut; then silence for three TTLs.
+            let mut held = 0;
+            for k in 0..900 {
+                let now = cut + ms(100 * k);
+                let j = l.judge(now);
+                assert!(
+                    j.expired.is_empty(),
+                    "offset {offset_ms} cut {cut_ms}: {j:?}"
+                );
+                held += j.held;
+            }
+            assert_eq!(held, 2, "each silent spell is counted once");
+            assert_eq!(l.len(), 2);
+        }
+    }
+}
+
+#[test]
+fn a_silent_gateway_expires_once_another_is_heard_after_its_silence() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    renew_both(&mut l, A, 3, t0);
+    let last_b = renew_both(&mut l, B, 3, t0 + ms(2_500));
+    let last_a = t0 + ms(2 * P);
+    // Both silent: held.
+    assert_eq!(l.judge(last_a + TTL + ms(1)).held, 1);
+    // B comes back (a renewal after A went silent): A expires; B does not.
+    l.renew(&body(B, 4, Via::Admin), last_b + s(29)).unwrap();
+    assert_eq!(expired(&mut l, last_b + s(29)), vec![(A, Expiry::Silent)]);
+    assert!(l.holds(&B));
+    // B's evidence must come after A's silence began (a period and a half after its
+    // last renewal): evidence from before does not count.
+    let mut l = Leases::new(TTL);
+    renew_both(&mut l, A, 3, t0);
+    renew_both(&mut l, C, 3, t0);
+    l.touch(&C, last_a + ms(P * 3 / 2));
+    assert!(expired(&mut l, last_a + TTL + s(1)).is_empty());
+    l.touch(&C, last_a + ms(P * 3 / 2 + 1));
+    assert_eq!(
+        expired(&mut l, last_a + TTL + s(1)),
+        vec![(A, Expiry::Silent)]
+    );
+}
+
+#[test]
+fn a_new_process_on_the_same_host_ends_the_old_one_two_periods_after_its_last_renewal() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    l.renew(&on_host(A, 1, Via::Admin, 7), t0).unwrap();
+    // The new process (B, same host key) renews 1 s after A's last renewal.
+    l.renew(&on_host(B, 1, Via::Admin, 7), t0 + s(1)).unwrap();
+    assert!(expired(&mut l, t0 + ms(2 * P)).is_empty());
+    assert_eq!(
+        expired(&mut l, t0 + ms(2 * P + 1)),
+        vec![(A, Expiry::Replaced)]
+    );
+    assert!(l.holds(&B));
+}
+
+#[test]
+fn a_draining_hot_restart_parent_that_still_renews_is_not_replaced() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    let mut t = t0;
+    for c in 1..=20 {
+        l.renew(&on_host(A, c, Via::Admin, 7), t).unwrap();
+        l.renew(&on_host(B, c, Via::Admin, 7), t + s(1)).unwrap();
+        assert!(expired(&mut l, t + s(2)).is_empty());
+        t += ms(P);
+    }
+    // Another host's new process proves nothing about A.
+    let mut l = Leases::new(TTL);
+    l.renew(&on_host(A, 1, Via::Admin, 7), t0).unwrap();
+    l.renew(&on_host(C, 1, Via::Admin, 8), t0 + s(1)).unwrap();
+    l.renew(&on_host(C, 2, Via::Admin, 8), t0 + s(11)).unwrap();
+    assert!(expired(&mut l, t0 + s(12)).is_empty());
+    // The newer process replaces the older, never the reverse.
+    let mut l = Leases::new(TTL);
+    l.renew(&on_host(B, 1, Via::Admin, 7), t0).unwrap();
+    l.renew(&on_host(A, 1, Via::Admin, 7), t0 + s(1)).unwrap();
+    assert_eq!(expired(&mut l, t0 + s(12)), vec![(B, Expiry::Replaced)]);
+    assert!(l.holds(&A));
+}
+
+#[test]
+fn counters_refuse_replays_per_path_and_a_duplicate_is_no_evidence() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    assert_eq!(l.renew(&body(A, 5, Via::Admin), t0), Ok(true));
+    assert_eq!(
+        l.renew(&body(A, 5, Via::Admin), t0),
+        Err(RenewError::Duplicate)
+    );
+    assert_eq!(
+        l.renew(&body(A, 4, Via::Admin), t0),
+        Err(RenewError::Replay)
+    );
+    // The same counter on the other path is that path's evidence.
+    assert_eq!(l.renew(&body(A, 5, Via::Data), t0), Ok(false));
+    assert_eq!(l.renew(&body(A, 6, Via::Admin), t0), Ok(false));
+    let later = t0 + s(20);
+    assert_eq!(
+        l.renew(&body(A, 6, Via::Admin), later),
+        Err(RenewError::Duplicate)
+    );
+    assert_eq!(
+        l.renew(&body(A, 3, Via::Data), later),
+        Err(RenewError::Replay)
+    );
+    assert_eq!(expired(&mut l, t0 + s(31)), vec![(A, Expiry::Unproven)]);
+}
+
+#[test]
+fn an_expired_instance_keeps_its_counters_so_a_replay_cannot_revive_it() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    let last = renew_both(&mut l, A, 4, t0);
+    assert_eq!(expired(&mut l, last + s(31)), vec![(A, Expiry::Silent)]);
+    assert_eq!(
+        l.renew(&body(A, 4, Via::Admin), last + s(32)),
+        Err(RenewError::Replay)
+    );
+    assert_eq!(
+        l.renew(&body(A, 2, Via::Data), last + s(32)),
+        Err(RenewError::Replay)
+    );
+    assert!(!l.holds(&A));
+    // A genuinely newer renewal takes it back (the gateway was alive after all).
+    assert_eq!(l.renew(&body(A, 5, Via::Admin), last + s(33)), Ok(true));
+    assert_eq!(
+        l.renew(&body(A, 4, Via::Data), last + s(33)),
+        Err(RenewError::Duplicate)
+    );
+}
+
+#[test]
+fn the_counters_kept_are_bounded_oldest_first() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    for i in 0..=MAX_GONE as u64 {
+        let mut id = [0u8; 16];
+        id[..8].copy_from_slice(&i.to_be_bytes());
+        let t = t0 + ms(i);
+        l.renew(&body(InstanceId(id), 9, Via::Admin), t).unwrap();
+        l.judge(t + s(31));
+    }
+    assert_eq!(l.gone.len(), MAX_GONE);
+    // The first expired is forgotten: its old counter is taken again.
+    assert_eq!(
+        l.renew(&body(InstanceId([0; 16]), 9, Via::Admin), t0 + s(100)),
+        Ok(true)
+    );
+    let mut one = [0u8; 16];
+    one[..8].copy_from_slice(&1u64.to_be_bytes());
+    assert_eq!(
+        l.renew(&body(InstanceId(one), 9, Via::Admin), t0 + s(100)),
+        Err(RenewError::Replay)
+    );
+}
+
+#[test]
+fn a_renewal_period_over_a_third_of_the_ttl_is_refused() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    assert_eq!(l.max_period(), s(10));
+    let mut r = body(A, 1, Via::Admin);
+    r.period_ms = Some(10_001);
+    assert_eq!(
+        l.renew(&r, t0),
+        Err(RenewError::PeriodTooLong {
+            period_ms: 10_001,
+            max_ms: 10_000
+        })
+    );
+    assert!(l.is_empty());
+    r.period_ms = Some(10_000);
+    assert_eq!(l.renew(&r, t0), Ok(true));
+}
+
+#[test]
+fn revive_takes_back_an_expired_lease_with_its_counters() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    let last = renew_both(&mut l, A, 3, t0);
+    assert_eq!(expired(&mut l, last + s(31)), vec![(A, Expiry::Silent)]);
+    l.revive(A, last + s(32));
+    assert!(l.holds(&A));
+    assert_eq!(l.census().enforceable, 0);
+    assert_eq!(
+        l.renew(&body(A, 3, Via::Admin), last + s(33)),
+        Err(RenewError::Duplicate)
+    );
+    // It is judged from the revival.
+    assert!(expired(&mut l, last + s(62)).is_empty());
+    assert_eq!(expired(&mut l, last + s(63)), vec![(A, Expiry::Unproven)]);
+    // Reviving what never expired does nothing.
+    l.revive(B, last);
+    assert!(!l.holds(&B));
+}
+
+#[test]
+fn a_stall_of_our_own_extends_every_lease() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    let last = renew_both(&mut l, A, 3, t0);
+    l.extend(s(20));
+    assert!(expired(&mut l, last + s(45)).is_empty());
+    assert_eq!(expired(&mut l, last + s(51)), vec![(A, Expiry::Silent)]);
+    let p = ms(100);
+    assert_eq!(stall(ms(150), p), Duration::ZERO);
+    assert_eq!(stall(ms(200), p), Duration::ZERO);
+    assert_eq!(stall(ms(1100), p), ms(1000));
+}
