@@ -11,7 +11,7 @@ pub(crate) type HmacSha256 = Hmac<Sha256>;
 
 /// A validated shared secret (at least [`MIN_KEY_LEN`] bytes). Its `Debug` hides it.
 #[derive(Clone, PartialEq, Eq)]
-pub struct Key(Vec<u8>);
+pub struct Key(pub(crate) Vec<u8>);
 
 /// Why a secret was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

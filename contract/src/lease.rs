@@ -5,9 +5,12 @@
 //! proxy listener).
 
 use crate::hex;
+use crate::key::Key;
 use core::fmt;
-use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
+use serde::Deserialize;
+
+/// The fixed key of [`HostKey::derive`] (domain separation, not a secret).
+const HOST_KEY_DOMAIN: &[u8] = b"kvguard.host-key.v1";
 
 /// The request header naming the gateway process that carries the request. The filter
 /// overwrites any client copy on every tracked request (and strips it from the others).
@@ -58,14 +61,12 @@ impl fmt::Display for InstanceId {
 pub struct HostKey(pub [u8; 16]);
 
 impl HostKey {
-    /// The host key of Envoy node `node_id` running the filter in VM `vm_id`.
+    /// The host key of Envoy node `node_id` running the filter in VM `vm_id`: the first
+    /// 16 bytes of HMAC-SHA256 under a fixed, public key (a hash; the HMAC the crate
+    /// already has keeps the filter's module small).
     pub fn derive(node_id: &[u8], vm_id: &[u8]) -> HostKey {
-        let mut h = Sha256::new();
-        h.update(b"kvguard.host.v1\0");
-        h.update((node_id.len() as u64).to_be_bytes());
-        h.update(node_id);
-        h.update(vm_id);
-        let d = h.finalize();
+        let len = (node_id.len() as u64).to_be_bytes();
+        let d = Key(HOST_KEY_DOMAIN.to_vec()).mac(&[&len, node_id, vm_id]);
         let mut k = [0u8; 16];
         k.copy_from_slice(&d[..16]);
         HostKey(k)
@@ -84,7 +85,7 @@ impl fmt::Display for HostKey {
 }
 
 /// The path a renewal travelled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Via {
     /// Out of band, to the admin listener (`control_cluster` or one replica).
@@ -103,14 +104,6 @@ impl Via {
     }
 }
 
-fn is_admin(v: &Via) -> bool {
-    *v == Via::Admin
-}
-
-fn is_true(b: &bool) -> bool {
-    *b
-}
-
 const fn yes() -> bool {
     true
 }
@@ -124,23 +117,23 @@ const fn yes() -> bool {
 /// other; absent = `admin`); `fanout: false` marks a renewal sent to every replica
 /// directly, which the receiver does not forward to its peers (absent = `true`).
 /// `host` and `period_ms` are optional for older senders. Unknown fields are ignored.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct Renewal {
     /// The instance id, 32 hex digits.
     pub instance: String,
     /// The per-sender counter.
     pub counter: u64,
     /// The host key, 32 hex digits.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub host: Option<String>,
     /// The sender's renewal period.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub period_ms: Option<u64>,
     /// The path it was sent on.
-    #[serde(default = "admin", skip_serializing_if = "is_admin")]
+    #[serde(default = "admin")]
     pub via: Via,
     /// Whether the receiver forwards it to its peers.
-    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    #[serde(default = "yes")]
     pub fanout: bool,
 }
 
@@ -192,9 +185,28 @@ impl Renewal {
         self
     }
 
-    /// Compact JSON.
+    /// Compact JSON, optional fields only where they differ from their defaults
+    /// (written by hand: the filter's module is size-bound, and every value here is
+    /// digits, hex or a fixed word, so nothing needs escaping).
     pub fn to_json(&self) -> Vec<u8> {
-        serde_json::to_vec(self).unwrap_or_default()
+        let mut s = format!(
+            r#"{{"instance":"{}","counter":{}"#,
+            self.instance, self.counter
+        );
+        if let Some(h) = &self.host {
+            s.push_str(&format!(r#","host":"{h}""#));
+        }
+        if let Some(p) = self.period_ms {
+            s.push_str(&format!(r#","period_ms":{p}"#));
+        }
+        if self.via != Via::Admin {
+            s.push_str(&format!(r#","via":"{}""#, self.via.as_str()));
+        }
+        if !self.fanout {
+            s.push_str(r#","fanout":false"#);
+        }
+        s.push('}');
+        s.into_bytes()
     }
 
     /// Parses and validates a body (`None`: too long, not JSON, a bad instance or host

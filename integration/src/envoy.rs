@@ -112,6 +112,10 @@ pub struct EnvoyOptions {
     /// Serve the listeners from files instead of `static_resources` (LDS over a watched
     /// directory, see [`DynamicListeners`]).
     pub dynamic_listeners: Option<DynamicListeners>,
+    /// The bootstrap's `node.id` (the filter's lease host key derives from it: two
+    /// Envoys with the same id are one host, e.g. a restart in place). `None`: no node,
+    /// so no host key.
+    pub node_id: Option<String>,
 }
 
 /// Listeners served by LDS from a file in a watched directory: Envoy loads
@@ -249,6 +253,7 @@ impl EnvoyOptions {
             drain_strategy: None,
             process_env: BTreeMap::new(),
             dynamic_listeners: None,
+            node_id: None,
         }
     }
 
@@ -407,6 +412,9 @@ pub fn bootstrap(opts: &EnvoyOptions, wasm: Option<&Path>) -> Result<Value> {
         "admin": {"address": socket(SocketAddr::from(([127, 0, 0, 1], 0)))},
         "static_resources": {"listeners": [listener], "clusters": clusters}
     });
+    if let Some(id) = &opts.node_id {
+        b["node"] = json!({"id": id, "cluster": "kvguard-test"});
+    }
     if let Some(p) = &opts.patch {
         p(&mut b);
     }

@@ -184,20 +184,17 @@ pub fn parse_upstreams(v: &[u8]) -> Vec<(Upstream, u64)> {
     else {
         return Vec::new();
     };
-    text.lines()
+    text.split_terminator('\n')
         .filter_map(|line| {
-            let mut f = line.split('\t');
-            let seen = f.next()?.parse().ok()?;
-            let (cluster, authority) = (f.next()?, f.next()?);
-            (f.next().is_none() && plain(cluster) && plain(authority)).then(|| {
-                (
-                    Upstream {
-                        cluster: cluster.to_owned(),
-                        authority: authority.to_owned(),
-                    },
-                    seen,
-                )
-            })
+            let (seen, rest) = line.split_once('\t')?;
+            let (cluster, authority) = rest.split_once('\t')?;
+            Some((
+                Upstream {
+                    cluster: cluster.to_owned(),
+                    authority: authority.to_owned(),
+                },
+                seen.parse().ok()?,
+            ))
         })
         .collect()
 }
@@ -205,7 +202,12 @@ pub fn parse_upstreams(v: &[u8]) -> Vec<(Upstream, u64)> {
 fn upstreams_value(list: &[(Upstream, u64)]) -> Vec<u8> {
     let mut s = String::from("v1\n");
     for (u, t) in list {
-        s.push_str(&format!("{t}\t{}\t{}\n", u.cluster, u.authority));
+        s.push_str(&t.to_string());
+        for f in [&u.cluster, &u.authority] {
+            s.push('\t');
+            s.push_str(f);
+        }
+        s.push('\n');
     }
     s.into_bytes()
 }
@@ -229,9 +231,9 @@ pub fn remember_upstream(
     {
         return None;
     }
+    // Most recent first: the longest unseen is dropped first.
     list.retain(|(u, t)| u != up && now_ms.saturating_sub(*t) <= horizon);
-    list.push((up.clone(), now_ms));
-    list.sort_by_key(|e| core::cmp::Reverse(e.1));
+    list.insert(0, (up.clone(), now_ms));
     list.truncate(MAX_UPSTREAMS);
     Some(upstreams_value(&list))
 }
@@ -348,44 +350,46 @@ pub fn send<P: Platform + ?Sized>(
     }
 }
 
-/// A renewal's answer (`None`: timeout or reset). Failures are logged when a
-/// destination's answer changes (a hop that never carries the in-band renewal is said
-/// once, not every period).
+/// A renewal's answer (`None`: timeout or reset) on the in-band path (`data`) or not.
+/// A failure is logged when its path's last answer was not one (a hop that never carries
+/// the in-band renewal is said once, not every period).
 fn on_answer<P: Platform + ?Sized>(
     p: &mut P,
-    dest: &Dest,
+    data: bool,
     status: Option<u16>,
     was_ok: Option<bool>,
 ) {
     let ok = status == Some(200);
+    let r = if ok {
+        LeaseResult::Accepted
+    } else {
+        LeaseResult::Failed
+    };
     p.add(
-        dest.metric(if ok {
-            LeaseResult::Accepted
+        if data {
+            Metric::LeaseDataRenewals(r)
         } else {
-            LeaseResult::Failed
-        }),
+            Metric::LeaseRenewals(r)
+        },
         1,
     );
-    if was_ok == Some(ok) || ok {
+    if ok || was_ok == Some(false) {
         return;
     }
     let shown = status.map_or_else(|| "none (timeout or reset)".to_owned(), |s| s.to_string());
-    let (what, hint) = match (dest, status) {
-        (Dest::Admin(_), Some(401)) => ("lease renewal", " (kvguard-control refused the signature: the filter's first key must be one of its keys)"),
-        (Dest::Admin(_), Some(404)) => ("lease renewal", " (kvguard-control runs with --lease-mode off, or lease_path is wrong)"),
-        (Dest::Admin(_), Some(422)) => ("lease renewal", " (lease_renew_ms is too long for kvguard-control's --lease-ttl: at most a third of it)"),
-        (Dest::Admin(_), _) => ("lease renewal", ""),
-        (Dest::Data(_), _) => ("in-band lease renewal", " (a hop on the data path does not carry POST /v1/kvguard/lease to kvguard-control: this gateway's lease is then enforced only on positive evidence of its death; see the hop table in docs/DESIGN.md)"),
+    let hint = match (data, status) {
+        (true, _) => " (a hop does not carry POST /v1/kvguard/lease to kvguard-control: see the hop table in docs/DESIGN.md)",
+        (false, Some(401)) => " (kvguard-control refused the signature: the filter's first key must be one of its keys)",
+        (false, Some(404)) => " (kvguard-control runs with --lease-mode off, or lease_path is wrong)",
+        (false, Some(422)) => " (lease_renew_ms is too long for kvguard-control's --lease-ttl: at most a third of it)",
+        (false, _) => "",
     };
-    let to = match dest {
-        Dest::Admin(None) => "control_cluster".to_owned(),
-        Dest::Admin(Some(a)) => format!("replica {a}"),
-        Dest::Data(u) => format!("upstream cluster {}", u.cluster),
+    let what = if data {
+        "in-band lease renewal"
+    } else {
+        "lease renewal"
     };
-    p.log(
-        Level::Warn,
-        &format!("{what} to {to} failed: status {shown}{hint}"),
-    );
+    p.log(Level::Warn, &format!("{what} failed: status {shown}{hint}"));
 }
 
 /// The renewal state of one worker VM; what the process shares lives in [`SharedData`].
@@ -393,15 +397,15 @@ fn on_answer<P: Platform + ?Sized>(
 pub struct Renewer {
     instance: Option<InstanceId>,
     host: Option<HostKey>,
-    /// Renewals awaiting their answer.
-    tokens: Vec<(u32, Dest)>,
+    /// Renewals awaiting their answer, and whether each went in band.
+    tokens: Vec<(u32, bool)>,
     /// Replicas this VM wrote to [`REPLICAS_KEY`], and when (a write at most once per
     /// period per replica).
     replicas_noted: Vec<(SocketAddr, u64)>,
     /// When this VM last noted an upstream (one sample per period).
     upstream_noted: Option<u64>,
-    /// Per destination, whether its last answer was 200 (for the log).
-    last_ok: Vec<(Dest, bool)>,
+    /// Whether the last answer on each path (out of band, in band) was 200 (for the log).
+    last_ok: [Option<bool>; 2],
 }
 
 impl Renewer {
@@ -432,12 +436,7 @@ impl Renewer {
         };
         match read(h) {
             Ok(Some(id)) => {
-                if self.instance != Some(id) {
-                    if let Some(old) = self.instance {
-                        h.log(Level::Info, &format!("lease instance id {id} adopted (this VM had drawn {old}; another worker's stayed)"));
-                    }
-                    self.instance = Some(id);
-                }
+                self.instance = Some(id);
                 return;
             }
             // Shared data unreadable: keep the id this VM has.
@@ -600,13 +599,13 @@ impl Renewer {
                 if self.tokens.len() >= MAX_TOKENS {
                     self.tokens.remove(0);
                 }
-                self.tokens.push((t, dest));
+                self.tokens.push((t, matches!(dest, Dest::Data(_))));
             }
         }
     }
 
     /// An HTTP call's answer: `true` if it was one of this VM's renewals (counted and,
-    /// when its destination's answer changed, logged).
+    /// when its path's answer changed, logged).
     pub fn on_answer<P: Platform + ?Sized>(
         &mut self,
         p: &mut P,
@@ -616,20 +615,10 @@ impl Renewer {
         let Some(i) = self.tokens.iter().position(|(t, _)| *t == token) else {
             return false;
         };
-        let (_, dest) = self.tokens.remove(i);
-        let ok = status == Some(200);
-        let was = self.last_ok.iter().position(|(d, _)| *d == dest);
-        let was_ok = was.map(|i| self.last_ok[i].1);
-        on_answer(p, &dest, status, was_ok);
-        match was {
-            Some(i) => self.last_ok[i].1 = ok,
-            None => {
-                if self.last_ok.len() >= MAX_TOKENS {
-                    self.last_ok.remove(0);
-                }
-                self.last_ok.push((dest, ok));
-            }
-        }
+        let (_, data) = self.tokens.remove(i);
+        let last = &mut self.last_ok[usize::from(data)];
+        on_answer(p, data, status, *last);
+        *last = Some(status == Some(200));
         true
     }
 }
@@ -960,7 +949,7 @@ mod tests {
         assert_eq!(warned.len(), 1, "{warned:?}");
         assert!(warned[0]
             .1
-            .contains("in-band lease renewal to upstream cluster llm failed: status 404"));
+            .contains("in-band lease renewal failed: status 404"));
         assert!(warned[0].1.contains("docs/DESIGN.md"));
     }
 
@@ -1002,7 +991,7 @@ mod tests {
             (Some(500), "status 500"),
             (None, "none (timeout or reset)"),
         ] {
-            on_answer(&mut h, &Dest::Admin(None), s, None);
+            on_answer(&mut h, false, s, None);
             assert!(h.logs.last().unwrap().1.contains(hint), "{:?}", h.logs);
         }
     }
@@ -1094,7 +1083,7 @@ mod tests {
             authority: "x".to_owned(),
         };
         assert_eq!(remember_upstream(None, &bad, 0, P), None);
-        assert!(parse_upstreams(b"v1\n1\ta\n2\tb\tc\td\nx\ta\tb\n").is_empty());
+        assert!(parse_upstreams(b"v1\n1\ta\nx\ta\tb\n").is_empty());
         assert!(parse_upstreams(b"v2\n1\ta\tb\n").is_empty());
     }
 }

@@ -289,9 +289,12 @@ fn fresh_instance() -> InstanceId {
 }
 
 /// This Envoy node's host key: its node id and this plugin's VM id (`None` when the
-/// host does not say its node id).
+/// node has no id: then no two processes can be told to be the same host).
 fn host_key() -> Option<kvguard_contract::HostKey> {
-    let node = abi::get_property(&["node", "id"]).ok().flatten()?;
+    let node = abi::get_property(&["node", "id"])
+        .ok()
+        .flatten()
+        .filter(|n| !n.is_empty())?;
     let vm = abi::get_property(&["plugin_vm_id"])
         .ok()
         .flatten()
