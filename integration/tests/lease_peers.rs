@@ -295,9 +295,16 @@ async fn three_replicas_a_killed_gateways_request_on_one_ends_there_by_its_lease
             // G1's inference goes to replica C only; G2's to all three.
             let mut g1 = gateway(&ups[2..], &admins, |_| {}).await;
             let g2 = gateway(&ups, &admins, |_| {}).await;
-            // Both leases reach all three replicas, though every renewal goes to A.
+            // Both leases reach all three replicas, though every out-of-band renewal goes to
+            // A. A short stream on each gateway names its upstream cluster; from then on its
+            // in-band renewals land on the replicas it routes to (G1: C only) and reach the
+            // others through C's fan-out: three make every lease enforceable everywhere.
+            for g in [&g1, &g2] {
+                let mut s = open(g.listener_addr(), 1, 3, "20").await;
+                assert!(s.pop().unwrap().wait_end(W).await.unwrap().saw_done());
+            }
             for c in &controls {
-                wait_metric(c, "kvguard_control_leases", 2.0).await;
+                wait_metric(c, "kvguard_control_leases_enforceable", 2.0).await;
             }
             let lost = send_non_streaming(g1.listener_addr(), 0);
             poll_until_async(
@@ -702,24 +709,24 @@ async fn a_gateway_renews_every_replica_its_stamps_named() {
                 eo.original_dst_cluster = Some(CONTROL_TARGET_CLUSTER.into());
             })
             .await;
-            let renewals =
-                |r: &str| format!("kvguard_control_lease_renewals_total{{result=\"{r}\"}}");
+            let renewals = |r: &str| {
+                format!("kvguard_control_lease_renewals_total{{path=\"admin\",result=\"{r}\"}}")
+            };
             wait_metric(&control, &renewals("accepted"), 2.0).await;
             // No stamp seen yet: each period's renewal reaches the replica once.
             assert_eq!(metric(&control, &renewals("duplicate")).await, 0.0);
-            // A response carries the stamp; from then on each period's renewal goes to
-            // control_cluster and, through the per-replica route, to the stamped replica: the
-            // replica gets it twice (one accepted, one duplicate).
+            // A stream in flight there carries the stamp; while it runs, each period's renewal
+            // goes to control_cluster and, through the per-replica route, to the stamped
+            // replica: the replica gets it twice (one accepted, one duplicate).
             let mut s = client::stream_sse(
                 envoy.listener_addr(),
                 "/v1/chat/completions",
-                &chat(3),
-                &[],
+                &chat(60),
+                &[("x-sim-rate", "20")],
                 false,
             )
             .await
             .unwrap();
-            assert!(s.wait_end(W).await.unwrap().saw_done());
             wait_metric(&control, &renewals("duplicate"), 2.0).await;
             assert_eq!(metric(&control, &renewals("replay")).await, 0.0);
             assert_eq!(

@@ -250,6 +250,18 @@ pub fn live_upstreams(current: Option<&[u8]>, now_ms: u64, period_ms: u64) -> Ve
         .collect()
 }
 
+/// Names `up` at `now_ms` in [`UPSTREAMS_KEY`] (a lost race leaves it for the next time).
+fn write_upstream<H: SharedData + ?Sized>(h: &mut H, up: &Upstream, now_ms: u64, period_ms: u64) {
+    let (current, cas) = match h.shared_get(UPSTREAMS_KEY) {
+        Ok(Some((v, cas))) => (Some(v), cas),
+        Ok(None) => (None, 0),
+        Err(_) => return,
+    };
+    if let Some(v) = remember_upstream(current.as_deref(), up, now_ms, period_ms) {
+        let _ = h.shared_set(UPSTREAMS_KEY, &v, cas);
+    }
+}
+
 /// Where one renewal went.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Dest {
@@ -378,10 +390,10 @@ fn on_answer<P: Platform + ?Sized>(
     }
     let shown = status.map_or_else(|| "none (timeout or reset)".to_owned(), |s| s.to_string());
     let hint = match (data, status) {
-        (true, _) => " (a hop does not carry POST /v1/kvguard/lease to kvguard-control: see the hop table in docs/DESIGN.md)",
-        (false, Some(401)) => " (kvguard-control refused the signature: the filter's first key must be one of its keys)",
-        (false, Some(404)) => " (kvguard-control runs with --lease-mode off, or lease_path is wrong)",
-        (false, Some(422)) => " (lease_renew_ms is too long for kvguard-control's --lease-ttl: at most a third of it)",
+        (true, _) => " (a hop does not pass /v1/kvguard/lease: see docs/DESIGN.md#hops)",
+        (false, Some(401)) => " (the filter's first key is not one of kvguard-control's keys)",
+        (false, Some(404)) => " (kvguard-control runs --lease-mode off, or lease_path is wrong)",
+        (false, Some(422)) => " (lease_renew_ms is over a third of kvguard-control's --lease-ttl)",
         (false, _) => "",
     };
     let what = if data {
@@ -404,6 +416,8 @@ pub struct Renewer {
     replicas_noted: Vec<(SocketAddr, u64)>,
     /// When this VM last noted an upstream (one sample per period).
     upstream_noted: Option<u64>,
+    /// Whether the next tracked stream's upstream is to be noted.
+    upstream_wanted: bool,
     /// Whether the last answer on each path (out of band, in band) was 200 (for the log).
     last_ok: [Option<bool>; 2],
 }
@@ -413,6 +427,7 @@ impl Renewer {
     pub fn new(host: Option<HostKey>) -> Renewer {
         Renewer {
             host,
+            upstream_wanted: true,
             ..Renewer::default()
         }
     }
@@ -460,33 +475,23 @@ impl Renewer {
         self.instance = read(h).ok().flatten().or(Some(id));
     }
 
-    /// Whether this VM should note the upstream of a tracked response now (one sample
-    /// per period: reading the cluster name costs host calls).
-    pub fn wants_upstream(&self, cfg: &Config, now_ms: u64) -> bool {
-        cfg.lease_renew_ms > 0
-            && self
-                .upstream_noted
-                .is_none_or(|t| now_ms.saturating_sub(t) >= cfg.lease_renew_ms)
+    /// Whether this VM should note the upstream of a tracked stream now: once per period
+    /// (reading the cluster name and the authority costs host calls), set by the tick.
+    pub fn wants_upstream(&self) -> bool {
+        self.upstream_wanted
     }
 
     /// Records the upstream cluster a tracked stream uses.
-    pub fn note_upstream<H: SharedData + ?Sized>(
+    pub fn note_upstream<H: SharedData + Platform + ?Sized>(
         &mut self,
         cfg: &Config,
         h: &mut H,
         up: &Upstream,
-        now_ms: u64,
     ) {
+        let now_ms = h.now_ms();
         self.upstream_noted = Some(now_ms);
-        let (current, cas) = match h.shared_get(UPSTREAMS_KEY) {
-            Ok(Some((v, cas))) => (Some(v), cas),
-            Ok(None) => (None, 0),
-            Err(_) => return,
-        };
-        if let Some(v) = remember_upstream(current.as_deref(), up, now_ms, cfg.lease_renew_ms) {
-            // A lost race leaves it for the next sample.
-            let _ = h.shared_set(UPSTREAMS_KEY, &v, cas);
-        }
+        self.upstream_wanted = false;
+        write_upstream(h, up, now_ms, cfg.lease_renew_ms);
     }
 
     /// Records a replica holding one of this process's streams (a verified stamp, or a
@@ -524,13 +529,14 @@ impl Renewer {
     }
 
     /// One tick: re-reads the instance id, names the replicas of this VM's streams in
-    /// flight (`in_flight`), and, if this VM wins the period's slot, sends the period's
-    /// renewal to every destination.
+    /// flight (`in_flight`) and, while it has any stream (`busy`), the upstreams it
+    /// noted, and, if this VM wins the period's slot, sends the period's renewal to every
+    /// destination.
     pub fn on_tick<H: SharedData + Platform + ?Sized>(
         &mut self,
         cfg: &Config,
         h: &mut H,
-        in_flight: &[SocketAddr],
+        (in_flight, busy): (&[SocketAddr], bool),
         jitter: u64,
         fresh: &mut dyn FnMut() -> InstanceId,
     ) {
@@ -539,9 +545,25 @@ impl Renewer {
             return;
         }
         let now = h.now_ms();
+        self.upstream_wanted = self
+            .upstream_noted
+            .is_none_or(|t| now.saturating_sub(t) >= period);
         self.sync_instance(h, fresh);
         for addr in in_flight {
             self.note_replica(cfg, h, *addr, now);
+        }
+        // While streams run, every upstream remembered stays named (a long stream's path
+        // keeps its in-band renewal with no new request to sample it).
+        if busy {
+            if let Ok(Some((v, cas))) = h.shared_get(UPSTREAMS_KEY) {
+                let mut list = parse_upstreams(&v);
+                if list.iter().any(|(_, t)| now.saturating_sub(*t) >= period) {
+                    for e in &mut list {
+                        e.1 = now;
+                    }
+                    let _ = h.shared_set(UPSTREAMS_KEY, &upstreams_value(&list), cas);
+                }
+            }
         }
         let (current, cas) = match h.shared_get(SLOT_KEY) {
             Ok(Some((v, cas))) => (Some(v), cas),
@@ -775,9 +797,9 @@ mod tests {
     ) -> Vec<Recorded> {
         let before = h.calls.len();
         let mut fresh = ids();
-        r.on_tick(cfg, h, in_flight, 0, &mut fresh);
+        r.on_tick(cfg, h, (in_flight, false), 0, &mut fresh);
         if h.calls.len() == before {
-            r.on_tick(cfg, h, in_flight, 0, &mut fresh);
+            r.on_tick(cfg, h, (in_flight, false), 0, &mut fresh);
         }
         h.calls[before..].to_vec()
     }
@@ -792,10 +814,23 @@ mod tests {
             ..MockHost::default()
         };
         let mut r = Renewer::new(Some(host));
-        assert!(r.wants_upstream(&cfg, 1_000));
-        r.note_upstream(&cfg, &mut h, &up("outbound|8000||vllm"), 1_000);
-        assert!(!r.wants_upstream(&cfg, 1_000 + P - 1));
-        assert!(r.wants_upstream(&cfg, 1_000 + P));
+        assert!(r.wants_upstream(), "the first stream's upstream is noted");
+        r.on_tick(&cfg, &mut h, (&[], false), 0, &mut ids());
+        assert!(r.wants_upstream());
+        r.note_upstream(&cfg, &mut h, &up("outbound|8000||vllm"));
+        assert!(!r.wants_upstream());
+        h.now = 1_000 + P - 1;
+        r.on_tick(&cfg, &mut h, (&[], false), 0, &mut ids());
+        assert!(!r.wants_upstream());
+        h.now = 1_000 + P;
+        r.on_tick(&cfg, &mut h, (&[], false), 0, &mut ids());
+        assert!(r.wants_upstream(), "a period later");
+        h.now = 1_000 + 3 * P;
+        let sent_before = h.calls.len();
+        assert_eq!(
+            sent_before, 2,
+            "the first period: control_cluster and in band"
+        );
         let replica: SocketAddr = "10.1.2.3:9902".parse().unwrap();
         let calls = renew_once(&mut r, &cfg, &mut h, &[replica]);
         assert_eq!(calls.len(), 3, "{calls:?}");
@@ -807,7 +842,7 @@ mod tests {
         for (c, b) in calls.iter().zip(&parsed) {
             assert_eq!(
                 (b.instance, b.counter, b.host, b.period_ms),
-                (instance, 1, Some(host), Some(P))
+                (instance, 2, Some(host), Some(P))
             );
             let sig = header(c, signature::SIGNATURE_HEADER).unwrap();
             assert!(signature::verify_any_time(
@@ -834,8 +869,9 @@ mod tests {
         assert_eq!(header(&calls[2], ":path"), Some(DATA_LEASE_PATH));
         assert_eq!(header(&calls[2], ":authority"), Some("llm.example"));
         assert_eq!((parsed[2].via, parsed[2].fanout), (Via::Data, true));
-        assert_eq!(h.metric(Metric::LeaseRenewals(LeaseResult::Sent)), 2);
-        assert_eq!(h.metric(Metric::LeaseDataRenewals(LeaseResult::Sent)), 1);
+        // Both periods' renewals counted.
+        assert_eq!(h.metric(Metric::LeaseRenewals(LeaseResult::Sent)), 3);
+        assert_eq!(h.metric(Metric::LeaseDataRenewals(LeaseResult::Sent)), 2);
     }
 
     #[test]
@@ -874,8 +910,8 @@ mod tests {
         let mut never = || -> InstanceId { panic!("an id exists: nothing to draw") };
         for t in 0..10u64 {
             h.now = t * P;
-            a.on_tick(&cfg, &mut h, &[], 0, &mut never);
-            b.on_tick(&cfg, &mut h, &[], 0, &mut never);
+            a.on_tick(&cfg, &mut h, (&[], false), 0, &mut never);
+            b.on_tick(&cfg, &mut h, (&[], false), 0, &mut never);
             // By the first tick both tag with the id that stayed.
             assert_eq!(a.instance(), Some(InstanceId([2; 16])));
             assert_eq!(b.instance(), a.instance());
@@ -905,7 +941,7 @@ mod tests {
         for k in 0..(3 * FORGET_PERIODS) {
             h.now = k * P;
             let before = h.calls.len();
-            r.on_tick(&cfg, &mut h, &[replica], 0, &mut fresh);
+            r.on_tick(&cfg, &mut h, (&[replica], false), 0, &mut fresh);
             if k > 0 {
                 assert_eq!(to_replica(&h, before), 1, "period {k}");
             }
@@ -920,7 +956,7 @@ mod tests {
         for k in 0..(2 * FORGET_PERIODS) {
             h.now = end + k * P;
             let before = h.calls.len();
-            r.on_tick(&cfg, &mut h, &[], 0, &mut fresh);
+            r.on_tick(&cfg, &mut h, (&[], false), 0, &mut fresh);
             renewed += to_replica(&h, before);
         }
         assert_eq!(renewed as u64, FORGET_PERIODS);
@@ -931,7 +967,7 @@ mod tests {
         let cfg = lease_config("");
         let mut h = MockHost::default();
         let mut r = Renewer::new(None);
-        r.note_upstream(&cfg, &mut h, &up("llm"), 0);
+        r.note_upstream(&cfg, &mut h, &up("llm"));
         let first = renew_once(&mut r, &cfg, &mut h, &[]);
         h.now += P;
         let second = renew_once(&mut r, &cfg, &mut h, &[]);
@@ -950,7 +986,7 @@ mod tests {
         assert!(warned[0]
             .1
             .contains("in-band lease renewal failed: status 404"));
-        assert!(warned[0].1.contains("docs/DESIGN.md"));
+        assert!(warned[0].1.contains("docs/DESIGN.md#hops"));
     }
 
     #[test]
@@ -981,13 +1017,13 @@ mod tests {
             .map(|(_, m)| m.as_str())
             .collect();
         assert_eq!(logs.len(), 2, "{logs:?}");
-        assert!(logs[0].contains("status 401") && logs[0].contains("refused the signature"));
+        assert!(logs[0].contains("status 401") && logs[0].contains("first key"));
         assert!(logs[1].contains("status 404") && logs[1].contains("--lease-mode off"));
         assert_eq!(h.metric(Metric::LeaseRenewals(LeaseResult::Failed)), 6);
         // Each hint, whatever came before.
         let mut h = MockHost::default();
         for (s, hint) in [
-            (Some(422), "at most a third"),
+            (Some(422), "over a third"),
             (Some(500), "status 500"),
             (None, "none (timeout or reset)"),
         ] {
@@ -1043,8 +1079,8 @@ mod tests {
         };
         let mut r = Renewer::new(None);
         let mut fresh = ids();
-        r.on_tick(&cfg, &mut h, &[], 0, &mut fresh);
-        r.on_tick(&cfg, &mut h, &[], 0, &mut fresh);
+        r.on_tick(&cfg, &mut h, (&[], false), 0, &mut fresh);
+        r.on_tick(&cfg, &mut h, (&[], false), 0, &mut fresh);
         assert!(h.calls.is_empty());
         assert!(h.metric(Metric::HostErrors) >= 2);
         // Its own id, still: requests are tagged.
@@ -1054,12 +1090,46 @@ mod tests {
         r.on_tick(
             &config(r#","lease_renew_ms":0"#),
             &mut h,
-            &[],
+            (&[], false),
             0,
             &mut fresh,
         );
         assert!(h.shared.is_empty());
-        assert!(!r.wants_upstream(&config(r#","lease_renew_ms":0"#), 0));
+        assert!(!Renewer::default().wants_upstream());
+    }
+
+    #[test]
+    fn a_vm_with_streams_in_flight_keeps_its_upstreams_renewed_in_band() {
+        let cfg = lease_config("");
+        let mut h = MockHost::default();
+        let mut r = Renewer::new(None);
+        r.note_upstream(&cfg, &mut h, &up("llm"));
+        let mut fresh = ids();
+        let in_band =
+            |h: &MockHost, from: usize| h.calls[from..].iter().filter(|c| c.1 == "llm").count();
+        // A long stream and no new request: renewed in band every period, far past
+        // FORGET_PERIODS.
+        for k in 0..(3 * FORGET_PERIODS) {
+            h.now = k * P;
+            let before = h.calls.len();
+            r.on_tick(&cfg, &mut h, (&[], true), 0, &mut fresh);
+            if k > 0 {
+                assert_eq!(in_band(&h, before), 1, "period {k}");
+            }
+        }
+        // Nothing in flight: forgotten FORGET_PERIODS periods later.
+        let end = 3 * FORGET_PERIODS * P;
+        let mut renewed = 0;
+        for k in 0..(2 * FORGET_PERIODS) {
+            h.now = end + k * P;
+            let before = h.calls.len();
+            r.on_tick(&cfg, &mut h, (&[], false), 0, &mut fresh);
+            renewed += in_band(&h, before);
+        }
+        assert!(
+            (FORGET_PERIODS..=FORGET_PERIODS + 1).contains(&(renewed as u64)),
+            "{renewed}"
+        );
     }
 
     #[test]

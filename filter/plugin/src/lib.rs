@@ -291,7 +291,7 @@ fn fresh_instance() -> InstanceId {
 /// This Envoy node's host key: its node id and this plugin's VM id (`None` when the
 /// node has no id: then no two processes can be told to be the same host).
 fn host_key() -> Option<kvguard_contract::HostKey> {
-    let node = abi::get_property(&["node", "id"])
+    let node = abi::get_property(&["xds", "node", "id"])
         .ok()
         .flatten()
         .filter(|n| !n.is_empty())?;
@@ -519,7 +519,8 @@ impl Root {
         let jitter = random_seed();
         let _ = with_lease(&self.shared, |e, r, p| {
             let targets = e.targets();
-            r.on_tick(&e.cfg, p, &targets, jitter, &mut fresh_instance);
+            let busy = e.tracked() > 0;
+            r.on_tick(&e.cfg, p, (&targets, busy), jitter, &mut fresh_instance);
         });
     }
 }
@@ -772,6 +773,7 @@ impl RootContext for Root {
             id: context_id,
             shared: Rc::clone(&self.shared),
             tracked: false,
+            authority: None,
         }))
     }
 
@@ -784,6 +786,9 @@ struct Stream {
     id: u32,
     shared: SharedRef,
     tracked: bool,
+    /// Its `:authority`, kept only when the lease wants this period's upstream sample
+    /// (request headers are gone by the response, where the cluster is known).
+    authority: Option<Vec<u8>>,
 }
 
 impl Context for Stream {}
@@ -843,6 +848,15 @@ impl HttpContext for Stream {
             }
         }
         if self.tracked {
+            let sample = self
+                .shared
+                .try_borrow()
+                .is_ok_and(|s| s.renewer.wants_upstream());
+            if sample {
+                self.authority = abi::get_header(abi::Map::RequestHeaders, ":authority")
+                    .ok()
+                    .flatten();
+            }
             sync_tick(&self.shared);
         }
         Action::Continue
@@ -866,7 +880,7 @@ impl HttpContext for Stream {
             .ok()
             .flatten();
         let id = self.id;
-        let sample = with_lease(&self.shared, |e, r, p| {
+        let _ = with_engine(&self.shared, |e, p| {
             e.on_response_headers(
                 p,
                 id,
@@ -875,26 +889,16 @@ impl HttpContext for Stream {
                 stamp.as_deref(),
                 end_of_stream,
             );
-            let now = p.now_ms();
-            if let Some(t) = e.request(id).and_then(|r| r.target.as_deref().copied()) {
-                r.note_replica(&e.cfg, p, t, now);
-            }
-            r.wants_upstream(&e.cfg, now).then_some(now)
-        })
-        .flatten();
-        // One tracked response per period per VM names its upstream cluster (the
-        // in-band renewal goes over it).
-        if let Some(now) = sample {
-            let cluster = abi::get_property(&["cluster_name"]).ok().flatten();
-            let authority = abi::get_header(abi::Map::RequestHeaders, ":authority")
-                .ok()
-                .flatten();
-            if let (Some(c), Some(a)) = (cluster, authority) {
+        });
+        // One tracked stream per period per VM names its upstream cluster (the in-band
+        // renewal goes over it); the replica a stamp names is renewed from the next tick.
+        if let Some(a) = self.authority.take() {
+            if let Ok(Some(c)) = abi::get_property(&["xds", "cluster_name"]) {
                 let up = lease::Upstream {
                     cluster: String::from_utf8_lossy(&c).into_owned(),
                     authority: String::from_utf8_lossy(&a).into_owned(),
                 };
-                let _ = with_lease(&self.shared, |e, r, p| r.note_upstream(&e.cfg, p, &up, now));
+                let _ = with_lease(&self.shared, |e, r, p| r.note_upstream(&e.cfg, p, &up));
             }
         }
         Action::Continue
