@@ -728,6 +728,7 @@ async fn a_gateway_renews_every_replica_its_stamps_named() {
             .await
             .unwrap();
             wait_metric(&control, &renewals("duplicate"), 2.0).await;
+            assert!(s.wait_end(W).await.unwrap().saw_done());
             assert_eq!(metric(&control, &renewals("replay")).await, 0.0);
             assert_eq!(
                 support::stat(
