@@ -1,5 +1,6 @@
 //! Envoy hot restart with 1,000 live SSE streams through Envoy + kvguard (enforce) →
-//! lossy hop → kvguard-control → simulator.
+//! lossy hop → kvguard-control → simulator, kvguard-control with its default flags (the
+//! lease enforced, no max age).
 //!
 //! Epoch 0 runs with hot restart on (`--use-dynamic-base-id`, so parallel tests never
 //! share a base id); epoch 1 starts with the same base id, `--drain-time-s 4
@@ -19,9 +20,10 @@
 //!   DC) and decides `aborted:downstream_reset`, but the process exits before the abort
 //!   goes out: kvguard-control receives none of them, or a stray one on a loaded machine
 //!   (as with a cold stop, `robust_envoy_restart.rs`). The lossy hop keeps their engine
-//!   side generating; kvguard-control's max-age backstop (24 s here) ends the rest: no
-//!   sequence is left behind, but only as fast as `--max-age` (the liveness lease, in
-//!   enforce mode, bounds them by its TTL instead: `lease_peers.rs`).
+//!   side generating; the liveness lease ends the rest: epoch 1 renews with epoch 0's host
+//!   key (the same Envoy node), so once epoch 0's renewals have stopped for two periods
+//!   kvguard-control ends its streams (`gateway_lost`, expiry `replaced`), well inside
+//!   the TTL. While epoch 0 drains it still renews: nothing of it is ended before it exits.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 #[path = "filter_support.rs"]
@@ -47,11 +49,11 @@ const NEW_DONE: usize = 20;
 const NEW_DROPPED: usize = 10;
 const DRAIN_S: u64 = 4;
 const PARENT_SHUTDOWN_S: u64 = 6;
-/// kvguard-control's `--max-age`: longer than the longest stream's life up to epoch 0's
-/// exit (bounded below by `RAMP_BOUND`), so that the backstop cannot end one first.
-const MAX_AGE_S: u64 = 24;
-/// Opening the 1,000 streams must take less than this (else the max-age backstop could
-/// race epoch 0's exit).
+/// The filter's default renewal period: epoch 0's streams end two of them after its
+/// last renewal.
+const PERIOD: Duration = Duration::from_secs(5);
+/// Opening the 1,000 streams must take less than this (a bound on the machine, so the
+/// timings below mean something).
 const RAMP_BOUND: Duration = Duration::from_secs(12);
 
 /// The request id of a stream (from its first event, `chatcmpl-<id>`).
@@ -125,19 +127,7 @@ async fn hot_restart_with_1000_live_streams() {
         .await
         .unwrap();
         let any = SocketAddr::from(([127, 0, 0, 1], 0));
-        let control = Control::start(
-            engine.addr(),
-            any,
-            any,
-            &[
-                "--max-age".into(),
-                format!("{MAX_AGE_S}s"),
-                "--idle-timeout".into(),
-                "off".into(),
-            ],
-        )
-        .await
-        .unwrap();
+        let control = Control::start(engine.addr(), any, any, &[]).await.unwrap();
         let hop = lossy::spawn(LossyConfig::to(control.proxy)).await.unwrap();
         let mut eo =
             EnvoyOptions::with_filter(hop.addr(), control.admin, stack::filter_config(0, 0))
@@ -146,6 +136,8 @@ async fn hot_restart_with_1000_live_streams() {
         eo.drain_time_s = DRAIN_S;
         eo.parent_shutdown_time_s = Some(PARENT_SHUTDOWN_S);
         eo.component_log_level = Some("wasm:info".into());
+        // Both epochs are one node: the child renews with the parent's host key.
+        eo.node_id = Some("gateway-0~10.0.0.1~gw-0.ns".into());
         let mut epoch0 = Envoy::start(eo).await.unwrap();
         let entry = epoch0.listener_addr();
 
@@ -337,11 +329,12 @@ async fn hot_restart_with_1000_live_streams() {
             "the engine right after epoch 0's exit: {} running, {escaped} aborts escaped",
             running.len()
         );
-        // ... until kvguard-control's max-age backstop ends every one of them.
+        // ... until the lease ends every one of them: two periods after epoch 0's last
+        // renewal (judged within a second), far inside the 30 s TTL.
         engine
             .wait_state(
                 "every sequence ended",
-                Duration::from_secs(MAX_AGE_S + 10),
+                PERIOD * 2 + Duration::from_secs(3),
                 |s| s.running.is_empty() && s.waiting.is_empty(),
             )
             .await
@@ -352,9 +345,14 @@ async fn hot_restart_with_1000_live_streams() {
             .is_some_and(|r| r.ended == Some(EndKind::Disconnected))));
         let by_reason = control.aborts_by_reason().await.unwrap();
         assert_eq!(
-            by_reason.get("max_age"),
+            by_reason.get("gateway_lost"),
             Some(&((LONG - escaped) as f64)),
             "{by_reason:?}"
+        );
+        let m = control.metrics_text().await.unwrap();
+        assert!(
+            m.contains("kvguard_control_lease_expiries_total{mode=\"enforce\",why=\"replaced\"} 1"),
+            "{m}"
         );
         eprintln!(
             "no sequence left {:?} after epoch 0's exit; kvguard-control ended them: {by_reason:?}",
