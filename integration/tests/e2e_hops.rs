@@ -15,7 +15,7 @@ use kvguard_integration::demo::stack::{self, Stack, StackOptions};
 use kvguard_integration::hops::{HopKind, LiteLlmOptions};
 use kvguard_integration::sim::{self, EndKind, RequestRecord, SeqState, SimConfig, SimHandle};
 use kvguard_integration::stall::{self, StallMark};
-use kvguard_integration::wait::bounded;
+use kvguard_integration::wait::{bounded, poll_until_async};
 use serde_json::{json, Value};
 use std::ops::Deref;
 use std::time::{Duration, Instant};
@@ -655,6 +655,35 @@ async fn shipped_litellm_config_passes_the_request_id_and_kvguard_frees_the_requ
         let evs = s.collect(W * 2).await.unwrap();
         assert!(evs.last().unwrap().is_done(), "{evs:?}");
         assert_eq!(control_aborts(&st, "downstream_reset").await, 1.0);
+        // The in-band lease renewal (POST /v1/kvguard/lease over the upstream cluster) does
+        // not pass LiteLLM: behind it a gateway's lease is never enforceable, so a dead
+        // gateway's streams are counted, not ended, unless its restart proves it dead (the
+        // hop table in docs/DESIGN.md).
+        let failed = poll_until_async(
+            "an in-band renewal answered",
+            W,
+            Duration::from_millis(100),
+            || async {
+                let stats = st.filter_stats().await.ok()?;
+                let n = stack::stat_ending(&stats, "lease_data_renewals_total_result=.=failed;.;")
+                    .ok()?;
+                (n >= 1.0).then_some(n)
+            },
+        )
+        .await
+        .unwrap();
+        let data = "kvguard_control_lease_renewals_total{path=\"data\",result=\"accepted\"}";
+        assert_eq!(control_counter(&st, data).await, 0.0);
+        assert_eq!(
+            control_counter(&st, "kvguard_control_leases_enforceable").await,
+            0.0
+        );
+        let logs = st.logs(400);
+        let why = logs
+            .lines()
+            .find(|l| l.contains("in-band lease renewal failed"))
+            .unwrap_or("(no log line)");
+        eprintln!("shipped litellm config: {failed} in-band renewals failed: {why}");
     })
     .await
     .unwrap();

@@ -1281,50 +1281,23 @@ async fn vllm_router_on_vllm_passes_disconnects_and_kvguard_cuts_nothing_else() 
     .unwrap();
 }
 
-/// The liveness lease on real vLLM: Envoy is SIGKILLed with streams behind the lossy hop
-/// (no abort can leave it, the hop hides the disconnects); kvguard-control in enforce
-/// mode with a 2 s TTL ends them once the lease expires, and vLLM's running count is back
-/// to 0 within TTL + 3 s (vLLM's own reaction and its metrics' refresh included).
+/// The liveness lease on real vLLM, with the shipped defaults (enforce, TTL 30 s, renewals
+/// every 5 s): Envoy is SIGKILLed with streams behind the lossy hop (no abort can leave it,
+/// the hop hides the disconnects); kvguard-control ends them once the lease expires, and
+/// vLLM's running count is back to 0 within TTL + 3 s (vLLM's own reaction and its
+/// metrics' refresh included).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sigkilled_gateways_streams_are_freed_on_vllm_by_the_lease() {
     bounded("lease on vLLM", T, async {
         let Some((v, _turn)) = vllm("lease_sigkill").await else {
             return;
         };
-        const TTL: Duration = Duration::from_secs(2);
+        const TTL: Duration = Duration::from_secs(30);
         const STREAMS: usize = 4;
-        let mut cfg = stack::filter_config(0, 0);
-        cfg["lease_renew_ms"] = 400.into();
+        let cfg = stack::filter_config(0, 0);
         let mut o = StackOptions::new(v.addr(), Some(cfg));
-        o.control_args = [
-            "--idle-timeout",
-            "off",
-            "--max-age",
-            "off",
-            "--lease-mode",
-            "enforce",
-            "--lease-ttl",
-            "2s",
-        ]
-        .map(String::from)
-        .to_vec();
+        o.control_args = ["--idle-timeout", "off"].map(String::from).to_vec();
         let mut st = Stack::start(o).await.unwrap();
-        poll_until_async(
-            "the gateway's lease",
-            W,
-            Duration::from_millis(50),
-            || async {
-                let text = st.control.metrics_text().await.ok()?;
-                text.lines()
-                    .any(|l| {
-                        l.strip_prefix("kvguard_control_leases ")
-                            .is_some_and(|n| n.trim() == "1")
-                    })
-                    .then_some(())
-            },
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
         let mut streams = Vec::new();
         for i in 0..STREAMS {
             let body = if i % 2 == 0 {
@@ -1347,6 +1320,24 @@ async fn a_sigkilled_gateways_streams_are_freed_on_vllm_by_the_lease() {
         v.wait_figures("all running", W, |f| f.running == STREAMS as f64)
             .await
             .unwrap();
+        // Three in-band renewals (a period each, from the first stream on) make the lease
+        // enforceable.
+        poll_until_async(
+            "the gateway's lease enforceable",
+            Duration::from_secs(40),
+            Duration::from_millis(100),
+            || async {
+                let text = st.control.metrics_text().await.ok()?;
+                text.lines()
+                    .any(|l| {
+                        l.strip_prefix("kvguard_control_leases_enforceable ")
+                            .is_some_and(|n| n.trim() == "1")
+                    })
+                    .then_some(())
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(40)));
         // kvguard-control extends every lease by a stall of its own (a renewal it could not
         // read is no silence): the bound is credited with its stalls.
         let mark = stall_mark(&st);

@@ -44,6 +44,10 @@ async fn stamping_upstream(
                     return;
                 };
                 let text = String::from_utf8_lossy(&head).to_ascii_lowercase();
+                // The lease's in-band renewal (contract §8) is not a request under test.
+                if text.starts_with("post /v1/kvguard/lease ") {
+                    return;
+                }
                 let id = text
                     .lines()
                     .find_map(|l| l.strip_prefix("x-request-id:"))

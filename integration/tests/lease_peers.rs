@@ -58,7 +58,18 @@ fn free_addrs(n: usize) -> Vec<SocketAddr> {
 /// Three replicas in front of `engine`, each knowing the others (`--peers` lists all
 /// three; each leaves itself out by its `--admin-listen`), each behind its own lossy hop.
 async fn replicas(engine: &SimHandle, extra: &[&str]) -> (Vec<Control>, Vec<LossyHandle>) {
-    let admins = free_addrs(3);
+    replicas_n(engine, 3, extra, false).await
+}
+
+/// `n` replicas as [`replicas`]; with `advertise`, each stamps its responses with its admin
+/// address (the per-replica route).
+async fn replicas_n(
+    engine: &SimHandle,
+    n: usize,
+    extra: &[&str],
+    advertise: bool,
+) -> (Vec<Control>, Vec<LossyHandle>) {
+    let admins = free_addrs(n);
     let peers = admins
         .iter()
         .map(|a| format!("http://{a}"))
@@ -75,6 +86,9 @@ async fn replicas(engine: &SimHandle, extra: &[&str]) -> (Vec<Control>, Vec<Loss
             "off".into(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
+        if advertise {
+            args.extend(["--advertise".to_owned(), admin.to_string()]);
+        }
         let c = Control::start(engine.addr(), any, *admin, &args)
             .await
             .unwrap();
@@ -740,6 +754,110 @@ async fn a_gateway_renews_every_replica_its_stamps_named() {
             );
         },
     )
+    .await
+    .unwrap();
+}
+
+/// The peer renewal messages all replicas sent so far.
+async fn peer_renewals(controls: &[Control]) -> f64 {
+    let mut n = 0.0;
+    for c in controls {
+        let text = c.metrics_text().await.unwrap();
+        n += text
+            .lines()
+            .filter(|l| {
+                l.starts_with("kvguard_control_peer_forwards_total{")
+                    && l.contains("kind=\"renewal\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+    }
+    n
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_replicas_and_one_gateway_cost_at_most_r_peer_renewal_messages_a_period() {
+    bounded("eight replicas", Duration::from_secs(90), async {
+        const R: usize = 8;
+        let engine = sim::spawn(sim_config()).await.unwrap();
+        let (controls, hops) = replicas_n(&engine, R, &[], true).await;
+        let ups: Vec<_> = hops.iter().map(LossyHandle::addr).collect();
+        let admins: Vec<_> = controls.iter().map(|c| c.admin).collect();
+        let low = admins.iter().map(|a| a.port()).min().unwrap();
+        let high = admins.iter().map(|a| a.port()).max().unwrap();
+        let g = gateway(&ups, &admins, |eo| {
+            let c = eo.filter_config.as_mut().unwrap();
+            c["control_target_cluster"] = CONTROL_TARGET_CLUSTER.into();
+            c["control_target_cidrs"] = json!(["127.0.0.0/8"]);
+            c["control_target_ports"] = json!((low..=high).collect::<Vec<u16>>());
+            eo.original_dst_cluster = Some(CONTROL_TARGET_CLUSTER.into());
+        })
+        .await;
+        // Streams on every replica (round robin), stamped: the gateway renews each replica
+        // directly, and in band over its upstream cluster.
+        let streams = open(g.listener_addr(), 2 * R, 400, "10").await;
+        for c in &controls {
+            wait_metric(c, "kvguard_control_leases_enforceable", 1.0).await;
+        }
+        // Twenty periods of steady state.
+        let periods = 20.0;
+        let before = peer_renewals(&controls).await;
+        let t = Instant::now();
+        tokio::time::sleep(Duration::from_millis(RENEW_MS * 20)).await;
+        let sent = peer_renewals(&controls).await - before;
+        let measured = t.elapsed().as_secs_f64() * 1000.0 / RENEW_MS as f64;
+        let per_period = sent / measured.max(periods);
+        eprintln!("{R} replicas, one gateway: {sent} peer renewal messages in {measured:.1} periods ({per_period:.2} a period)");
+        assert!(sent > 0.0, "the in-band renewal reaches every replica through one");
+        assert!(
+            sent <= R as f64 * (measured + 1.0),
+            "{sent} peer renewal messages in {measured:.1} periods: more than {R} a period"
+        );
+        drop(streams);
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_replica_still_takes_forwarded_renewals_and_aborts() {
+    bounded("draining replica", Duration::from_secs(60), async {
+        let engine = sim::spawn(sim_config()).await.unwrap();
+        let (mut controls, hops) = replicas_n(&engine, 2, &["--drain-timeout", "60s"], false).await;
+        let admins: Vec<_> = controls.iter().map(|c| c.admin).collect();
+        // Inference to replica B only; aborts and renewals to A (B is the backup).
+        let g = gateway(&[hops[1].addr()], &admins, |_| {}).await;
+        let mut streams = open(g.listener_addr(), 2, 1000, "5").await;
+        wait_metric(&controls[1], "kvguard_control_leases", 1.0).await;
+        assert_eq!(inflight(&controls).await, vec![0, 2]);
+        // B is told to stop: not ready, draining its two streams.
+        controls[1].guard().signal(libc::SIGTERM).unwrap();
+        poll_until_async("B not ready", W, Duration::from_millis(50), || async {
+            let r = client::get(controls[1].admin, "/readyz").await.ok()?;
+            (r.status == 503).then_some(())
+        })
+        .await
+        .unwrap();
+        // A still forwards each period's renewal to B, and B takes it.
+        let series = "kvguard_control_peer_received_total{kind=\"renewal\",result=\"accepted\"}";
+        let taken = metric(&controls[1], series).await;
+        wait_metric(&controls[1], series, taken + 3.0).await;
+        // A client leaves: its abort goes to A, which forwards it to the draining B.
+        drop(streams.pop());
+        poll_until_async(
+            "the abort ended on B",
+            W,
+            Duration::from_millis(20),
+            || async {
+                let by = controls[1].aborts_by_reason().await.ok()?;
+                (by.get("downstream_reset") == Some(&1.0)).then_some(())
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", controls[1].log()));
+        assert_eq!(inflight(&controls).await, vec![0, 1]);
+        drop(streams);
+    })
     .await
     .unwrap();
 }

@@ -10,8 +10,8 @@
 //!   the names listed in [`NOT_SCRAPED_HERE`], whose reason is stated.
 //! - The LoRA count, the engine's process figures and the throughput-against-uptime rules
 //!   have live values, and the throughput-decline alert evaluates on them.
-//! - kvguard watching itself: failing abort calls, failing lease renewals and a missing
-//!   scrape fire their alerts.
+//! - kvguard watching itself: failing abort calls, a lease admin path down (the in-band
+//!   renewals still landing) and a missing scrape fire their alerts.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use kvguard_integration::demo::observe::{self, Observed};
@@ -348,10 +348,12 @@ async fn a_steady_healthy_run_fires_no_alert() {
     assert_eq!(o.rule_errors, Vec::<String>::new());
 }
 
-/// kvguard watching itself, live: the filter's abort calls and lease renewals go to a
-/// closed port (the control endpoint unreachable) while clients leave their streams, and
-/// `KvguardAbortsFailing` and `KvguardLeaseRenewalsFailing` fire; then kvguard-control is
-/// killed and `KvguardScrapeMissing` fires for its target.
+/// kvguard watching itself, live: the filter's abort calls and out-of-band lease renewals
+/// go to a closed port (the admin path unreachable) while clients leave their streams and
+/// the in-band renewals still land: `KvguardAbortsFailing` and `KvguardLeaseAdminPathDown`
+/// fire (the divergence: nothing is cut for it), `KvguardLeaseRenewalsFailing` (both
+/// paths) does not; then kvguard-control is killed and `KvguardScrapeMissing` fires for its
+/// target.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn self_watching_alerts_fire_on_failing_aborts_and_a_missing_scrape() {
     use kvguard_integration::demo::stack::{self, Stack, StackOptions};
@@ -446,15 +448,24 @@ async fn self_watching_alerts_fire_on_failing_aborts_and_a_missing_scrape() {
             ["failed", "dispatch_error"].contains(&a["outcome"].as_str().unwrap_or("")),
             "{a}"
         );
-        // The lease renewals go to the same (closed) control cluster: they fail too.
+        // The out-of-band renewals go to the same (closed) control cluster and fail; the
+        // in-band ones, over the inference path, land: the admin path is down, the lease
+        // holds.
         o.wait_firing(
-            "KvguardLeaseRenewalsFailing",
+            "KvguardLeaseAdminPathDown",
             &[],
             t0,
             Duration::from_secs(60),
         )
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", st.logs(30)));
+        assert!(
+            !o.seen
+                .alerts
+                .iter()
+                .any(|m| m.name == "KvguardLeaseRenewalsFailing"),
+            "KvguardLeaseRenewalsFailing although the in-band renewals land"
+        );
         // kvguard-control gone: its target is down (scaled `for:` 5 s).
         st.control.kill().unwrap();
         let m = o

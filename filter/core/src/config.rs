@@ -128,7 +128,7 @@ pub struct Config {
     pub lease_path: String,
 }
 
-/// Default renewal period: under a quarter of kvguard-control's default 30 s TTL, so
+/// Default renewal period: a sixth of kvguard-control's default 30 s TTL, so
 /// three renewals in a row can be lost before a lease expires.
 pub const DEFAULT_LEASE_RENEW_MS: u64 = 5_000;
 
@@ -521,7 +521,7 @@ impl Config {
             0,
             60_000,
             DEFAULT_LEASE_RENEW_MS,
-            " (0 = off; at most a quarter of kvguard-control's --lease-ttl)",
+            " (0 = off; at most a third of kvguard-control's --lease-ttl)",
         )?;
         if (1..100).contains(&lease_renew_ms) {
             return err(format!(
