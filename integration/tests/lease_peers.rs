@@ -783,13 +783,12 @@ async fn eight_replicas_and_one_gateway_cost_at_most_r_peer_renewal_messages_a_p
         let (controls, hops) = replicas_n(&engine, R, &[], true).await;
         let ups: Vec<_> = hops.iter().map(LossyHandle::addr).collect();
         let admins: Vec<_> = controls.iter().map(|c| c.admin).collect();
-        let low = admins.iter().map(|a| a.port()).min().unwrap();
-        let high = admins.iter().map(|a| a.port()).max().unwrap();
+        let ports: Vec<u16> = admins.iter().map(|a| a.port()).collect();
         let g = gateway(&ups, &admins, |eo| {
             let c = eo.filter_config.as_mut().unwrap();
             c["control_target_cluster"] = CONTROL_TARGET_CLUSTER.into();
             c["control_target_cidrs"] = json!(["127.0.0.0/8"]);
-            c["control_target_ports"] = json!((low..=high).collect::<Vec<u16>>());
+            c["control_target_ports"] = json!(ports);
             eo.original_dst_cluster = Some(CONTROL_TARGET_CLUSTER.into());
         })
         .await;
