@@ -1,7 +1,9 @@
 //! Key rotation without a restart: `--secret-file` and `--stamp-key-file` are read again
 //! when their content changes (polled every [`KEY_POLL`]: Kubernetes updates a Secret
 //! volume by swapping a symlink and sends no signal) or on SIGHUP. A file that does not
-//! parse leaves the keys in use as they are (logged, counted).
+//! parse leaves the keys in use as they are (logged, counted). SIGHUP's handler is
+//! installed first thing in `main` and never removed: a SIGHUP never ends the process,
+//! with or without key files.
 
 use crate::config::{accepted_keys, read_stamp_key, Config, ConfigError};
 use crate::state::{AppState, KeySet};

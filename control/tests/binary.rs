@@ -342,6 +342,59 @@ async fn keys_rotate_without_a_restart_json_logs_and_sigint() {
     .unwrap();
 }
 
+/// SIGHUP never ends the process: not during start-up (the handler is main's first
+/// instruction), not without a key file (nothing to reload: it says so).
+#[tokio::test]
+async fn sighup_never_ends_the_process_from_start_up_on_and_is_logged() {
+    bounded("test", Duration::from_secs(60), async {
+        let sim = sim(slow_sim()).await;
+        let dir = tempfile_dir().join("hup");
+        std::fs::create_dir_all(&dir).unwrap();
+        // A FIFO as the engine's key file holds start-up inside the configuration: the
+        // process reads it after main's first lines and before it binds anything.
+        let fifo = dir.join("engine-key");
+        let _ = std::fs::remove_file(&fifo);
+        let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+        assert!(made.success());
+        let mut cmd = Command::new(BIN);
+        cmd.args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .args(["--engine-url", &sim.url(), "--no-nvml"])
+            .arg("--engine-api-key-file")
+            .arg(&fifo)
+            .env("KVGUARD_LOG_FORMAT", "text");
+        let mut child = ChildGuard::spawn("kvguard-control", cmd).unwrap();
+        // Opening the FIFO to write returns once the process has opened it to read.
+        let path = fifo.clone();
+        let mut w = tokio::task::spawn_blocking(move || {
+            std::fs::OpenOptions::new().write(true).open(path).unwrap()
+        })
+        .await
+        .unwrap();
+        child.signal(1).unwrap();
+        use std::io::Write;
+        w.write_all(b"engine-api-key\n").unwrap();
+        drop(w);
+        child
+            .wait_for_log("kvguard-control listening", Duration::from_secs(10))
+            .await
+            .unwrap();
+        child.signal(1).unwrap();
+        child
+            .wait_for_log("SIGHUP: nothing to reload", Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert!(child.ensure_running().is_ok(), "SIGHUP ended the process");
+        child.signal(libc_sigterm()).unwrap();
+        let status = child
+            .wait_exit_async(Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert!(status.success(), "{status}; log:\n{}", child.log_tail(40));
+    })
+    .await
+    .unwrap();
+}
+
 fn libc_sigterm() -> i32 {
     15
 }
