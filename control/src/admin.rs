@@ -6,6 +6,7 @@ use crate::state::{AbortFound, AppState};
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -20,6 +21,7 @@ use serde_json::json;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::Semaphore;
 use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::timeout::TimeoutLayer;
 
@@ -31,9 +33,18 @@ pub const HEAD_READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// Refused abort calls are logged at most once per this period (with the count since).
 pub const REFUSAL_LOG_PERIOD: Duration = Duration::from_secs(10);
 
+/// Admin requests doing work at once (verifying, answering, forwarding to peers,
+/// encoding metrics), whatever the number of connections: an idle keep-alive connection
+/// holds none. A request's body is read before it takes a slot.
+pub const MAX_ADMIN_WORK: usize = 64;
+/// How long a request waits for a work slot before it is answered 503 (`Retry-After: 1`).
+pub const WORK_WAIT: Duration = Duration::from_secs(1);
+
 /// The admin listener's router: every request bounded in time ([`REQUEST_TIMEOUT`]) and
-/// in body size (a forwarded envelope's limit; each handler reads at most its own).
+/// in body size (a forwarded envelope's limit; each handler reads at most its own); every
+/// one but the health probes under the work limit ([`MAX_ADMIN_WORK`]).
 pub fn app(state: Arc<AppState>) -> Router {
+    let work = Arc::new(Semaphore::new(MAX_ADMIN_WORK));
     Router::new()
         .route(ABORT_PATH, post(abort))
         .route(LEASE_PATH, post(renew_lease))
@@ -43,14 +54,80 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v1/gpu", get(gpu))
         .route("/v1/engine", get(engine))
         .route("/metrics", get(metrics))
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
+        .route_layer(axum::middleware::from_fn_with_state(work, limit_work))
+        .merge(probes())
         .layer(RequestBodyLimitLayer::new(MAX_PEER_BODY))
         .layer(TimeoutLayer::with_status_code(
             StatusCode::REQUEST_TIMEOUT,
             REQUEST_TIMEOUT,
         ))
         .with_state(state)
+}
+
+/// The router of an admin connection beyond the connection bound
+/// ([`crate::server::ADMIN_PROBE_RESERVE`]): health probes only, anything else 503.
+pub fn probe_app(state: Arc<AppState>) -> Router {
+    probes()
+        .fallback(|| async {
+            let mut r = refuse(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "busy",
+                "every admin connection is taken: this one serves health probes only; retry"
+                    .to_owned(),
+            );
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            r
+        })
+        .layer(TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            REQUEST_TIMEOUT,
+        ))
+        .with_state(state)
+}
+
+fn probes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+}
+
+/// Reads the request's body, then waits (up to [`WORK_WAIT`]) for a work slot, held
+/// until the answer is made; 503 without one.
+async fn limit_work(State(work): State<Arc<Semaphore>>, req: Request, next: Next) -> Response {
+    let (parts, body) = req.into_parts();
+    let body = match axum::body::to_bytes(body, MAX_PEER_BODY).await {
+        Ok(b) => Body::from(b),
+        // The handler reads the error and answers it its own way.
+        Err(e) => Body::new(FailedBody(Some(e.into_inner()))),
+    };
+    let Ok(Ok(permit)) = tokio::time::timeout(WORK_WAIT, work.acquire_owned()).await else {
+        let mut r = refuse(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "busy",
+            format!("{MAX_ADMIN_WORK} admin requests are being answered; retry"),
+        );
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        return r;
+    };
+    let r = next.run(Request::from_parts(parts, body)).await;
+    drop(permit);
+    r
+}
+
+/// A body whose read failed before the handler ran: the handler gets the same error.
+struct FailedBody(Option<axum::BoxError>);
+
+impl http_body::Body for FailedBody {
+    type Data = bytes::Bytes;
+    type Error = axum::BoxError;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        std::task::Poll::Ready(self.0.take().map(Err))
+    }
 }
 
 /// Lets one log line through per period and counts the ones held back (a flood of bad

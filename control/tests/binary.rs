@@ -395,6 +395,80 @@ async fn sighup_never_ends_the_process_from_start_up_on_and_is_logged() {
     .unwrap();
 }
 
+/// The real binary with `KVGUARD_SECRET` and the simulator; its (proxy, admin) addresses.
+async fn start_binary(engine: &str, extra: &[&str]) -> (ChildGuard, SocketAddr, SocketAddr) {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args([
+            "--engine-url",
+            engine,
+            "--no-nvml",
+            "--sample-interval",
+            "200ms",
+        ])
+        .args(extra)
+        .env("KVGUARD_SECRET", std::str::from_utf8(KEY).unwrap())
+        .env("KVGUARD_LOG_FORMAT", "text");
+    let mut child = ChildGuard::spawn("kvguard-control", cmd).unwrap();
+    let log = child
+        .wait_for_log("kvguard-control listening", Duration::from_secs(10))
+        .await
+        .unwrap();
+    let (proxy, admin) = parse_listening(&log);
+    (child, proxy, admin)
+}
+
+/// Work on the admin port is limited per request, not per connection: 300 keep-alive
+/// clients sending a request a second each (more than the old 256 connection slots) hold
+/// no slot between requests, and a new connection's `/healthz` and a signed abort each
+/// answer within 1 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn admin_answers_probes_and_aborts_within_a_second_beside_300_keep_alive_clients() {
+    bounded("test", Duration::from_secs(90), async {
+        let sim = sim(slow_sim()).await;
+        let (mut child, _proxy, admin) = start_binary(&sim.url(), &[]).await;
+        let load = KeepAliveClients::spawn(admin, 300, Duration::from_secs(1));
+        poll_until_async(
+            "every client answered once",
+            Duration::from_secs(30),
+            Duration::from_millis(100),
+            || async {
+                (load.started.load(std::sync::atomic::Ordering::Acquire) >= 300).then_some(())
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}; failures: {:?}", load.failed.lock().unwrap()));
+        let mut slowest = Duration::ZERO;
+        for round in 0..5 {
+            let t0 = std::time::Instant::now();
+            let health =
+                tokio::time::timeout(Duration::from_secs(1), client::get(admin, "/healthz"))
+                    .await
+                    .unwrap_or_else(|_| {
+                        panic!("round {round}: /healthz on a new connection: no answer within 1 s")
+                    })
+                    .unwrap();
+            assert_eq!(health.status, 200);
+            let t1 = std::time::Instant::now();
+            let (status, _) = tokio::time::timeout(
+                Duration::from_secs(1),
+                abort(admin, &format!("probe-abort-{round}"), "operator"),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: signed abort: no answer within 1 s"));
+            assert_eq!(status, 404, "round {round}");
+            slowest = slowest.max(t1 - t0).max(t1.elapsed());
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        eprintln!("slowest probe or abort beside 300 keep-alive clients: {slowest:?}");
+        let failed = load.stop().await;
+        assert!(failed.is_empty(), "keep-alive clients failed: {failed:?}");
+        assert!(child.ensure_running().is_ok());
+    })
+    .await
+    .unwrap();
+}
+
 fn libc_sigterm() -> i32 {
     15
 }

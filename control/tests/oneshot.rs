@@ -1177,3 +1177,20 @@ async fn replaced_keys_take_effect_on_the_next_abort_call() {
         "signed with the new key: accepted"
     );
 }
+
+#[tokio::test]
+async fn a_connection_beyond_the_admin_bound_serves_health_probes_and_refuses_the_rest() {
+    let (st, _) = state(|_| {});
+    let app = admin::probe_app(st);
+    let get = |p: &str| Request::get(p).body(Body::empty()).unwrap();
+    let r = app.clone().oneshot(get("/healthz")).await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    // The fake engine never answered: not ready, but answered.
+    let (s, _) = call(app.clone(), get("/readyz")).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+    let r = app.clone().oneshot(abort_req(b"{}", None)).await.unwrap();
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let (_, v) = call(app, get("/metrics")).await;
+    assert_eq!(v["error"], "busy");
+}
