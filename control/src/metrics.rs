@@ -54,6 +54,9 @@ pub struct Metrics {
     pub tombstones_evicted: Counter,
     /// Requests that replaced an in-flight request with the same id (retries).
     pub superseded: Counter,
+    /// Reaper passes that found kvguard-control stalled (the stall credited to every
+    /// request in flight).
+    pub reaper_stalls: Counter,
     /// Data events (SSE) / lines (NDJSON) proxied.
     pub data_events: Counter,
     /// Engine KV-cache usage, 0..1.
@@ -179,6 +182,12 @@ impl Metrics {
             "superseded",
             "In-flight requests ended because a request with the same id arrived (a retry)",
             m.superseded.clone()
+        );
+        r!(
+            reg,
+            "reaper_stalls",
+            "Reaper passes that found kvguard-control stalled (the stall credited to every request in flight)",
+            m.reaper_stalls.clone()
         );
         r!(
             reg,

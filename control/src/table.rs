@@ -20,12 +20,16 @@ pub struct Times {
     pub first_data: Option<Instant>,
     /// Last data event.
     pub last_data: Option<Instant>,
+    /// Stalls of kvguard-control itself while it waited for its first data event
+    /// ([`Entry::credit_stall`]): not counted against the first-token timeout.
+    pub stalled: Duration,
 }
 
 #[derive(Debug)]
 struct Progress {
     first_data: Option<Instant>,
     last_data: Option<Instant>,
+    stalled: Duration,
     events: u64,
     kind: Option<BodyKind>,
     status: Option<u16>,
@@ -132,6 +136,7 @@ impl Entry {
             progress: Mutex::new(Progress {
                 first_data: None,
                 last_data: None,
+                stalled: Duration::ZERO,
                 events: 0,
                 kind: None,
                 status: None,
@@ -160,11 +165,28 @@ impl Entry {
     /// The clocks.
     pub fn times(&self) -> Times {
         let p = self.progress.lock();
-        let (first_data, last_data) = p.map(|p| (p.first_data, p.last_data)).unwrap_or_default();
+        let (first_data, last_data, stalled) = p
+            .map(|p| (p.first_data, p.last_data, p.stalled))
+            .unwrap_or_default();
         Times {
             started: self.started,
             first_data,
             last_data,
+            stalled,
+        }
+    }
+
+    /// kvguard-control did not run for `stall`, which ended by `now` (the process was
+    /// stopped or starved): what the engine sent meanwhile waits in socket buffers, not
+    /// yet recorded. The idle clock (last data event) moves on by the stall, at most to
+    /// `now`, and so does the first-token clock: a silence that may have been ours ends
+    /// nothing. Max age is not moved.
+    pub fn credit_stall(&self, stall: Duration, now: Instant) {
+        if let Ok(mut p) = self.progress.lock() {
+            match p.last_data.as_mut() {
+                Some(last) => *last = (*last + stall).min(now),
+                None => p.stalled += stall,
+            }
         }
     }
 
@@ -371,6 +393,30 @@ mod tests {
         assert_eq!(v.first_data_ms, Some(1000));
         assert!(e.mark_observed());
         assert!(!e.mark_observed());
+    }
+
+    #[test]
+    fn a_stall_moves_the_idle_clock_on_at_most_to_now_and_before_data_the_first_token_clock() {
+        let t0 = Instant::now();
+        let e = completion(t0);
+        let s = Duration::from_secs(3);
+        e.credit_stall(s, t0 + Duration::from_secs(5));
+        assert_eq!(e.times().stalled, s, "no data yet: the first-token clock");
+        assert_eq!(e.times().last_data, None);
+        e.record_events(1, t0 + Duration::from_secs(6));
+        e.credit_stall(s, t0 + Duration::from_secs(20));
+        let t = e.times();
+        assert_eq!(t.last_data, Some(t0 + Duration::from_secs(9)));
+        assert_eq!(
+            t.stalled, s,
+            "after the first data event only the idle clock moves"
+        );
+        // Data recorded after the stall (at `now`) is not moved past `now`.
+        e.record_events(1, t0 + Duration::from_secs(30));
+        e.credit_stall(s, t0 + Duration::from_secs(31));
+        assert_eq!(e.times().last_data, Some(t0 + Duration::from_secs(31)));
+        e.credit_stall(Duration::from_secs(100), t0 + Duration::from_secs(32));
+        assert_eq!(e.times().last_data, Some(t0 + Duration::from_secs(32)));
     }
 
     #[test]

@@ -469,6 +469,59 @@ async fn admin_answers_probes_and_aborts_within_a_second_beside_300_keep_alive_c
     .unwrap();
 }
 
+/// The reaper credits a stall of the process to every stream: the binary stopped
+/// (SIGSTOP) for `--idle-timeout` + 1 s while streams flow cuts none of them once it runs
+/// again (what the engine sent meanwhile waited in socket buffers), and a stream that is
+/// really silent is still ended `stalled`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopped_process_cuts_no_flowing_stream_and_still_ends_a_silent_one() {
+    bounded("test", Duration::from_secs(90), async {
+        let sim = sim(slow_sim()).await;
+        let idle = Duration::from_secs(1);
+        let (mut child, proxy, admin) = start_binary(&sim.url(), &["--idle-timeout", "1s"]).await;
+        let mut flowing = Vec::new();
+        for i in 0..24 {
+            let mut s = long_completion(proxy, &format!("flow-{i}")).await;
+            s.next_data(Duration::from_secs(5)).await.unwrap().unwrap();
+            flowing.push(s);
+        }
+        let mut silent = client::stream_sse(
+            proxy,
+            "/v1/completions",
+            &completion(400),
+            &[("x-request-id", "silent"), ("x-sim-stall-after", "3")],
+            false,
+        )
+        .await
+        .unwrap();
+        for _ in 0..3 {
+            silent
+                .next_data(Duration::from_secs(5))
+                .await
+                .unwrap()
+                .unwrap();
+        }
+        child.signal(19).unwrap(); // SIGSTOP
+                                   // The stop is what is tested: it lasts past the idle timeout.
+        tokio::time::sleep(idle + Duration::from_secs(1)).await;
+        child.signal(18).unwrap(); // SIGCONT
+        for (i, s) in flowing.iter_mut().enumerate() {
+            let ev = s.read_events(20, Duration::from_secs(10)).await.unwrap();
+            let cut = ev.iter().find(|e| e.event.as_deref() == Some("error"));
+            assert!(cut.is_none(), "flow-{i} was cut: {cut:?}");
+        }
+        let ev = silent.collect(Duration::from_secs(10)).await.unwrap();
+        let last = ev.last().and_then(|e| e.json()).unwrap_or_default();
+        assert_eq!(last["error"]["reason"], "stalled", "{ev:?}");
+        assert!(metric(admin, "kvguard_control_reaper_stalls_total").await >= Some(1.0));
+        drop((flowing, silent));
+        child.signal(libc_sigterm()).unwrap();
+        let _ = child.wait_exit_async(Duration::from_secs(15)).await;
+    })
+    .await
+    .unwrap();
+}
+
 fn libc_sigterm() -> i32 {
     15
 }

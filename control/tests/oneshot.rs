@@ -1194,3 +1194,33 @@ async fn a_connection_beyond_the_admin_bound_serves_health_probes_and_refuses_th
     let (_, v) = call(app, get("/metrics")).await;
     assert_eq!(v["error"], "busy");
 }
+
+#[tokio::test]
+async fn a_stalled_reaper_is_counted_and_credits_the_stall_to_every_stream() {
+    let (st, clock) = state(|c| c.limits.idle_timeout = Some(Duration::from_secs(2)));
+    let every = reaper::tick(&st.cfg.limits);
+    let e = st
+        .admit(RequestId::try_new(b"r").unwrap(), "POST".into(), "/".into())
+        .unwrap();
+    e.record_events(1, clock.now());
+    // A gap within twice the period is no stall.
+    assert_eq!(
+        reaper::note_reaper_gap(&st, every * 2, every),
+        Duration::ZERO
+    );
+    // kvguard-control stalled 3 s (beyond the 2 s idle timeout): what the engine sent
+    // meanwhile is not recorded yet, so the stream keeps running.
+    clock.advance(Duration::from_secs(3));
+    let stalled = reaper::note_reaper_gap(&st, Duration::from_secs(3), every);
+    assert_eq!(stalled, Duration::from_secs(3) - every);
+    reaper::reap_once(&st);
+    assert_eq!(e.ended(), None, "ended by a stall of kvguard-control's own");
+    assert_eq!(
+        lease_metric(&st, "kvguard_control_reaper_stalls_total").await,
+        1.0
+    );
+    // Silent past the idle timeout after that: ended.
+    clock.advance(Duration::from_secs(2));
+    reaper::reap_once(&st);
+    assert_eq!(e.ended(), Some(AbortReason::Stalled));
+}
