@@ -297,7 +297,9 @@ fn abort_answer(
         }
         AbortFound::NotFound => {
             st.metrics.abort_api("not_found");
-            tracing::info!(request_id = %id, reason = %reason, "abort call for an id not in flight: tombstoned");
+            if !st.cfg.dry_run {
+                tracing::info!(request_id = %id, reason = %reason, "abort call for an id not in flight: tombstoned");
+            }
             (StatusCode::NOT_FOUND, answer(id, false, false, false)).into_response()
         }
     }

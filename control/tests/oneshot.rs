@@ -1224,3 +1224,62 @@ async fn a_stalled_reaper_is_counted_and_credits_the_stall_to_every_stream() {
     reaper::reap_once(&st);
     assert_eq!(e.ended(), Some(AbortReason::Stalled));
 }
+
+#[tokio::test]
+async fn a_dry_run_tombstones_nothing_and_keeps_a_superseded_attempt_in_flight() {
+    let (st, _clock) = state(|c| c.dry_run = true);
+    let id = RequestId::try_new(b"early").unwrap();
+    // An abort that overtakes its request: counted and logged, no tombstone.
+    assert_eq!(
+        st.abort_or_tombstone(&id, AbortReason::DownstreamReset, None),
+        kvguard_control::state::AbortFound::NotFound
+    );
+    assert!(st.inner().tombstones.is_empty());
+    let first = st.admit(id.clone(), "POST".into(), "/".into()).unwrap();
+    // A retry with the same id: the older attempt stays in flight, seen by the reaper.
+    let retry = st.admit(id.clone(), "POST".into(), "/".into()).unwrap();
+    assert_eq!(st.inflight(), 2);
+    let seqs: Vec<u64> = st.entries().iter().map(|e| e.seq).collect();
+    assert!(
+        seqs.contains(&first.seq) && seqs.contains(&retry.seq),
+        "{seqs:?}"
+    );
+    assert_eq!(
+        series(&st, "kvguard_control_inflight").as_deref(),
+        Some("2")
+    );
+    // Each leaves when its own response ends.
+    st.remove(&first);
+    assert_eq!(st.inflight(), 1);
+    assert_eq!(st.entries()[0].seq, retry.seq);
+    st.remove(&retry);
+    assert_eq!(st.inflight(), 0);
+    assert_eq!(st.inflight(), 0);
+    assert_eq!(
+        series(&st, "kvguard_control_inflight").as_deref(),
+        Some("0")
+    );
+}
+
+#[tokio::test]
+async fn a_dry_run_keeps_superseded_attempts_within_max_inflight() {
+    let (st, _clock) = state(|c| {
+        c.dry_run = true;
+        c.max_inflight = 2;
+    });
+    let id = RequestId::try_new(b"r").unwrap();
+    st.admit(id.clone(), "POST".into(), "/".into()).unwrap();
+    st.admit(id.clone(), "POST".into(), "/".into()).unwrap();
+    assert!(matches!(
+        st.admit(id, "POST".into(), "/".into()),
+        Err(kvguard_control::state::Refusal::Full(2))
+    ));
+    // Enforce mode: a retry replaces its attempt, the table does not grow.
+    let (st, _clock) = state(|c| c.max_inflight = 1);
+    let id = RequestId::try_new(b"r").unwrap();
+    st.admit(id.clone(), "POST".into(), "/".into()).unwrap();
+    assert!(st.admit(id, "POST".into(), "/".into()).is_ok());
+    assert!(st
+        .admit(RequestId::try_new(b"s").unwrap(), "POST".into(), "/".into())
+        .is_err());
+}
