@@ -28,8 +28,12 @@ use tower_http::timeout::TimeoutLayer;
 /// Deadline for a whole admin request, body included (408 beyond): a slow sender cannot
 /// hold one of the listener's connection slots for long.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
-/// Deadline for a client to send its request head on the admin listener.
-pub const HEAD_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Deadline for a client to send its request head on the admin listener, counted from
+/// the end of its previous answer: so also how long an idle keep-alive connection is kept.
+/// Above the renewal period (~5 s) so a gateway's renewals reuse their connection, and
+/// above the idle timeout of every shipped client (Envoy's control clusters 10 s,
+/// [`crate::peers::POOL_IDLE`]), which so always closes first.
+pub const HEAD_READ_TIMEOUT: Duration = Duration::from_secs(15);
 /// Refused abort calls are logged at most once per this period (with the count since).
 pub const REFUSAL_LOG_PERIOD: Duration = Duration::from_secs(10);
 

@@ -31,6 +31,9 @@ use std::time::{Duration, Instant};
 pub const PEER_TIMEOUT: Duration = Duration::from_millis(500);
 /// How often `--peers` names are resolved again.
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
+/// How long an idle connection to a peer is kept: below the admin listener's keep-alive
+/// idle ([`crate::admin::HEAD_READ_TIMEOUT`]), so this side closes it first.
+pub const POOL_IDLE: Duration = Duration::from_secs(10);
 /// Largest peer answer body read.
 const MAX_ANSWER: usize = 4096;
 
@@ -71,7 +74,7 @@ impl Peers {
         conn.set_nodelay(true);
         conn.set_connect_timeout(Some(PEER_TIMEOUT));
         let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_idle_timeout(POOL_IDLE)
             .pool_max_idle_per_host(8)
             .build(conn);
         Peers {

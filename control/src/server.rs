@@ -28,7 +28,10 @@ use tokio_util::sync::CancellationToken;
 pub const MAX_HEADER_BYTES: usize = 64 * 1024;
 /// Most header fields in a request.
 pub const MAX_HEADERS: usize = 100;
-/// Deadline for a client to send its request head.
+/// Deadline for a client to send its request head on the proxy listener, counted from the
+/// end of its previous response: so also how long an idle keep-alive connection is kept.
+/// Above the shipped Envoy `engine` cluster's idle timeout (20 s), which so always closes
+/// first (a request never meets a connection kvguard-control is closing).
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// Open connections on the admin listener at most (an idle keep-alive connection costs a
 /// file descriptor and a few KiB, no work slot: work is limited per request,
