@@ -153,9 +153,12 @@ impl Peers {
     }
 
     /// The signed envelope of `body`, or `None` without a key (never: `--peers` needs one).
+    /// Signed with the stamp key when there is one: during a rotation's last step (the old
+    /// key leaves `--secret-file`) the replicas that reloaded first accept only the new
+    /// key, which every replica accepts and signs its stamp with since step 3.
     fn envelope(&self, st: &AppState, body: &[u8]) -> Option<(Bytes, String)> {
         let keys = st.keys();
-        let key = keys.accept.first()?;
+        let key = keys.stamp.as_ref().or(keys.accept.first())?;
         let env = Forwarded::new(&self.name, body)?.to_json();
         let sig = signature::sign(key, st.clock.unix_secs(), &env);
         Some((Bytes::from(env), sig))

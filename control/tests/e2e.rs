@@ -11,6 +11,7 @@ use kvguard_integration::client;
 use kvguard_integration::sim::{EndKind, SimConfig};
 use kvguard_integration::wait::{bounded, poll_until_async};
 use serde_json::json;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -822,6 +823,67 @@ async fn client_gone_before_headers_and_h2_stream_reset_reach_the_engine() {
         .unwrap();
         assert_eq!(ctl.state.inflight(), 0);
         ctl.stop().await;
+    })
+    .await
+    .unwrap();
+}
+
+/// Two loopback addresses free now (bound, then released).
+fn free_addrs(n: usize) -> Vec<SocketAddr> {
+    let ls: Vec<_> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    ls.iter().map(|l| l.local_addr().unwrap()).collect()
+}
+
+/// `--peers` naming every address of `all`, this replica being `me`.
+fn peer_config(all: &[SocketAddr], me: SocketAddr) -> kvguard_control::config::PeerConfig {
+    kvguard_control::config::PeerConfig {
+        urls: all
+            .iter()
+            .map(|a| kvguard_control::config::parse_peer_url(&format!("http://{a}")).unwrap())
+            .collect(),
+        self_addr: me,
+    }
+}
+
+/// Rotation step 4 (the old key leaves `--secret-file`), half done: replica B reloaded
+/// and accepts only the new key, replica A still holds [old, new] and signs its stamp with
+/// the new one. An abort reaching A for a request on B is forwarded in an envelope B
+/// accepts (signed with the stamp key), so it ends the request.
+#[tokio::test]
+async fn a_forwarded_abort_crosses_a_half_done_rotation() {
+    bounded("test", T, async {
+        let sim = sim(slow_sim()).await;
+        let old = Key::try_new(KEY).unwrap();
+        let new = Key::try_new(b"kvguard-rotated-key-0123456789").unwrap();
+        let admins = free_addrs(2);
+        let (a, b) = (admins[0], admins[1]);
+        let rb = control(&sim.url(), |c| {
+            c.admin_listen = b;
+            c.keys = vec![new.clone()];
+            c.stamp_key = Some(new.clone());
+            c.peers = Some(peer_config(&admins, b));
+        })
+        .await;
+        let ra = control(&sim.url(), |c| {
+            c.admin_listen = a;
+            c.keys = vec![old.clone(), new.clone()];
+            c.stamp_key = Some(new.clone());
+            c.peers = Some(peer_config(&admins, a));
+        })
+        .await;
+        let mut s = long_completion(rb.proxy_addr, "rotated").await;
+        s.next_data(T).await.unwrap().unwrap();
+        let body = json!({"request_id": "rotated", "reason": "downstream_reset"});
+        let (status, v, _) = abort_signed(ra.admin_addr, &body, Some(&new), now_unix()).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["aborted"], true, "{v}");
+        let ev = s.collect(T).await.unwrap();
+        let last = ev.last().and_then(|e| e.json()).unwrap_or_default();
+        assert_eq!(last["error"]["reason"], "downstream_reset", "{ev:?}");
+        ra.stop().await;
+        rb.stop().await;
     })
     .await
     .unwrap();
