@@ -225,6 +225,11 @@ async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
         match st.abort_if_here(&id, reason, gone) {
             AbortFound::NotFound => {
                 if let Some(a) = peers.forward_abort(&st, &body).await {
+                    // Every replica tombstones the id (the holder as it ended it, the
+                    // others on the forward): a later attempt is refused wherever it lands.
+                    if !st.cfg.dry_run {
+                        st.tombstone(id.clone(), reason);
+                    }
                     st.metrics.abort_api("forwarded");
                     tracing::info!(request_id = %id, reason = %reason, peer = %a.peer, "abort call for an id a peer holds: forwarded, answered by the peer");
                     let mut r = Response::new(Body::from(a.body));
@@ -357,8 +362,9 @@ async fn open_forwarded(
 }
 
 /// `POST /v1/peer/abort`: an abort another replica forwarded because it does not hold
-/// the id. Ended here if in flight here; 404 otherwise, with no tombstone (the
-/// forwarding replica keeps that). Never forwarded again.
+/// the id. Ended here if in flight here; otherwise tombstoned here too and answered 404,
+/// so that a request the abort overtook is refused whichever replica it lands on. Never
+/// forwarded again.
 async fn peer_abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
     let env = match open_forwarded(&st, "abort", req).await {
         Ok(e) => e,
@@ -375,7 +381,7 @@ async fn peer_abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
     let gone = abort
         .gone_ms
         .map(|ms| (std::time::Duration::from_millis(ms), abort.tokens));
-    match st.abort_if_here(&id, reason, gone) {
+    match st.abort_or_tombstone(&id, reason, gone) {
         AbortFound::Observed => {
             st.metrics.peer.receive("abort", "dry_run");
             (StatusCode::OK, answer(&id, true, false, false)).into_response()

@@ -888,3 +888,44 @@ async fn a_forwarded_abort_crosses_a_half_done_rotation() {
     .await
     .unwrap();
 }
+
+/// An abort that overtakes its request (a queueing hop in front: LiteLLM) reaches one
+/// replica of three; none holds the id, so each tombstones it: the request is refused
+/// (409) whichever replica it lands on.
+#[tokio::test]
+async fn an_abort_overtaking_its_request_is_tombstoned_on_every_replica() {
+    bounded("test", T, async {
+        let sim = sim(slow_sim()).await;
+        let admins = free_addrs(3);
+        let mut replicas = Vec::new();
+        for a in &admins {
+            let a = *a;
+            let all = admins.clone();
+            replicas.push(
+                control(&sim.url(), move |c| {
+                    c.admin_listen = a;
+                    c.peers = Some(peer_config(&all, a));
+                })
+                .await,
+            );
+        }
+        let (status, v) = abort(replicas[0].admin_addr, "overtaken", "downstream_reset").await;
+        assert_eq!(status, 404, "{v}");
+        for (i, r) in replicas.iter().enumerate() {
+            let resp = client::post_json(
+                r.proxy_addr,
+                "/v1/completions",
+                &completion(4),
+                &[("x-request-id", "overtaken")],
+            )
+            .await
+            .unwrap();
+            assert_eq!(resp.status, 409, "replica {i}: {}", resp.text());
+        }
+        for r in replicas {
+            r.stop().await;
+        }
+    })
+    .await
+    .unwrap();
+}

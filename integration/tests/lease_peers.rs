@@ -8,7 +8,8 @@
 //!
 //! - A request abandoned before its response headers (so before the `x-kvguard-control`
 //!   stamp) on any replica is aborted on that replica, through A's forward, within a
-//!   bound far inside the abort deadline; A never answers 404 and tombstones nothing.
+//!   bound far inside the abort deadline; A never answers 404, and tombstones each id
+//!   (ended there, or forwarded to the replica that held it).
 //! - Two gateways; one carries a request running on C and is SIGKILLed: C ends it by the
 //!   lease (enforce, the renewals C holds came from A's fan-out), within TTL + 1 s; the
 //!   other gateway's streams on every replica run to their end.
@@ -254,8 +255,8 @@ async fn an_abort_before_the_stamp_is_forwarded_to_the_replica_holding_the_reque
         );
         assert_eq!(
             metric(a, "kvguard_control_tombstones").await,
-            held[0] as f64,
-            "A tombstoned only the ids it ended itself"
+            (held[0] + held[1] + held[2]) as f64,
+            "A tombstoned every id it ended or a peer ended on its forward"
         );
         for (i, c) in controls.iter().enumerate().skip(1) {
             assert_eq!(
@@ -521,9 +522,10 @@ async fn forged_and_replayed_forwarded_messages_are_refused_and_counted() {
                 kvguard_contract::PEER_ABORT_PATH,
                 kvguard_contract::PEER_LEASE_PATH,
             );
-            // Genuine: not held here, 404, and no tombstone (a request with the id is admitted).
+            // Genuine: not held here, 404, and tombstoned (a request with the id is
+            // refused: the abort overtook it on another replica).
             forged_genuine_replayed(a, pa, &env, &key, &forged_key, 404).await;
-            assert_eq!(metric(&control, "kvguard_control_tombstones").await, 0.0);
+            assert_eq!(metric(&control, "kvguard_control_tombstones").await, 1.0);
             // A gateway's own signed abort is not a forwarded one (and is not forwarded on).
             let r = post(a, pa, abort.clone(), signature::sign(&key, unix(), &abort)).await;
             assert_eq!(r.status, 400, "{}", r.text());
@@ -552,7 +554,7 @@ async fn forged_and_replayed_forwarded_messages_are_refused_and_counted() {
             assert_eq!(metric(&control, &s("renewal", "unauthorized")).await, 2.0);
             assert_eq!(metric(&control, &s("renewal", "replay")).await, 1.0);
             assert_eq!(metric(&control, &s("renewal", "accepted")).await, 1.0);
-            // The id is not tombstoned: a request with it runs.
+            // The id is tombstoned: a request with it is refused.
             let r = client::request(
                 control.proxy,
                 hyper::Method::POST,
@@ -567,7 +569,7 @@ async fn forged_and_replayed_forwarded_messages_are_refused_and_counted() {
             )
             .await
             .unwrap();
-            assert_eq!(r.status, 200, "{}", r.text());
+            assert_eq!(r.status, 409, "{}", r.text());
         },
     )
     .await
