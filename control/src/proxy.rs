@@ -426,10 +426,14 @@ async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {
     let (mut rparts, rbody) = resp.into_parts();
     strip_hop_by_hop(&mut rparts.headers);
     rparts.version = Version::default();
-    let kind = BodyKind::from_content_type(
+    let kind = BodyKind::from_response(
         rparts
             .headers
             .get(header::CONTENT_TYPE)
+            .map(HeaderValue::as_bytes),
+        rparts
+            .headers
+            .get(header::CONTENT_ENCODING)
             .map(HeaderValue::as_bytes),
     );
     entry.record_response(rparts.status.as_u16(), kind, st.clock.now());
