@@ -2,6 +2,7 @@
 //! status, metrics, health and readiness.
 
 use crate::leases::{LeaseMode, RenewError};
+use crate::replay::Seen;
 use crate::state::{AbortFound, AppState};
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -192,6 +193,13 @@ async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
         .get(SIGNATURE_HEADER)
         .map(HeaderValue::as_bytes);
     if let Err(e) = verify_fresh(&st, sig_header, &body) {
+        let e = match e {
+            Refused::Full => {
+                st.metrics.abort_api("replay_full");
+                return replay_full();
+            }
+            Refused::Sig(e) => e,
+        };
         if e == SignatureError::Replay {
             st.metrics.abort_api("replay");
             tracing::warn!("abort call refused: replayed signature");
@@ -250,26 +258,43 @@ async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
     abort_answer(&st, &id, reason, &abort, found)
 }
 
+/// Why a signed call was refused before its body was read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refused {
+    /// The signature (missing, malformed, stale, unknown key, or a replay).
+    Sig(SignatureError),
+    /// The replay memory is full of live signatures: this one could not be remembered,
+    /// so it is refused (503, retry) rather than accepted unrecognisable.
+    Full,
+}
+
 /// Verifies a signature (any key, `t` within the window) and remembers it: a second
 /// call with the same signature is [`SignatureError::Replay`].
-fn verify_fresh(st: &AppState, header: Option<&[u8]>, body: &[u8]) -> Result<(), SignatureError> {
+fn verify_fresh(st: &AppState, header: Option<&[u8]>, body: &[u8]) -> Result<(), Refused> {
     let now_unix = st.clock.unix_secs();
     let keys = st.keys();
-    let sig = signature::verify(&keys.accept, header, body, now_unix)?;
-    let (fresh, evicted) = {
-        let mut inner = st.inner();
-        let before = inner.replay.evicted();
-        let fresh = inner.replay.check_and_remember(&sig, now_unix);
-        (fresh, inner.replay.evicted() - before)
-    };
-    if evicted > 0 {
-        st.metrics.replay_evicted.inc_by(evicted);
+    let sig = signature::verify(&keys.accept, header, body, now_unix).map_err(Refused::Sig)?;
+    let seen = st.replay().check_and_remember(&sig, now_unix);
+    match seen {
+        Seen::Fresh => Ok(()),
+        Seen::Replay => Err(Refused::Sig(SignatureError::Replay)),
+        Seen::Full => {
+            st.metrics.replay_full.inc();
+            Err(Refused::Full)
+        }
     }
-    if fresh {
-        Ok(())
-    } else {
-        Err(SignatureError::Replay)
-    }
+}
+
+/// The 503 of a signed call the replay memory has no room for.
+fn replay_full() -> Response {
+    let mut r = refuse(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "busy",
+        "the replay memory is full of live signatures; retry".to_owned(),
+    );
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    r
 }
 
 fn answer(id: &RequestId, found: bool, aborted: bool, already: bool) -> Json<AbortAnswer> {
@@ -335,6 +360,13 @@ async fn open_forwarded(
         .get(SIGNATURE_HEADER)
         .map(HeaderValue::as_bytes);
     if let Err(e) = verify_fresh(st, header, &body) {
+        let e = match e {
+            Refused::Full => {
+                st.metrics.peer.receive(kind, "replay_full");
+                return Err(replay_full());
+            }
+            Refused::Sig(e) => e,
+        };
         if e == SignatureError::Replay {
             st.metrics.peer.receive(kind, "replay");
             tracing::warn!(kind, "forwarded {kind} refused: replayed signature");
@@ -526,6 +558,13 @@ async fn renew_lease(State(st): State<Arc<AppState>>, req: Request) -> Response 
 }
 
 async fn requests(State(st): State<Arc<AppState>>) -> Response {
+    if !st.cfg.list_requests {
+        return refuse(
+            StatusCode::NOT_FOUND,
+            "off",
+            "GET /v1/requests is off: start kvguard-control with --list-requests to list the ids in flight".to_owned(),
+        );
+    }
     let now = st.clock.now();
     let mut rows: Vec<_> = st.entries().iter().map(|e| e.view(now)).collect();
     rows.sort_by_key(|r| std::cmp::Reverse(r.age_ms));

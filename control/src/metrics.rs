@@ -102,8 +102,8 @@ pub struct Metrics {
     pub downstream_cuts: Family<L1, Counter>,
     /// NVML calls that did not return within their deadline.
     pub nvml_timeouts: Counter,
-    /// Signatures forgotten early by the replay memory (it was full).
-    pub replay_evicted: Counter,
+    /// Signed calls refused (503) because the replay memory was full of live signatures.
+    pub replay_full: Counter,
     /// Key file reloads by `result` = `ok`, `error` (the old keys stay).
     pub key_reloads: Family<L1, Counter>,
 
@@ -311,9 +311,9 @@ impl Metrics {
         );
         r!(
             reg,
-            "replay_evicted",
-            "Abort signatures forgotten before their window ended because the replay memory was full",
-            m.replay_evicted.clone()
+            "replay_full",
+            "Signed calls refused (503, retry) because the replay memory was full of live signatures",
+            m.replay_full.clone()
         );
         r!(
             reg,
@@ -578,7 +578,7 @@ mod tests {
             "kvguard_control_engine_process_resident_memory_bytes",
             "kvguard_control_engine_processes",
             "kvguard_control_nvml_timeouts_total",
-            "kvguard_control_replay_evicted_total",
+            "kvguard_control_replay_full_total",
             "kvguard_control_downstream_cuts_total{scope=\"h2_stream\"}",
             "kvguard_control_key_reloads_total{result=\"error\"}",
             "kvguard_control_orphan_seconds_total{reason=\"downstream_reset\"} 0",

@@ -929,3 +929,94 @@ async fn an_abort_overtaking_its_request_is_tombstoned_on_every_replica() {
     .await
     .unwrap();
 }
+
+/// The replay memory filled while streams run: once it holds `cap` live signatures a new
+/// call is refused 503 (retry) and a replay of any remembered one stays 409, never 200 or
+/// 404; admission (its own lock) goes on throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_memory_filled_under_load_refuses_new_calls_and_never_accepts_a_replay() {
+    bounded("test", Duration::from_secs(60), async {
+        let sim = sim(SimConfig {
+            token_rate: 500.0,
+            ..SimConfig::default()
+        })
+        .await;
+        const CAP: usize = 300;
+        let ctl = control(&sim.url(), |c| c.max_replay_entries = CAP).await;
+        let proxy = ctl.proxy_addr;
+        let stop = tokio_util::sync::CancellationToken::new();
+        let load: Vec<_> = (0..8)
+            .map(|w| {
+                let stop = stop.clone();
+                tokio::spawn(async move {
+                    let mut done = 0u32;
+                    while !stop.is_cancelled() {
+                        let id = format!("load-{w}-{done}");
+                        let mut s = client::stream_sse(
+                            proxy,
+                            "/v1/completions",
+                            &completion(20),
+                            &[("x-request-id", &id)],
+                            false,
+                        )
+                        .await
+                        .unwrap();
+                        let ev = s.collect(T).await.unwrap();
+                        assert!(ev.last().unwrap().is_done(), "{id}: {ev:?}");
+                        done += 1;
+                    }
+                    done
+                })
+            })
+            .collect();
+        let key = key();
+        let t = now_unix();
+        let mut sent = Vec::new();
+        for i in 0..CAP + 50 {
+            let body = serde_json::to_vec(
+                &json!({"request_id": format!("fill-{i}"), "reason": "operator"}),
+            )
+            .unwrap();
+            let sig = kvguard_contract::signature::sign(&key, t, &body);
+            let r = post_signed(ctl.admin_addr, &body, &sig).await;
+            let want = if i < CAP { 404 } else { 503 };
+            assert_eq!(r, want, "call {i}");
+            sent.push((body, sig));
+        }
+        for (i, (body, sig)) in sent.iter().enumerate().take(CAP) {
+            assert_eq!(
+                post_signed(ctl.admin_addr, body, sig).await,
+                409,
+                "replay {i}"
+            );
+        }
+        stop.cancel();
+        let mut completed = 0;
+        for l in load {
+            completed += l.await.unwrap();
+        }
+        assert!(completed > 0, "admission went on");
+        assert_eq!(
+            metric(ctl.admin_addr, "kvguard_control_replay_full_total").await,
+            Some(50.0)
+        );
+        ctl.stop().await;
+    })
+    .await
+    .unwrap();
+}
+
+async fn post_signed(admin: SocketAddr, body: &[u8], sig: &str) -> u16 {
+    client::request(
+        admin,
+        hyper::Method::POST,
+        "/v1/abort",
+        &[("x-kvguard-signature", sig)],
+        body.to_vec(),
+        false,
+        T,
+    )
+    .await
+    .unwrap()
+    .status
+}

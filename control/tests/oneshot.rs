@@ -570,26 +570,43 @@ async fn an_abort_racing_its_request_ends_it_or_refuses_it_never_404_while_it_ru
 }
 
 #[tokio::test]
-async fn replay_memory_evictions_are_counted_and_refusals_are_logged_sparingly() {
-    let (st, _clock) = state(|c| c.max_replay_entries = 2);
+async fn a_full_replay_memory_refuses_new_calls_never_a_replay_and_refusals_are_logged_sparingly() {
+    let (st, clock) = state(|c| c.max_replay_entries = 2);
     let key = Key::try_new(KEY).unwrap();
     let app = admin::app(st.clone());
-    for i in 0..3 {
+    let signed = |i: u32, t: u64| {
         let body = format!(r#"{{"request_id":"e{i}","reason":"stalled","idle_ms":5,"gone_ms":7}}"#);
-        let (s, _) = call(
-            app.clone(),
-            abort_req(
-                body.as_bytes(),
-                Some(signature::sign(&key, NOW, body.as_bytes())),
-            ),
-        )
-        .await;
+        let sig = signature::sign(&key, t, body.as_bytes());
+        (body, sig)
+    };
+    let calls: Vec<_> = (0..3).map(|i| signed(i, NOW)).collect();
+    for (body, sig) in &calls[..2] {
+        let (s, _) = call(app.clone(), abort_req(body.as_bytes(), Some(sig.clone()))).await;
         assert_eq!(s, StatusCode::NOT_FOUND, "idle_ms and gone_ms are accepted");
     }
+    // Full of live signatures: a new call is refused 503 (retry), and a replay of the
+    // first stays a replay (nothing was forgotten to make room).
+    let (s, v) = call(
+        app.clone(),
+        abort_req(calls[2].0.as_bytes(), Some(calls[2].1.clone())),
+    )
+    .await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    let (s, _) = call(
+        app.clone(),
+        abort_req(calls[0].0.as_bytes(), Some(calls[0].1.clone())),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CONFLICT);
     assert_eq!(
-        series(&st, "kvguard_control_replay_evicted_total").as_deref(),
+        series(&st, "kvguard_control_replay_full_total").as_deref(),
         Some("1")
     );
+    // Once the first signatures leave the window there is room again.
+    clock.advance(Duration::from_secs(kvguard_contract::MAX_SKEW_SECS + 1));
+    let (body, sig) = signed(3, NOW + kvguard_contract::MAX_SKEW_SECS + 1);
+    let (s, _) = call(app.clone(), abort_req(body.as_bytes(), Some(sig))).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
     let l = admin::LogLimiter::default();
     let period = Duration::from_secs(10);
     assert_eq!(l.admit(1_000, period), Some(0));
@@ -1282,4 +1299,23 @@ async fn a_dry_run_keeps_superseded_attempts_within_max_inflight() {
     assert!(st
         .admit(RequestId::try_new(b"s").unwrap(), "POST".into(), "/".into())
         .is_err());
+}
+
+#[tokio::test]
+async fn the_in_flight_ids_are_listed_only_with_list_requests() {
+    let (st, _) = state(|c| c.list_requests = false);
+    st.admit(
+        RequestId::try_new(b"secret-id").unwrap(),
+        "POST".into(),
+        "/".into(),
+    )
+    .unwrap();
+    let (s, v) = call(
+        admin::app(st),
+        Request::get("/v1/requests").body(Body::empty()).unwrap(),
+    )
+    .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_eq!(v["error"], "off");
+    assert!(!v.to_string().contains("secret-id"));
 }

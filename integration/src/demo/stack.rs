@@ -76,6 +76,8 @@ impl Control {
             .arg("--no-nvml")
             .arg("--worker-threads")
             .arg("2")
+            // The demo and the harness read the in-flight table.
+            .arg("--list-requests")
             .args(args)
             .env("KVGUARD_SECRET", SECRET);
         let mut guard = ChildGuard::spawn("kvguard-control", cmd)?;
