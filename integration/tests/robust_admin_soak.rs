@@ -267,11 +267,11 @@ async fn admin_load_from_gateways_peers_and_probes_keeps_every_probe_under_a_sec
         let mut probe_tasks = Vec::new();
         let counters: Vec<_> = (0..WORKERS).map(|_| Arc::new(AtomicU64::new(0))).collect();
         for (i, r) in replicas.iter().enumerate() {
-            for w in 0..WORKERS {
+            for (w, counter) in counters.iter().enumerate() {
                 for c in 0..POOL {
                     // Each worker renews through the first replica only (its
                     // control_cluster); the second learns it from the first's fan-out.
-                    let renew = (i == 0 && c == 0).then(|| counters[w].clone());
+                    let renew = (i == 0 && c == 0).then(|| counter.clone());
                     gateway.push(tokio::spawn(gateway_connection(
                         r.admin,
                         (w, c),
