@@ -71,7 +71,8 @@ pub struct Metrics {
     pub engine_scrape_errors: Counter,
     /// 1 when the last scrape succeeded.
     pub engine_up: Gauge,
-    /// Engine running + waiting − kvguard in flight, floored at 0 (absent while the
+    /// Engine running + waiting − engine sequences of the requests in flight through
+    /// kvguard (`n` × prompts each), floored at 0 (absent while the
     /// engine's figures are unknown).
     pub orphans: MaybeGauge,
     /// 1 when NVML answers.
@@ -473,8 +474,8 @@ pub const ABORT_API_RESULTS: [&str; 8] = [
 /// Orphans: sequences the engine holds (running and waiting) that no request in flight
 /// through kvguard accounts for, floored at 0. Exact only with one kvguard-control in
 /// front of the engine (other clients' sequences count as orphans).
-pub fn orphans(engine_running: f64, engine_waiting: f64, inflight: usize) -> f64 {
-    (engine_running + engine_waiting - inflight as f64).max(0.0)
+pub fn orphans(engine_running: f64, engine_waiting: f64, tracked_sequences: u64) -> f64 {
+    (engine_running + engine_waiting - tracked_sequences as f64).max(0.0)
 }
 
 /// A float gauge whose series exists only while its value is known: cleared, it

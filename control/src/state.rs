@@ -58,6 +58,9 @@ pub struct EngineStatus {
     pub flavour: Option<EngineFlavour>,
     /// Last preemption count seen (for the counter's deltas).
     pub last_preemptions: Option<f64>,
+    /// Engine sequences of the requests in flight here when the last scrape was taken
+    /// (the larger of the counts just before and just after it).
+    pub tracked: Option<u64>,
 }
 
 /// What an abort call found ([`AppState::abort_or_tombstone`]).
@@ -189,6 +192,17 @@ impl AppState {
     /// Requests in flight.
     pub fn inflight(&self) -> usize {
         self.inner().len()
+    }
+
+    /// Engine sequences of the requests in flight ([`Entry::sequences`]).
+    pub fn inflight_sequences(&self) -> u64 {
+        let inner = self.inner();
+        inner
+            .table
+            .values()
+            .chain(inner.superseded.values())
+            .map(|e| u64::from(e.sequences()))
+            .sum()
     }
 
     /// Every entry in flight.

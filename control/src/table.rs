@@ -5,7 +5,7 @@ use crate::downstream::Downstream;
 use crate::scan::BodyKind;
 use kvguard_contract::{AbortReason, InstanceId, RequestId};
 use serde::Serialize;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::task::AbortHandle;
@@ -52,6 +52,7 @@ pub struct Entry {
     progress: Mutex<Progress>,
     ended: Mutex<Option<AbortReason>>,
     observed: AtomicBool,
+    sequences: AtomicU32,
     cancel: CancellationToken,
     conn: Mutex<Option<AbortHandle>>,
     finished: CancellationToken,
@@ -143,6 +144,7 @@ impl Entry {
             }),
             ended: Mutex::new(None),
             observed: AtomicBool::new(false),
+            sequences: AtomicU32::new(1),
             cancel: CancellationToken::new(),
             conn: Mutex::new(None),
             finished: CancellationToken::new(),
@@ -150,6 +152,16 @@ impl Entry {
             client_gone: Mutex::new(None),
             instance: OnceLock::new(),
         }
+    }
+
+    /// Sets how many engine sequences the request runs (see [`engine_sequences`]).
+    pub fn set_sequences(&self, n: u32) {
+        self.sequences.store(n.max(1), Ordering::Release);
+    }
+
+    /// Engine sequences the request runs: 1 until its body was read.
+    pub fn sequences(&self) -> u32 {
+        self.sequences.load(Ordering::Acquire)
     }
 
     /// Records the gateway instance that carries this request (`x-kvguard-instance`).
@@ -356,6 +368,36 @@ impl Entry {
     }
 }
 
+/// Most sequences one request is counted for (a bound on a body's claim).
+pub const MAX_SEQUENCES: u32 = 4096;
+
+/// How many engine sequences an OpenAI-style request body makes the engine run, as vLLM
+/// counts them in `num_requests_running` / `num_requests_waiting`: one per choice (`n`)
+/// of each prompt (a completion's `prompt` list of strings or of token-id lists is a
+/// batch; one string or one token-id list is one prompt). 1 for anything else or a body
+/// that is not such JSON; at most [`MAX_SEQUENCES`].
+pub fn engine_sequences(body: &[u8]) -> u32 {
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return 1;
+    };
+    let n = v
+        .get("n")
+        .and_then(serde_json::Value::as_u64)
+        .unwrap_or(1)
+        .max(1);
+    let prompts = match v.get("prompt") {
+        Some(serde_json::Value::Array(items))
+            if !items.is_empty() && items.iter().all(|i| i.is_string() || i.is_array()) =>
+        {
+            items.len() as u64
+        }
+        _ => 1,
+    };
+    u32::try_from(n.saturating_mul(prompts))
+        .unwrap_or(MAX_SEQUENCES)
+        .min(MAX_SEQUENCES)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -370,6 +412,32 @@ mod tests {
             t0,
             100,
         )
+    }
+
+    #[test]
+    fn engine_sequences_count_choices_of_each_prompt() {
+        assert_eq!(engine_sequences(br#"{"prompt":"a"}"#), 1);
+        assert_eq!(engine_sequences(br#"{"prompt":"a","n":4}"#), 4);
+        assert_eq!(engine_sequences(br#"{"prompt":["a","b","c"]}"#), 3);
+        assert_eq!(engine_sequences(br#"{"prompt":["a","b"],"n":3}"#), 6);
+        assert_eq!(engine_sequences(br#"{"prompt":[[1,2],[3]],"n":2}"#), 4);
+        // One token-id list is one prompt.
+        assert_eq!(engine_sequences(br#"{"prompt":[1,2,3]}"#), 1);
+        assert_eq!(engine_sequences(br#"{"prompt":[]}"#), 1);
+        assert_eq!(
+            engine_sequences(br#"{"messages":[{"role":"user"}],"n":2}"#),
+            2
+        );
+        assert_eq!(engine_sequences(br#"{"n":0}"#), 1);
+        assert_eq!(engine_sequences(b"not json"), 1);
+        assert_eq!(engine_sequences(br#"{"n":1000000}"#), MAX_SEQUENCES);
+        assert_eq!(engine_sequences(br#"{"n":5000000000}"#), MAX_SEQUENCES);
+        let e = completion(Instant::now());
+        assert_eq!(e.sequences(), 1);
+        e.set_sequences(4);
+        assert_eq!(e.sequences(), 4);
+        e.set_sequences(0);
+        assert_eq!(e.sequences(), 1);
     }
 
     #[test]

@@ -1020,3 +1020,33 @@ async fn post_signed(admin: SocketAddr, body: &[u8], sig: &str) -> u16 {
     .unwrap()
     .status
 }
+
+/// The proxy reads a request's body on its way for the engine sequences it makes: `n`
+/// choices of each prompt of a batched completion.
+#[tokio::test]
+async fn the_proxy_counts_the_engine_sequences_of_n_and_batched_prompts() {
+    bounded("test", T, async {
+        let sim = sim(slow_sim()).await;
+        let ctl = control(&sim.url(), |_| {}).await;
+        for (body, want) in [
+            (json!({"model": "tiny", "prompt": "a", "n": 4, "max_tokens": 400, "stream": true}), 4),
+            (json!({"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 400, "stream": true}), 3),
+            (json!({"model": "tiny", "prompt": "a", "max_tokens": 400, "stream": true}), 1),
+        ] {
+            let mut s = client::stream_sse(ctl.proxy_addr, "/v1/completions", &body, &[("x-request-id", "seqs")], false)
+                .await
+                .unwrap();
+            s.next_data(T).await.unwrap().unwrap();
+            assert_eq!(ctl.state.inflight_sequences(), want, "{body}");
+            drop(s);
+            poll_until_async("ended", T, Duration::from_millis(20), || async {
+                (ctl.state.inflight() == 0).then_some(())
+            })
+            .await
+            .unwrap();
+        }
+        ctl.stop().await;
+    })
+    .await
+    .unwrap();
+}

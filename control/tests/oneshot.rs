@@ -1319,3 +1319,35 @@ async fn the_in_flight_ids_are_listed_only_with_list_requests() {
     assert_eq!(v["error"], "off");
     assert!(!v.to_string().contains("secret-id"));
 }
+
+/// vLLM counts each choice of an `n > 1` request (and each prompt of a batch) as a
+/// sequence: a healthy `n = 4` request reads 0 orphans, the same four sequences left
+/// running after the request ended read 4.
+#[tokio::test]
+async fn orphans_count_engine_sequences_per_tracked_request() {
+    let (st, engine) = scripted_state();
+    let mut window = sampler::QuietWindow::open(&st);
+    let four = st
+        .admit(
+            RequestId::try_new(b"n4").unwrap(),
+            "POST".into(),
+            "/".into(),
+        )
+        .unwrap();
+    four.set_sequences(4);
+    assert_eq!(st.inflight_sequences(), 4);
+    engine.answer(Some(
+        "vllm:num_requests_running{engine=\"0\"} 4\nvllm:num_requests_waiting{engine=\"0\"} 0\n",
+    ));
+    sampler::sample_once(&st, &mut window).await;
+    assert_eq!(
+        series(&st, "kvguard_control_orphans").as_deref(),
+        Some("0.0")
+    );
+    st.remove(&four);
+    sampler::sample_once(&st, &mut window).await;
+    assert_eq!(
+        series(&st, "kvguard_control_orphans").as_deref(),
+        Some("4.0")
+    );
+}
