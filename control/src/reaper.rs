@@ -207,6 +207,16 @@ mod tests {
     use crate::clock::Clock;
     use crate::testing::ManualClock;
 
+    /// A request started now with no data event yet, `stalled` credited.
+    fn waiting(c: &ManualClock, stalled: Duration) -> Times {
+        Times {
+            started: c.now(),
+            first_data: None,
+            last_data: None,
+            stalled,
+        }
+    }
+
     fn limits(max_age: u64, idle: u64, first: Option<u64>) -> Limits {
         Limits {
             max_age: Some(Duration::from_secs(max_age)),
@@ -219,12 +229,7 @@ mod tests {
     fn idle_runs_from_last_data_event_only_after_the_first() {
         let c = ManualClock::new(0);
         let l = limits(900, 120, None);
-        let mut t = Times {
-            started: c.now(),
-            first_data: None,
-            last_data: None,
-            stalled: Duration::ZERO,
-        };
+        let mut t = waiting(&c, Duration::ZERO);
         // Queued / prefill for a long time: not stalled (first-token timeout is off).
         c.advance(Duration::from_secs(300));
         assert_eq!(verdict(&t, c.now(), &l), None);
@@ -243,12 +248,7 @@ mod tests {
     fn first_token_timeout() {
         let c = ManualClock::new(0);
         let l = limits(900, 120, Some(30));
-        let mut t = Times {
-            started: c.now(),
-            first_data: None,
-            last_data: None,
-            stalled: Duration::ZERO,
-        };
+        let mut t = waiting(&c, Duration::ZERO);
         c.advance(Duration::from_secs(29));
         assert_eq!(verdict(&t, c.now(), &l), None);
         c.advance(Duration::from_secs(1));
@@ -265,12 +265,7 @@ mod tests {
     fn a_stall_of_kvguard_control_does_not_count_against_the_first_token() {
         let c = ManualClock::new(0);
         let l = limits(900, 120, Some(30));
-        let mut t = Times {
-            started: c.now(),
-            first_data: None,
-            last_data: None,
-            stalled: Duration::from_secs(10),
-        };
+        let mut t = waiting(&c, Duration::from_secs(10));
         c.advance(Duration::from_secs(39));
         assert_eq!(verdict(&t, c.now(), &l), None, "29 s of waiting of its own");
         c.advance(Duration::from_secs(1));
@@ -323,12 +318,7 @@ mod tests {
     #[test]
     fn everything_off() {
         let c = ManualClock::new(0);
-        let t = Times {
-            started: c.now(),
-            first_data: None,
-            last_data: None,
-            stalled: Duration::ZERO,
-        };
+        let t = waiting(&c, Duration::ZERO);
         c.advance(Duration::from_secs(1_000_000));
         assert_eq!(verdict(&t, c.now(), &Limits::default()), None);
         assert_eq!(tick(&Limits::default()), Duration::from_secs(1));

@@ -108,12 +108,7 @@ async fn real_binary_serves_reports_idle_rss_and_drains_on_sigterm() {
         .env("KVGUARD_DRAIN_TIMEOUT", "10s")
         .env("KVGUARD_SECRET", std::str::from_utf8(KEY).unwrap())
         .env("KVGUARD_LOG_FORMAT", "text");
-        let mut child = ChildGuard::spawn("kvguard-control", cmd).unwrap();
-        let log = child
-            .wait_for_log("kvguard-control listening", Duration::from_secs(10))
-            .await
-            .unwrap();
-        let (proxy, admin) = parse_listening(&log);
+        let (mut child, proxy, admin) = spawn_listening(cmd).await;
         let j: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&addr_file).unwrap()).unwrap();
         assert_eq!(j["proxy"], proxy.to_string());
@@ -409,6 +404,11 @@ async fn start_binary(engine: &str, extra: &[&str]) -> (ChildGuard, SocketAddr, 
         .args(extra)
         .env("KVGUARD_SECRET", std::str::from_utf8(KEY).unwrap())
         .env("KVGUARD_LOG_FORMAT", "text");
+    spawn_listening(cmd).await
+}
+
+/// Spawns `cmd` (the binary) and reads its (proxy, admin) addresses from its log.
+async fn spawn_listening(cmd: Command) -> (ChildGuard, SocketAddr, SocketAddr) {
     let mut child = ChildGuard::spawn("kvguard-control", cmd).unwrap();
     let log = child
         .wait_for_log("kvguard-control listening", Duration::from_secs(10))

@@ -8,6 +8,7 @@ use common::*;
 use kvguard_contract::{stamp, Key, RequestId};
 use kvguard_control::config::AbortStrategy;
 use kvguard_integration::client;
+use kvguard_integration::free_addrs;
 use kvguard_integration::sim::{EndKind, SimConfig};
 use kvguard_integration::wait::{bounded, poll_until_async};
 use serde_json::json;
@@ -826,14 +827,6 @@ async fn client_gone_before_headers_and_h2_stream_reset_reach_the_engine() {
     })
     .await
     .unwrap();
-}
-
-/// Two loopback addresses free now (bound, then released).
-fn free_addrs(n: usize) -> Vec<SocketAddr> {
-    let ls: Vec<_> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    ls.iter().map(|l| l.local_addr().unwrap()).collect()
 }
 
 /// `--peers` naming every address of `all`, this replica being `me`.

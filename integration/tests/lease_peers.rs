@@ -28,6 +28,7 @@ use kvguard_integration::demo::stack::{self, Control};
 use kvguard_integration::envoy::{
     Envoy, EnvoyOptions, CONTROL_CLUSTER, CONTROL_TARGET_CLUSTER, UPSTREAM_CLUSTER,
 };
+use kvguard_integration::free_addrs;
 use kvguard_integration::lossy::{self, LossyConfig, LossyHandle};
 use kvguard_integration::sim::{self, SimConfig, SimHandle};
 use kvguard_integration::wait::{bounded, poll_until_async};
@@ -48,39 +49,17 @@ fn sim_config() -> SimConfig {
     }
 }
 
-/// Three free loopback ports (bound, then released: each replica binds its own at once).
-fn free_addrs(n: usize) -> Vec<SocketAddr> {
-    let ls: Vec<_> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    ls.iter().map(|l| l.local_addr().unwrap()).collect()
-}
-
 /// Three replicas in front of `engine`, each knowing the others (`--peers` lists all
 /// three; each leaves itself out by its `--admin-listen`), each behind its own lossy hop.
 async fn replicas(engine: &SimHandle, extra: &[&str]) -> (Vec<Control>, Vec<LossyHandle>) {
-    let admins = free_addrs(3);
-    let peers = admins
-        .iter()
-        .map(|a| format!("http://{a}"))
-        .collect::<Vec<_>>()
-        .join(",");
-    let any = SocketAddr::from(([127, 0, 0, 1], 0));
-    let mut controls = Vec::new();
+    let mut args = vec!["--idle-timeout", "off"];
+    args.extend_from_slice(extra);
+    let controls = Control::start_replicas(engine.addr(), 3, &args)
+        .await
+        .unwrap();
     let mut hops = Vec::new();
-    for admin in &admins {
-        let mut args: Vec<String> = vec![
-            "--peers".into(),
-            peers.clone(),
-            "--idle-timeout".into(),
-            "off".into(),
-        ];
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let c = Control::start(engine.addr(), any, *admin, &args)
-            .await
-            .unwrap();
+    for c in &controls {
         hops.push(lossy::spawn(LossyConfig::to(c.proxy)).await.unwrap());
-        controls.push(c);
     }
     (controls, hops)
 }

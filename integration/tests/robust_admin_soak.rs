@@ -220,13 +220,6 @@ async fn scraper(admin: SocketAddr, stop: Stop, failures: Failures) {
     }
 }
 
-fn free_addrs(n: usize) -> Vec<SocketAddr> {
-    let ls: Vec<_> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    ls.iter().map(|l| l.local_addr().unwrap()).collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn admin_load_from_gateways_peers_and_probes_keeps_every_probe_under_a_second_and_cuts_nothing(
 ) {
@@ -244,21 +237,7 @@ async fn admin_load_from_gateways_peers_and_probes_keeps_every_probe_under_a_sec
         })
         .await
         .unwrap();
-        let admins = free_addrs(2);
-        let peers = admins
-            .iter()
-            .map(|a| format!("http://{a}"))
-            .collect::<Vec<_>>()
-            .join(",");
-        let any = SocketAddr::from(([127, 0, 0, 1], 0));
-        let mut replicas = Vec::new();
-        for a in &admins {
-            replicas.push(
-                Control::start(engine.addr(), any, *a, &["--peers".into(), peers.clone()])
-                    .await
-                    .unwrap(),
-            );
-        }
+        let mut replicas = Control::start_replicas(engine.addr(), 2, &[]).await.unwrap();
         let stop = Stop::default();
         let failures = Failures::default();
         let calls = Arc::new(AtomicU64::new(0));

@@ -148,6 +148,29 @@ impl Control {
         &mut self.guard
     }
 
+    /// `n` replicas in front of `engine`, each with `--peers` naming all of them (each
+    /// leaves itself out by its `--admin-listen`), and the flags `extra`.
+    pub async fn start_replicas(
+        engine: SocketAddr,
+        n: usize,
+        extra: &[&str],
+    ) -> Result<Vec<Control>> {
+        let admins = crate::free_addrs(n);
+        let peers = admins
+            .iter()
+            .map(|a| format!("http://{a}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        let mut args: Vec<String> = vec!["--peers".into(), peers];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut controls = Vec::new();
+        for admin in &admins {
+            controls.push(Control::start(engine, any, *admin, &args).await?);
+        }
+        Ok(controls)
+    }
+
     /// Its log so far.
     pub fn log(&self) -> String {
         self.guard.log()
