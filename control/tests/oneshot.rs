@@ -1266,12 +1266,18 @@ async fn a_dry_run_tombstones_nothing_and_keeps_a_superseded_attempt_in_flight()
         Some("2")
     );
     // Each leaves when its own response ends.
-    st.remove(&first);
-    assert_eq!(st.inflight(), 1);
-    assert_eq!(st.entries()[0].seq, retry.seq);
+    assert!(!st.inner().is_empty());
     st.remove(&retry);
+    assert_eq!(
+        st.inflight(),
+        1,
+        "the superseded attempt is still in flight"
+    );
+    assert!(!st.inner().is_empty());
+    assert_eq!(st.entries()[0].seq, first.seq);
+    st.remove(&first);
     assert_eq!(st.inflight(), 0);
-    assert_eq!(st.inflight(), 0);
+    assert!(st.inner().is_empty());
     assert_eq!(
         series(&st, "kvguard_control_inflight").as_deref(),
         Some("0")
