@@ -1,10 +1,12 @@
 //! The admin listener: the abort API (contract §3), the in-flight table, GPU and engine
 //! status, metrics, health and readiness.
 
+use crate::replay::Seen;
 use crate::state::{AbortFound, AppState};
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -19,20 +21,34 @@ use serde_json::json;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::Semaphore;
 use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::timeout::TimeoutLayer;
 
 /// Deadline for a whole admin request, body included (408 beyond): a slow sender cannot
 /// hold one of the listener's connection slots for long.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
-/// Deadline for a client to send its request head on the admin listener.
-pub const HEAD_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Deadline for a client to send its request head on the admin listener, counted from
+/// the end of its previous answer: so also how long an idle keep-alive connection is kept.
+/// Above the renewal period (~5 s) so a gateway's renewals reuse their connection, and
+/// above the idle timeout of every shipped client (Envoy's control clusters 10 s,
+/// [`crate::peers::POOL_IDLE`]), which so always closes first.
+pub const HEAD_READ_TIMEOUT: Duration = Duration::from_secs(15);
 /// Refused abort calls are logged at most once per this period (with the count since).
 pub const REFUSAL_LOG_PERIOD: Duration = Duration::from_secs(10);
 
+/// Admin requests doing work at once (verifying, answering, forwarding to peers,
+/// encoding metrics), whatever the number of connections: an idle keep-alive connection
+/// holds none. A request's body is read before it takes a slot.
+pub const MAX_ADMIN_WORK: usize = 64;
+/// How long a request waits for a work slot before it is answered 503 (`Retry-After: 1`).
+pub const WORK_WAIT: Duration = Duration::from_secs(1);
+
 /// The admin listener's router: every request bounded in time ([`REQUEST_TIMEOUT`]) and
-/// in body size (a forwarded envelope's limit; each handler reads at most its own).
+/// in body size (a forwarded envelope's limit; each handler reads at most its own); every
+/// one but the health probes under the work limit ([`MAX_ADMIN_WORK`]).
 pub fn app(state: Arc<AppState>) -> Router {
+    let work = Arc::new(Semaphore::new(MAX_ADMIN_WORK));
     Router::new()
         .route(ABORT_PATH, post(abort))
         .route(LEASE_PATH, post(crate::lease::endpoints::admin))
@@ -42,14 +58,80 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v1/gpu", get(gpu))
         .route("/v1/engine", get(engine))
         .route("/metrics", get(metrics))
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
+        .route_layer(axum::middleware::from_fn_with_state(work, limit_work))
+        .merge(probes())
         .layer(RequestBodyLimitLayer::new(MAX_PEER_BODY))
         .layer(TimeoutLayer::with_status_code(
             StatusCode::REQUEST_TIMEOUT,
             REQUEST_TIMEOUT,
         ))
         .with_state(state)
+}
+
+/// The router of an admin connection beyond the connection bound
+/// ([`crate::server::ADMIN_PROBE_RESERVE`]): health probes only, anything else 503.
+pub fn probe_app(state: Arc<AppState>) -> Router {
+    probes()
+        .fallback(|| async {
+            let mut r = refuse(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "busy",
+                "every admin connection is taken: this one serves health probes only; retry"
+                    .to_owned(),
+            );
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            r
+        })
+        .layer(TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            REQUEST_TIMEOUT,
+        ))
+        .with_state(state)
+}
+
+fn probes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+}
+
+/// Reads the request's body, then waits (up to [`WORK_WAIT`]) for a work slot, held
+/// until the answer is made; 503 without one.
+async fn limit_work(State(work): State<Arc<Semaphore>>, req: Request, next: Next) -> Response {
+    let (parts, body) = req.into_parts();
+    let body = match axum::body::to_bytes(body, MAX_PEER_BODY).await {
+        Ok(b) => Body::from(b),
+        // The handler reads the error and answers it its own way.
+        Err(e) => Body::new(FailedBody(Some(e.into_inner()))),
+    };
+    let Ok(Ok(permit)) = tokio::time::timeout(WORK_WAIT, work.acquire_owned()).await else {
+        let mut r = refuse(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "busy",
+            format!("{MAX_ADMIN_WORK} admin requests are being answered; retry"),
+        );
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        return r;
+    };
+    let r = next.run(Request::from_parts(parts, body)).await;
+    drop(permit);
+    r
+}
+
+/// A body whose read failed before the handler ran: the handler gets the same error.
+struct FailedBody(Option<axum::BoxError>);
+
+impl http_body::Body for FailedBody {
+    type Data = bytes::Bytes;
+    type Error = axum::BoxError;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        std::task::Poll::Ready(self.0.take().map(Err))
+    }
 }
 
 /// Lets one log line through per period and counts the ones held back (a flood of bad
@@ -110,6 +192,13 @@ async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
         .get(SIGNATURE_HEADER)
         .map(HeaderValue::as_bytes);
     if let Err(e) = verify_fresh(&st, sig_header, &body) {
+        let e = match e {
+            Refused::Full => {
+                st.metrics.abort_api("replay_full");
+                return replay_full();
+            }
+            Refused::Sig(e) => e,
+        };
         if e == SignatureError::Replay {
             st.metrics.abort_api("replay");
             tracing::warn!("abort call refused: replayed signature");
@@ -143,6 +232,11 @@ async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
         match st.abort_if_here(&id, reason, gone) {
             AbortFound::NotFound => {
                 if let Some(a) = peers.forward_abort(&st, &body).await {
+                    // Every replica tombstones the id (the holder as it ended it, the
+                    // others on the forward): a later attempt is refused wherever it lands.
+                    if !st.cfg.dry_run {
+                        st.tombstone(id.clone(), reason);
+                    }
                     st.metrics.abort_api("forwarded");
                     tracing::info!(request_id = %id, reason = %reason, peer = %a.peer, "abort call for an id a peer holds: forwarded, answered by the peer");
                     let mut r = Response::new(Body::from(a.body));
@@ -163,26 +257,43 @@ async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
     abort_answer(&st, &id, reason, &abort, found)
 }
 
+/// Why a signed call was refused before its body was read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refused {
+    /// The signature (missing, malformed, stale, unknown key, or a replay).
+    Sig(SignatureError),
+    /// The replay memory is full of live signatures: this one could not be remembered,
+    /// so it is refused (503, retry) rather than accepted unrecognisable.
+    Full,
+}
+
 /// Verifies a signature (any key, `t` within the window) and remembers it: a second
 /// call with the same signature is [`SignatureError::Replay`].
-fn verify_fresh(st: &AppState, header: Option<&[u8]>, body: &[u8]) -> Result<(), SignatureError> {
+fn verify_fresh(st: &AppState, header: Option<&[u8]>, body: &[u8]) -> Result<(), Refused> {
     let now_unix = st.clock.unix_secs();
     let keys = st.keys();
-    let sig = signature::verify(&keys.accept, header, body, now_unix)?;
-    let (fresh, evicted) = {
-        let mut inner = st.inner();
-        let before = inner.replay.evicted();
-        let fresh = inner.replay.check_and_remember(&sig, now_unix);
-        (fresh, inner.replay.evicted() - before)
-    };
-    if evicted > 0 {
-        st.metrics.replay_evicted.inc_by(evicted);
+    let sig = signature::verify(&keys.accept, header, body, now_unix).map_err(Refused::Sig)?;
+    let seen = st.replay().check_and_remember(&sig, now_unix);
+    match seen {
+        Seen::Fresh => Ok(()),
+        Seen::Replay => Err(Refused::Sig(SignatureError::Replay)),
+        Seen::Full => {
+            st.metrics.replay_full.inc();
+            Err(Refused::Full)
+        }
     }
-    if fresh {
-        Ok(())
-    } else {
-        Err(SignatureError::Replay)
-    }
+}
+
+/// The 503 of a signed call the replay memory has no room for.
+fn replay_full() -> Response {
+    let mut r = refuse(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "busy",
+        "the replay memory is full of live signatures; retry".to_owned(),
+    );
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    r
 }
 
 fn answer(id: &RequestId, found: bool, aborted: bool, already: bool) -> Json<AbortAnswer> {
@@ -219,7 +330,9 @@ fn abort_answer(
         }
         AbortFound::NotFound => {
             st.metrics.abort_api("not_found");
-            tracing::info!(request_id = %id, reason = %reason, "abort call for an id not in flight: tombstoned");
+            if !st.cfg.dry_run {
+                tracing::info!(request_id = %id, reason = %reason, "abort call for an id not in flight: tombstoned");
+            }
             (StatusCode::NOT_FOUND, answer(id, false, false, false)).into_response()
         }
     }
@@ -246,6 +359,13 @@ pub(crate) async fn open_forwarded(
         .get(SIGNATURE_HEADER)
         .map(HeaderValue::as_bytes);
     if let Err(e) = verify_fresh(st, header, &body) {
+        let e = match e {
+            Refused::Full => {
+                st.metrics.peer.receive(kind, "replay_full");
+                return Err(replay_full());
+            }
+            Refused::Sig(e) => e,
+        };
         if e == SignatureError::Replay {
             st.metrics.peer.receive(kind, "replay");
             tracing::warn!(kind, "forwarded {kind} refused: replayed signature");
@@ -273,8 +393,9 @@ pub(crate) async fn open_forwarded(
 }
 
 /// `POST /v1/peer/abort`: an abort another replica forwarded because it does not hold
-/// the id. Ended here if in flight here; 404 otherwise, with no tombstone (the
-/// forwarding replica keeps that). Never forwarded again.
+/// the id. Ended here if in flight here; otherwise tombstoned here too and answered 404,
+/// so that a request the abort overtook is refused whichever replica it lands on. Never
+/// forwarded again.
 async fn peer_abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
     let env = match open_forwarded(&st, "abort", req).await {
         Ok(e) => e,
@@ -291,7 +412,7 @@ async fn peer_abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
     let gone = abort
         .gone_ms
         .map(|ms| (std::time::Duration::from_millis(ms), abort.tokens));
-    match st.abort_if_here(&id, reason, gone) {
+    match st.abort_or_tombstone(&id, reason, gone) {
         AbortFound::Observed => {
             st.metrics.peer.receive("abort", "dry_run");
             (StatusCode::OK, answer(&id, true, false, false)).into_response()
@@ -313,6 +434,13 @@ async fn peer_abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
 }
 
 async fn requests(State(st): State<Arc<AppState>>) -> Response {
+    if !st.cfg.list_requests {
+        return refuse(
+            StatusCode::NOT_FOUND,
+            "off",
+            "GET /v1/requests is off: start kvguard-control with --list-requests to list the ids in flight".to_owned(),
+        );
+    }
     let now = st.clock.now();
     let mut rows: Vec<_> = st.entries().iter().map(|e| e.view(now)).collect();
     rows.sort_by_key(|r| std::cmp::Reverse(r.age_ms));

@@ -147,6 +147,10 @@ pub struct Args {
     /// Do not load NVML (machines where it must not be touched).
     #[arg(long, env = "KVGUARD_NO_NVML", default_value_t = false)]
     pub no_nvml: bool,
+    /// Serve `GET /v1/requests` (the ids in flight, their paths and progress) on the admin
+    /// listener; off by default: the ids are the abort API's targets.
+    #[arg(long, env = "KVGUARD_LIST_REQUESTS", default_value_t = false)]
+    pub list_requests: bool,
     /// After kvguard ends a request, how long its client may take to read the end (the
     /// final SSE event) before the downstream side is cut: the HTTP/2 stream is reset,
     /// an HTTP/1.1 connection closed.
@@ -471,6 +475,8 @@ pub struct Config {
     pub worker_threads: usize,
     /// Skip NVML.
     pub no_nvml: bool,
+    /// Serve `GET /v1/requests`.
+    pub list_requests: bool,
     /// Post-abort deadline before the downstream side is cut.
     pub abort_flush_timeout: Duration,
     /// Lease handling.
@@ -706,6 +712,7 @@ impl Config {
             addr_file: args.addr_file,
             worker_threads,
             no_nvml: args.no_nvml,
+            list_requests: args.list_requests,
             abort_flush_timeout,
             lease_mode: args.lease_mode,
             lease_ttl,
@@ -734,6 +741,8 @@ impl Config {
         ])
         .map_err(|e| ConfigError::new("args", e.to_string()))?;
         let mut c = Config::try_new(args, None)?;
+        // Tests read the table.
+        c.list_requests = true;
         c.stamp_key = keys.first().cloned();
         c.keys = keys;
         Ok(c)
@@ -772,6 +781,10 @@ mod tests {
         assert_eq!(c.abort_strategy, AbortStrategy::Connection);
         assert!(c.keys.is_empty());
         assert!(!c.dry_run);
+        assert!(
+            !c.list_requests,
+            "the in-flight ids are not listed unless asked"
+        );
         assert_eq!(c.abort_flush_timeout, Duration::from_secs(2));
     }
 

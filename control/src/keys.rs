@@ -1,7 +1,9 @@
 //! Key rotation without a restart: `--secret-file` and `--stamp-key-file` are read again
 //! when their content changes (polled every [`KEY_POLL`]: Kubernetes updates a Secret
 //! volume by swapping a symlink and sends no signal) or on SIGHUP. A file that does not
-//! parse leaves the keys in use as they are (logged, counted).
+//! parse leaves the keys in use as they are (logged, counted). SIGHUP's handler is
+//! installed first thing in `main` and never removed: a SIGHUP never ends the process,
+//! with or without key files.
 
 use crate::config::{accepted_keys, read_stamp_key, Config, ConfigError};
 use crate::state::{AppState, KeySet};
@@ -68,28 +70,58 @@ pub fn reload(st: &AppState) -> bool {
     }
 }
 
-/// Watches the key files until `stop` (nothing to do without a key file).
-pub fn spawn_watcher(st: Arc<AppState>, stop: CancellationToken) {
+/// Installs SIGHUP's handler for the rest of the process's life: tokio never uninstalls a
+/// handler it installed, so from this call on a SIGHUP never ends the process (its default
+/// action). `main` calls it as its first instruction, before the runtime and the
+/// configuration exist; [`spawn_watcher`] then answers each SIGHUP.
+pub fn install_hangup_handler() -> std::io::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()?;
+    rt.block_on(async { signal(SignalKind::hangup()).map(drop) })
+}
+
+/// What one SIGHUP does: reloads the key files if there are any, and logs it.
+pub fn on_hangup(st: &AppState) {
     if st.cfg.secret_file.is_none() && st.cfg.stamp_key_file.is_none() {
+        tracing::info!("SIGHUP: nothing to reload (no --secret-file or --stamp-key-file; KVGUARD_SECRET is read at start only)");
         return;
     }
+    let changed = reload(st);
+    tracing::info!(changed, "SIGHUP: key files read again");
+}
+
+/// Answers SIGHUP ([`on_hangup`]) and watches the key files, if any, until `stop`. The
+/// SIGHUP stream is taken here, before the task starts, so a SIGHUP after `start` is
+/// never missed.
+pub fn spawn_watcher(st: Arc<AppState>, stop: CancellationToken) {
+    let mut hup = match signal(SignalKind::hangup()) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot listen for SIGHUP");
+            None
+        }
+    };
+    let files = st.cfg.secret_file.is_some() || st.cfg.stamp_key_file.is_some();
     tokio::spawn(async move {
-        let mut hup = signal(SignalKind::hangup()).ok();
         let mut last = contents(&st.cfg);
         let mut iv = tokio::time::interval(KEY_POLL);
         iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            let forced = tokio::select! {
+            tokio::select! {
                 _ = stop.cancelled() => break,
-                _ = iv.tick() => false,
-                _ = hangup(&mut hup) => true,
-            };
-            let now = contents(&st.cfg);
-            if !forced && now == last {
-                continue;
+                _ = iv.tick(), if files => {
+                    let now = contents(&st.cfg);
+                    if now != last {
+                        last = now;
+                        reload(&st);
+                    }
+                }
+                _ = hangup(&mut hup) => {
+                    last = contents(&st.cfg);
+                    on_hangup(&st);
+                }
             }
-            last = now;
-            reload(&st);
         }
     });
 }

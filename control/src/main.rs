@@ -8,6 +8,9 @@ use kvguard_control::{Args, Config, Deps, Server, EXIT_USAGE};
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    // First: a SIGHUP (a reload request, or a terminal's hang-up) never ends the process,
+    // not even during start-up.
+    let hup = kvguard_control::keys::install_hangup_handler();
     let args = match Args::try_parse() {
         Ok(a) => a,
         Err(e) => {
@@ -28,6 +31,9 @@ fn main() -> ExitCode {
         }
     };
     init_tracing(&cfg);
+    if let Err(e) = hup {
+        tracing::warn!(error = %e, "cannot install the SIGHUP handler: a SIGHUP ends the process");
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cfg.worker_threads)
         .thread_name("kvguard-control")

@@ -54,6 +54,9 @@ pub struct Metrics {
     pub tombstones_evicted: Counter,
     /// Requests that replaced an in-flight request with the same id (retries).
     pub superseded: Counter,
+    /// Reaper passes that found kvguard-control stalled (the stall credited to every
+    /// request in flight).
+    pub reaper_stalls: Counter,
     /// Data events (SSE) / lines (NDJSON) proxied.
     pub data_events: Counter,
     /// Engine KV-cache usage, 0..1.
@@ -68,7 +71,8 @@ pub struct Metrics {
     pub engine_scrape_errors: Counter,
     /// 1 when the last scrape succeeded.
     pub engine_up: Gauge,
-    /// Engine running + waiting − kvguard in flight, floored at 0 (absent while the
+    /// Engine running + waiting − engine sequences of the requests in flight through
+    /// kvguard (`n` × prompts each), floored at 0 (absent while the
     /// engine's figures are unknown).
     pub orphans: MaybeGauge,
     /// 1 when NVML answers.
@@ -99,8 +103,8 @@ pub struct Metrics {
     pub downstream_cuts: Family<L1, Counter>,
     /// NVML calls that did not return within their deadline.
     pub nvml_timeouts: Counter,
-    /// Signatures forgotten early by the replay memory (it was full).
-    pub replay_evicted: Counter,
+    /// Signed calls refused (503) because the replay memory was full of live signatures.
+    pub replay_full: Counter,
     /// Key file reloads by `result` = `ok`, `error` (the old keys stay).
     pub key_reloads: Family<L1, Counter>,
 
@@ -179,6 +183,12 @@ impl Metrics {
             "superseded",
             "In-flight requests ended because a request with the same id arrived (a retry)",
             m.superseded.clone()
+        );
+        r!(
+            reg,
+            "reaper_stalls",
+            "Reaper passes that found kvguard-control stalled (the stall credited to every request in flight)",
+            m.reaper_stalls.clone()
         );
         r!(
             reg,
@@ -302,9 +312,9 @@ impl Metrics {
         );
         r!(
             reg,
-            "replay_evicted",
-            "Abort signatures forgotten before their window ended because the replay memory was full",
-            m.replay_evicted.clone()
+            "replay_full",
+            "Signed calls refused (503, retry) because the replay memory was full of live signatures",
+            m.replay_full.clone()
         );
         r!(
             reg,
@@ -464,8 +474,8 @@ pub const ABORT_API_RESULTS: [&str; 8] = [
 /// Orphans: sequences the engine holds (running and waiting) that no request in flight
 /// through kvguard accounts for, floored at 0. Exact only with one kvguard-control in
 /// front of the engine (other clients' sequences count as orphans).
-pub fn orphans(engine_running: f64, engine_waiting: f64, inflight: usize) -> f64 {
-    (engine_running + engine_waiting - inflight as f64).max(0.0)
+pub fn orphans(engine_running: f64, engine_waiting: f64, tracked_sequences: u64) -> f64 {
+    (engine_running + engine_waiting - tracked_sequences as f64).max(0.0)
 }
 
 /// A float gauge whose series exists only while its value is known: cleared, it
@@ -569,7 +579,7 @@ mod tests {
             "kvguard_control_engine_process_resident_memory_bytes",
             "kvguard_control_engine_processes",
             "kvguard_control_nvml_timeouts_total",
-            "kvguard_control_replay_evicted_total",
+            "kvguard_control_replay_full_total",
             "kvguard_control_downstream_cuts_total{scope=\"h2_stream\"}",
             "kvguard_control_key_reloads_total{result=\"error\"}",
             "kvguard_control_orphan_seconds_total{reason=\"downstream_reset\"} 0",

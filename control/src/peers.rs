@@ -31,6 +31,9 @@ use std::time::{Duration, Instant};
 pub const PEER_TIMEOUT: Duration = Duration::from_millis(500);
 /// How often `--peers` names are resolved again.
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
+/// How long an idle connection to a peer is kept: below the admin listener's keep-alive
+/// idle ([`crate::admin::HEAD_READ_TIMEOUT`]), so this side closes it first.
+pub const POOL_IDLE: Duration = Duration::from_secs(10);
 /// Largest peer answer body read.
 const MAX_ANSWER: usize = 4096;
 
@@ -71,7 +74,7 @@ impl Peers {
         conn.set_nodelay(true);
         conn.set_connect_timeout(Some(PEER_TIMEOUT));
         let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_idle_timeout(POOL_IDLE)
             .pool_max_idle_per_host(8)
             .build(conn);
         Peers {
@@ -150,9 +153,12 @@ impl Peers {
     }
 
     /// The signed envelope of `body`, or `None` without a key (never: `--peers` needs one).
+    /// Signed with the stamp key when there is one: during a rotation's last step (the old
+    /// key leaves `--secret-file`) the replicas that reloaded first accept only the new
+    /// key, which every replica accepts and signs its stamp with since step 3.
     fn envelope(&self, st: &AppState, body: &[u8]) -> Option<(Bytes, String)> {
         let keys = st.keys();
-        let key = keys.accept.first()?;
+        let key = keys.stamp.as_ref().or(keys.accept.first())?;
         let env = Forwarded::new(&self.name, body)?.to_json();
         let sig = signature::sign(key, st.clock.unix_secs(), &env);
         Some((Bytes::from(env), sig))

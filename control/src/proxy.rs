@@ -336,7 +336,12 @@ async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {
         .path_and_query()
         .map_or("/", |p| p.as_str())
         .to_owned();
-    let mut ureq = http::Request::new(Body::new(Limited::new(body, max_body)));
+    let mut ureq = http::Request::new(Body::new(SequenceBody {
+        inner: Limited::new(body, max_body),
+        kept: Vec::new(),
+        len: 0,
+        entry: Some(entry.clone()),
+    }));
     *ureq.method_mut() = parts.method;
     *ureq.version_mut() = Version::HTTP_11;
     *ureq.headers_mut() = headers;
@@ -433,10 +438,14 @@ async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {
     let (mut rparts, rbody) = resp.into_parts();
     strip_hop_by_hop(&mut rparts.headers);
     rparts.version = Version::default();
-    let kind = BodyKind::from_content_type(
+    let kind = BodyKind::from_response(
         rparts
             .headers
             .get(header::CONTENT_TYPE)
+            .map(HeaderValue::as_bytes),
+        rparts
+            .headers
+            .get(header::CONTENT_ENCODING)
             .map(HeaderValue::as_bytes),
     );
     entry.record_response(rparts.status.as_u16(), kind, st.clock.now());
@@ -457,6 +466,77 @@ async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {
         done: false,
     };
     Response::from_parts(rparts, Body::new(body))
+}
+
+/// Request bodies up to this size are read for the engine sequences they make
+/// ([`crate::table::engine_sequences`]); a larger one counts as one sequence.
+pub const SEQUENCE_SCAN_MAX: usize = 1024 * 1024;
+
+/// The request body on its way to the engine, unchanged: its frames (up to
+/// [`SEQUENCE_SCAN_MAX`] bytes, kept as shared `Bytes`, not copied) are read once it ends
+/// for the engine sequences the request makes (`n` × prompts), set on its entry.
+struct SequenceBody<B> {
+    inner: B,
+    kept: Vec<Bytes>,
+    len: usize,
+    /// Until the count is set.
+    entry: Option<Arc<Entry>>,
+}
+
+impl<B> SequenceBody<B> {
+    fn count(&mut self) {
+        let Some(entry) = self.entry.take() else {
+            return;
+        };
+        if self.len <= SEQUENCE_SCAN_MAX {
+            let body = self.kept.concat();
+            entry.set_sequences(crate::table::engine_sequences(&body));
+        }
+        self.kept = Vec::new();
+    }
+}
+
+impl<B> HttpBody for SequenceBody<B>
+where
+    B: HttpBody<Data = Bytes> + Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(data), Some(_)) = (frame.data_ref(), &this.entry) {
+                    this.len = this.len.saturating_add(data.len());
+                    if this.len <= SEQUENCE_SCAN_MAX {
+                        this.kept.push(data.clone());
+                    } else {
+                        this.kept = Vec::new();
+                    }
+                }
+                // hyper stops polling a body that says it has ended.
+                if this.inner.is_end_stream() {
+                    this.count();
+                }
+            }
+            Poll::Ready(None) => this.count(),
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// Whether an error (or one of its sources) is the request body's size limit.

@@ -9,20 +9,48 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
-/// Runs the reaper every [`tick`] until `stop`.
+/// Runs the reaper every [`tick`] until `stop`. A pass that comes late (the process
+/// stalled) first credits the stall to every request in flight ([`note_reaper_gap`]).
 pub fn spawn(st: Arc<AppState>, stop: CancellationToken) {
     let every = tick(&st.cfg.limits);
     tokio::spawn(async move {
         let mut iv = tokio::time::interval(every);
         iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last = st.clock.now();
         loop {
             tokio::select! {
                 _ = stop.cancelled() => break,
                 _ = iv.tick() => {}
             }
+            let now = st.clock.now();
+            note_reaper_gap(&st, now.saturating_duration_since(last), every);
+            last = now;
             reap_once(&st);
         }
     });
+}
+
+/// Takes the gap since the reaper's last pass: a stall (see [`crate::lease::stall`]) is
+/// counted, logged and credited to every request in flight ([`crate::table::Entry::credit_stall`]),
+/// so that no stream is ended `stalled` for data that reached kvguard-control while it
+/// could not run and is not recorded yet. A stream that stays silent is still ended, the
+/// stall later. Returns the stall.
+pub fn note_reaper_gap(st: &AppState, gap: Duration, every: Duration) -> Duration {
+    let stalled = crate::lease::stall(gap, every);
+    if !stalled.is_zero() {
+        st.metrics.reaper_stalls.inc();
+        let now = st.clock.now();
+        let entries = st.entries();
+        for e in &entries {
+            e.credit_stall(stalled, now);
+        }
+        tracing::warn!(
+            stall_ms = stalled.as_millis() as u64,
+            requests = entries.len(),
+            "the reaper stalled; the stall is credited to every request in flight"
+        );
+    }
+    stalled
 }
 
 /// One pass over the in-flight table (ended requests have left it already), then the
@@ -48,7 +76,8 @@ pub fn verdict(t: &Times, now: Instant, limits: &Limits) -> Option<AbortReason> 
     }
     match t.last_data {
         None => {
-            if limits.first_token_timeout.is_some_and(|f| age >= f) {
+            let waited = age.saturating_sub(t.stalled);
+            if limits.first_token_timeout.is_some_and(|f| waited >= f) {
                 return Some(AbortReason::FirstTokenTimeout);
             }
         }
@@ -84,6 +113,16 @@ mod tests {
     use crate::clock::Clock;
     use crate::testing::ManualClock;
 
+    /// A request started now with no data event yet, `stalled` credited.
+    fn waiting(c: &ManualClock, stalled: Duration) -> Times {
+        Times {
+            started: c.now(),
+            first_data: None,
+            last_data: None,
+            stalled,
+        }
+    }
+
     fn limits(max_age: u64, idle: u64, first: Option<u64>) -> Limits {
         Limits {
             max_age: Some(Duration::from_secs(max_age)),
@@ -96,11 +135,7 @@ mod tests {
     fn idle_runs_from_last_data_event_only_after_the_first() {
         let c = ManualClock::new(0);
         let l = limits(900, 120, None);
-        let mut t = Times {
-            started: c.now(),
-            first_data: None,
-            last_data: None,
-        };
+        let mut t = waiting(&c, Duration::ZERO);
         // Queued / prefill for a long time: not stalled (first-token timeout is off).
         c.advance(Duration::from_secs(300));
         assert_eq!(verdict(&t, c.now(), &l), None);
@@ -119,11 +154,7 @@ mod tests {
     fn first_token_timeout() {
         let c = ManualClock::new(0);
         let l = limits(900, 120, Some(30));
-        let mut t = Times {
-            started: c.now(),
-            first_data: None,
-            last_data: None,
-        };
+        let mut t = waiting(&c, Duration::ZERO);
         c.advance(Duration::from_secs(29));
         assert_eq!(verdict(&t, c.now(), &l), None);
         c.advance(Duration::from_secs(1));
@@ -137,6 +168,24 @@ mod tests {
     }
 
     #[test]
+    fn a_stall_of_kvguard_control_does_not_count_against_the_first_token() {
+        let c = ManualClock::new(0);
+        let l = limits(900, 120, Some(30));
+        let mut t = waiting(&c, Duration::from_secs(10));
+        c.advance(Duration::from_secs(39));
+        assert_eq!(verdict(&t, c.now(), &l), None, "29 s of waiting of its own");
+        c.advance(Duration::from_secs(1));
+        assert_eq!(
+            verdict(&t, c.now(), &l),
+            Some(AbortReason::FirstTokenTimeout)
+        );
+        // Max age is not moved by a stall.
+        t.stalled = Duration::from_secs(1000);
+        c.advance(Duration::from_secs(860));
+        assert_eq!(verdict(&t, c.now(), &l), Some(AbortReason::MaxAge));
+    }
+
+    #[test]
     fn max_age_whatever_the_progress_and_first() {
         let c = ManualClock::new(0);
         let l = limits(60, 10, Some(5));
@@ -144,6 +193,7 @@ mod tests {
             started: c.now(),
             first_data: Some(c.now()),
             last_data: Some(c.now()),
+            stalled: Duration::ZERO,
         };
         for _ in 0..59 {
             c.advance(Duration::from_secs(1));
@@ -161,11 +211,7 @@ mod tests {
     #[test]
     fn everything_off() {
         let c = ManualClock::new(0);
-        let t = Times {
-            started: c.now(),
-            first_data: None,
-            last_data: None,
-        };
+        let t = waiting(&c, Duration::ZERO);
         c.advance(Duration::from_secs(1_000_000));
         assert_eq!(verdict(&t, c.now(), &Limits::default()), None);
         assert_eq!(tick(&Limits::default()), Duration::from_secs(1));

@@ -151,7 +151,11 @@ async fn count_lora_adapters(st: &Arc<AppState>) {
 }
 
 async fn scrape_engine(st: &Arc<AppState>) {
+    // What this replica tracks, read around the scrape: a request that starts or ends
+    // meanwhile is counted (the larger count), so it is never taken for an orphan.
+    let before = st.inflight_sequences();
     let result = st.engine.scrape().await;
+    let tracked = before.max(st.inflight_sequences());
     let now = st.clock.now();
     match result {
         Ok(text) => {
@@ -189,6 +193,7 @@ async fn scrape_engine(st: &Arc<AppState>) {
                 s.last_error = None;
                 s.figures = Some(figures);
                 s.flavour = Some(flavour);
+                s.tracked = Some(tracked);
             }
         }
         Err(e) => {
@@ -271,10 +276,15 @@ pub fn record_gpu(st: &AppState, result: Result<GpuSnapshot, String>) {
 /// engine's KV usage of this round's scrape, GPU memory of an NVML sample taken within the
 /// window.
 pub fn checkpoint(st: &AppState, window: &QuietWindow) {
-    let inflight = st.inflight();
-    let figures = st.engine_status.lock().ok().and_then(|s| s.figures);
+    let (figures, tracked) = st
+        .engine_status
+        .lock()
+        .ok()
+        .map(|s| (s.figures, s.tracked))
+        .unwrap_or_default();
+    let tracked = tracked.unwrap_or_else(|| st.inflight_sequences());
     match figures.and_then(|f| f.running.map(|r| (r, f.waiting.unwrap_or(0.0)))) {
-        Some((running, waiting)) => st.metrics.orphans.set(orphans(running, waiting, inflight)),
+        Some((running, waiting)) => st.metrics.orphans.set(orphans(running, waiting, tracked)),
         None => st.metrics.orphans.clear(),
     }
     if !window.quiet_until_now(st) {

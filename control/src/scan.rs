@@ -15,6 +15,17 @@ pub enum BodyKind {
 }
 
 impl BodyKind {
+    /// Classifies a response by its `content-type` and `content-encoding`: an encoded
+    /// body (gzip, br, ...: anything but `identity`) cannot be scanned, so whatever its
+    /// type it is [`BodyKind::Other`], whose frames are progress by bytes and which no
+    /// parse rule cuts.
+    pub fn from_response(ct: Option<&[u8]>, encoding: Option<&[u8]>) -> BodyKind {
+        match encoding.map(<[u8]>::trim_ascii) {
+            Some(e) if !e.is_empty() && !e.eq_ignore_ascii_case(b"identity") => BodyKind::Other,
+            _ => BodyKind::from_content_type(ct),
+        }
+    }
+
     /// Classifies a `content-type` value.
     pub fn from_content_type(ct: Option<&[u8]>) -> BodyKind {
         let Some(ct) = ct else {
@@ -169,6 +180,22 @@ mod tests {
 
     fn count_all(kind: BodyKind, body: &[u8]) -> u64 {
         Scanner::new(kind).feed(body)
+    }
+
+    #[test]
+    fn an_encoded_body_is_not_scanned() {
+        let sse = Some(&b"text/event-stream"[..]);
+        assert_eq!(BodyKind::from_response(sse, None), BodyKind::Sse);
+        assert_eq!(
+            BodyKind::from_response(sse, Some(b"identity")),
+            BodyKind::Sse
+        );
+        assert_eq!(BodyKind::from_response(sse, Some(b"")), BodyKind::Sse);
+        assert_eq!(BodyKind::from_response(sse, Some(b"gzip")), BodyKind::Other);
+        assert_eq!(
+            BodyKind::from_response(Some(b"application/x-ndjson"), Some(b" br ")),
+            BodyKind::Other
+        );
     }
 
     #[test]

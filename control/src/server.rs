@@ -28,10 +28,24 @@ use tokio_util::sync::CancellationToken;
 pub const MAX_HEADER_BYTES: usize = 64 * 1024;
 /// Most header fields in a request.
 pub const MAX_HEADERS: usize = 100;
-/// Deadline for a client to send its request head.
+/// Deadline for a client to send its request head on the proxy listener, counted from the
+/// end of its previous response: so also how long an idle keep-alive connection is kept.
+/// Above the shipped Envoy `engine` cluster's idle timeout (20 s), which so always closes
+/// first (a request never meets a connection kvguard-control is closing).
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
-/// Open connections on the admin listener at most.
-pub const MAX_ADMIN_CONNECTIONS: usize = 256;
+/// Open connections on the admin listener at most (an idle keep-alive connection costs a
+/// file descriptor and a few KiB, no work slot: work is limited per request,
+/// [`admin::MAX_ADMIN_WORK`]).
+pub const MAX_ADMIN_CONNECTIONS: usize = 1024;
+/// Connections the admin listener accepts beyond [`MAX_ADMIN_CONNECTIONS`], each served
+/// for one request, health probes only (`/healthz`, `/readyz`; anything else 503): a
+/// probe answers whatever holds the other connections.
+pub const ADMIN_PROBE_RESERVE: usize = 64;
+/// Concurrent HTTP/2 streams per admin connection (each is a request, under the same
+/// work limit as the others).
+pub const ADMIN_H2_STREAMS: u32 = 32;
+/// Header list of an admin request over HTTP/2, at most (an abort's head is < 1 KiB).
+pub const ADMIN_H2_HEADER_LIST: u32 = 16 * 1024;
 /// Open connections on the proxy listener at most: `2 × --max-inflight`, at least this.
 pub const MIN_PROXY_CONNECTIONS: usize = 1024;
 /// After the drain timeout, how long the final SSE events get to reach clients.
@@ -142,17 +156,27 @@ impl Server {
             .max(MIN_PROXY_CONNECTIONS);
         let proxy_task = tokio::spawn(accept_loop(
             proxy_l,
-            proxy::app(st.clone()),
+            Listener {
+                app: proxy::app(st.clone()),
+                max_conns,
+                builder: builder(HEADER_READ_TIMEOUT, 1024, MAX_HEADER_BYTES as u32),
+                overflow: None,
+            },
             proxy_stop.clone(),
-            max_conns,
-            HEADER_READ_TIMEOUT,
         ));
         let admin_task = tokio::spawn(accept_loop(
             admin_l,
-            admin::app(st.clone()),
+            Listener {
+                app: admin::app(st.clone()),
+                max_conns: MAX_ADMIN_CONNECTIONS,
+                builder: builder(
+                    admin::HEAD_READ_TIMEOUT,
+                    ADMIN_H2_STREAMS,
+                    ADMIN_H2_HEADER_LIST,
+                ),
+                overflow: Some((admin::probe_app(st.clone()), ADMIN_PROBE_RESERVE)),
+            },
             admin_stop.clone(),
-            MAX_ADMIN_CONNECTIONS,
-            admin::HEAD_READ_TIMEOUT,
         ));
         let shutdown = CancellationToken::new();
         let sd = shutdown.clone();
@@ -213,7 +237,11 @@ impl Server {
     }
 }
 
-fn builder(header_read_timeout: Duration) -> auto::Builder<StreamExecutor> {
+fn builder(
+    header_read_timeout: Duration,
+    h2_streams: u32,
+    h2_header_list: u32,
+) -> auto::Builder<StreamExecutor> {
     let mut b = auto::Builder::new(StreamExecutor);
     b.http1()
         .timer(TokioTimer::new())
@@ -222,10 +250,19 @@ fn builder(header_read_timeout: Duration) -> auto::Builder<StreamExecutor> {
         .max_headers(MAX_HEADERS);
     b.http2()
         .timer(TokioTimer::new())
-        .max_header_list_size(MAX_HEADER_BYTES as u32)
-        .max_concurrent_streams(1024)
+        .max_header_list_size(h2_header_list)
+        .max_concurrent_streams(h2_streams)
         .keep_alive_interval(Duration::from_secs(30));
     b
+}
+
+/// How one listener serves: its router, its connection bound, its protocol settings and,
+/// for the admin listener, the probe-only router of the connections beyond the bound.
+struct Listener {
+    app: Router,
+    max_conns: usize,
+    builder: auto::Builder<StreamExecutor>,
+    overflow: Option<(Router, usize)>,
 }
 
 /// Accepts connections (HTTP/1.1 and h2c) until `stop`; returns the graceful-shutdown
@@ -233,24 +270,32 @@ fn builder(header_read_timeout: Duration) -> auto::Builder<StreamExecutor> {
 /// [`StreamExecutor`], each h2 stream) runs in a [`Downstream`] scope, so that a request
 /// whose client does not take its end can be cut.
 ///
-/// At most `max_conns` connections are open at once: at the bound, accepting pauses (the
-/// kernel backlog holds the rest) instead of running out of file descriptors.
+/// At most `max_conns` connections are open at once; beyond, `overflow` (if any) serves up
+/// to its count more, one HTTP/1.1 request each with its own router (the admin listener's
+/// health probes). When every slot is taken, accepting pauses (the kernel backlog holds
+/// the rest) instead of running out of file descriptors.
 async fn accept_loop(
     listener: TcpListener,
-    app: Router,
+    l: Listener,
     stop: CancellationToken,
-    max_conns: usize,
-    header_read_timeout: Duration,
 ) -> GracefulShutdown {
     let graceful = GracefulShutdown::new();
-    let builder = builder(header_read_timeout);
-    let slots = Arc::new(tokio::sync::Semaphore::new(max_conns));
+    let slots = Arc::new(tokio::sync::Semaphore::new(l.max_conns));
+    let reserve = l.overflow.as_ref().map_or(0, |(_, n)| *n);
+    let spare = Arc::new(tokio::sync::Semaphore::new(reserve));
+    let one_shot = one_request_builder();
     loop {
-        let permit = tokio::select! {
+        // A regular slot first; the reserve only when none is free.
+        let (permit, overflow) = tokio::select! {
+            biased;
             _ = stop.cancelled() => break,
             p = slots.clone().acquire_owned() => match p {
-                Ok(p) => p,
+                Ok(p) => (p, None),
                 Err(_) => break,
+            },
+            p = spare.clone().acquire_owned(), if reserve > 0 => match (p, &l.overflow) {
+                (Ok(p), Some((app, _))) => (p, Some(app)),
+                _ => break,
             },
         };
         let accepted = tokio::select! {
@@ -267,8 +312,12 @@ async fn accept_loop(
             }
         };
         let _ = stream.set_nodelay(true);
+        let (b, app) = match overflow {
+            Some(app) => (&one_shot, app),
+            None => (&l.builder, &l.app),
+        };
         let svc = TowerToHyperService::new(app.clone());
-        let conn = builder
+        let conn = b
             .serve_connection_with_upgrades(TokioIo::new(stream), svc)
             .into_owned();
         let fut = graceful.watch(conn);
@@ -281,4 +330,16 @@ async fn accept_loop(
     }
     drop(listener);
     graceful
+}
+
+/// The builder of a connection beyond the bound: HTTP/1.1, one request, then closed.
+fn one_request_builder() -> auto::Builder<StreamExecutor> {
+    let mut b = auto::Builder::new(StreamExecutor);
+    b.http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(admin::HEAD_READ_TIMEOUT)
+        .max_buf_size(MAX_HEADER_BYTES)
+        .max_headers(MAX_HEADERS)
+        .keep_alive(false);
+    b.http1_only()
 }

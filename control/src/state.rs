@@ -18,16 +18,31 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-/// Table, tombstones and replay memory, under one lock so that admission and abort see
-/// one consistent view (an abort cannot slip between a tombstone check and an insert).
+/// Table and tombstones, under one lock so that admission and abort see one consistent
+/// view (an abort cannot slip between a tombstone check and an insert). The replay
+/// memory has its own lock ([`AppState::replay`]): checking a signature never holds up
+/// admission.
 #[derive(Debug)]
 pub struct Inner {
     /// In flight.
     pub table: HashMap<RequestId, Arc<Entry>>,
     /// Refused ids.
     pub tombstones: Tombstones,
-    /// Seen signatures.
-    pub replay: ReplayMemory,
+    /// `--dry-run` only: attempts a retry with the same id replaced in `table`, still
+    /// running (a dry run ends nothing and forgets nothing), by their sequence number.
+    pub superseded: HashMap<u64, Arc<Entry>>,
+}
+
+impl Inner {
+    /// Requests in flight (superseded attempts of a dry run included).
+    pub fn len(&self) -> usize {
+        self.table.len() + self.superseded.len()
+    }
+
+    /// Whether none is in flight.
+    pub fn is_empty(&self) -> bool {
+        self.table.is_empty() && self.superseded.is_empty()
+    }
 }
 
 /// The engine as last seen.
@@ -43,6 +58,9 @@ pub struct EngineStatus {
     pub flavour: Option<EngineFlavour>,
     /// Last preemption count seen (for the counter's deltas).
     pub last_preemptions: Option<f64>,
+    /// Engine sequences of the requests in flight here when the last scrape was taken
+    /// (the larger of the counts just before and just after it).
+    pub tracked: Option<u64>,
 }
 
 /// What an abort call found ([`AppState::abort_or_tombstone`]).
@@ -96,6 +114,7 @@ pub struct AppState {
     /// Engine status.
     pub engine_status: Mutex<EngineStatus>,
     inner: Mutex<Inner>,
+    replay: Mutex<ReplayMemory>,
     keys: RwLock<Arc<KeySet>>,
     seq: AtomicU64,
     admissions: AtomicU64,
@@ -127,9 +146,10 @@ impl AppState {
             .set(i64::from(gpu.status().nvml_available));
         let inner = Inner {
             table: HashMap::new(),
+            superseded: HashMap::new(),
             tombstones: Tombstones::new(cfg.tombstone_ttl, cfg.max_tombstones),
-            replay: ReplayMemory::new(cfg.max_replay_entries),
         };
+        let replay = Mutex::new(ReplayMemory::new(cfg.max_replay_entries));
         let keys = KeySet {
             accept: cfg.keys.clone(),
             stamp: cfg.stamp_key.clone(),
@@ -149,6 +169,7 @@ impl AppState {
             gpu: Mutex::new(gpu),
             engine_status: Mutex::new(EngineStatus::default()),
             inner: Mutex::new(inner),
+            replay,
             seq: AtomicU64::new(1),
             admissions: AtomicU64::new(0),
             draining: AtomicBool::new(false),
@@ -157,20 +178,42 @@ impl AppState {
         })
     }
 
-    /// Locks the table, tombstones and replay memory (a poisoned lock is recovered: the
-    /// data stays consistent because every critical section is panic-free).
+    /// Locks the table and tombstones (a poisoned lock is recovered: the data stays
+    /// consistent because every critical section is panic-free).
     pub fn inner(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Locks the replay memory (its own lock, apart from admission's).
+    pub fn replay(&self) -> MutexGuard<'_, ReplayMemory> {
+        self.replay.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Requests in flight.
     pub fn inflight(&self) -> usize {
-        self.inner().table.len()
+        self.inner().len()
+    }
+
+    /// Engine sequences of the requests in flight ([`Entry::sequences`]).
+    pub fn inflight_sequences(&self) -> u64 {
+        let inner = self.inner();
+        inner
+            .table
+            .values()
+            .chain(inner.superseded.values())
+            .map(|e| u64::from(e.sequences()))
+            .sum()
     }
 
     /// Every entry in flight.
     pub fn entries(&self) -> Vec<Arc<Entry>> {
-        self.inner().table.values().cloned().collect()
+        let inner = self.inner();
+        inner
+            .table
+            .values()
+            .chain(inner.superseded.values())
+            .cloned()
+            .collect()
     }
 
     /// Whether shutdown has begun.
@@ -210,13 +253,18 @@ impl AppState {
             if let Some(t) = inner.tombstones.get(&id, now) {
                 return Err(Refusal::Tombstoned(t));
             }
-            let old = inner.table.remove(&id);
-            if old.is_none() && inner.table.len() >= self.cfg.max_inflight {
+            let retry = inner.table.contains_key(&id);
+            // A dry run keeps the older attempt too: one more in flight.
+            let grows = !retry || self.cfg.dry_run;
+            if grows && inner.len() >= self.cfg.max_inflight {
                 return Err(Refusal::Full(self.cfg.max_inflight));
             }
-            inner.table.insert(id, entry.clone());
+            let old = inner.table.insert(id, entry.clone());
+            if let (Some(old), true) = (&old, self.cfg.dry_run) {
+                inner.superseded.insert(old.seq, old.clone());
+            }
             self.admissions.fetch_add(1, Ordering::AcqRel);
-            self.metrics.inflight.set(inner.table.len() as i64);
+            self.metrics.inflight.set(inner.len() as i64);
             old
         };
         if let Some(old) = superseded {
@@ -228,7 +276,8 @@ impl AppState {
     /// Ends an attempt a retry with the same id replaced: only its engine connection is
     /// closed (and its client stream ended). Its id now belongs to the live retry, so it
     /// is neither tombstoned nor passed to the engine's abort API (either would end the
-    /// retry). `--dry-run`: counted only.
+    /// retry). `--dry-run`: counted and logged only; the attempt stays in flight (in
+    /// [`Inner::superseded`]) until its response ends.
     fn supersede(self: &Arc<Self>, old: &Arc<Entry>) {
         self.metrics.superseded.inc();
         if self.cfg.dry_run {
@@ -256,8 +305,10 @@ impl AppState {
             .is_some_and(|e| e.seq == entry.seq)
         {
             inner.table.remove(&entry.id);
+        } else {
+            inner.superseded.remove(&entry.seq);
         }
-        self.metrics.inflight.set(inner.table.len() as i64);
+        self.metrics.inflight.set(inner.len() as i64);
     }
 
     /// Tombstones an id.
@@ -354,7 +405,12 @@ impl AppState {
             return AbortFound::Already;
         }
         if tombstone_missing {
-            self.tombstone_locked(&mut inner, id.clone(), reason, now);
+            if self.cfg.dry_run {
+                drop(inner);
+                tracing::info!(request_id = %id, reason = %reason, outcome = outcome::DRY_RUN, "abort call for an id not in flight: would tombstone it (dry run)");
+            } else {
+                self.tombstone_locked(&mut inner, id.clone(), reason, now);
+            }
         }
         AbortFound::NotFound
     }

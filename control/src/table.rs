@@ -5,7 +5,7 @@ use crate::downstream::Downstream;
 use crate::scan::BodyKind;
 use kvguard_contract::{AbortReason, InstanceId, RequestId};
 use serde::Serialize;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::task::AbortHandle;
@@ -20,12 +20,16 @@ pub struct Times {
     pub first_data: Option<Instant>,
     /// Last data event.
     pub last_data: Option<Instant>,
+    /// Stalls of kvguard-control itself while it waited for its first data event
+    /// ([`Entry::credit_stall`]): not counted against the first-token timeout.
+    pub stalled: Duration,
 }
 
 #[derive(Debug)]
 struct Progress {
     first_data: Option<Instant>,
     last_data: Option<Instant>,
+    stalled: Duration,
     events: u64,
     kind: Option<BodyKind>,
     status: Option<u16>,
@@ -48,6 +52,7 @@ pub struct Entry {
     progress: Mutex<Progress>,
     ended: Mutex<Option<AbortReason>>,
     observed: AtomicBool,
+    sequences: AtomicU32,
     cancel: CancellationToken,
     conn: Mutex<Option<AbortHandle>>,
     finished: CancellationToken,
@@ -132,12 +137,14 @@ impl Entry {
             progress: Mutex::new(Progress {
                 first_data: None,
                 last_data: None,
+                stalled: Duration::ZERO,
                 events: 0,
                 kind: None,
                 status: None,
             }),
             ended: Mutex::new(None),
             observed: AtomicBool::new(false),
+            sequences: AtomicU32::new(1),
             cancel: CancellationToken::new(),
             conn: Mutex::new(None),
             finished: CancellationToken::new(),
@@ -145,6 +152,16 @@ impl Entry {
             client_gone: Mutex::new(None),
             instance: OnceLock::new(),
         }
+    }
+
+    /// Sets how many engine sequences the request runs (see [`engine_sequences`]).
+    pub fn set_sequences(&self, n: u32) {
+        self.sequences.store(n.max(1), Ordering::Release);
+    }
+
+    /// Engine sequences the request runs: 1 until its body was read.
+    pub fn sequences(&self) -> u32 {
+        self.sequences.load(Ordering::Acquire)
     }
 
     /// Records the gateway instance that carries this request (`x-kvguard-instance`).
@@ -160,11 +177,28 @@ impl Entry {
     /// The clocks.
     pub fn times(&self) -> Times {
         let p = self.progress.lock();
-        let (first_data, last_data) = p.map(|p| (p.first_data, p.last_data)).unwrap_or_default();
+        let (first_data, last_data, stalled) = p
+            .map(|p| (p.first_data, p.last_data, p.stalled))
+            .unwrap_or_default();
         Times {
             started: self.started,
             first_data,
             last_data,
+            stalled,
+        }
+    }
+
+    /// kvguard-control did not run for `stall`, which ended by `now` (the process was
+    /// stopped or starved): what the engine sent meanwhile waits in socket buffers, not
+    /// yet recorded. The idle clock (last data event) moves on by the stall, at most to
+    /// `now`, and so does the first-token clock: a silence that may have been ours ends
+    /// nothing. Max age is not moved.
+    pub fn credit_stall(&self, stall: Duration, now: Instant) {
+        if let Ok(mut p) = self.progress.lock() {
+            match p.last_data.as_mut() {
+                Some(last) => *last = (*last + stall).min(now),
+                None => p.stalled += stall,
+            }
         }
     }
 
@@ -334,6 +368,36 @@ impl Entry {
     }
 }
 
+/// Most sequences one request is counted for (a bound on a body's claim).
+pub const MAX_SEQUENCES: u32 = 4096;
+
+/// How many engine sequences an OpenAI-style request body makes the engine run, as vLLM
+/// counts them in `num_requests_running` / `num_requests_waiting`: one per choice (`n`)
+/// of each prompt (a completion's `prompt` list of strings or of token-id lists is a
+/// batch; one string or one token-id list is one prompt). 1 for anything else or a body
+/// that is not such JSON; at most [`MAX_SEQUENCES`].
+pub fn engine_sequences(body: &[u8]) -> u32 {
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return 1;
+    };
+    let n = v
+        .get("n")
+        .and_then(serde_json::Value::as_u64)
+        .unwrap_or(1)
+        .max(1);
+    let prompts = match v.get("prompt") {
+        Some(serde_json::Value::Array(items))
+            if !items.is_empty() && items.iter().all(|i| i.is_string() || i.is_array()) =>
+        {
+            items.len() as u64
+        }
+        _ => 1,
+    };
+    u32::try_from(n.saturating_mul(prompts))
+        .unwrap_or(MAX_SEQUENCES)
+        .min(MAX_SEQUENCES)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -348,6 +412,32 @@ mod tests {
             t0,
             100,
         )
+    }
+
+    #[test]
+    fn engine_sequences_count_choices_of_each_prompt() {
+        assert_eq!(engine_sequences(br#"{"prompt":"a"}"#), 1);
+        assert_eq!(engine_sequences(br#"{"prompt":"a","n":4}"#), 4);
+        assert_eq!(engine_sequences(br#"{"prompt":["a","b","c"]}"#), 3);
+        assert_eq!(engine_sequences(br#"{"prompt":["a","b"],"n":3}"#), 6);
+        assert_eq!(engine_sequences(br#"{"prompt":[[1,2],[3]],"n":2}"#), 4);
+        // One token-id list is one prompt.
+        assert_eq!(engine_sequences(br#"{"prompt":[1,2,3]}"#), 1);
+        assert_eq!(engine_sequences(br#"{"prompt":[]}"#), 1);
+        assert_eq!(
+            engine_sequences(br#"{"messages":[{"role":"user"}],"n":2}"#),
+            2
+        );
+        assert_eq!(engine_sequences(br#"{"n":0}"#), 1);
+        assert_eq!(engine_sequences(b"not json"), 1);
+        assert_eq!(engine_sequences(br#"{"n":1000000}"#), MAX_SEQUENCES);
+        assert_eq!(engine_sequences(br#"{"n":5000000000}"#), MAX_SEQUENCES);
+        let e = completion(Instant::now());
+        assert_eq!(e.sequences(), 1);
+        e.set_sequences(4);
+        assert_eq!(e.sequences(), 4);
+        e.set_sequences(0);
+        assert_eq!(e.sequences(), 1);
     }
 
     #[test]
@@ -371,6 +461,30 @@ mod tests {
         assert_eq!(v.first_data_ms, Some(1000));
         assert!(e.mark_observed());
         assert!(!e.mark_observed());
+    }
+
+    #[test]
+    fn a_stall_moves_the_idle_clock_on_at_most_to_now_and_before_data_the_first_token_clock() {
+        let t0 = Instant::now();
+        let e = completion(t0);
+        let s = Duration::from_secs(3);
+        e.credit_stall(s, t0 + Duration::from_secs(5));
+        assert_eq!(e.times().stalled, s, "no data yet: the first-token clock");
+        assert_eq!(e.times().last_data, None);
+        e.record_events(1, t0 + Duration::from_secs(6));
+        e.credit_stall(s, t0 + Duration::from_secs(20));
+        let t = e.times();
+        assert_eq!(t.last_data, Some(t0 + Duration::from_secs(9)));
+        assert_eq!(
+            t.stalled, s,
+            "after the first data event only the idle clock moves"
+        );
+        // Data recorded after the stall (at `now`) is not moved past `now`.
+        e.record_events(1, t0 + Duration::from_secs(30));
+        e.credit_stall(s, t0 + Duration::from_secs(31));
+        assert_eq!(e.times().last_data, Some(t0 + Duration::from_secs(31)));
+        e.credit_stall(Duration::from_secs(100), t0 + Duration::from_secs(32));
+        assert_eq!(e.times().last_data, Some(t0 + Duration::from_secs(32)));
     }
 
     #[test]

@@ -108,12 +108,7 @@ async fn real_binary_serves_reports_idle_rss_and_drains_on_sigterm() {
         .env("KVGUARD_DRAIN_TIMEOUT", "10s")
         .env("KVGUARD_SECRET", std::str::from_utf8(KEY).unwrap())
         .env("KVGUARD_LOG_FORMAT", "text");
-        let mut child = ChildGuard::spawn("kvguard-control", cmd).unwrap();
-        let log = child
-            .wait_for_log("kvguard-control listening", Duration::from_secs(10))
-            .await
-            .unwrap();
-        let (proxy, admin) = parse_listening(&log);
+        let (mut child, proxy, admin) = spawn_listening(cmd).await;
         let j: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&addr_file).unwrap()).unwrap();
         assert_eq!(j["proxy"], proxy.to_string());
@@ -337,6 +332,191 @@ async fn keys_rotate_without_a_restart_json_logs_and_sigint() {
             .await
             .unwrap();
         assert!(status.success(), "{status}");
+    })
+    .await
+    .unwrap();
+}
+
+/// SIGHUP never ends the process: not during start-up (the handler is main's first
+/// instruction), not without a key file (nothing to reload: it says so).
+#[tokio::test]
+async fn sighup_never_ends_the_process_from_start_up_on_and_is_logged() {
+    bounded("test", Duration::from_secs(60), async {
+        let sim = sim(slow_sim()).await;
+        let dir = tempfile_dir().join("hup");
+        std::fs::create_dir_all(&dir).unwrap();
+        // A FIFO as the engine's key file holds start-up inside the configuration: the
+        // process reads it after main's first lines and before it binds anything.
+        let fifo = dir.join("engine-key");
+        let _ = std::fs::remove_file(&fifo);
+        let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+        assert!(made.success());
+        let mut cmd = Command::new(BIN);
+        cmd.args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .args(["--engine-url", &sim.url(), "--no-nvml"])
+            .arg("--engine-api-key-file")
+            .arg(&fifo)
+            .env("KVGUARD_LOG_FORMAT", "text");
+        let mut child = ChildGuard::spawn("kvguard-control", cmd).unwrap();
+        // Opening the FIFO to write returns once the process has opened it to read.
+        let path = fifo.clone();
+        let mut w = tokio::task::spawn_blocking(move || {
+            std::fs::OpenOptions::new().write(true).open(path).unwrap()
+        })
+        .await
+        .unwrap();
+        child.signal(1).unwrap();
+        use std::io::Write;
+        w.write_all(b"engine-api-key\n").unwrap();
+        drop(w);
+        child
+            .wait_for_log("kvguard-control listening", Duration::from_secs(10))
+            .await
+            .unwrap();
+        child.signal(1).unwrap();
+        child
+            .wait_for_log("SIGHUP: nothing to reload", Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert!(child.ensure_running().is_ok(), "SIGHUP ended the process");
+        child.signal(libc_sigterm()).unwrap();
+        let status = child
+            .wait_exit_async(Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert!(status.success(), "{status}; log:\n{}", child.log_tail(40));
+    })
+    .await
+    .unwrap();
+}
+
+/// The real binary with `KVGUARD_SECRET` and the simulator; its (proxy, admin) addresses.
+async fn start_binary(engine: &str, extra: &[&str]) -> (ChildGuard, SocketAddr, SocketAddr) {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args([
+            "--engine-url",
+            engine,
+            "--no-nvml",
+            "--sample-interval",
+            "200ms",
+        ])
+        .args(extra)
+        .env("KVGUARD_SECRET", std::str::from_utf8(KEY).unwrap())
+        .env("KVGUARD_LOG_FORMAT", "text");
+    spawn_listening(cmd).await
+}
+
+/// Spawns `cmd` (the binary) and reads its (proxy, admin) addresses from its log.
+async fn spawn_listening(cmd: Command) -> (ChildGuard, SocketAddr, SocketAddr) {
+    let mut child = ChildGuard::spawn("kvguard-control", cmd).unwrap();
+    let log = child
+        .wait_for_log("kvguard-control listening", Duration::from_secs(10))
+        .await
+        .unwrap();
+    let (proxy, admin) = parse_listening(&log);
+    (child, proxy, admin)
+}
+
+/// Work on the admin port is limited per request, not per connection: 300 keep-alive
+/// clients sending a request a second each (more than the old 256 connection slots) hold
+/// no slot between requests, and a new connection's `/healthz` and a signed abort each
+/// answer within 1 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn admin_answers_probes_and_aborts_within_a_second_beside_300_keep_alive_clients() {
+    bounded("test", Duration::from_secs(90), async {
+        let sim = sim(slow_sim()).await;
+        let (mut child, _proxy, admin) = start_binary(&sim.url(), &[]).await;
+        let load = KeepAliveClients::spawn(admin, 300, Duration::from_secs(1));
+        poll_until_async(
+            "every client answered once",
+            Duration::from_secs(30),
+            Duration::from_millis(100),
+            || async {
+                (load.started.load(std::sync::atomic::Ordering::Acquire) >= 300).then_some(())
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}; failures: {:?}", load.failed.lock().unwrap()));
+        let mut slowest = Duration::ZERO;
+        for round in 0..5 {
+            let t0 = std::time::Instant::now();
+            let health =
+                tokio::time::timeout(Duration::from_secs(1), client::get(admin, "/healthz"))
+                    .await
+                    .unwrap_or_else(|_| {
+                        panic!("round {round}: /healthz on a new connection: no answer within 1 s")
+                    })
+                    .unwrap();
+            assert_eq!(health.status, 200);
+            let t1 = std::time::Instant::now();
+            let (status, _) = tokio::time::timeout(
+                Duration::from_secs(1),
+                abort(admin, &format!("probe-abort-{round}"), "operator"),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: signed abort: no answer within 1 s"));
+            assert_eq!(status, 404, "round {round}");
+            slowest = slowest.max(t1 - t0).max(t1.elapsed());
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        eprintln!("slowest probe or abort beside 300 keep-alive clients: {slowest:?}");
+        let failed = load.stop().await;
+        assert!(failed.is_empty(), "keep-alive clients failed: {failed:?}");
+        assert!(child.ensure_running().is_ok());
+    })
+    .await
+    .unwrap();
+}
+
+/// The reaper credits a stall of the process to every stream: the binary stopped
+/// (SIGSTOP) for `--idle-timeout` + 1 s while streams flow cuts none of them once it runs
+/// again (what the engine sent meanwhile waited in socket buffers), and a stream that is
+/// really silent is still ended `stalled`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopped_process_cuts_no_flowing_stream_and_still_ends_a_silent_one() {
+    bounded("test", Duration::from_secs(90), async {
+        let sim = sim(slow_sim()).await;
+        let idle = Duration::from_secs(1);
+        let (mut child, proxy, admin) = start_binary(&sim.url(), &["--idle-timeout", "1s"]).await;
+        let mut flowing = Vec::new();
+        for i in 0..24 {
+            let mut s = long_completion(proxy, &format!("flow-{i}")).await;
+            s.next_data(Duration::from_secs(5)).await.unwrap().unwrap();
+            flowing.push(s);
+        }
+        let mut silent = client::stream_sse(
+            proxy,
+            "/v1/completions",
+            &completion(400),
+            &[("x-request-id", "silent"), ("x-sim-stall-after", "3")],
+            false,
+        )
+        .await
+        .unwrap();
+        for _ in 0..3 {
+            silent
+                .next_data(Duration::from_secs(5))
+                .await
+                .unwrap()
+                .unwrap();
+        }
+        child.signal(19).unwrap(); // SIGSTOP
+                                   // The stop is what is tested: it lasts past the idle timeout.
+        tokio::time::sleep(idle + Duration::from_secs(1)).await;
+        child.signal(18).unwrap(); // SIGCONT
+        for (i, s) in flowing.iter_mut().enumerate() {
+            let ev = s.read_events(20, Duration::from_secs(10)).await.unwrap();
+            let cut = ev.iter().find(|e| e.event.as_deref() == Some("error"));
+            assert!(cut.is_none(), "flow-{i} was cut: {cut:?}");
+        }
+        let ev = silent.collect(Duration::from_secs(10)).await.unwrap();
+        let last = ev.last().and_then(|e| e.json()).unwrap_or_default();
+        assert_eq!(last["error"]["reason"], "stalled", "{ev:?}");
+        assert!(metric(admin, "kvguard_control_reaper_stalls_total").await >= Some(1.0));
+        drop((flowing, silent));
+        child.signal(libc_sigterm()).unwrap();
+        let _ = child.wait_exit_async(Duration::from_secs(15)).await;
     })
     .await
     .unwrap();

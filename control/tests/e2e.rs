@@ -8,9 +8,11 @@ use common::*;
 use kvguard_contract::{stamp, Key, RequestId};
 use kvguard_control::config::AbortStrategy;
 use kvguard_integration::client;
+use kvguard_integration::free_addrs;
 use kvguard_integration::sim::{EndKind, SimConfig};
 use kvguard_integration::wait::{bounded, poll_until_async};
 use serde_json::json;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -821,6 +823,221 @@ async fn client_gone_before_headers_and_h2_stream_reset_reach_the_engine() {
         .await
         .unwrap();
         assert_eq!(ctl.state.inflight(), 0);
+        ctl.stop().await;
+    })
+    .await
+    .unwrap();
+}
+
+/// `--peers` naming every address of `all`, this replica being `me`.
+fn peer_config(all: &[SocketAddr], me: SocketAddr) -> kvguard_control::config::PeerConfig {
+    kvguard_control::config::PeerConfig {
+        urls: all
+            .iter()
+            .map(|a| kvguard_control::config::parse_peer_url(&format!("http://{a}")).unwrap())
+            .collect(),
+        self_addr: me,
+    }
+}
+
+/// Rotation step 4 (the old key leaves `--secret-file`), half done: replica B reloaded
+/// and accepts only the new key, replica A still holds [old, new] and signs its stamp with
+/// the new one. An abort reaching A for a request on B is forwarded in an envelope B
+/// accepts (signed with the stamp key), so it ends the request.
+#[tokio::test]
+async fn a_forwarded_abort_crosses_a_half_done_rotation() {
+    bounded("test", T, async {
+        let sim = sim(slow_sim()).await;
+        let old = Key::try_new(KEY).unwrap();
+        let new = Key::try_new(b"kvguard-rotated-key-0123456789").unwrap();
+        let admins = free_addrs(2);
+        let (a, b) = (admins[0], admins[1]);
+        let rb = control(&sim.url(), |c| {
+            c.admin_listen = b;
+            c.keys = vec![new.clone()];
+            c.stamp_key = Some(new.clone());
+            c.peers = Some(peer_config(&admins, b));
+        })
+        .await;
+        let ra = control(&sim.url(), |c| {
+            c.admin_listen = a;
+            c.keys = vec![old.clone(), new.clone()];
+            c.stamp_key = Some(new.clone());
+            c.peers = Some(peer_config(&admins, a));
+        })
+        .await;
+        let mut s = long_completion(rb.proxy_addr, "rotated").await;
+        s.next_data(T).await.unwrap().unwrap();
+        let body = json!({"request_id": "rotated", "reason": "downstream_reset"});
+        let (status, v, _) = abort_signed(ra.admin_addr, &body, Some(&new), now_unix()).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["aborted"], true, "{v}");
+        let ev = s.collect(T).await.unwrap();
+        let last = ev.last().and_then(|e| e.json()).unwrap_or_default();
+        assert_eq!(last["error"]["reason"], "downstream_reset", "{ev:?}");
+        ra.stop().await;
+        rb.stop().await;
+    })
+    .await
+    .unwrap();
+}
+
+/// An abort that overtakes its request (a queueing hop in front: LiteLLM) reaches one
+/// replica of three; none holds the id, so each tombstones it: the request is refused
+/// (409) whichever replica it lands on.
+#[tokio::test]
+async fn an_abort_overtaking_its_request_is_tombstoned_on_every_replica() {
+    bounded("test", T, async {
+        let sim = sim(slow_sim()).await;
+        let admins = free_addrs(3);
+        let mut replicas = Vec::new();
+        for a in &admins {
+            let a = *a;
+            let all = admins.clone();
+            replicas.push(
+                control(&sim.url(), move |c| {
+                    c.admin_listen = a;
+                    c.peers = Some(peer_config(&all, a));
+                })
+                .await,
+            );
+        }
+        let (status, v) = abort(replicas[0].admin_addr, "overtaken", "downstream_reset").await;
+        assert_eq!(status, 404, "{v}");
+        for (i, r) in replicas.iter().enumerate() {
+            let resp = client::post_json(
+                r.proxy_addr,
+                "/v1/completions",
+                &completion(4),
+                &[("x-request-id", "overtaken")],
+            )
+            .await
+            .unwrap();
+            assert_eq!(resp.status, 409, "replica {i}: {}", resp.text());
+        }
+        for r in replicas {
+            r.stop().await;
+        }
+    })
+    .await
+    .unwrap();
+}
+
+/// The replay memory filled while streams run: once it holds `cap` live signatures a new
+/// call is refused 503 (retry) and a replay of any remembered one stays 409, never 200 or
+/// 404; admission (its own lock) goes on throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_memory_filled_under_load_refuses_new_calls_and_never_accepts_a_replay() {
+    bounded("test", Duration::from_secs(60), async {
+        let sim = sim(SimConfig {
+            token_rate: 500.0,
+            ..SimConfig::default()
+        })
+        .await;
+        const CAP: usize = 300;
+        let ctl = control(&sim.url(), |c| c.max_replay_entries = CAP).await;
+        let proxy = ctl.proxy_addr;
+        let stop = tokio_util::sync::CancellationToken::new();
+        let load: Vec<_> = (0..8)
+            .map(|w| {
+                let stop = stop.clone();
+                tokio::spawn(async move {
+                    let mut done = 0u32;
+                    while !stop.is_cancelled() {
+                        let id = format!("load-{w}-{done}");
+                        let mut s = client::stream_sse(
+                            proxy,
+                            "/v1/completions",
+                            &completion(20),
+                            &[("x-request-id", &id)],
+                            false,
+                        )
+                        .await
+                        .unwrap();
+                        let ev = s.collect(T).await.unwrap();
+                        assert!(ev.last().unwrap().is_done(), "{id}: {ev:?}");
+                        done += 1;
+                    }
+                    done
+                })
+            })
+            .collect();
+        let key = key();
+        let t = now_unix();
+        let mut sent = Vec::new();
+        for i in 0..CAP + 50 {
+            let body = serde_json::to_vec(
+                &json!({"request_id": format!("fill-{i}"), "reason": "operator"}),
+            )
+            .unwrap();
+            let sig = kvguard_contract::signature::sign(&key, t, &body);
+            let r = post_signed(ctl.admin_addr, &body, &sig).await;
+            let want = if i < CAP { 404 } else { 503 };
+            assert_eq!(r, want, "call {i}");
+            sent.push((body, sig));
+        }
+        for (i, (body, sig)) in sent.iter().enumerate().take(CAP) {
+            assert_eq!(
+                post_signed(ctl.admin_addr, body, sig).await,
+                409,
+                "replay {i}"
+            );
+        }
+        stop.cancel();
+        let mut completed = 0;
+        for l in load {
+            completed += l.await.unwrap();
+        }
+        assert!(completed > 0, "admission went on");
+        assert_eq!(
+            metric(ctl.admin_addr, "kvguard_control_replay_full_total").await,
+            Some(50.0)
+        );
+        ctl.stop().await;
+    })
+    .await
+    .unwrap();
+}
+
+async fn post_signed(admin: SocketAddr, body: &[u8], sig: &str) -> u16 {
+    client::request(
+        admin,
+        hyper::Method::POST,
+        "/v1/abort",
+        &[("x-kvguard-signature", sig)],
+        body.to_vec(),
+        false,
+        T,
+    )
+    .await
+    .unwrap()
+    .status
+}
+
+/// The proxy reads a request's body on its way for the engine sequences it makes: `n`
+/// choices of each prompt of a batched completion.
+#[tokio::test]
+async fn the_proxy_counts_the_engine_sequences_of_n_and_batched_prompts() {
+    bounded("test", T, async {
+        let sim = sim(slow_sim()).await;
+        let ctl = control(&sim.url(), |_| {}).await;
+        for (body, want) in [
+            (json!({"model": "tiny", "prompt": "a", "n": 4, "max_tokens": 400, "stream": true}), 4),
+            (json!({"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 400, "stream": true}), 3),
+            (json!({"model": "tiny", "prompt": "a", "max_tokens": 400, "stream": true}), 1),
+        ] {
+            let mut s = client::stream_sse(ctl.proxy_addr, "/v1/completions", &body, &[("x-request-id", "seqs")], false)
+                .await
+                .unwrap();
+            s.next_data(T).await.unwrap().unwrap();
+            assert_eq!(ctl.state.inflight_sequences(), want, "{body}");
+            drop(s);
+            poll_until_async("ended", T, Duration::from_millis(20), || async {
+                (ctl.state.inflight() == 0).then_some(())
+            })
+            .await
+            .unwrap();
+        }
         ctl.stop().await;
     })
     .await

@@ -571,26 +571,43 @@ async fn an_abort_racing_its_request_ends_it_or_refuses_it_never_404_while_it_ru
 }
 
 #[tokio::test]
-async fn replay_memory_evictions_are_counted_and_refusals_are_logged_sparingly() {
-    let (st, _clock) = state(|c| c.max_replay_entries = 2);
+async fn a_full_replay_memory_refuses_new_calls_never_a_replay_and_refusals_are_logged_sparingly() {
+    let (st, clock) = state(|c| c.max_replay_entries = 2);
     let key = Key::try_new(KEY).unwrap();
     let app = admin::app(st.clone());
-    for i in 0..3 {
+    let signed = |i: u32, t: u64| {
         let body = format!(r#"{{"request_id":"e{i}","reason":"stalled","idle_ms":5,"gone_ms":7}}"#);
-        let (s, _) = call(
-            app.clone(),
-            abort_req(
-                body.as_bytes(),
-                Some(signature::sign(&key, NOW, body.as_bytes())),
-            ),
-        )
-        .await;
+        let sig = signature::sign(&key, t, body.as_bytes());
+        (body, sig)
+    };
+    let calls: Vec<_> = (0..3).map(|i| signed(i, NOW)).collect();
+    for (body, sig) in &calls[..2] {
+        let (s, _) = call(app.clone(), abort_req(body.as_bytes(), Some(sig.clone()))).await;
         assert_eq!(s, StatusCode::NOT_FOUND, "idle_ms and gone_ms are accepted");
     }
+    // Full of live signatures: a new call is refused 503 (retry), and a replay of the
+    // first stays a replay (nothing was forgotten to make room).
+    let (s, v) = call(
+        app.clone(),
+        abort_req(calls[2].0.as_bytes(), Some(calls[2].1.clone())),
+    )
+    .await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    let (s, _) = call(
+        app.clone(),
+        abort_req(calls[0].0.as_bytes(), Some(calls[0].1.clone())),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CONFLICT);
     assert_eq!(
-        series(&st, "kvguard_control_replay_evicted_total").as_deref(),
+        series(&st, "kvguard_control_replay_full_total").as_deref(),
         Some("1")
     );
+    // Once the first signatures leave the window there is room again.
+    clock.advance(Duration::from_secs(kvguard_contract::MAX_SKEW_SECS + 1));
+    let (body, sig) = signed(3, NOW + kvguard_contract::MAX_SKEW_SECS + 1);
+    let (s, _) = call(app.clone(), abort_req(body.as_bytes(), Some(sig))).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
     let l = admin::LogLimiter::default();
     let period = Duration::from_secs(10);
     assert_eq!(l.admit(1_000, period), Some(0));
@@ -1406,5 +1423,168 @@ async fn replaced_keys_take_effect_on_the_next_abort_call() {
         s,
         StatusCode::NOT_FOUND,
         "signed with the new key: accepted"
+    );
+}
+
+#[tokio::test]
+async fn a_connection_beyond_the_admin_bound_serves_health_probes_and_refuses_the_rest() {
+    let (st, _) = state(|_| {});
+    let app = admin::probe_app(st);
+    let get = |p: &str| Request::get(p).body(Body::empty()).unwrap();
+    let r = app.clone().oneshot(get("/healthz")).await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    // The fake engine never answered: not ready, but answered.
+    let (s, _) = call(app.clone(), get("/readyz")).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+    let r = app.clone().oneshot(abort_req(b"{}", None)).await.unwrap();
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let (_, v) = call(app, get("/metrics")).await;
+    assert_eq!(v["error"], "busy");
+}
+
+#[tokio::test]
+async fn a_stalled_reaper_is_counted_and_credits_the_stall_to_every_stream() {
+    let (st, clock) = state(|c| c.limits.idle_timeout = Some(Duration::from_secs(2)));
+    let every = reaper::tick(&st.cfg.limits);
+    let e = st
+        .admit(RequestId::try_new(b"r").unwrap(), "POST".into(), "/".into())
+        .unwrap();
+    e.record_events(1, clock.now());
+    // A gap within twice the period is no stall.
+    assert_eq!(
+        reaper::note_reaper_gap(&st, every * 2, every),
+        Duration::ZERO
+    );
+    // kvguard-control stalled 3 s (beyond the 2 s idle timeout): what the engine sent
+    // meanwhile is not recorded yet, so the stream keeps running.
+    clock.advance(Duration::from_secs(3));
+    let stalled = reaper::note_reaper_gap(&st, Duration::from_secs(3), every);
+    assert_eq!(stalled, Duration::from_secs(3) - every);
+    reaper::reap_once(&st);
+    assert_eq!(e.ended(), None, "ended by a stall of kvguard-control's own");
+    assert_eq!(
+        lease_metric(&st, "kvguard_control_reaper_stalls_total").await,
+        1.0
+    );
+    // Silent past the idle timeout after that: ended.
+    clock.advance(Duration::from_secs(2));
+    reaper::reap_once(&st);
+    assert_eq!(e.ended(), Some(AbortReason::Stalled));
+}
+
+#[tokio::test]
+async fn a_dry_run_tombstones_nothing_and_keeps_a_superseded_attempt_in_flight() {
+    let (st, _clock) = state(|c| c.dry_run = true);
+    let id = RequestId::try_new(b"early").unwrap();
+    // An abort that overtakes its request: counted and logged, no tombstone.
+    assert_eq!(
+        st.abort_or_tombstone(&id, AbortReason::DownstreamReset, None),
+        kvguard_control::state::AbortFound::NotFound
+    );
+    assert!(st.inner().tombstones.is_empty());
+    let first = st.admit(id.clone(), "POST".into(), "/".into()).unwrap();
+    // A retry with the same id: the older attempt stays in flight, seen by the reaper.
+    let retry = st.admit(id.clone(), "POST".into(), "/".into()).unwrap();
+    assert_eq!(st.inflight(), 2);
+    let seqs: Vec<u64> = st.entries().iter().map(|e| e.seq).collect();
+    assert!(
+        seqs.contains(&first.seq) && seqs.contains(&retry.seq),
+        "{seqs:?}"
+    );
+    assert_eq!(
+        series(&st, "kvguard_control_inflight").as_deref(),
+        Some("2")
+    );
+    // Each leaves when its own response ends.
+    assert!(!st.inner().is_empty());
+    st.remove(&retry);
+    assert_eq!(
+        st.inflight(),
+        1,
+        "the superseded attempt is still in flight"
+    );
+    assert!(!st.inner().is_empty());
+    assert_eq!(st.entries()[0].seq, first.seq);
+    st.remove(&first);
+    assert_eq!(st.inflight(), 0);
+    assert!(st.inner().is_empty());
+    assert_eq!(
+        series(&st, "kvguard_control_inflight").as_deref(),
+        Some("0")
+    );
+}
+
+#[tokio::test]
+async fn a_dry_run_keeps_superseded_attempts_within_max_inflight() {
+    let (st, _clock) = state(|c| {
+        c.dry_run = true;
+        c.max_inflight = 2;
+    });
+    let id = RequestId::try_new(b"r").unwrap();
+    st.admit(id.clone(), "POST".into(), "/".into()).unwrap();
+    st.admit(id.clone(), "POST".into(), "/".into()).unwrap();
+    assert!(matches!(
+        st.admit(id, "POST".into(), "/".into()),
+        Err(kvguard_control::state::Refusal::Full(2))
+    ));
+    // Enforce mode: a retry replaces its attempt, the table does not grow.
+    let (st, _clock) = state(|c| c.max_inflight = 1);
+    let id = RequestId::try_new(b"r").unwrap();
+    st.admit(id.clone(), "POST".into(), "/".into()).unwrap();
+    assert!(st.admit(id, "POST".into(), "/".into()).is_ok());
+    assert!(st
+        .admit(RequestId::try_new(b"s").unwrap(), "POST".into(), "/".into())
+        .is_err());
+}
+
+#[tokio::test]
+async fn the_in_flight_ids_are_listed_only_with_list_requests() {
+    let (st, _) = state(|c| c.list_requests = false);
+    st.admit(
+        RequestId::try_new(b"secret-id").unwrap(),
+        "POST".into(),
+        "/".into(),
+    )
+    .unwrap();
+    let (s, v) = call(
+        admin::app(st),
+        Request::get("/v1/requests").body(Body::empty()).unwrap(),
+    )
+    .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_eq!(v["error"], "off");
+    assert!(!v.to_string().contains("secret-id"));
+}
+
+/// vLLM counts each choice of an `n > 1` request (and each prompt of a batch) as a
+/// sequence: a healthy `n = 4` request reads 0 orphans, the same four sequences left
+/// running after the request ended read 4.
+#[tokio::test]
+async fn orphans_count_engine_sequences_per_tracked_request() {
+    let (st, engine) = scripted_state();
+    let mut window = sampler::QuietWindow::open(&st);
+    let four = st
+        .admit(
+            RequestId::try_new(b"n4").unwrap(),
+            "POST".into(),
+            "/".into(),
+        )
+        .unwrap();
+    four.set_sequences(4);
+    assert_eq!(st.inflight_sequences(), 4);
+    engine.answer(Some(
+        "vllm:num_requests_running{engine=\"0\"} 4\nvllm:num_requests_waiting{engine=\"0\"} 0\n",
+    ));
+    sampler::sample_once(&st, &mut window).await;
+    assert_eq!(
+        series(&st, "kvguard_control_orphans").as_deref(),
+        Some("0.0")
+    );
+    st.remove(&four);
+    sampler::sample_once(&st, &mut window).await;
+    assert_eq!(
+        series(&st, "kvguard_control_orphans").as_deref(),
+        Some("4.0")
     );
 }

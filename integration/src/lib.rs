@@ -45,3 +45,12 @@ mod http;
 pub use kvguard_loadgen::client;
 /// The load generator behind `kvguard-load`: moved to `kvguard-loadgen`; re-exported.
 pub use kvguard_loadgen::load;
+
+/// `n` loopback addresses free now (bound, then released): for processes that must know
+/// each other's address before they start (replicas naming their `--peers`).
+pub fn free_addrs(n: usize) -> Vec<std::net::SocketAddr> {
+    let ls: Vec<_> = (0..n)
+        .filter_map(|_| std::net::TcpListener::bind("127.0.0.1:0").ok())
+        .collect();
+    ls.iter().filter_map(|l| l.local_addr().ok()).collect()
+}

@@ -8,7 +8,8 @@
 //!
 //! - A request abandoned before its response headers (so before the `x-kvguard-control`
 //!   stamp) on any replica is aborted on that replica, through A's forward, within a
-//!   bound far inside the abort deadline; A never answers 404 and tombstones nothing.
+//!   bound far inside the abort deadline; A never answers 404, and tombstones each id
+//!   (ended there, or forwarded to the replica that held it).
 //! - Two gateways; one carries a request running on C and is SIGKILLed: C ends it by the
 //!   lease (enforce, the renewals C holds came from A's fan-out), within TTL + 1 s; the
 //!   other gateway's streams on every replica run to their end.
@@ -27,6 +28,7 @@ use kvguard_integration::demo::stack::{self, Control};
 use kvguard_integration::envoy::{
     Envoy, EnvoyOptions, CONTROL_CLUSTER, CONTROL_TARGET_CLUSTER, UPSTREAM_CLUSTER,
 };
+use kvguard_integration::free_addrs;
 use kvguard_integration::lossy::{self, LossyConfig, LossyHandle};
 use kvguard_integration::sim::{self, SimConfig, SimHandle};
 use kvguard_integration::wait::{bounded, poll_until_async};
@@ -47,14 +49,6 @@ fn sim_config() -> SimConfig {
     }
 }
 
-/// Three free loopback ports (bound, then released: each replica binds its own at once).
-fn free_addrs(n: usize) -> Vec<SocketAddr> {
-    let ls: Vec<_> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    ls.iter().map(|l| l.local_addr().unwrap()).collect()
-}
-
 /// Three replicas in front of `engine`, each knowing the others (`--peers` lists all
 /// three; each leaves itself out by its `--admin-listen`), each behind its own lossy hop.
 async fn replicas(engine: &SimHandle, extra: &[&str]) -> (Vec<Control>, Vec<LossyHandle>) {
@@ -69,31 +63,14 @@ async fn replicas_n(
     extra: &[&str],
     advertise: bool,
 ) -> (Vec<Control>, Vec<LossyHandle>) {
-    let admins = free_addrs(n);
-    let peers = admins
-        .iter()
-        .map(|a| format!("http://{a}"))
-        .collect::<Vec<_>>()
-        .join(",");
-    let any = SocketAddr::from(([127, 0, 0, 1], 0));
-    let mut controls = Vec::new();
+    let mut args = vec!["--idle-timeout", "off"];
+    args.extend_from_slice(extra);
+    let controls = Control::start_replicas(engine.addr(), n, &args, advertise)
+        .await
+        .unwrap();
     let mut hops = Vec::new();
-    for admin in &admins {
-        let mut args: Vec<String> = vec![
-            "--peers".into(),
-            peers.clone(),
-            "--idle-timeout".into(),
-            "off".into(),
-        ];
-        args.extend(extra.iter().map(|s| s.to_string()));
-        if advertise {
-            args.extend(["--advertise".to_owned(), admin.to_string()]);
-        }
-        let c = Control::start(engine.addr(), any, *admin, &args)
-            .await
-            .unwrap();
+    for c in &controls {
         hops.push(lossy::spawn(LossyConfig::to(c.proxy)).await.unwrap());
-        controls.push(c);
     }
     (controls, hops)
 }
@@ -268,8 +245,8 @@ async fn an_abort_before_the_stamp_is_forwarded_to_the_replica_holding_the_reque
         );
         assert_eq!(
             metric(a, "kvguard_control_tombstones").await,
-            held[0] as f64,
-            "A tombstoned only the ids it ended itself"
+            (held[0] + held[1] + held[2]) as f64,
+            "A tombstoned every id it ended or a peer ended on its forward"
         );
         for (i, c) in controls.iter().enumerate().skip(1) {
             assert_eq!(
@@ -542,9 +519,10 @@ async fn forged_and_replayed_forwarded_messages_are_refused_and_counted() {
                 kvguard_contract::PEER_ABORT_PATH,
                 kvguard_contract::PEER_LEASE_PATH,
             );
-            // Genuine: not held here, 404, and no tombstone (a request with the id is admitted).
+            // Genuine: not held here, 404, and tombstoned (a request with the id is
+            // refused: the abort overtook it on another replica).
             forged_genuine_replayed(a, pa, &env, &key, &forged_key, 404).await;
-            assert_eq!(metric(&control, "kvguard_control_tombstones").await, 0.0);
+            assert_eq!(metric(&control, "kvguard_control_tombstones").await, 1.0);
             // A gateway's own signed abort is not a forwarded one (and is not forwarded on).
             let r = post(a, pa, abort.clone(), signature::sign(&key, unix(), &abort)).await;
             assert_eq!(r.status, 400, "{}", r.text());
@@ -573,7 +551,7 @@ async fn forged_and_replayed_forwarded_messages_are_refused_and_counted() {
             assert_eq!(metric(&control, &s("renewal", "unauthorized")).await, 2.0);
             assert_eq!(metric(&control, &s("renewal", "replay")).await, 1.0);
             assert_eq!(metric(&control, &s("renewal", "accepted")).await, 1.0);
-            // The id is not tombstoned: a request with it runs.
+            // The id is tombstoned: a request with it is refused.
             let r = client::request(
                 control.proxy,
                 hyper::Method::POST,
@@ -588,7 +566,7 @@ async fn forged_and_replayed_forwarded_messages_are_refused_and_counted() {
             )
             .await
             .unwrap();
-            assert_eq!(r.status, 200, "{}", r.text());
+            assert_eq!(r.status, 409, "{}", r.text());
         },
     )
     .await

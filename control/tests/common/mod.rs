@@ -119,3 +119,103 @@ pub async fn metric(admin: SocketAddr, series: &str) -> Option<f64> {
 }
 
 pub const T: Duration = Duration::from_secs(10);
+
+/// Admin clients that keep their connection open and send a request every `period`
+/// (Envoy's abort pools, peers): odd requests a signed abort for an id nobody holds,
+/// even ones `GET /v1/engine`.
+pub struct KeepAliveClients {
+    stop: tokio_util::sync::CancellationToken,
+    /// Requests answered.
+    pub answered: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Requests failed (no answer, or an answer other than 200 / 404), with the last error.
+    pub failed: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    /// Clients that got their first answer.
+    pub started: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl KeepAliveClients {
+    pub fn spawn(admin: SocketAddr, n: usize, period: Duration) -> KeepAliveClients {
+        use std::sync::atomic::Ordering;
+        let stop = tokio_util::sync::CancellationToken::new();
+        let answered = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let started = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let failed = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let tasks = (0..n)
+            .map(|i| {
+                let (stop, answered, started, failed) =
+                    (stop.clone(), answered.clone(), started.clone(), failed.clone());
+                tokio::spawn(async move {
+                    let fail = |e: String| failed.lock().unwrap().push(format!("client {i}: {e}"));
+                    let tcp = match tokio::net::TcpStream::connect(admin).await {
+                        Ok(t) => t,
+                        Err(e) => return fail(format!("connect: {e}")),
+                    };
+                    let io = hyper_util::rt::TokioIo::new(tcp);
+                    let (mut tx, conn) = match hyper::client::conn::http1::handshake(io).await {
+                        Ok(x) => x,
+                        Err(e) => return fail(format!("handshake: {e}")),
+                    };
+                    tokio::spawn(conn);
+                    // Spread the clients over the period.
+                    let phase = period.mul_f64(i as f64 / n as f64);
+                    let mut iv = tokio::time::interval_at(tokio::time::Instant::now() + phase, period);
+                    for k in 0u64.. {
+                        tokio::select! {
+                            _ = stop.cancelled() => return,
+                            _ = iv.tick() => {}
+                        }
+                        let req = if k % 2 == 0 {
+                            let body = serde_json::to_vec(&json!({"request_id": format!("ka-{i}-{k}"), "reason": "downstream_reset"})).unwrap();
+                            let sig = signature::sign(&key(), now_unix(), &body);
+                            hyper::Request::post("/v1/abort")
+                                .header("host", "control")
+                                .header("x-kvguard-signature", sig)
+                                .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+                                .unwrap()
+                        } else {
+                            hyper::Request::get("/v1/engine")
+                                .header("host", "control")
+                                .body(http_body_util::Full::new(bytes::Bytes::new()))
+                                .unwrap()
+                        };
+                        let r = async {
+                            tx.ready().await?;
+                            let resp = tx.send_request(req).await?;
+                            let status = resp.status().as_u16();
+                            http_body_util::BodyExt::collect(resp.into_body()).await?;
+                            Ok::<_, hyper::Error>(status)
+                        };
+                        match tokio::time::timeout(Duration::from_secs(10), r).await {
+                            Ok(Ok(200 | 404)) => {
+                                if k == 0 {
+                                    started.fetch_add(1, Ordering::AcqRel);
+                                }
+                                answered.fetch_add(1, Ordering::AcqRel);
+                            }
+                            Ok(Ok(s)) => return fail(format!("status {s}")),
+                            Ok(Err(e)) => return fail(e.to_string()),
+                            Err(_) => return fail("no answer within 10 s".to_owned()),
+                        }
+                    }
+                })
+            })
+            .collect();
+        KeepAliveClients {
+            stop,
+            answered,
+            failed,
+            started,
+            tasks,
+        }
+    }
+
+    /// Stops every client; the failures.
+    pub async fn stop(self) -> Vec<String> {
+        self.stop.cancel();
+        for t in self.tasks {
+            let _ = t.await;
+        }
+        self.failed.lock().unwrap().clone()
+    }
+}

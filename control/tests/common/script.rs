@@ -3,6 +3,9 @@
 //! - `/flood`: SSE events of 16 KiB each, as fast as the connection takes them, forever
 //!   (fills every buffer on the way when the client stops reading);
 //! - `/short`: three SSE events and `[DONE]`;
+//! - `/gzip-sse`, `/gzip-ndjson`: an SSE / NDJSON body with `content-encoding: gzip`, 15
+//!   opaque chunks 100 ms apart; the first happens to read as one SSE event / NDJSON line
+//!   (compressed bytes may), the others have no line end;
 //! - `/plain`, `/octet`: 15 chunks of `text/plain` / `application/octet-stream`, 100 ms
 //!   apart (a flowing body with nothing to count in it).
 //!
@@ -87,14 +90,29 @@ fn respond(path: &str, cut: Arc<AtomicU64>) -> Response<ChanBody> {
     let ct = match path {
         "/plain" => "text/plain",
         "/octet" => "application/octet-stream",
+        "/gzip-ndjson" => "application/x-ndjson",
         _ => "text/event-stream",
     };
+    let gzip = path.starts_with("/gzip-");
     let path = path.to_owned();
     tokio::spawn(async move {
         match path.as_str() {
             "/flood" => {
                 let ev = Bytes::from(format!("data: {}\n\n", "x".repeat(16 * 1024)));
                 while tx.send(ev.clone()).await.is_ok() {}
+            }
+            "/gzip-sse" | "/gzip-ndjson" => {
+                let _ = tx.send(Bytes::from_static(b"data: \x1f\x8b\n\n")).await;
+                for _ in 1..15 {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    if tx
+                        .send(Bytes::from_static(b"\x8b\x08\x00\xf3\x48\xcd"))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
             }
             "/plain" | "/octet" => {
                 for i in 0..15 {
@@ -112,14 +130,16 @@ fn respond(path: &str, cut: Arc<AtomicU64>) -> Response<ChanBody> {
             }
         }
     });
-    Response::builder()
-        .header("content-type", ct)
-        .body(ChanBody {
-            rx,
-            done: false,
-            cut,
-        })
-        .unwrap()
+    let mut b = Response::builder().header("content-type", ct);
+    if gzip {
+        b = b.header("content-encoding", "gzip");
+    }
+    b.body(ChanBody {
+        rx,
+        done: false,
+        cut,
+    })
+    .unwrap()
 }
 
 pub async fn spawn() -> Script {

@@ -76,6 +76,8 @@ impl Control {
             .arg("--no-nvml")
             .arg("--worker-threads")
             .arg("2")
+            // The demo and the harness read the in-flight table.
+            .arg("--list-requests")
             .args(args)
             .env("KVGUARD_SECRET", SECRET);
         let mut guard = ChildGuard::spawn("kvguard-control", cmd)?;
@@ -144,6 +146,36 @@ impl Control {
     /// The process guard.
     pub fn guard(&mut self) -> &mut ChildGuard {
         &mut self.guard
+    }
+
+    /// `n` replicas in front of `engine`, each with `--peers` naming all of them (each
+    /// leaves itself out by its `--admin-listen`), and the flags `extra`; with `advertise`,
+    /// each stamps its responses with its admin address.
+    pub async fn start_replicas(
+        engine: SocketAddr,
+        n: usize,
+        extra: &[&str],
+        advertise: bool,
+    ) -> Result<Vec<Control>> {
+        let admins = crate::free_addrs(n);
+        let peers = admins
+            .iter()
+            .map(|a| format!("http://{a}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        let mut args: Vec<String> = vec!["--peers".into(), peers];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut controls = Vec::new();
+        for admin in &admins {
+            let mut args = args.clone();
+            if advertise {
+                // Each stamps its responses with its admin address (the per-replica route).
+                args.extend(["--advertise".to_owned(), admin.to_string()]);
+            }
+            controls.push(Control::start(engine, any, *admin, &args).await?);
+        }
+        Ok(controls)
     }
 
     /// Its log so far.
