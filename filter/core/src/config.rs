@@ -122,10 +122,83 @@ pub struct Config {
     pub max_pending_aborts: usize,
     /// Largest event inspected, bytes.
     pub max_event_bytes: usize,
+    /// The event names that are not progress (SSE `event:` or a JSON event's top-level
+    /// `"type"`), after the three terminal Responses API events: [`Config::event_words`].
+    pub event_words: Vec<Box<[u8]>>,
     /// Period of the liveness-lease renewal, ms (0 = off; contract §8).
     pub lease_renew_ms: u64,
     /// Path of the renewal endpoint.
     pub lease_path: String,
+}
+
+/// The Responses API events that end a stream (SSE `event:` or JSON `"type"`).
+pub const TERMINAL_EVENTS: [&str; 3] = [
+    "response.completed",
+    "response.failed",
+    "response.incomplete",
+];
+
+/// Default `non_progress_events`: heartbeats, and the Responses API preamble a server may
+/// send before the engine has scheduled the request.
+pub const DEFAULT_NON_PROGRESS_EVENTS: [&str; 7] = [
+    "ping",
+    "heartbeat",
+    "keepalive",
+    "keep-alive",
+    "response.created",
+    "response.in_progress",
+    "response.queued",
+];
+
+/// Most `non_progress_events` (the scanner matches them and the terminal events as they
+/// arrive, one bit each in a `u16`).
+pub const MAX_NON_PROGRESS_EVENTS: usize = 13;
+
+/// `non_progress_events`: up to [`MAX_NON_PROGRESS_EVENTS`] distinct names of 1..=64
+/// bytes, none a terminal event. Returns the terminal events followed by them.
+fn event_words(v: Option<&Value>) -> Result<Vec<Box<[u8]>>, ConfigError> {
+    const FIELD: &str = "non_progress_events";
+    let names: Vec<String> = match v {
+        None => DEFAULT_NON_PROGRESS_EVENTS
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect(),
+        Some(Value::Array(items)) if items.len() <= MAX_NON_PROGRESS_EVENTS => {
+            let mut out = Vec::with_capacity(items.len());
+            for (i, item) in items.iter().enumerate() {
+                match item {
+                    Value::String(s)
+                        if !s.is_empty()
+                            && s.len() <= 64
+                            && !TERMINAL_EVENTS.contains(&s.as_str())
+                            && !out.contains(s) =>
+                    {
+                        out.push(s.clone())
+                    }
+                    v => {
+                        return err(format!(
+                            "{FIELD}[{i}]: expected a new event name of 1..=64 bytes that does not end a stream (not {}), got {}",
+                            TERMINAL_EVENTS.join(", "),
+                            shown(v)
+                        ))
+                    }
+                }
+            }
+            out
+        }
+        Some(v) => {
+            return err(format!(
+                "{FIELD}: expected a list of at most {MAX_NON_PROGRESS_EVENTS} event names ([] = every event is progress), got {}",
+                shown(v)
+            ))
+        }
+    };
+    Ok(TERMINAL_EVENTS
+        .iter()
+        .map(|s| (*s).to_owned())
+        .chain(names)
+        .map(|s| s.into_bytes().into_boxed_slice())
+        .collect())
 }
 
 /// Default renewal period: under a quarter of kvguard-control's default 30 s TTL, so
@@ -133,7 +206,7 @@ pub struct Config {
 pub const DEFAULT_LEASE_RENEW_MS: u64 = 5_000;
 
 /// The top-level keys (contract §5).
-const KEYS: [&str; 21] = [
+const KEYS: [&str; 22] = [
     "control_cluster",
     "control_authority",
     "control_target_cluster",
@@ -153,6 +226,7 @@ const KEYS: [&str; 21] = [
     "abort_retries",
     "max_pending_aborts",
     "max_event_bytes",
+    "non_progress_events",
     "lease_renew_ms",
     "lease_path",
 ];
@@ -581,6 +655,7 @@ impl Config {
                 "",
             )?)
             .unwrap_or(65_536),
+            event_words: event_words(raw.get("non_progress_events"))?,
         })
     }
 

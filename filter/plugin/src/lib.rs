@@ -103,6 +103,11 @@ impl Clock for EnvoyHost<'_> {
             last
         })
     }
+    fn now_exact(&self) -> Option<u64> {
+        abi::monotonic_ms()
+            .map_err(|_| CLOCK_ERRORS.with(|c| c.set(c.get() + 1)))
+            .ok()
+    }
     fn unix_secs(&self) -> u64 {
         abi::now_nanos() / 1_000_000_000
     }
@@ -281,7 +286,7 @@ fn sync_tick(shared: &SharedRef) {
     if refused {
         abi::log(abi::LogLevel::Warn, "the host refused a tick period change");
         let _ = with_engine(shared, |e, p| {
-            e.set_tick_state(ms == 0);
+            e.tick_refused();
             p.add(Metric::HostErrors, 1);
         });
     }
@@ -869,6 +874,17 @@ struct Stream {
 
 impl Context for Stream {}
 
+impl Stream {
+    /// The request body ended: the first-token clock starts.
+    fn request_ended(&self) {
+        let id = self.id;
+        let _ = with_engine(&self.shared, |e, p| {
+            e.on_request_end(p, id);
+            report_clock_errors(p);
+        });
+    }
+}
+
 impl Drop for Stream {
     fn drop(&mut self) {
         if self.tracked {
@@ -879,7 +895,7 @@ impl Drop for Stream {
 }
 
 impl HttpContext for Stream {
-    fn on_http_request_headers(&mut self, _: usize, _: bool) -> Action {
+    fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
         trap::on_request_headers(self.id);
         // A client never speaks for kvguard: its stamp or signature headers go, on every
         // request, tracked or not (the edge's header mutation does the same; this is the
@@ -896,7 +912,7 @@ impl HttpContext for Stream {
             .flatten();
         let id = self.id;
         let verdict = with_engine(&self.shared, |e, p| {
-            e.on_request_headers(p, id, path.as_deref(), rid.as_deref())
+            e.on_request_headers(p, id, path.as_deref(), rid.as_deref(), !end_of_stream)
         });
         let instance = match verdict {
             Some(Verdict::Tracked) => {
@@ -922,6 +938,20 @@ impl HttpContext for Stream {
         }
         if self.tracked {
             sync_tick(&self.shared);
+        }
+        Action::Continue
+    }
+
+    fn on_http_request_body(&mut self, _: usize, end_of_stream: bool) -> Action {
+        if self.tracked && end_of_stream {
+            self.request_ended();
+        }
+        Action::Continue
+    }
+
+    fn on_http_request_trailers(&mut self, _: usize) -> Action {
+        if self.tracked {
+            self.request_ended();
         }
         Action::Continue
     }
