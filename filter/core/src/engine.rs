@@ -2004,6 +2004,20 @@ mod tests {
         assert_eq!(h.metric(Metric::StallHolds), 12);
     }
 
+    /// Observe mode holds nothing (it cuts nothing): every idle stream is marked at once.
+    #[test]
+    fn observe_mode_is_not_held_by_the_valve() {
+        let (mut e, mut h) = engine(r#","mode":"observe","idle_timeout_ms":100"#);
+        for ctx in 1..=20 {
+            stream(&mut e, &mut h, ctx);
+        }
+        h.now += 100;
+        let marked = confirmed_tick(&mut e, &mut h);
+        assert_eq!(marked.len(), 20);
+        assert!(marked.iter().all(|a| matches!(a, Action::Mark { .. })));
+        assert_eq!(h.metric(Metric::StallHolds), 0);
+    }
+
     #[test]
     fn a_few_stalls_close_at_once() {
         let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);

@@ -129,11 +129,14 @@ pub struct Request {
     /// The clocks count from no earlier than this (0, or the moment enforce mode came
     /// back after observe mode had flagged the request), relative ms.
     clocks_from: u32,
-    /// The first-token clock counts from here (relative ms): the end of the request body
-    /// ([`UPLOADING`] until then).
-    first_from: u32,
-    /// Epochs of [`EPOCH_MS`] the relative times were moved by.
-    epoch: u16,
+    /// Until the first progress: where the first-token clock counts from (relative ms:
+    /// the end of the request body; [`UPLOADING`] until then, [`UPLOAD_ENDED`] until the
+    /// next tick when the clock could not be read). From the first progress stamped: the
+    /// time to it (ms after the start, saturating). One field for both (a tracked stream
+    /// is kept small).
+    first: u32,
+    /// Epochs of [`EPOCH_MS`] the relative times were moved by (17 years in all).
+    epoch: u8,
     /// A mass stall held this request's close until then (relative ms; 0 = not held).
     held_until: u32,
     /// The clocks that apply to it.
@@ -144,9 +147,6 @@ pub struct Request {
     stamped: u32,
     /// When the last progress was stamped (relative ms; meaningful once `events > 0`).
     last_event: u32,
-    /// When the first data event arrived (ms after the start, saturating; meaningful once
-    /// `events > 0`).
-    first_event: u32,
     /// The largest gap between data events seen so far (relative ms).
     max_gap: u32,
     /// [`QUIET`]: a tick found no progress since the last stamp, so the next chunk reads
@@ -169,14 +169,13 @@ impl Request {
             id,
             start_ms: now_ms.unwrap_or(START_UNKNOWN),
             clocks_from: 0,
-            first_from: 0,
+            first: 0,
             epoch: 0,
             held_until: 0,
             clocks: Clocks::of(limits),
             events: 0,
             stamped: 0,
             last_event: 0,
-            first_event: 0,
             max_gap: 0,
             flags: 0,
             phase: Phase::Requested,
@@ -212,11 +211,11 @@ impl Request {
         let e = u32::try_from(n.saturating_mul(EPOCH_MS)).unwrap_or(u32::MAX);
         self.epoch = self
             .epoch
-            .saturating_add(u16::try_from(n).unwrap_or(u16::MAX));
+            .saturating_add(u8::try_from(n).unwrap_or(u8::MAX));
         self.last_event = self.last_event.saturating_sub(e);
         self.clocks_from = self.clocks_from.saturating_sub(e);
-        if self.first_from < UPLOAD_ENDED {
-            self.first_from = self.first_from.saturating_sub(e);
+        if self.events == 0 && self.first < UPLOAD_ENDED {
+            self.first = self.first.saturating_sub(e);
         }
         if self.held_until != 0 {
             // Still "held once" (0 would mean never held).
@@ -249,23 +248,23 @@ impl Request {
 
     /// Time from the request to its first data event, ms, if it had one.
     pub fn first_token_ms(&self) -> Option<u64> {
-        (self.events > 0).then_some(u64::from(self.first_event))
+        (self.events > 0).then_some(u64::from(self.first))
     }
 
     /// The request body follows its headers: the first-token clock waits for its end
     /// ([`Request::on_request_end`]).
     pub fn on_request_body_follows(&mut self) {
-        self.first_from = UPLOADING;
+        self.first = UPLOADING;
     }
 
     /// The request body ended at `now_ms` (`None`: the clock could not be read; the
     /// next tick's time is taken): the first-token clock counts from there.
     pub fn on_request_end(&mut self, now_ms: Option<u64>) {
-        if self.first_from == UPLOADING {
-            self.first_from = UPLOAD_ENDED;
+        if self.events == 0 && self.first == UPLOADING {
+            self.first = UPLOAD_ENDED;
             if let Some(now) = now_ms {
                 self.started(now);
-                self.first_from = self.rel(now);
+                self.first = self.rel(now);
             }
         }
     }
@@ -273,7 +272,7 @@ impl Request {
     /// Whether the first-token clock waits for the end of the request body (the only
     /// case in which that end needs a clock reading).
     pub fn waits_for_upload(&self) -> bool {
-        self.first_from == UPLOADING && self.clocks.first_token > 0
+        self.events == 0 && self.first == UPLOADING && self.clocks.first_token > 0
     }
 
     /// The largest gap between two data events, ms (a gap shorter than a tick may read
@@ -397,7 +396,7 @@ impl Request {
         let t = self.rel(now_ms);
         if self.stamped == 0 {
             // Nothing stamped yet: this is the first progress.
-            self.first_event = u32::try_from(self.age_ms(now_ms)).unwrap_or(u32::MAX);
+            self.first = u32::try_from(self.age_ms(now_ms)).unwrap_or(u32::MAX);
         } else {
             self.max_gap = self.max_gap.max(t.saturating_sub(self.last_event));
         }
@@ -413,13 +412,13 @@ impl Request {
     pub fn stamp(&mut self, now_ms: u64) {
         self.started(now_ms);
         self.rebase(now_ms);
-        if self.first_from == UPLOAD_ENDED {
-            self.first_from = self.rel(now_ms);
+        if self.events == 0 && self.first == UPLOAD_ENDED {
+            self.first = self.rel(now_ms);
         }
         if self.events != self.stamped {
             if self.stamped == 0 {
                 // The first progress, counted while the clock could not be read.
-                self.first_event = u32::try_from(self.age_ms(now_ms)).unwrap_or(u32::MAX);
+                self.first = u32::try_from(self.age_ms(now_ms)).unwrap_or(u32::MAX);
             }
             self.last_event = self.last_event.max(self.rel(now_ms));
             self.stamped = self.events;
@@ -466,7 +465,7 @@ impl Request {
         if self.events == 0 {
             if c.first_token > 0 {
                 consider(
-                    self.first_from.max(from),
+                    self.first.max(from),
                     c.first_token,
                     AbortReason::FirstTokenTimeout,
                 );
@@ -501,7 +500,7 @@ impl Request {
             return false;
         }
         if self.events == 0 {
-            self.clocks.first_token > 0 && self.first_from < UPLOAD_ENDED
+            self.clocks.first_token > 0 && self.first < UPLOAD_ENDED
         } else {
             self.clocks.idle > 0
         }

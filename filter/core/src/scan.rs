@@ -211,11 +211,14 @@ pub struct Scanner {
     /// The event's `event:` value, matched against the event names (terminal first).
     event_name: Words,
     completed: bool,
-    /// Bytes of a [`BOM`] matched at the start of the stream (3: past the start).
-    bom: u8,
-    /// A progress event was dispatched (after it, chunks without content count).
-    progressed: bool,
+    /// Bits 0–1: bytes of a [`BOM`] matched at the start of the stream (3: past the
+    /// start); [`PROGRESSED`]: a progress event was dispatched (after it, chunks without
+    /// content count). One byte (a scanner lives in every tracked stream).
+    start: u8,
 }
+
+/// [`Scanner`]`::start`: a progress event was dispatched.
+const PROGRESSED: u8 = 4;
 
 impl Scanner {
     /// A scanner for a body of `framing`, bounding events at `max_event_bytes`.
@@ -232,8 +235,7 @@ impl Scanner {
             oversized: false,
             event_name: Words::NONE,
             completed: false,
-            bom: 0,
-            progressed: false,
+            start: 0,
         }
     }
 
@@ -298,15 +300,15 @@ impl Scanner {
     /// the chunk's own bytes start.
     fn skip_bom(&mut self, chunk: &[u8]) -> usize {
         let mut i = 0;
-        while let Some(&want) = BOM.get(usize::from(self.bom)) {
+        while let Some(&want) = BOM.get(usize::from(self.start & 3)) {
             match chunk.get(i) {
                 None => break,
                 Some(&b) if b == want => {
-                    self.bom += 1;
+                    self.start += 1;
                     i += 1;
                 }
                 // No mark (what a partial one held is dropped: not UTF-8 anyway).
-                Some(_) => self.bom = 3,
+                Some(_) => self.start |= 3,
             }
         }
         i
@@ -544,7 +546,7 @@ impl Scanner {
             // Unread: progress (a false "no progress" could cut a read stream).
             fed.events += 1;
             fed.oversized += 1;
-            self.progressed = true;
+            self.start |= PROGRESSED;
             on_event(Event::Oversized);
             self.reset_data();
             return;
@@ -562,7 +564,7 @@ impl Scanner {
                 true
             } else if data.first() == Some(&b'{') {
                 // Before the first progress, whether the choices carry content matters.
-                let content = progress && !self.progressed;
+                let content = progress && self.start & PROGRESSED == 0;
                 if !content && json::inert_with(data, words) {
                     // The common case: a content chunk that cannot complete anything and
                     // is not typed as a non-progress event. No full look.
@@ -593,7 +595,7 @@ impl Scanner {
         }
         if progress {
             fed.events += 1;
-            self.progressed = true;
+            self.start |= PROGRESSED;
             on_event(Event::Data(data, completes));
         } else {
             on_event(Event::Idle(data));
