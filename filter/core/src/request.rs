@@ -204,8 +204,9 @@ impl Request {
     /// time moves back by as much (one before the new base becomes the base: later than
     /// the truth, never earlier).
     fn rebase(&mut self, now_ms: u64) {
+        // (A start not known yet is the largest base: no epoch has passed.)
         let n = now_ms.saturating_sub(self.base()) / EPOCH_MS;
-        if n == 0 || self.start_ms == START_UNKNOWN {
+        if n == 0 {
             return;
         }
         let e = u32::try_from(n.saturating_mul(EPOCH_MS)).unwrap_or(u32::MAX);
@@ -1109,6 +1110,68 @@ mod tests {
         let mut r = Request::new(RequestId::try_new(b"m").unwrap(), L, Some(1_000));
         r.stamp(end);
         assert_eq!(r.due(end), Some(AbortReason::MaxAge));
+    }
+
+    /// The rebase moves the first-token start with the rest (a sentinel stays one), and
+    /// keeps "held once" as it was.
+    #[test]
+    fn a_rebase_keeps_the_first_token_clock_and_the_hold() {
+        let l = Limits {
+            idle_timeout_ms: 0,
+            first_token_timeout_ms: 300,
+            max_age_ms: 0,
+        };
+        let later = 1_000 + EPOCH_MS + 10;
+        // The upload ended at +100: after the rebase the clock counts from the new base
+        // (later than the truth), not from +100 past it.
+        let mut r = req(l);
+        r.on_request_body_follows();
+        r.on_request_end(Some(1_100));
+        r.stamp(later);
+        assert!(!r.held(), "never held");
+        assert_eq!(r.due(later + 289), None);
+        assert_eq!(r.due(later + 290), Some(AbortReason::FirstTokenTimeout));
+        // The end came while the clock could not be read: the next tick's time, after the
+        // rebase too.
+        let mut r = req(l);
+        r.on_request_body_follows();
+        r.on_request_end(None);
+        r.stamp(later);
+        assert_eq!(r.due(later + 299), None);
+        assert_eq!(r.due(later + 300), Some(AbortReason::FirstTokenTimeout));
+        // A deadline that reaches what a `u32` holds never fires, even when the time
+        // saturates (no tick rebased it).
+        let mut r = req(Limits {
+            first_token_timeout_ms: 1,
+            ..l
+        });
+        r.on_request_body_follows();
+        r.on_request_end(None);
+        assert_eq!(r.due(1_000 + u64::from(u32::MAX) + 5), None);
+        // Held once stays held once.
+        let mut r = req(l);
+        assert!(r.hold(1_200));
+        r.stamp(later);
+        assert!(r.held());
+        assert!(!r.hold(later));
+    }
+
+    /// A first progress counted while the clock could not be read (no mark) gets its time
+    /// from the tick that stamps it; later stamps leave it.
+    #[test]
+    fn the_first_progress_without_a_clock_is_timed_by_the_tick() {
+        let mut r = req(L);
+        r.on_response_headers(Framing::Sse, 1024, false);
+        assert!(
+            r.on_body(b"data: {}\n\n", 10, false, &DEFAULT_EVENT_WORDS)
+                .1
+        );
+        r.stamp(1_070);
+        assert_eq!(r.first_token_ms(), Some(70));
+        r.on_body(b"data: {}\n\n", 10, false, &DEFAULT_EVENT_WORDS);
+        r.stamp(1_090);
+        assert_eq!(r.first_token_ms(), Some(70));
+        assert_eq!(r.last_event_ms(), Some(1_090));
     }
 
     /// Issue 27.4: a request whose headers came while the clock could not be read starts
