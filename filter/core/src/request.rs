@@ -1156,6 +1156,45 @@ mod tests {
         assert!(!r.hold(later));
     }
 
+    /// Issue 27.7: the valve's population is what may stall: a first-token clock that
+    /// runs (not while the upload goes on, nor before its end has a time), an idle clock
+    /// that is on, in a phase with clocks, not observed.
+    #[test]
+    fn idle_clock_on_counts_what_may_stall() {
+        let ft = Limits {
+            idle_timeout_ms: 0,
+            first_token_timeout_ms: 300,
+            max_age_ms: 0,
+        };
+        assert!(req(ft).idle_clock_on());
+        let mut r = req(ft);
+        r.on_request_body_follows();
+        assert!(!r.idle_clock_on(), "uploading");
+        r.on_request_end(None);
+        assert!(!r.idle_clock_on(), "its start is the next tick's");
+        r.stamp(1_500);
+        assert!(r.idle_clock_on());
+        // First-token clock off; idle clock off once streaming.
+        let off = Limits {
+            first_token_timeout_ms: 0,
+            ..ft
+        };
+        let mut r = req(off);
+        assert!(!r.idle_clock_on());
+        r.on_response_headers(Framing::Sse, 1024, false);
+        body_at(&mut r, b"data: {}\n\n", 10, false, 1_100);
+        assert!(!r.idle_clock_on(), "idle_timeout_ms 0");
+        let mut r = req(L);
+        r.on_response_headers(Framing::Sse, 1024, false);
+        body_at(&mut r, b"data: {}\n\n", 10, false, 1_100);
+        assert!(r.idle_clock_on());
+        assert!(r.decide(AbortReason::Stalled, true));
+        assert!(!r.idle_clock_on(), "observed");
+        let mut r = req(L);
+        r.on_response_headers(Framing::Sse, 1024, true);
+        assert!(!r.idle_clock_on(), "ended");
+    }
+
     /// A first progress counted while the clock could not be read (no mark) gets its time
     /// from the tick that stamps it; later stamps leave it.
     #[test]
