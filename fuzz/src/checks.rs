@@ -10,7 +10,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use kvguard_contract::{signature, stamp, AbortReason, AbortRequest, Key, RequestId};
-use kvguard_filter_core::engine::{Action, BodyNeed, Engine, Verdict};
+use kvguard_filter_core::engine::{Action, Engine, Verdict};
 use kvguard_filter_core::host::{Call, Clock, DispatchError, Host, Level};
 use kvguard_filter_core::metrics::{Metric, Metrics};
 use kvguard_filter_core::scan::{Event, Framing, Scanner};
@@ -97,6 +97,7 @@ pub fn scan_trace(framing: Framing, max_event: usize, body: &[u8], cuts: &[usize
         let mut on = |e: Event<'_>| match e {
             Event::Data(d, c) => evs.push(Some((d.to_vec(), c))),
             Event::Oversized => evs.push(None),
+            Event::Idle(_) => {}
         };
         let fed = if fin {
             sc.finish(&mut on)
@@ -688,7 +689,8 @@ pub fn filter_engine(data: &[u8]) {
                 } else {
                     Some(&id[..])
                 };
-                let v = eng.on_request_headers(&mut host, ctx, Some(path), idopt);
+                let v =
+                    eng.on_request_headers(&mut host, ctx, Some(path), idopt, id_mode & 0x10 != 0);
                 if v == Verdict::Tracked {
                     live.insert(ctx, (String::from_utf8(id).unwrap(), false, 0));
                 } else if eng.request(ctx).is_none() {
@@ -718,16 +720,7 @@ pub fn filter_engine(data: &[u8]) {
             2 => {
                 let chunk = b.slice();
                 let eos = b.byte() & 1 == 1;
-                let need = eng.body_need(ctx);
-                let r = match need {
-                    BodyNeed::Nothing => {
-                        eng.on_response_body(&mut host, ctx, &[], chunk.len(), eos)
-                    }
-                    BodyNeed::Length => eng.on_response_body(&mut host, ctx, &[], chunk.len(), eos),
-                    BodyNeed::Bytes => {
-                        eng.on_response_body(&mut host, ctx, chunk, chunk.len(), eos)
-                    }
-                };
+                let r = eng.on_chunk(&mut host, ctx, chunk.len(), eos, || Some(chunk.to_vec()));
                 if r == Some(OutcomeTag::Completed) {
                     if let Some(l) = live.get_mut(&ctx) {
                         l.1 = true;

@@ -20,27 +20,34 @@ use support::*;
 const IDLE: Duration = Duration::from_millis(1000);
 const STOP: Duration = Duration::from_millis(2500);
 
+/// The rig (idle timeout [`IDLE`]) and a stream whose engine stops after 3 tokens (nobody
+/// will send it anything), its first event read; and its request id.
+async fn with_silent_stream() -> (Rig, client::SseStream, String) {
+    let r = rig(
+        SimConfig::default(),
+        json!({"idle_timeout_ms": IDLE.as_millis() as u64}),
+    )
+    .await;
+    let mut s = client::stream_sse(
+        r.envoy.listener_addr(),
+        "/v1/completions",
+        &completion(1000, true),
+        &[("x-sim-rate", "25"), ("x-sim-stall-after", "3")],
+        false,
+    )
+    .await
+    .unwrap();
+    assert!(s.next_data(W).await.unwrap().is_some());
+    let id = last_id(&r.sim);
+    (r, s, id)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_envoy_stopped_past_the_idle_timeout_cuts_no_flowing_stream() {
     bounded("gateway stall", T, async {
-        let mut r = rig(
-            SimConfig::default(),
-            json!({"idle_timeout_ms": IDLE.as_millis() as u64}),
-        )
-        .await;
-        let addr = r.envoy.listener_addr();
         // One stream whose engine stops after 3 tokens: nobody will send it anything.
-        let mut silent = client::stream_sse(
-            addr,
-            "/v1/completions",
-            &completion(1000, true),
-            &[("x-sim-rate", "25"), ("x-sim-stall-after", "3")],
-            false,
-        )
-        .await
-        .unwrap();
-        assert!(silent.next_data(W).await.unwrap().is_some());
-        let silent_id = last_id(&r.sim);
+        let (mut r, mut silent, silent_id) = with_silent_stream().await;
+        let addr = r.envoy.listener_addr();
         // Four flowing streams: 25 tokens/s, 150 tokens (about 6 s), HTTP/1.1 and h2.
         let mut flowing = Vec::new();
         for (i, http2) in [false, true, false, true].into_iter().enumerate() {
@@ -101,6 +108,68 @@ async fn an_envoy_stopped_past_the_idle_timeout_cuts_no_flowing_stream() {
         let stalls = stat(&r.envoy, "kvguard_filter_worker_stalls_total").await;
         assert!(stalls >= 1.0, "the stop was not seen as a stall: {stalls}");
         wait_log(&r.envoy, "this worker did not run for").await;
+        assert_vm_healthy(&r.envoy);
+    })
+    .await
+    .unwrap();
+}
+
+/// Issue 27.1: an Envoy whose ticks always come late (throttled: stopped 600 ms of every
+/// 700, so every tick is more than two periods after the last) still ends a silent
+/// stream, and cuts none that flows. (A hold as long as each late tick's lateness held
+/// every idle cut at every tick: the silent stream was never ended.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttled_envoy_still_ends_a_silent_stream() {
+    bounded("throttled gateway", T, async {
+        let (mut r, mut silent, silent_id) = with_silent_stream().await;
+        let addr = r.envoy.listener_addr();
+        let mut flowing = Vec::new();
+        for http2 in [false, true] {
+            let mut s = client::stream_sse(
+                addr,
+                "/v1/chat/completions",
+                &chat(250),
+                &[("x-sim-rate", "25")],
+                http2,
+            )
+            .await
+            .unwrap();
+            assert!(s.next_data(W).await.unwrap().is_some());
+            flowing.push((last_id(&r.sim), s));
+        }
+        // Throttle until the abort arrives (bounded: 14 periods, about 10 s). The stops'
+        // lengths are the subject here, not a wait for an event.
+        let started = Instant::now();
+        for _ in 0..14 {
+            r.envoy.guard().signal(libc::SIGSTOP).unwrap();
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            r.envoy.guard().signal(libc::SIGCONT).unwrap();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if !r.recv.calls().is_empty() {
+                break;
+            }
+        }
+        let throttled = started.elapsed();
+        let calls = r.recv.calls();
+        assert!(
+            !calls.is_empty(),
+            "the silent stream was not ended in {throttled:?} of throttling"
+        );
+        assert_eq!(
+            calls[0].request_id(),
+            Some(silent_id.as_str()),
+            "after {:?} of throttling",
+            started.elapsed()
+        );
+        let stalls = stat(&r.envoy, "kvguard_filter_worker_stalls_total").await;
+        assert!(stalls >= 2.0, "the ticks were not late: {stalls}");
+        for (id, s) in &mut flowing {
+            let end = s.wait_end(W).await.unwrap();
+            assert!(end.completed(), "{id} was cut: {:?}", end.reset);
+        }
+        assert_eq!(r.recv.calls().len(), 1, "{:?}", r.recv.calls());
+        let end = silent.wait_end(W).await.unwrap();
+        assert!(!end.saw_done());
         assert_vm_healthy(&r.envoy);
     })
     .await

@@ -1,7 +1,9 @@
 //! Stall detection keeps working while other streams flow: the idle reaper runs on the
 //! root tick, which healthy traffic on the same worker must not starve or delay. Ten
 //! stalled streams (staggered over more than a tick) beside forty paced healthy ones:
-//! each stall is detected within idle_timeout + 2 ticks, no healthy stream is touched.
+//! each stall is cut within idle_timeout + 3 ticks (seen within one tick of its threshold,
+//! cut at the next tick if nothing arrived, one tick of slack), no healthy stream is
+//! touched.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 #[path = "filter_support.rs"]
@@ -17,7 +19,7 @@ use std::time::{Duration, Instant};
 use support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stalls_are_detected_within_two_ticks_beside_healthy_traffic() {
+async fn stalls_are_detected_within_three_ticks_beside_healthy_traffic() {
     bounded("stall under load", T, async {
         let up = FastUpstream::spawn().await.unwrap();
         let recv = receiver::spawn(ReceiverConfig::new(vec![key()]))
@@ -99,8 +101,8 @@ async fn stalls_are_detected_within_two_ticks_beside_healthy_traffic() {
             "stalled streams not all detected: {delays:?}"
         );
         assert!(
-            delays.iter().all(|d| *d <= 500),
-            "detection later than two ticks: {delays:?}"
+            delays.iter().all(|d| *d <= 750),
+            "detection later than three ticks: {delays:?}"
         );
         assert_vm_healthy(&envoy);
     })

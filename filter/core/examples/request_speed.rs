@@ -67,7 +67,7 @@ fn main() {
         for i in 0..REQUESTS {
             let ctx = i + 2;
             let id = ids[i as usize].as_bytes();
-            e.on_request_headers(&mut p, ctx, Some(b"/v1/chat/completions"), Some(id));
+            e.on_request_headers(&mut p, ctx, Some(b"/v1/chat/completions"), Some(id), true);
             e.on_response_headers(&mut p, ctx, Some(b"text/event-stream"), None, None, false);
             e.on_chunk(&mut p, ctx, event.len(), false, || Some(event.to_vec()));
             e.on_chunk(&mut p, ctx, done.len(), true, || Some(done.to_vec()));

@@ -294,6 +294,12 @@ impl AbortQueue {
             self.finish(job, Outcome::Failed, status, metrics, finished);
             return;
         }
+        // A stamped replica that did not answer (timeout, reset, or Envoy's 502/503/504:
+        // no connection) is not asked again: the retries go to `control_cluster`, whose
+        // replicas forward to their peers.
+        if job.target.is_some() && matches!(status, None | Some(502..=504)) {
+            job.target = None;
+        }
         let next = now_ms.saturating_add(self.backoff_ms(job.attempts));
         if next.saturating_sub(job.queued_ms) > DEADLINE_MS {
             self.finish(job, Outcome::Failed, status, metrics, finished);
@@ -504,6 +510,35 @@ mod tests {
         let plain = config("");
         let (call, route) = AbortQueue::call(&plain, &j, 0, 1);
         assert_eq!((call.cluster, route), ("kvguard", Route::Fallback));
+    }
+
+    /// Issue 27.7: an abort whose stamped replica is unreachable falls back to
+    /// `control_cluster` on its retries instead of failing there.
+    #[test]
+    fn an_unreachable_replica_falls_back_to_control_cluster() {
+        let cfg = config(r#","control_target_cluster":"t","control_target_cidrs":["10.0.0.0/8"]"#);
+        // The cluster of the retry after the first call (to the replica) was answered so.
+        let retried_to = |status: Option<u16>| {
+            let mut q = AbortQueue::new(10, 7);
+            let mut h = MockHost::default();
+            let mut fin = Vec::new();
+            let mut j = job("r", 0);
+            j.target = Some("10.1.2.3:9902".parse().unwrap());
+            q.push(j, &mut h).unwrap();
+            q.pump(&cfg, 0, 1, &mut h, &mut fin);
+            assert_eq!(h.calls[0].1, "t");
+            q.on_answer(&cfg, h.calls[0].0, status, b"", 10, &mut h, &mut fin);
+            q.pump(&cfg, 10_000, 1, &mut h, &mut fin);
+            assert_eq!(h.calls.len(), 2, "{status:?}");
+            let to_replica = h.calls[1].2.iter().any(|(k, _)| *k == ORIGINAL_DST_HEADER);
+            assert_eq!(to_replica, h.calls[1].1 == "t");
+            h.calls[1].1.clone()
+        };
+        for status in [None, Some(502), Some(503), Some(504)] {
+            assert_eq!(retried_to(status), "kvguard", "{status:?}");
+        }
+        // Another transient answer came from the replica: it is asked again.
+        assert_eq!(retried_to(Some(429)), "t");
     }
 
     #[test]

@@ -106,6 +106,9 @@ pub struct Config {
     pub stamp_keys: Vec<Key>,
     /// Enforce or observe.
     pub mode: Mode,
+    /// Whether the configuration names its `mode` (only a named mode moves the kill
+    /// switch: [`first_load`]).
+    pub mode_named: bool,
     /// Global limits.
     pub limits: Limits,
     /// Tick period, ms.
@@ -122,10 +125,123 @@ pub struct Config {
     pub max_pending_aborts: usize,
     /// Largest event inspected, bytes.
     pub max_event_bytes: usize,
+    /// The event names that are not progress (SSE `event:` or a JSON event's top-level
+    /// `"type"`), after the three terminal Responses API events: [`Config::event_words`].
+    pub event_words: Vec<Box<[u8]>>,
     /// Period of the liveness-lease renewal, ms (0 = off; contract §8).
     pub lease_renew_ms: u64,
     /// Path of the renewal endpoint.
     pub lease_path: String,
+}
+
+/// The Responses API events that end a stream (SSE `event:` or JSON `"type"`).
+pub const TERMINAL_EVENTS: [&str; 3] = [
+    "response.completed",
+    "response.failed",
+    "response.incomplete",
+];
+
+/// Default `non_progress_events`: heartbeats, and the Responses API preamble a server may
+/// send before the engine has scheduled the request.
+pub const DEFAULT_NON_PROGRESS_EVENTS: [&str; 7] = [
+    "ping",
+    "heartbeat",
+    "keepalive",
+    "keep-alive",
+    "response.created",
+    "response.in_progress",
+    "response.queued",
+];
+
+/// Most `non_progress_events` (the scanner matches them and the terminal events as they
+/// arrive, one bit each in a `u16`).
+pub const MAX_NON_PROGRESS_EVENTS: usize = 13;
+
+/// `non_progress_events`: up to [`MAX_NON_PROGRESS_EVENTS`] distinct names of 1..=64
+/// bytes, none a terminal event. Returns the terminal events followed by them.
+fn event_words(v: Option<&Value>) -> Result<Vec<Box<[u8]>>, ConfigError> {
+    const FIELD: &str = "non_progress_events";
+    let names: Vec<String> = match v {
+        None => DEFAULT_NON_PROGRESS_EVENTS
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect(),
+        Some(Value::Array(items)) if items.len() <= MAX_NON_PROGRESS_EVENTS => {
+            let mut out = Vec::with_capacity(items.len());
+            for (i, item) in items.iter().enumerate() {
+                match item {
+                    Value::String(s)
+                        if !s.is_empty()
+                            && s.len() <= 64
+                            && !TERMINAL_EVENTS.contains(&s.as_str())
+                            && !out.contains(s) =>
+                    {
+                        out.push(s.clone())
+                    }
+                    v => {
+                        return err(format!(
+                            "{FIELD}[{i}]: expected a new event name of 1..=64 bytes that does not end a stream (not {}), got {}",
+                            TERMINAL_EVENTS.join(", "),
+                            shown(v)
+                        ))
+                    }
+                }
+            }
+            out
+        }
+        Some(v) => {
+            return err(format!(
+                "{FIELD}: expected a list of at most {MAX_NON_PROGRESS_EVENTS} event names ([] = every event is progress), got {}",
+                shown(v)
+            ))
+        }
+    };
+    Ok(TERMINAL_EVENTS
+        .iter()
+        .map(|s| (*s).to_owned())
+        .chain(names)
+        .map(|s| s.into_bytes().into_boxed_slice())
+        .collect())
+}
+
+/// The digest of a configuration's bytes (64-bit FNV-1a): which configurations an Envoy
+/// process has loaded ([`first_load`]).
+pub fn config_digest(raw: &[u8]) -> u64 {
+    raw.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Most configuration digests remembered per plugin name.
+pub const MAX_SEEN_CONFIGS: usize = 64;
+
+/// The kill switch: whether a configuration being loaded is new to this Envoy process.
+/// `seen` is the shared-data list of the digests loaded so far (16 hex digits each, one
+/// per line, the newest last). Returns the list with `digest` added when it was not
+/// there (the caller writes it, and only then, if the configuration names its `mode`,
+/// publishes that mode); `None` when the configuration was loaded before (another
+/// worker, a VM reloaded after a trap, a draining listener's configuration): such a
+/// load never moves the mode, so a pushed `observe` stays until a new configuration
+/// names `enforce`.
+pub fn first_load(seen: Option<&[u8]>, digest: u64) -> Option<Vec<u8>> {
+    let me = format!("{digest:016x}");
+    let seen = seen.unwrap_or_default();
+    let lines: Vec<&[u8]> = seen
+        .split(|b| *b == b'\n')
+        .filter(|l| !l.is_empty())
+        .collect();
+    if lines.contains(&me.as_bytes()) {
+        return None;
+    }
+    let keep = lines.len().saturating_sub(MAX_SEEN_CONFIGS - 1);
+    let mut out = Vec::with_capacity(seen.len() + 17);
+    for l in lines.iter().skip(keep) {
+        out.extend_from_slice(l);
+        out.push(b'\n');
+    }
+    out.extend_from_slice(me.as_bytes());
+    out.push(b'\n');
+    Some(out)
 }
 
 /// Default renewal period: a sixth of kvguard-control's default 30 s TTL, so
@@ -133,7 +249,7 @@ pub struct Config {
 pub const DEFAULT_LEASE_RENEW_MS: u64 = 5_000;
 
 /// The top-level keys (contract §5).
-const KEYS: [&str; 21] = [
+const KEYS: [&str; 22] = [
     "control_cluster",
     "control_authority",
     "control_target_cluster",
@@ -153,6 +269,7 @@ const KEYS: [&str; 21] = [
     "abort_retries",
     "max_pending_aborts",
     "max_event_bytes",
+    "non_progress_events",
     "lease_renew_ms",
     "lease_path",
 ];
@@ -542,6 +659,7 @@ impl Config {
             key,
             stamp_keys,
             mode,
+            mode_named: raw.contains_key("mode"),
             limits,
             tick_ms,
             paths,
@@ -581,6 +699,7 @@ impl Config {
                 "",
             )?)
             .unwrap_or(65_536),
+            event_words: event_words(raw.get("non_progress_events"))?,
         })
     }
 
@@ -656,6 +775,7 @@ mod tests {
         assert_eq!(c.control_authority, "kvguard");
         assert_eq!(c.abort_path, "/v1/abort");
         assert_eq!(c.mode, Mode::Enforce);
+        assert!(!c.mode_named);
         assert_eq!(
             c.limits,
             Limits {
@@ -688,6 +808,7 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(c.mode, Mode::Observe);
+        assert!(c.mode_named);
         assert_eq!(c.target.as_ref().unwrap().cidrs.len(), 2);
         let l = c.limits_for(b"/a/long/x").unwrap();
         assert_eq!(l.idle_timeout_ms, 7);
@@ -836,5 +957,108 @@ mod tests {
             r#"{{"control_cluster":"c","secret":"{SECRET}","mode":"{long}"}}"#
         ));
         assert!(m.len() < 140, "{m}");
+    }
+
+    /// Issue 27.3: the non-progress events, their defaults and their checks.
+    #[test]
+    fn non_progress_events_default_and_validate() {
+        let base = format!(r#""control_cluster":"c","secret":"{SECRET}""#);
+        let words = |c: &Config| -> Vec<String> {
+            c.event_words
+                .iter()
+                .map(|w| String::from_utf8_lossy(w).into_owned())
+                .collect()
+        };
+        let c = parse(&format!("{{{base}}}")).unwrap();
+        let defaults: Vec<String> = crate::scan::DEFAULT_EVENT_WORDS
+            .iter()
+            .map(|w| String::from_utf8_lossy(w).into_owned())
+            .collect();
+        assert_eq!(
+            words(&c),
+            defaults,
+            "the scanner's defaults are the config's"
+        );
+        assert_eq!(
+            defaults[crate::scan::TERMINAL..],
+            DEFAULT_NON_PROGRESS_EVENTS.map(String::from)
+        );
+        let c = parse(&format!(r#"{{{base},"non_progress_events":["beat"]}}"#)).unwrap();
+        assert_eq!(
+            words(&c),
+            [
+                "response.completed",
+                "response.failed",
+                "response.incomplete",
+                "beat"
+            ]
+        );
+        let c = parse(&format!(r#"{{{base},"non_progress_events":[]}}"#)).unwrap();
+        assert_eq!(c.event_words.len(), 3);
+        let many: Vec<String> = (0..=MAX_NON_PROGRESS_EVENTS)
+            .map(|i| format!("\"e{i}\""))
+            .collect();
+        let max = &many[..MAX_NON_PROGRESS_EVENTS];
+        assert!(parse(&format!(
+            r#"{{{base},"non_progress_events":[{}]}}"#,
+            max.join(",")
+        ))
+        .is_ok());
+        for (bad, field) in [
+            (format!("[{}]", many.join(",")), "non_progress_events:"),
+            (r#""ping""#.to_owned(), "non_progress_events:"),
+            (r#"["ping",""]"#.to_owned(), "non_progress_events[1]:"),
+            (r#"["ping","ping"]"#.to_owned(), "non_progress_events[1]:"),
+            (
+                r#"["response.completed"]"#.to_owned(),
+                "non_progress_events[0]:",
+            ),
+            (r#"[1]"#.to_owned(), "non_progress_events[0]:"),
+            (
+                format!(r#"["{}"]"#, "x".repeat(65)),
+                "non_progress_events[0]:",
+            ),
+        ] {
+            let m = msg(&format!(r#"{{{base},"non_progress_events":{bad}}}"#));
+            assert!(m.starts_with(field), "{bad}: {m}");
+        }
+        assert!(parse(&format!(
+            r#"{{{base},"non_progress_events":["{}"]}}"#,
+            "x".repeat(64)
+        ))
+        .is_ok());
+    }
+
+    /// Issue 27.6: a configuration loaded again (another worker, a reloaded VM, a
+    /// draining listener) is not new; a new one is remembered, the oldest forgotten past
+    /// the bound.
+    #[test]
+    fn the_kill_switch_moves_only_on_a_new_configuration() {
+        let a = config_digest(br#"{"mode":"enforce"}"#);
+        let b = config_digest(br#"{"mode":"observe"}"#);
+        assert_ne!(a, b);
+        assert_eq!(config_digest(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(config_digest(b"a"), 0xaf63_dc4c_8601_ec8c);
+        let seen = first_load(None, a).unwrap();
+        assert_eq!(seen, format!("{a:016x}\n").into_bytes());
+        assert_eq!(first_load(Some(&seen), a), None, "loaded again");
+        let seen = first_load(Some(&seen), b).unwrap();
+        assert_eq!(first_load(Some(&seen), a), None);
+        assert_eq!(first_load(Some(&seen), b), None);
+        // Bounded: the oldest is forgotten.
+        let mut seen = seen;
+        for d in 0..MAX_SEEN_CONFIGS as u64 {
+            seen = first_load(Some(&seen), 1000 + d).unwrap();
+        }
+        assert_eq!(
+            seen.split(|c| *c == b'\n')
+                .filter(|l| !l.is_empty())
+                .count(),
+            MAX_SEEN_CONFIGS
+        );
+        assert!(first_load(Some(&seen), a).is_some(), "forgotten");
+        assert_eq!(first_load(Some(&seen), 1000 + 63), None);
+        assert!(first_load(Some(&seen), 1000).is_none());
+        assert!(first_load(Some(b"junk\n\n"), a).is_some());
     }
 }

@@ -5,12 +5,12 @@
 
 use crate::aborts::{AbortQueue, Finished, Job};
 use crate::config::{Config, Mode};
+use crate::cut::{cut_allowed, Valve};
 use crate::host::{Level, Platform};
 use crate::metrics::{Anomaly, Ended, Metric, Outcome, StampRejected, Untracked};
 use crate::request::{classify_end, End, OutcomeTag, Request};
 use crate::scan::Framing;
 use kvguard_contract::{stamp, AbortReason, RequestId};
-use std::collections::VecDeque;
 
 /// Most requests tracked per VM; beyond, requests are not tracked (fail open).
 pub const MAX_TRACKED: usize = 100_000;
@@ -106,11 +106,6 @@ pub fn apply<S: Streams + ?Sized>(actions: &[Action], s: &mut S) -> Applied {
     done
 }
 
-/// A mass stall: more stream stalls than [`stall_threshold`] within one idle window.
-/// Those past the threshold wait one more window (most likely an engine-wide pause or a
-/// host anomaly, not that many readers stalling at once); then what is still idle closes.
-pub const MIN_STALL_THRESHOLD: usize = 8;
-
 /// Settles an end that nothing named ([`End::Unnamed`]): a local reply (Envoy's or another
 /// filter's: ext_proc's `immediate_response`, `response_payload_too_large`, a filter's
 /// `send_http_response`, each of which ends the client's stream with no word from the
@@ -151,15 +146,10 @@ fn record_request_histograms<P: Platform + ?Sized>(p: &mut P, req: &Request, now
     p.record(Metric::StreamDurationMs(ended), req.age_ms(now));
 }
 
-/// Stalls allowed within one idle window before closes are held: `max(8, 20 %)` of the
-/// streams tracked.
-pub fn stall_threshold(tracked: usize) -> usize {
-    MIN_STALL_THRESHOLD.max(tracked / 5)
-}
-
 /// How long the worker did not run, seen by a host tick `gap` ms after the previous one
 /// with period `tick`: the lateness beyond one period once the tick came more than two
-/// periods apart (a loaded event loop is late by less), else 0.
+/// periods apart (a loaded event loop is late by less), else 0. Counted and logged only:
+/// no decision depends on how late ticks come ([`crate::cut`]).
 pub fn worker_stall(gap: u64, tick: u64) -> u64 {
     if gap > tick.saturating_mul(2) {
         gap - tick
@@ -175,25 +165,23 @@ pub struct Engine {
     pub cfg: Config,
     /// Enforce or observe, as the host says now (the kill switch; starts as `cfg.mode`).
     mode: Mode,
-    /// Stall closes decided within the current idle window (times, ms).
-    recent_stalls: VecDeque<u64>,
-    /// A mass stall is being held (logged once per episode).
-    holding: bool,
+    /// The mass-stall valve ([`crate::cut`]).
+    valve: Valve,
     /// Boxed: the table's slots stay small (its capacity grows in powers of two, so
     /// unboxed requests would cost up to twice their size per tracked stream).
     table: hashbrown::HashMap<u32, Box<Request>>,
     queue: AbortQueue,
-    tick_on: bool,
+    /// The tick period the host was asked for (ms, 0 = off).
+    tick_period: u64,
+    /// The period before the last change (restored when the host refuses a change).
+    tick_before: u64,
     /// The host needs the tick even with nothing tracked (lease renewals).
     keep_ticking: bool,
     memory_reported: u64,
     finished: Vec<Finished>,
-    /// When the host's previous tick came (ms; `None` until one has since the tick started).
+    /// When the host's previous tick came (ms; `None` until one has since the tick
+    /// started), for the worker-stall count.
     last_host_tick: Option<u64>,
-    /// No stream is closed for idleness before then (ms): the worker did not run for a
-    /// while, and what its upstreams sent meanwhile is still to be read (see
-    /// [`Engine::on_host_tick`]).
-    idle_hold_until: u64,
 }
 
 /// Decides `reason` for `req` at `now_ms` and queues its abort (enforce mode);
@@ -251,21 +239,21 @@ impl Engine {
         Engine {
             mode: cfg.mode,
             cfg,
-            recent_stalls: VecDeque::new(),
-            holding: false,
+            valve: Valve::default(),
             table: hashbrown::HashMap::new(),
             queue,
-            tick_on: false,
+            tick_period: 0,
+            tick_before: 0,
             keep_ticking: false,
             memory_reported: 0,
             finished: Vec::new(),
             last_host_tick: None,
-            idle_hold_until: 0,
         }
     }
 
     /// Applies a new configuration (a plugin reconfigured in place): tracked requests
-    /// keep the clocks they started with; new ones use the new configuration.
+    /// keep the clocks they started with; new ones use the new configuration; a changed
+    /// `tick_ms` is re-armed by the next [`Engine::tick_change`].
     pub fn reconfigure<P: Platform + ?Sized>(&mut self, p: &mut P, cfg: Config) {
         self.queue.set_max_pending(cfg.max_pending_aborts);
         let mode = cfg.mode;
@@ -341,6 +329,7 @@ impl Engine {
         ctx: u32,
         path: Option<&[u8]>,
         request_id: Option<&[u8]>,
+        body_follows: bool,
     ) -> Verdict {
         let Some(limits) = path.and_then(|path| self.cfg.limits_for(path)) else {
             return Verdict::NotMatching;
@@ -367,7 +356,10 @@ impl Engine {
             );
             return Verdict::Untracked(None);
         }
-        let req = Box::new(Request::new(id, limits, p.now_ms()));
+        let mut req = Box::new(Request::new(id, limits, p.now_exact()));
+        if body_follows {
+            req.on_request_body_follows();
+        }
         if let Some(old) = self.table.insert(ctx, req) {
             // A context id reused without on_log: drop the stale entry.
             p.log(
@@ -453,10 +445,12 @@ impl Engine {
             .map_or(BodyNeed::Nothing, |r| Self::need(r))
     }
 
-    /// A response body chunk with one table lookup: `read` is asked for the chunk's bytes
-    /// only when the body is scanned ([`BodyNeed::Bytes`]); `None` from it is an unreadable
-    /// chunk ([`Engine::on_unreadable_body`]). Returns what [`Engine::on_response_body`]
-    /// returns.
+    /// A response body chunk, with one table lookup: `read` is asked for the chunk's
+    /// bytes only when the body is scanned ([`BodyNeed::Bytes`]); `None` from it is an
+    /// unreadable chunk (progress and a host error, never a stall). No clock is read
+    /// unless the request asks for one (its first progress, or the first after a quiet
+    /// tick; see [`Request`]). Returns `Completed` when the body completed the response
+    /// just now. The one body path: the glue and the tests both come through here.
     pub fn on_chunk<P: Platform + ?Sized>(
         &mut self,
         p: &mut P,
@@ -472,42 +466,16 @@ impl Engine {
                 None => {
                     p.add(Metric::HostErrors, 1);
                     if req.on_unreadable_body(end_of_stream) {
-                        req.mark(p.now_ms());
+                        Self::mark(p, req);
                     }
                     return None;
                 }
             },
             _ => Vec::new(),
         };
-        Self::fed(p, req, &chunk, len, end_of_stream)
-    }
-
-    /// A response body chunk (`chunk` empty when only `len` was read). Returns
-    /// `Completed` when the body completed the response just now.
-    pub fn on_response_body<P: Platform + ?Sized>(
-        &mut self,
-        p: &mut P,
-        ctx: u32,
-        chunk: &[u8],
-        len: usize,
-        end_of_stream: bool,
-    ) -> Option<OutcomeTag> {
-        let req = self.table.get_mut(&ctx)?;
-        Self::fed(p, req, chunk, len, end_of_stream)
-    }
-
-    /// Feeds a chunk to `req`: no clock read unless the request asks for one (its first
-    /// event, or the first after a quiet tick; see [`Request`]).
-    fn fed<P: Platform + ?Sized>(
-        p: &mut P,
-        req: &mut Request,
-        chunk: &[u8],
-        len: usize,
-        end_of_stream: bool,
-    ) -> Option<OutcomeTag> {
-        let (fed, clock) = req.on_body(chunk, len, end_of_stream);
+        let (fed, clock) = req.on_body(&chunk, len, end_of_stream, &self.cfg.event_words);
         if clock {
-            req.mark(p.now_ms());
+            Self::mark(p, req);
         }
         if fed.oversized > 0 {
             p.add(
@@ -528,18 +496,20 @@ impl Engine {
         Some(OutcomeTag::Completed)
     }
 
-    /// A body chunk the host could not hand over (its read failed): counted as progress
-    /// and as a host error, never as a stall.
-    pub fn on_unreadable_body<P: Platform + ?Sized>(
-        &mut self,
-        p: &mut P,
-        ctx: u32,
-        end_of_stream: bool,
-    ) {
+    /// The exact time of the progress just counted; when the clock cannot be read, the
+    /// next tick stamps it (later than the truth, never earlier).
+    fn mark<P: Platform + ?Sized>(p: &mut P, req: &mut Request) {
+        if let Some(now) = p.now_exact() {
+            req.mark(now);
+        }
+    }
+
+    /// The request body ended (its last chunk or its trailers): the first-token clock
+    /// counts from now. Reads the clock only when that clock is on for the request.
+    pub fn on_request_end<P: Platform + ?Sized>(&mut self, p: &mut P, ctx: u32) {
         if let Some(req) = self.table.get_mut(&ctx) {
-            p.add(Metric::HostErrors, 1);
-            if req.on_unreadable_body(end_of_stream) {
-                req.mark(p.now_ms());
+            if req.waits_for_upload() {
+                req.on_request_end(p.now_exact());
             }
         }
     }
@@ -649,28 +619,24 @@ impl Engine {
         }
     }
 
-    /// The host's tick (what the glue calls): first notes a stall of this worker, then
+    /// The host's tick (what the glue calls): notes a stall of this worker, then
     /// [`Engine::tick`].
     ///
     /// A tick more than two periods after the previous one means the worker did not run
-    /// meanwhile (descheduled, starved of CPU, throttled, stopped). Its streams' engines
-    /// kept sending; those bytes wait in sockets that Envoy reads only after this tick, so
-    /// every stream would look idle for the length of the stall. For as long as the stall
-    /// lasted, no stream is then closed for idleness (first token or stall; max age still
-    /// applies): counted (`worker_stalls_total`) and logged. A stream whose engine is really
-    /// silent is still closed, that much later.
+    /// meanwhile (descheduled, starved of CPU, throttled, stopped): counted
+    /// (`worker_stalls_total`) and logged. Nothing depends on it: idleness is confirmed by
+    /// a second tick ([`crate::cut`]), which a late tick delays but never switches off.
     pub fn on_host_tick<P: Platform + ?Sized>(&mut self, p: &mut P) -> Vec<Action> {
         let now = p.now_ms();
         if let Some(prev) = self.last_host_tick.replace(now) {
             let gap = now.saturating_sub(prev);
             let stall = worker_stall(gap, self.cfg.tick_ms);
             if stall > 0 {
-                self.idle_hold_until = self.idle_hold_until.max(now.saturating_add(stall));
                 p.add(Metric::WorkerStalls, 1);
                 p.log(
                     Level::Warn,
                     &format!(
-                        "this worker did not run for {stall} ms (a tick {gap} ms after the last, period {} ms); no stream is closed for idleness for {stall} ms, so that what its engine sent meanwhile is read first (kvguard_filter_worker_stalls_total counts these)",
+                        "this worker did not run for {stall} ms (a tick {gap} ms after the last, period {} ms); an idle stream is cut only if a second tick finds nothing arrived, so what its engine sent meanwhile is read first (kvguard_filter_worker_stalls_total counts these)",
                         self.cfg.tick_ms
                     ),
                 );
@@ -679,29 +645,42 @@ impl Engine {
         self.tick(p)
     }
 
-    /// The tick: decides stalled / over-age streams (holding a mass stall one more idle
-    /// window, see [`stall_threshold`], and idleness after a stall of the worker, see
-    /// [`Engine::on_host_tick`]), pumps the abort queue, and returns what to do to
-    /// streams (for [`apply`]).
+    /// The tick: stamps the progress chunks counted since the last one (they read no
+    /// clock), cuts what [`cut_allowed`] allows, pumps the abort queue, and returns what
+    /// to do to streams (for [`apply`]). When the clock cannot be read, nothing is stamped
+    /// or cut (a stale time would be early).
     pub fn tick<P: Platform + ?Sized>(&mut self, p: &mut P) -> Vec<Action> {
-        let now = p.now_ms();
-        let idle_held = now < self.idle_hold_until;
-        // The tick stamps the progress chunks counted since the last one (they read no
-        // clock), then looks for what is due.
-        let mut due: Vec<(u32, AbortReason)> = self
+        let Some(now) = p.now_exact() else {
+            self.pump(p);
+            return Vec::new();
+        };
+        let mut population = 0usize;
+        for req in self.table.values_mut() {
+            req.stamp(now);
+            population += usize::from(req.idle_clock_on());
+        }
+        let window = self.cfg.max_idle_timeout_ms();
+        self.valve
+            .open(now, window, population, self.mode == Mode::Enforce);
+        let valve = &mut self.valve;
+        let due: Vec<(u32, AbortReason)> = self
             .table
             .iter_mut()
-            .filter_map(|(ctx, req)| {
-                req.stamp(now);
-                req.due(now)
-                    .filter(|r| {
-                        !(idle_held
-                            && matches!(r, AbortReason::Stalled | AbortReason::FirstTokenTimeout))
-                    })
-                    .map(|r| (*ctx, r))
-            })
+            .filter_map(|(ctx, req)| cut_allowed(req, now, valve).ok().map(|r| (*ctx, r)))
             .collect();
-        self.hold_mass_stall(p, now, &mut due);
+        if let Some(held) = self.valve.close() {
+            p.add(Metric::StallHolds, held.streams);
+            if held.new_episode {
+                p.log(
+                    Level::Warn,
+                    &format!(
+                        "mass stall: more than {} of {} streams went idle within {window} ms; holding their closes one more idle window (kvguard_filter_stall_holds_total counts them)",
+                        held.threshold,
+                        self.table.len()
+                    ),
+                );
+            }
+        }
         let mut actions = Vec::with_capacity(due.len());
         for (ctx, reason) in due {
             let Some(req) = self.table.get_mut(&ctx) else {
@@ -725,66 +704,6 @@ impl Engine {
         }
         self.pump(p);
         actions
-    }
-
-    /// The mass-stall valve: counts stalls (not held before) within the last idle
-    /// window; past [`stall_threshold`], the rest of this tick's stalls are held one more
-    /// window and taken out of `due`. Observe mode counts nothing (it closes nothing).
-    fn hold_mass_stall<P: Platform + ?Sized>(
-        &mut self,
-        p: &mut P,
-        now: u64,
-        due: &mut Vec<(u32, AbortReason)>,
-    ) {
-        let window = self.cfg.max_idle_timeout_ms();
-        while self
-            .recent_stalls
-            .front()
-            .is_some_and(|t| now.saturating_sub(*t) >= window)
-        {
-            self.recent_stalls.pop_front();
-        }
-        if self.mode == Mode::Observe {
-            return;
-        }
-        // The population of the window: the streams tracked now plus those its stalls
-        // already closed (gone from the table).
-        let threshold = stall_threshold(self.table.len() + self.recent_stalls.len());
-        let mut held = 0i64;
-        let table = &mut self.table;
-        let recent = &mut self.recent_stalls;
-        due.retain(|(ctx, reason)| {
-            let Some(req) = table.get_mut(ctx) else {
-                return false;
-            };
-            if *reason != AbortReason::Stalled || req.held() {
-                return true;
-            }
-            if recent.len() < threshold {
-                recent.push_back(now);
-                return true;
-            }
-            if req.hold(now) {
-                held += 1;
-                return false;
-            }
-            true
-        });
-        if held > 0 {
-            p.add(Metric::StallHolds, held);
-            if !self.holding {
-                self.holding = true;
-                p.log(
-                    Level::Warn,
-                    &format!(
-                        "mass stall: more than {threshold} of {} streams went idle within {window} ms; holding their closes one more idle window (kvguard_filter_stall_holds_total counts them)",
-                        self.table.len()
-                    ),
-                );
-            }
-        } else if self.recent_stalls.len() < threshold {
-            self.holding = false;
-        }
     }
 
     /// Sends what is due.
@@ -872,21 +791,27 @@ impl Engine {
         self.keep_ticking || !self.table.is_empty() || self.queue.pending() > 0
     }
 
-    /// If the tick must change, records it and returns the new period in ms (0 = off).
+    /// If the tick must change (on, off, or a new `tick_ms`), records it and returns the
+    /// new period in ms (0 = off).
     pub fn tick_change(&mut self) -> Option<u64> {
-        let want = self.tick_wanted();
-        if want == self.tick_on {
+        let want = if self.tick_wanted() {
+            self.cfg.tick_ms
+        } else {
+            0
+        };
+        if want == self.tick_period {
             return None;
         }
-        self.tick_on = want;
+        self.tick_before = self.tick_period;
+        self.tick_period = want;
         // A tick that starts again measures no gap (it was off, not stalled).
         self.last_host_tick = None;
-        Some(if want { self.cfg.tick_ms } else { 0 })
+        Some(want)
     }
 
-    /// Forces the recorded tick state (after the host refused a change).
-    pub fn set_tick_state(&mut self, on: bool) {
-        self.tick_on = on;
+    /// The host refused the last change: the period before it stays.
+    pub fn tick_refused(&mut self) {
+        self.tick_period = self.tick_before;
     }
 
     /// Moves the shared VM-memory gauge to `bytes` for this VM (by increments).
@@ -918,7 +843,13 @@ mod tests {
 
     fn track(e: &mut Engine, h: &mut MockHost, ctx: u32, id: &str) {
         assert_eq!(
-            e.on_request_headers(h, ctx, Some(b"/v1/chat/completions"), Some(id.as_bytes())),
+            e.on_request_headers(
+                h,
+                ctx,
+                Some(b"/v1/chat/completions"),
+                Some(id.as_bytes()),
+                false
+            ),
             Verdict::Tracked
         );
     }
@@ -930,6 +861,57 @@ mod tests {
         );
     }
 
+    /// The tests feed bodies through the production path, [`Engine::on_chunk`] (`len`
+    /// counts only when `chunk` is empty: an opaque body's length).
+    trait Feed {
+        fn on_response_body(
+            &mut self,
+            h: &mut MockHost,
+            ctx: u32,
+            chunk: &[u8],
+            len: usize,
+            eos: bool,
+        ) -> Option<OutcomeTag>;
+    }
+
+    impl Feed for Engine {
+        fn on_response_body(
+            &mut self,
+            h: &mut MockHost,
+            ctx: u32,
+            chunk: &[u8],
+            len: usize,
+            eos: bool,
+        ) -> Option<OutcomeTag> {
+            let len = if chunk.is_empty() { len } else { chunk.len() };
+            self.on_chunk(h, ctx, len, eos, || Some(chunk.to_vec()))
+        }
+    }
+
+    /// Two ticks at the same time: the first arms what is idle, the second cuts it
+    /// (nothing arrived in between). Returns the second's actions.
+    fn confirmed_tick(e: &mut Engine, h: &mut MockHost) -> Vec<Action> {
+        let armed = e.tick(h);
+        assert!(
+            armed.iter().all(|a| !matches!(
+                a,
+                Action::Close {
+                    tag: OutcomeTag::Aborted(AbortReason::Stalled | AbortReason::FirstTokenTimeout),
+                    ..
+                } | Action::Mark {
+                    tag: OutcomeTag::Observed(
+                        AbortReason::Stalled | AbortReason::FirstTokenTimeout
+                    ),
+                    ..
+                }
+            )),
+            "idle cut at its first tick: {armed:?}"
+        );
+        let mut all = armed;
+        all.extend(e.tick(h));
+        all
+    }
+
     fn body(h: &MockHost, i: usize) -> String {
         String::from_utf8(h.calls[i].3.clone()).unwrap()
     }
@@ -938,19 +920,25 @@ mod tests {
     fn tracking_rules() {
         let (mut e, mut h) = engine("");
         assert_eq!(
-            e.on_request_headers(&mut h, 1, Some(b"/v1/models"), Some(b"a")),
+            e.on_request_headers(&mut h, 1, Some(b"/v1/models"), Some(b"a"), false),
             Verdict::NotMatching
         );
         assert_eq!(
-            e.on_request_headers(&mut h, 1, None, Some(b"a")),
+            e.on_request_headers(&mut h, 1, None, Some(b"a"), false),
             Verdict::NotMatching
         );
         assert_eq!(
-            e.on_request_headers(&mut h, 1, Some(b"/v1/completions"), None),
+            e.on_request_headers(&mut h, 1, Some(b"/v1/completions"), None, false),
             Verdict::Untracked(Some(Untracked::NoRequestId))
         );
         assert_eq!(
-            e.on_request_headers(&mut h, 1, Some(b"/v1/completions"), Some(&[0xff, 0xfe])),
+            e.on_request_headers(
+                &mut h,
+                1,
+                Some(b"/v1/completions"),
+                Some(&[0xff, 0xfe]),
+                false
+            ),
             Verdict::Untracked(Some(Untracked::BadRequestId))
         );
         assert_eq!(
@@ -1006,7 +994,7 @@ mod tests {
         let t0 = h.now;
         track(&mut e, &mut h, 1, "r1");
         sse(&mut e, &mut h, 1);
-        let ev = b"data: {\"choices\":[{\"index\":0,\"finish_reason\":null}]}\n\n";
+        let ev = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"},\"finish_reason\":null}]}\n\n";
         h.now = t0 + 100;
         e.on_response_body(&mut h, 1, ev, 0, false);
         // A tick inside the gap: the chunk after it reads the clock and measures the gap.
@@ -1085,14 +1073,14 @@ mod tests {
         sse(&mut e, &mut h, 2);
         e.on_response_body(&mut h, 2, b"data: {}\n\n", 0, false);
         h.now += 100;
-        let _ = e.tick(&mut h);
+        let _ = confirmed_tick(&mut e, &mut h);
         assert!(!e.end_details_needed(2), "already decided");
         let (mut e, mut h) = engine(r#","mode":"observe","idle_timeout_ms":100"#);
         track(&mut e, &mut h, 3, "d3");
         sse(&mut e, &mut h, 3);
         e.on_response_body(&mut h, 3, b"data: {}\n\n", 0, false);
         h.now += 100;
-        let _ = e.tick(&mut h);
+        let _ = confirmed_tick(&mut e, &mut h);
         assert!(
             e.end_details_needed(3),
             "observed: a later completion is still told"
@@ -1193,18 +1181,25 @@ mod tests {
         assert_eq!(worker_stall(0, 250), 0);
     }
 
-    /// Envoy stopped 2.5 s (idle timeout 1 s, tick 50 ms): the late tick closes nothing,
-    /// the tokens read just after it keep the flowing stream alive, the silent stream is
-    /// closed once the hold (the stall's length) is over, and max age is not held.
+    /// Envoy stopped 2.5 s (idle timeout 1 s, tick 50 ms): the late tick closes nothing
+    /// for idleness, the tokens read just after it keep the flowing stream alive, the
+    /// silent stream is closed at the next tick (one tick late, whatever the stop's
+    /// length), and max age is not held.
     #[test]
-    fn after_a_worker_stall_idleness_waits_as_long_as_the_stall() {
+    fn after_a_worker_stall_an_idle_stream_is_cut_one_tick_later() {
         let (mut e, mut h) = engine(
             r#","idle_timeout_ms":1000,"tick_ms":50,"routes":[{"path_prefix":"/v1/chat/completions/aged","max_age_ms":2000}]"#,
         );
         track(&mut e, &mut h, 1, "flowing");
         track(&mut e, &mut h, 2, "silent");
         assert_eq!(
-            e.on_request_headers(&mut h, 3, Some(b"/v1/chat/completions/aged"), Some(b"aged")),
+            e.on_request_headers(
+                &mut h,
+                3,
+                Some(b"/v1/chat/completions/aged"),
+                Some(b"aged"),
+                false
+            ),
             Verdict::Tracked
         );
         for ctx in [1, 2, 3] {
@@ -1230,37 +1225,62 @@ mod tests {
             .logs
             .iter()
             .any(|(l, m)| *l == Level::Warn && m.contains("did not run for 2500 ms")));
+        // Envoy reads the flowing streams' tokens; the next tick cuts the silent one, and
+        // the aged one (2 s: max age is not idleness, whatever it sent).
         e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
         e.on_response_body(&mut h, 3, b"data: {}\n\n", 0, false);
-        // Max age is not idleness: the aged stream (2 s) closes on the next tick.
         h.now += 50;
-        assert_eq!(
-            e.on_host_tick(&mut h),
-            vec![Action::Close {
-                ctx: 3,
-                tag: OutcomeTag::Aborted(AbortReason::MaxAge)
-            }]
-        );
-        // The silent one waits out the hold (2.5 s from the late tick), then closes.
-        let mut closed = Vec::new();
-        while closed.is_empty() {
-            h.now += 50;
-            e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
-            closed = e.on_host_tick(&mut h);
-        }
+        let mut closed = e.on_host_tick(&mut h);
+        closed.sort_by_key(|a| match a {
+            Action::Close { ctx, .. } | Action::Mark { ctx, .. } => *ctx,
+        });
         assert_eq!(
             closed,
+            vec![
+                Action::Close {
+                    ctx: 2,
+                    tag: OutcomeTag::Aborted(AbortReason::Stalled)
+                },
+                Action::Close {
+                    ctx: 3,
+                    tag: OutcomeTag::Aborted(AbortReason::MaxAge)
+                }
+            ]
+        );
+        assert_eq!(h.metric(Metric::WorkerStalls), 1);
+    }
+
+    /// Issue 27.1: a worker whose ticks always come late (CPU-throttled: every tick three
+    /// periods after the last) still cuts a silent stream; the hold measured by the ticks'
+    /// lateness switched idleness off for good.
+    #[test]
+    fn chronically_late_ticks_still_cut_a_silent_stream() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":1000,"tick_ms":250"#);
+        stream(&mut e, &mut h, 1);
+        track(&mut e, &mut h, 2, "flowing");
+        sse(&mut e, &mut h, 2);
+        e.on_response_body(&mut h, 2, b"data: {}\n\n", 0, false);
+        let mut cut = None;
+        for _ in 0..20 {
+            h.now += 750;
+            e.on_response_body(&mut h, 2, b"data: {}\n\n", 0, false);
+            let a = e.on_host_tick(&mut h);
+            if !a.is_empty() {
+                cut = Some((a, h.now));
+                break;
+            }
+        }
+        let (a, at) = cut.expect("the silent stream is never cut");
+        assert_eq!(
+            a,
             vec![Action::Close {
-                ctx: 2,
+                ctx: 1,
                 tag: OutcomeTag::Aborted(AbortReason::Stalled)
             }]
         );
-        assert_eq!(
-            h.now,
-            1_000 + 200 + 2_550 + 2_500,
-            "closed when the hold ended"
-        );
-        assert_eq!(h.metric(Metric::WorkerStalls), 1);
+        // Due at the first tick past 1 s of silence (2 500 ms), confirmed at the next.
+        assert_eq!(at, 1_000 + 750 * 3);
+        assert!(h.metric(Metric::WorkerStalls) >= 2);
     }
 
     /// A tick switched off (nothing tracked) and on again is not a stall.
@@ -1301,7 +1321,7 @@ mod tests {
         e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
         h.now += 60;
         // Stream 2 only sent keep-alives for 110 ms: stalled. Stream 1 progressed.
-        let actions = e.tick(&mut h);
+        let actions = confirmed_tick(&mut e, &mut h);
         assert_eq!(
             actions,
             vec![Action::Close {
@@ -1319,7 +1339,7 @@ mod tests {
         );
         // No second decision on the next tick, nor at on_log.
         h.now += 1000;
-        let actions = e.tick(&mut h);
+        let actions = confirmed_tick(&mut e, &mut h);
         assert_eq!(actions.len(), 1); // stream 1 now stalls too
         assert_eq!(
             e.on_log(&mut h, 2, b"wasm_fail_stream", flags::LR),
@@ -1336,11 +1356,11 @@ mod tests {
         );
         track(&mut e, &mut h, 1, "f1");
         assert_eq!(
-            e.on_request_headers(&mut h, 2, Some(b"/v1/completions"), Some(b"m2")),
+            e.on_request_headers(&mut h, 2, Some(b"/v1/completions"), Some(b"m2"), false),
             Verdict::Tracked
         );
         h.now += 200;
-        let a = e.tick(&mut h);
+        let a = confirmed_tick(&mut e, &mut h);
         assert_eq!(
             a,
             vec![Action::Close {
@@ -1366,7 +1386,7 @@ mod tests {
         sse(&mut e, &mut h, 1);
         e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
         h.now += 100;
-        let a = e.tick(&mut h);
+        let a = confirmed_tick(&mut e, &mut h);
         assert_eq!(
             a,
             vec![Action::Mark {
@@ -1402,7 +1422,7 @@ mod tests {
         sse(&mut e, &mut h, 1);
         e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
         h.now += 100;
-        assert_eq!(e.tick(&mut h).len(), 1);
+        assert_eq!(confirmed_tick(&mut e, &mut h).len(), 1);
         assert_eq!(e.body_need(1), BodyNeed::Bytes);
         // No second decision while it goes on.
         h.now += 1000;
@@ -1772,7 +1792,7 @@ mod tests {
         track(&mut e, &mut h, 1, "r1");
         assert_eq!(e.tick_change(), Some(250));
         // The host refused to start the tick: the next check asks again.
-        e.set_tick_state(false);
+        e.tick_refused();
         assert_eq!(e.tick_change(), Some(250));
         assert_eq!(e.tick_change(), None);
     }
@@ -1802,7 +1822,7 @@ mod tests {
         e.set_mode(&mut h, Mode::Observe);
         h.now += 100;
         assert_eq!(
-            e.tick(&mut h),
+            confirmed_tick(&mut e, &mut h),
             vec![Action::Mark {
                 ctx: 1,
                 tag: OutcomeTag::Observed(AbortReason::Stalled)
@@ -1825,7 +1845,7 @@ mod tests {
         assert!(e.tick(&mut h).is_empty());
         h.now += 1;
         assert_eq!(
-            e.tick(&mut h),
+            confirmed_tick(&mut e, &mut h),
             vec![Action::Close {
                 ctx: 1,
                 tag: OutcomeTag::Aborted(AbortReason::Stalled)
@@ -1852,7 +1872,7 @@ mod tests {
         // An engine-wide pause: all 20 go idle at once; 8 (= max(8, 20 % of 20)) close,
         // the other 12 wait one more idle window.
         h.now += 100;
-        let closed = e.tick(&mut h);
+        let closed = confirmed_tick(&mut e, &mut h);
         assert_eq!(closed.len(), 8, "max(8, 20 % of 20) close at once");
         assert_eq!(h.metric(Metric::StallHolds), 12);
         let warns = |h: &MockHost| {
@@ -1909,10 +1929,14 @@ mod tests {
     fn stalls_spread_over_ticks_within_one_window_add_up() {
         let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
         stall_in_two_halves(&mut e, &mut h);
-        assert_eq!(e.tick(&mut h).len(), 8, "max(8, 20 % of 20) close");
+        assert_eq!(
+            confirmed_tick(&mut e, &mut h).len(),
+            8,
+            "max(8, 20 % of 20) close"
+        );
         h.now += 10;
         assert!(
-            e.tick(&mut h).is_empty(),
+            confirmed_tick(&mut e, &mut h).is_empty(),
             "the stalls of the window's earlier ticks still count"
         );
         assert_eq!(h.metric(Metric::StallHolds), 12);
@@ -1928,12 +1952,12 @@ mod tests {
                 .count()
         };
         stall_in_two_halves(&mut e, &mut h);
-        assert_eq!(e.tick(&mut h).len(), 8);
+        assert_eq!(confirmed_tick(&mut e, &mut h).len(), 8);
         // A tick that holds nothing within the episode does not end it...
         h.now += 5;
         assert!(e.tick(&mut h).is_empty());
         h.now += 5;
-        assert!(e.tick(&mut h).is_empty());
+        assert!(confirmed_tick(&mut e, &mut h).is_empty());
         assert_eq!(h.metric(Metric::StallHolds), 12);
         assert_eq!(reports(&h), 1, "one episode, one report");
         // ...a window without stalls does: the next mass stall is reported again.
@@ -1946,20 +1970,22 @@ mod tests {
             stream(&mut e, &mut h, ctx);
         }
         h.now += 100;
-        assert_eq!(e.tick(&mut h).len(), 8);
+        assert_eq!(confirmed_tick(&mut e, &mut h).len(), 8);
         assert_eq!(reports(&h), 2);
     }
 
+    /// Issue 27.7: first-token timeouts are idleness too: held by the valve like stalls
+    /// (an engine that stops scheduling starves every queued request at once).
     #[test]
-    fn only_stalls_count_toward_a_mass_stall() {
+    fn first_token_timeouts_count_toward_a_mass_stall() {
         let (mut e, mut h) = engine(r#","first_token_timeout_ms":100"#);
         for ctx in 1..=20 {
             track(&mut e, &mut h, ctx, &format!("f{ctx}"));
             sse(&mut e, &mut h, ctx);
         }
         h.now += 100;
-        let closed = e.tick(&mut h);
-        assert_eq!(closed.len(), 20);
+        let closed = confirmed_tick(&mut e, &mut h);
+        assert_eq!(closed.len(), 8, "max(8, 20 % of 20) close at once");
         assert!(closed.iter().all(|a| matches!(
             a,
             Action::Close {
@@ -1967,6 +1993,43 @@ mod tests {
                 ..
             }
         )));
+        assert_eq!(h.metric(Metric::StallHolds), 12);
+        // Held one more window of their own clock, then closed if still waiting.
+        h.now += 99;
+        assert!(e.tick(&mut h).is_empty());
+        h.now += 1;
+        assert_eq!(e.tick(&mut h).len(), 12);
+    }
+
+    /// Issue 27.7: the valve counts only streams whose idle clock runs: many tracked
+    /// requests that cannot stall (no first-token clock, nothing streamed yet) do not
+    /// raise the threshold, so a mass stall among the streaming ones is still held.
+    #[test]
+    fn cheap_tracked_requests_do_not_inflate_the_valve() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        for ctx in 1..=20 {
+            stream(&mut e, &mut h, ctx);
+        }
+        for ctx in 100..600 {
+            track(&mut e, &mut h, ctx, &format!("q{ctx}"));
+        }
+        h.now += 100;
+        // 520 tracked would allow 104 stalls; the 20 streaming ones allow 8.
+        assert_eq!(confirmed_tick(&mut e, &mut h).len(), 8);
+        assert_eq!(h.metric(Metric::StallHolds), 12);
+    }
+
+    /// Observe mode holds nothing (it cuts nothing): every idle stream is marked at once.
+    #[test]
+    fn observe_mode_is_not_held_by_the_valve() {
+        let (mut e, mut h) = engine(r#","mode":"observe","idle_timeout_ms":100"#);
+        for ctx in 1..=20 {
+            stream(&mut e, &mut h, ctx);
+        }
+        h.now += 100;
+        let marked = confirmed_tick(&mut e, &mut h);
+        assert_eq!(marked.len(), 20);
+        assert!(marked.iter().all(|a| matches!(a, Action::Mark { .. })));
         assert_eq!(h.metric(Metric::StallHolds), 0);
     }
 
@@ -1977,7 +2040,7 @@ mod tests {
             stream(&mut e, &mut h, ctx);
         }
         h.now += 100;
-        assert_eq!(e.tick(&mut h).len(), 8);
+        assert_eq!(confirmed_tick(&mut e, &mut h).len(), 8);
         assert_eq!(h.metric(Metric::StallHolds), 0);
         assert!(
             !h.logs.iter().any(|(_, m)| m.starts_with("mass stall")),
@@ -2023,7 +2086,7 @@ mod tests {
         let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
         stream(&mut e, &mut h, 1);
         h.now += 90;
-        e.on_unreadable_body(&mut h, 1, false);
+        assert_eq!(e.on_chunk(&mut h, 1, 7, false, || None), None);
         h.now += 20;
         assert!(
             e.tick(&mut h).is_empty(),
@@ -2234,7 +2297,7 @@ mod tests {
         sse(&mut e, &mut h, 1);
         e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
         h.now += 100;
-        assert_eq!(e.tick(&mut h).len(), 1);
+        assert_eq!(confirmed_tick(&mut e, &mut h).len(), 1);
         e.on_response_body(&mut h, 1, b"data: [DONE]\n\n", 0, false);
         e.on_log(&mut h, 1, b"via_upstream", 0);
         assert_eq!(
@@ -2431,6 +2494,166 @@ mod tests {
         );
         assert_eq!(h.upstream_asked, 0);
         assert_eq!(h.metric(Metric::RequestsCompleted), 3);
+    }
+
+    /// Issue 27.2: a Responses API stream that sent its preamble and then waits in the
+    /// engine's queue longer than the idle timeout (KV pressure) is not cut: idleness
+    /// runs from the first content.
+    #[test]
+    fn a_preamble_then_a_long_queue_is_no_stall() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        track(&mut e, &mut h, 1, "q1");
+        sse(&mut e, &mut h, 1);
+        let preamble = b"event: response.created\ndata: {\"type\":\"response.created\"}\n\n\
+            event: response.in_progress\ndata: {\"type\":\"response.in_progress\"}\n\n";
+        e.on_response_body(&mut h, 1, preamble, 0, false);
+        h.now += 5_000;
+        assert!(
+            confirmed_tick(&mut e, &mut h).is_empty(),
+            "queued, not stalled"
+        );
+        let delta = b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"a\"}\n\n";
+        e.on_response_body(&mut h, 1, delta, 0, false);
+        h.now += 99;
+        assert!(confirmed_tick(&mut e, &mut h).is_empty());
+        h.now += 1;
+        assert_eq!(
+            confirmed_tick(&mut e, &mut h).len(),
+            1,
+            "then idle from the content"
+        );
+        e.on_log(&mut h, 1, b"", 0);
+        assert_eq!(
+            h.observed(Metric::FirstTokenMs(Ended::Aborted)),
+            vec![5_000]
+        );
+    }
+
+    /// Issue 27.3: heartbeats from a stuck engine do not keep a dead stream alive.
+    #[test]
+    fn heartbeats_do_not_keep_a_dead_stream_alive() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        let mut cut = Vec::new();
+        for _ in 0..10 {
+            h.now += 30;
+            e.on_response_body(
+                &mut h,
+                1,
+                b"event: ping\ndata: {}\n\ndata: {\"type\":\"ping\"}\n\n",
+                0,
+                false,
+            );
+            cut.extend(e.tick(&mut h));
+        }
+        assert_eq!(
+            cut,
+            vec![Action::Close {
+                ctx: 1,
+                tag: OutcomeTag::Aborted(AbortReason::Stalled)
+            }]
+        );
+        // With an empty list every event is progress, as before.
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100,"non_progress_events":[]"#);
+        stream(&mut e, &mut h, 1);
+        for _ in 0..10 {
+            h.now += 30;
+            e.on_response_body(&mut h, 1, b"event: ping\ndata: {}\n\n", 0, false);
+            assert!(e.tick(&mut h).is_empty());
+        }
+    }
+
+    /// Issue 27.4: a request whose headers came while the clock could not be read (the
+    /// fallback was 0: every request looked days old) fires nothing at once; a chunk read
+    /// under a stale clock is not stamped earlier than it arrived; a tick without a
+    /// clock decides nothing.
+    #[test]
+    fn a_clock_that_cannot_be_read_never_cuts_early() {
+        let (mut e, mut h) =
+            engine(r#","idle_timeout_ms":100,"first_token_timeout_ms":500,"max_age_ms":1000"#);
+        h.now = 5_000_000;
+        h.stale = Some(0);
+        track(&mut e, &mut h, 1, "c1");
+        sse(&mut e, &mut h, 1);
+        h.stale = None;
+        assert!(confirmed_tick(&mut e, &mut h).is_empty(), "not days old");
+        h.now += 499;
+        assert!(confirmed_tick(&mut e, &mut h).is_empty());
+        h.now += 1;
+        assert_eq!(
+            confirmed_tick(&mut e, &mut h),
+            vec![Action::Close {
+                ctx: 1,
+                tag: OutcomeTag::Aborted(AbortReason::FirstTokenTimeout)
+            }]
+        );
+        // A chunk after a quiet tick reads the clock; a stale reading is not used.
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 2);
+        h.now += 50;
+        assert!(e.tick(&mut h).is_empty());
+        h.now += 40;
+        h.stale = Some(1_000);
+        e.on_response_body(&mut h, 2, b"data: {}\n\n", 0, false);
+        // No clock at this tick: nothing is stamped or decided.
+        h.now += 100;
+        assert!(e.tick(&mut h).is_empty());
+        h.stale = None;
+        // The chunk is stamped now (later than it came, never earlier).
+        h.now += 10;
+        assert!(confirmed_tick(&mut e, &mut h).is_empty());
+        assert_eq!(e.request(2).and_then(Request::last_event_ms), Some(h.now));
+    }
+
+    /// Issue 27.9: the first-token clock counts from the end of the request body, so a
+    /// slow upload does not use it up.
+    #[test]
+    fn the_first_token_clock_starts_when_the_upload_ends() {
+        let (mut e, mut h) = engine(r#","first_token_timeout_ms":200"#);
+        assert_eq!(
+            e.on_request_headers(&mut h, 1, Some(b"/v1/chat/completions"), Some(b"u1"), true),
+            Verdict::Tracked
+        );
+        // Headers only: counts from them.
+        track(&mut e, &mut h, 2, "u2");
+        h.now += 10_000;
+        assert_eq!(
+            confirmed_tick(&mut e, &mut h),
+            vec![Action::Close {
+                ctx: 2,
+                tag: OutcomeTag::Aborted(AbortReason::FirstTokenTimeout)
+            }],
+            "a 10 s upload is not a first-token timeout"
+        );
+        e.on_request_end(&mut h, 1);
+        h.now += 199;
+        assert!(confirmed_tick(&mut e, &mut h).is_empty());
+        h.now += 1;
+        assert_eq!(
+            confirmed_tick(&mut e, &mut h),
+            vec![Action::Close {
+                ctx: 1,
+                tag: OutcomeTag::Aborted(AbortReason::FirstTokenTimeout)
+            }]
+        );
+    }
+
+    /// Issue 27.10: a reconfiguration with another `tick_ms` re-arms the tick.
+    #[test]
+    fn reconfiguring_tick_ms_re_arms_the_tick() {
+        let (mut e, mut h) = engine("");
+        track(&mut e, &mut h, 1, "t1");
+        assert_eq!(e.tick_change(), Some(250));
+        e.reconfigure(&mut h, config(r#","tick_ms":50"#));
+        assert_eq!(e.tick_change(), Some(50));
+        assert_eq!(e.tick_change(), None);
+        e.reconfigure(&mut h, config(r#","tick_ms":50"#));
+        assert_eq!(e.tick_change(), None);
+        // Refused: the period before stays, and is asked again.
+        e.reconfigure(&mut h, config(r#","tick_ms":20"#));
+        assert_eq!(e.tick_change(), Some(20));
+        e.tick_refused();
+        assert_eq!(e.tick_change(), Some(20));
     }
 
     #[test]

@@ -22,6 +22,13 @@ pub trait Clock {
     /// Milliseconds on the host clock (wall clock; only differences are used, and
     /// they saturate at zero if it steps back).
     fn now_ms(&self) -> u64;
+    /// The monotonic clock when the host could read it now, `None` when it could not
+    /// ([`Clock::now_ms`] then answers an earlier reading). What times a stream's
+    /// progress or start uses this: a stale reading would make a stream look idle or old
+    /// earlier than it is.
+    fn now_exact(&self) -> Option<u64> {
+        Some(self.now_ms())
+    }
     /// Unix seconds, for signatures.
     fn unix_secs(&self) -> u64;
 }

@@ -1,10 +1,19 @@
 //! A light, allocation-free look into one JSON event: just enough structure to find
-//! whether it ends the stream, without building a value tree.
+//! whether it ends the stream or is progress, without building a value tree.
 //!
 //! It tracks nesting and strings (escapes included), and reports:
 //! - top-level `"type"` equal to a Responses API terminal event (`response.completed`,
-//!   `response.failed`, `response.incomplete`);
-//! - top-level `"done": true` (NDJSON streams such as Ollama's).
+//!   `response.failed`, `response.incomplete`), or to a non-progress event name
+//!   (`non_progress_events`: heartbeats, the Responses API preamble);
+//! - top-level `"done": true` (NDJSON streams such as Ollama's);
+//! - when asked ([`look_with`] `content`): a Responses API event (`"type":"response.*"`)
+//!   other than a `*.delta` or `*.done` (no content yet), or a Chat/Completions chunk
+//!   whose `choices` carry no content (the role-only first chunk, an empty delta, a
+//!   usage-only chunk). Content
+//!   is anything else: a non-empty `text`; in a `delta` / `message`, any member but `role`
+//!   whose value is not `null`, `""`, `[]` or `{}` (`content`, `tool_calls`, reasoning...);
+//!   any other choice member that is not `null` (`finish_reason`, `logprobs`...). What
+//!   the look does not know is content: a false "no content" could cut a read stream.
 //!
 //! `finish_reason` is not among them: it never completes a stream (see `scan`). Keys
 //! nested deeper (`item.type`, `message.done`, a key's text inside a string...) are never
@@ -16,11 +25,17 @@ use std::borrow::Cow;
 /// Deepest nesting followed; deeper JSON is reported malformed (and ignored).
 const MAX_DEPTH: usize = 48;
 
-/// What one event says about completion.
+/// What one event says about completion and progress.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Look {
     /// A Responses API terminal `type`.
     pub terminal_type: bool,
+    /// A top-level `type` that is not progress (`non_progress_events`).
+    pub idle_type: bool,
+    /// Only with `content`: a Chat/Completions chunk whose choices carry no content, or a
+    /// Responses API event other than a `*.delta` / `*.done` (`response.created`,
+    /// `response.output_item.added`...: no content yet).
+    pub no_content: bool,
     /// `"done": true` at the top level.
     pub done: bool,
     /// The text is not a JSON object this look could follow (it is then ignored).
@@ -30,6 +45,14 @@ pub struct Look {
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Role {
     Top,
+    /// The top level's `choices` array (content look only).
+    Choices,
+    /// One choice.
+    Choice,
+    /// A choice's `delta` / `message`.
+    Delta,
+    /// A container inside a delta member: anything in it is content.
+    Inner,
     Other,
 }
 
@@ -38,6 +61,17 @@ enum KeyId {
     None,
     Type,
     Done,
+    /// Top level `choices`.
+    Choices,
+    /// A choice's `text`: `""` or `null` is no content.
+    Text,
+    /// A choice's `delta` / `message`.
+    Delta,
+    /// A choice's `index`, a delta's `role`: anything.
+    Any,
+    /// Anything else in a choice or delta (`null`, or in a delta `""`/`[]`/`{}`, is no
+    /// content).
+    Member,
     Other,
 }
 
@@ -65,6 +99,12 @@ struct Frame {
 /// This runs on every data event: one vectorised pass over the quotes (and one over the
 /// rare backslashes) instead of a structural walk of the whole event.
 pub fn inert(json: &[u8]) -> bool {
+    inert_with(json, &crate::scan::DEFAULT_EVENT_WORDS)
+}
+
+/// [`inert`] with the event names that matter (terminal first, then the non-progress
+/// ones: [`crate::config::Config::event_words`]): also false when a `"type"` may be one.
+pub fn inert_with<W: AsRef<[u8]>>(json: &[u8], words: &[W]) -> bool {
     if json.last() != Some(&b'}') {
         return false;
     }
@@ -99,13 +139,7 @@ pub fn inert(json: &[u8]) -> bool {
             return true;
         }
         match scan_string(v, 1) {
-            Some((raw, _)) => {
-                !raw.contains(&b'\\')
-                    && !matches!(
-                        raw,
-                        b"response.completed" | b"response.failed" | b"response.incomplete"
-                    )
-            }
+            Some((raw, _)) => !raw.contains(&b'\\') && !words.iter().any(|w| w.as_ref() == raw),
             None => false,
         }
     };
@@ -212,23 +246,41 @@ fn unescape(raw: &[u8]) -> Option<Vec<u8>> {
 }
 
 fn key_id(role: Role, raw: &[u8]) -> KeyId {
-    // Only the top level has keys that matter; most keys sit elsewhere (`choices`,
-    // `usage`...), and decoding them would be wasted work.
-    if role != Role::Top {
-        return KeyId::Other;
-    }
-    match decoded(raw).as_ref() {
-        b"type" => KeyId::Type,
-        b"done" => KeyId::Done,
+    // Only the top level (and, for the content look, choices and deltas) has keys that
+    // matter; most keys sit elsewhere (`usage`, inside a delta...), and decoding them
+    // would be wasted work.
+    match role {
+        Role::Top => match decoded(raw).as_ref() {
+            b"type" => KeyId::Type,
+            b"done" => KeyId::Done,
+            b"choices" => KeyId::Choices,
+            _ => KeyId::Other,
+        },
+        Role::Choice => match decoded(raw).as_ref() {
+            b"text" => KeyId::Text,
+            b"delta" | b"message" => KeyId::Delta,
+            b"index" => KeyId::Any,
+            _ => KeyId::Member,
+        },
+        Role::Delta => match decoded(raw).as_ref() {
+            b"role" => KeyId::Any,
+            _ => KeyId::Member,
+        },
         _ => KeyId::Other,
     }
 }
 
-fn is_terminal_type(s: &[u8]) -> bool {
-    matches!(
-        decoded(s).as_ref(),
-        b"response.completed" | b"response.failed" | b"response.incomplete"
-    )
+/// The content look's state.
+#[derive(Default)]
+struct Content {
+    /// Asked for.
+    on: bool,
+    /// The top level has a `choices` array.
+    choices: bool,
+    /// Content was found.
+    found: bool,
+    /// The top-level `type` is a Responses API event without content.
+    typed_empty: bool,
 }
 
 /// Scans a string starting after its opening quote; returns (content, index after the
@@ -257,14 +309,67 @@ fn scan_literal(json: &[u8], i: usize) -> (&[u8], usize) {
 /// Looks into `json` (one event's data). Never panics; a malformed or truncated text
 /// yields `malformed: true`.
 pub fn look(json: &[u8]) -> Look {
+    look_with(json, &crate::scan::DEFAULT_EVENT_WORDS, false)
+}
+
+/// [`look`] with the event names that matter (terminal first, then the non-progress
+/// ones), and with `content`, whether the choices carry content.
+pub fn look_with<W: AsRef<[u8]>>(json: &[u8], words: &[W], content: bool) -> Look {
     let mut out = Look::default();
-    if walk(json, &mut out).is_none() {
-        out = Look {
-            malformed: true,
-            ..Look::default()
-        };
+    let mut c = Content {
+        on: content,
+        ..Content::default()
+    };
+    match walk(json, words, &mut out, &mut c) {
+        Some(()) => out.no_content = c.on && ((c.choices && !c.found) || c.typed_empty),
+        None => {
+            out = Look {
+                malformed: true,
+                ..Look::default()
+            }
+        }
     }
     out
+}
+
+/// The role of a container opened as the value of `key` in a frame of `role` (object
+/// members) or as an element of an array of `role`; notes content in `c`.
+fn opened(role: Role, key: KeyId, is_obj: bool, c: &mut Content) -> Role {
+    if !c.on {
+        return Role::Other;
+    }
+    match (role, key) {
+        (Role::Top, KeyId::Choices) if !is_obj => {
+            c.choices = true;
+            Role::Choices
+        }
+        (Role::Choices, _) if is_obj => Role::Choice,
+        (Role::Choice, KeyId::Delta) if is_obj => Role::Delta,
+        (Role::Delta, KeyId::Member) => Role::Inner,
+        (Role::Choices | Role::Choice | Role::Inner, _) => {
+            c.found = true;
+            Role::Other
+        }
+        _ => Role::Other,
+    }
+}
+
+/// Notes content for a scalar value (`string`: its raw content, else `lit`) of `key` in
+/// a frame of `role`.
+fn scalar(role: Role, key: KeyId, string: Option<&[u8]>, lit: &[u8], c: &mut Content) {
+    if !c.on {
+        return;
+    }
+    let null = string.is_none() && lit == b"null";
+    let empty_string = string.is_some_and(<[u8]>::is_empty);
+    let content = match (role, key) {
+        (Role::Choices, _) | (Role::Inner, _) => true,
+        (Role::Choice | Role::Delta, KeyId::Any) => false,
+        (Role::Choice, KeyId::Text) | (Role::Delta, KeyId::Member) => !(null || empty_string),
+        (Role::Choice, _) => !null,
+        _ => false,
+    };
+    c.found |= content;
 }
 
 /// The open objects and arrays, held inline (no allocation per event).
@@ -308,7 +413,7 @@ impl Stack {
     }
 }
 
-fn walk(json: &[u8], out: &mut Look) -> Option<()> {
+fn walk<W: AsRef<[u8]>>(json: &[u8], words: &[W], out: &mut Look, c: &mut Content) -> Option<()> {
     let mut stack = Stack::new();
     let mut i = 0usize;
     let mut seen_root = false;
@@ -343,6 +448,9 @@ fn walk(json: &[u8], out: &mut Look) -> Option<()> {
             match b {
                 b'"' => {
                     let (raw, next) = scan_string(json, i + 1)?;
+                    if top.role == Role::Inner {
+                        c.found = true;
+                    }
                     top.key = key_id(top.role, raw);
                     top.expect_key = false;
                     i = next;
@@ -366,7 +474,7 @@ fn walk(json: &[u8], out: &mut Look) -> Option<()> {
             continue;
         }
         // A value, or a separator / closer after one.
-        let (key, is_obj) = (top.key, top.is_obj);
+        let (key, is_obj, role) = (top.key, top.is_obj, top.role);
         if !matches!(b, b',' | b'}' | b']') {
             if top.has_value {
                 return None;
@@ -391,13 +499,18 @@ fn walk(json: &[u8], out: &mut Look) -> Option<()> {
                     // A container replaces any earlier value of the same key.
                     match key {
                         KeyId::Done => out.done = false,
-                        KeyId::Type => out.terminal_type = false,
+                        KeyId::Type => {
+                            out.terminal_type = false;
+                            out.idle_type = false;
+                            c.typed_empty = false;
+                        }
                         _ => {}
                     }
                 }
+                let key = if is_obj { key } else { KeyId::None };
                 stack.push(Frame {
                     is_obj: b == b'{',
-                    role: Role::Other,
+                    role: opened(role, key, b == b'{', c),
                     expect_key: b == b'{',
                     has_value: false,
                     key: KeyId::None,
@@ -410,10 +523,25 @@ fn walk(json: &[u8], out: &mut Look) -> Option<()> {
                     // The last value of a repeated key wins, as in serde_json.
                     match key {
                         KeyId::Done => out.done = false,
-                        KeyId::Type => out.terminal_type = is_terminal_type(raw),
+                        KeyId::Type => {
+                            let v = decoded(raw);
+                            let k = words.iter().position(|w| w.as_ref() == v.as_ref());
+                            out.terminal_type = k.is_some_and(|k| k < crate::scan::TERMINAL);
+                            out.idle_type = k.is_some_and(|k| k >= crate::scan::TERMINAL);
+                            let v = v.as_ref();
+                            c.typed_empty = v.starts_with(b"response.")
+                                && !(v.ends_with(b".delta") || v.ends_with(b".done"));
+                        }
                         _ => {}
                     }
                 }
+                scalar(
+                    role,
+                    if is_obj { key } else { KeyId::None },
+                    Some(raw),
+                    b"",
+                    c,
+                );
                 i = next;
             }
             _ => {
@@ -424,10 +552,15 @@ fn walk(json: &[u8], out: &mut Look) -> Option<()> {
                 if is_obj {
                     match key {
                         KeyId::Done => out.done = lit == b"true",
-                        KeyId::Type => out.terminal_type = false,
+                        KeyId::Type => {
+                            out.terminal_type = false;
+                            out.idle_type = false;
+                            c.typed_empty = false;
+                        }
                         _ => {}
                     }
                 }
+                scalar(role, if is_obj { key } else { KeyId::None }, None, lit, c);
                 i = next;
             }
         }

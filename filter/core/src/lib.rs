@@ -10,6 +10,7 @@
 pub mod aborts;
 pub mod cidr;
 pub mod config;
+pub mod cut;
 pub mod engine;
 pub mod host;
 pub mod json;

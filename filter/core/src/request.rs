@@ -83,12 +83,34 @@ impl Clocks {
     }
 }
 
+/// Relative times are rebased once they reach this (ms, 24.8 days): see [`Request`].
+pub const EPOCH_MS: u64 = 1 << 31;
+
+/// `start_ms` of a request whose headers came while the host clock could not be read:
+/// it starts at the next reading (later than the truth, so no clock fires early).
+const START_UNKNOWN: u64 = u64::MAX;
+
+/// `first_from` while the request body is still being uploaded: the first-token clock
+/// counts from the end of the request body.
+const UPLOADING: u32 = u32::MAX;
+
+/// `first_from` once the request body ended while the clock could not be read: the next
+/// tick's time is taken (later than the truth).
+const UPLOAD_ENDED: u32 = u32::MAX - 1;
+
+/// [`Request`]'s flag: its next chunk reads the clock.
+const QUIET: u8 = 1;
+/// [`Request`]'s flag: an idle clock was due at the previous tick.
+const ARMED: u8 = 2;
+
 /// A tracked request.
 ///
-/// Its times are `u32` milliseconds relative to its own start (`start_ms`, the one
-/// absolute `u64`), saturating: a relative `u32` covers 49.7 days of one stream's life,
-/// while the VM's own clock (which Envoy keeps for months) stays `u64`. A stream older than
-/// that reads as 49.7 days old, never as young again.
+/// Its times are `u32` milliseconds relative to a base: its own start (`start_ms`, the
+/// one absolute `u64`) plus `epoch` × [`EPOCH_MS`]. The tick rebases a stream older than
+/// an epoch ([`Request::stamp`]), moving every relative time that far back (none later
+/// than the truth: a time before the new base reads as the base itself), so a stream of
+/// any age keeps exact clocks while the VM's own clock (which Envoy keeps for months) stays
+/// `u64`. A deadline that does not fit in a `u32` never fires.
 ///
 /// Progress is counted per chunk without reading the clock: a chunk only adds to
 /// `events`. The clock is read for the first data event (the exact time to first token)
@@ -107,6 +129,14 @@ pub struct Request {
     /// The clocks count from no earlier than this (0, or the moment enforce mode came
     /// back after observe mode had flagged the request), relative ms.
     clocks_from: u32,
+    /// Until the first progress: where the first-token clock counts from (relative ms:
+    /// the end of the request body; [`UPLOADING`] until then, [`UPLOAD_ENDED`] until the
+    /// next tick when the clock could not be read). From the first progress stamped: the
+    /// time to it (ms after the start, saturating). One field for both (a tracked stream
+    /// is kept small).
+    first: u32,
+    /// Epochs of [`EPOCH_MS`] the relative times were moved by (17 years in all).
+    epoch: u8,
     /// A mass stall held this request's close until then (relative ms; 0 = not held).
     held_until: u32,
     /// The clocks that apply to it.
@@ -117,12 +147,12 @@ pub struct Request {
     stamped: u32,
     /// When the last progress was stamped (relative ms; meaningful once `events > 0`).
     last_event: u32,
-    /// When the first data event arrived (relative ms; meaningful once `events > 0`).
-    first_event: u32,
     /// The largest gap between data events seen so far (relative ms).
     max_gap: u32,
-    /// A tick found no progress since the last stamp: the next chunk reads the clock.
-    quiet: bool,
+    /// [`QUIET`]: a tick found no progress since the last stamp, so the next chunk reads
+    /// the clock. [`ARMED`]: a tick found an idle clock (stall or first token) due and
+    /// nothing has arrived since, so the next tick may cut it ([`crate::cut`]).
+    flags: u8,
     /// Observe mode: what it would have been aborted for (its clocks are then off).
     pub observed: Option<AbortReason>,
     /// Where it is.
@@ -132,34 +162,74 @@ pub struct Request {
 }
 
 impl Request {
-    /// A request whose headers arrived at `now_ms`.
-    pub fn new(id: RequestId, limits: Limits, now_ms: u64) -> Self {
+    /// A request whose headers arrived at `now_ms` (`None`: the host clock could not be
+    /// read; the request then starts at the next reading).
+    pub fn new(id: RequestId, limits: Limits, now_ms: Option<u64>) -> Self {
         Request {
             id,
-            start_ms: now_ms,
+            start_ms: now_ms.unwrap_or(START_UNKNOWN),
             clocks_from: 0,
+            first: 0,
+            epoch: 0,
             held_until: 0,
             clocks: Clocks::of(limits),
             events: 0,
             stamped: 0,
             last_event: 0,
-            first_event: 0,
             max_gap: 0,
-            quiet: false,
+            flags: 0,
             phase: Phase::Requested,
             observed: None,
             target: None,
         }
     }
 
-    /// `now_ms` relative to the start, saturating at `u32::MAX` (49.7 days).
+    /// The base of the relative times (absolute ms).
+    fn base(&self) -> u64 {
+        self.start_ms
+            .saturating_add(u64::from(self.epoch).saturating_mul(EPOCH_MS))
+    }
+
+    /// `now_ms` relative to the base, saturating at `u32::MAX`.
     fn rel(&self, now_ms: u64) -> u32 {
-        u32::try_from(now_ms.saturating_sub(self.start_ms)).unwrap_or(u32::MAX)
+        u32::try_from(now_ms.saturating_sub(self.base())).unwrap_or(u32::MAX)
     }
 
     /// The absolute time of relative `t`.
     fn abs(&self, t: u32) -> u64 {
-        self.start_ms.saturating_add(u64::from(t))
+        self.base().saturating_add(u64::from(t))
+    }
+
+    /// Moves the base one epoch later once `now_ms` is an epoch past it: every relative
+    /// time moves back by as much (one before the new base becomes the base: later than
+    /// the truth, never earlier).
+    fn rebase(&mut self, now_ms: u64) {
+        // (A start not known yet is the largest base: no epoch has passed.)
+        let n = now_ms.saturating_sub(self.base()) / EPOCH_MS;
+        if n == 0 {
+            return;
+        }
+        let e = u32::try_from(n.saturating_mul(EPOCH_MS)).unwrap_or(u32::MAX);
+        self.epoch = self
+            .epoch
+            .saturating_add(u8::try_from(n).unwrap_or(u8::MAX));
+        self.last_event = self.last_event.saturating_sub(e);
+        self.clocks_from = self.clocks_from.saturating_sub(e);
+        if self.events == 0 && self.first < UPLOAD_ENDED {
+            self.first = self.first.saturating_sub(e);
+        }
+        if self.held_until != 0 {
+            // Still "held once" (0 would mean never held).
+            self.held_until = self.held_until.saturating_sub(e).max(1);
+        }
+    }
+
+    /// The request's start is known from `now_ms` on (if it was not: its headers came
+    /// while the clock could not be read).
+    fn started(&mut self, now_ms: u64) {
+        if self.start_ms == START_UNKNOWN {
+            self.start_ms = now_ms;
+        }
     }
 
     /// Age at `now_ms`.
@@ -179,7 +249,31 @@ impl Request {
 
     /// Time from the request to its first data event, ms, if it had one.
     pub fn first_token_ms(&self) -> Option<u64> {
-        (self.events > 0).then_some(u64::from(self.first_event))
+        (self.events > 0).then_some(u64::from(self.first))
+    }
+
+    /// The request body follows its headers: the first-token clock waits for its end
+    /// ([`Request::on_request_end`]).
+    pub fn on_request_body_follows(&mut self) {
+        self.first = UPLOADING;
+    }
+
+    /// The request body ended at `now_ms` (`None`: the clock could not be read; the
+    /// next tick's time is taken): the first-token clock counts from there.
+    pub fn on_request_end(&mut self, now_ms: Option<u64>) {
+        if self.events == 0 && self.first == UPLOADING {
+            self.first = UPLOAD_ENDED;
+            if let Some(now) = now_ms {
+                self.started(now);
+                self.first = self.rel(now);
+            }
+        }
+    }
+
+    /// Whether the first-token clock waits for the end of the request body (the only
+    /// case in which that end needs a clock reading).
+    pub fn waits_for_upload(&self) -> bool {
+        self.events == 0 && self.first == UPLOADING && self.clocks.first_token > 0
     }
 
     /// The largest gap between two data events, ms (a gap shorter than a tick may read
@@ -230,7 +324,14 @@ impl Request {
     /// returns what the scanner found and whether the clock must be read for it
     /// ([`Request::mark`]). `Streaming → Complete` when the body says so,
     /// `Streaming → Ended` at the upstream's end of stream.
-    pub fn on_body(&mut self, chunk: &[u8], len: usize, end_of_stream: bool) -> (Fed, bool) {
+    /// `words`: the event names ([`crate::config::Config::event_words`]).
+    pub fn on_body<W: AsRef<[u8]>>(
+        &mut self,
+        chunk: &[u8],
+        len: usize,
+        end_of_stream: bool,
+        words: &[W],
+    ) -> (Fed, bool) {
         let Phase::Streaming(s) = &mut self.phase else {
             return (Fed::default(), false);
         };
@@ -242,9 +343,9 @@ impl Request {
                 fed.events = 1;
             }
         } else {
-            fed = s.feed(chunk);
+            fed = s.feed_in(chunk, words, &mut |_| {});
             if end_of_stream && !fed.completed {
-                let last = s.finish(&mut |_| {});
+                let last = s.finish_in(words, &mut |_| {});
                 fed.events += last.events;
                 fed.oversized += last.oversized;
                 fed.malformed += last.malformed;
@@ -286,21 +387,23 @@ impl Request {
     fn progress(&mut self, events: u32) -> bool {
         let first = self.events == 0;
         self.events = self.events.saturating_add(events);
-        first || self.quiet
+        first || self.flags & QUIET != 0
     }
 
     /// The exact time of the progress just counted (when [`Request::on_body`] asked).
     pub fn mark(&mut self, now_ms: u64) {
+        self.started(now_ms);
+        self.rebase(now_ms);
         let t = self.rel(now_ms);
         if self.stamped == 0 {
             // Nothing stamped yet: this is the first progress.
-            self.first_event = t;
+            self.first = u32::try_from(self.age_ms(now_ms)).unwrap_or(u32::MAX);
         } else {
             self.max_gap = self.max_gap.max(t.saturating_sub(self.last_event));
         }
         self.last_event = self.last_event.max(t);
         self.stamped = self.events;
-        self.quiet = false;
+        self.flags = 0;
         self.held_until = 0;
     }
 
@@ -308,13 +411,22 @@ impl Request {
     /// `now_ms`, which is no earlier than that progress. A tick that finds none marks the
     /// request quiet: its next chunk reads the clock.
     pub fn stamp(&mut self, now_ms: u64) {
+        self.started(now_ms);
+        self.rebase(now_ms);
+        if self.events == 0 && self.first == UPLOAD_ENDED {
+            self.first = self.rel(now_ms);
+        }
         if self.events != self.stamped {
+            if self.stamped == 0 {
+                // The first progress, counted while the clock could not be read.
+                self.first = u32::try_from(self.age_ms(now_ms)).unwrap_or(u32::MAX);
+            }
             self.last_event = self.last_event.max(self.rel(now_ms));
             self.stamped = self.events;
-            self.quiet = false;
+            self.flags = 0;
             self.held_until = 0;
         } else if self.events > 0 {
-            self.quiet = true;
+            self.flags |= QUIET;
         }
     }
 
@@ -333,7 +445,12 @@ impl Request {
         }
         let from = self.clocks_from;
         let mut best: Option<(u32, AbortReason)> = None;
-        let mut consider = |deadline: u32, reason: AbortReason| {
+        // A deadline past what a `u32` holds (only a clock waiting for something, such
+        // as the end of the upload) never fires.
+        let mut consider = |start: u32, timeout: u32, reason: AbortReason| {
+            let Some(deadline) = start.checked_add(timeout).filter(|d| *d < u32::MAX) else {
+                return;
+            };
             let earlier = match best {
                 Some((d, _)) => deadline < d,
                 None => true,
@@ -344,20 +461,18 @@ impl Request {
         };
         let c = self.clocks;
         if c.max_age > 0 {
-            consider(from.saturating_add(c.max_age), AbortReason::MaxAge);
+            consider(from, c.max_age, AbortReason::MaxAge);
         }
         if self.events == 0 {
             if c.first_token > 0 {
                 consider(
-                    from.saturating_add(c.first_token),
+                    self.first.max(from),
+                    c.first_token,
                     AbortReason::FirstTokenTimeout,
                 );
             }
         } else if c.idle > 0 {
-            consider(
-                self.last_event.max(from).saturating_add(c.idle),
-                AbortReason::Stalled,
-            );
+            consider(self.last_event.max(from), c.idle, AbortReason::Stalled);
         }
         best.map(|(_, r)| r)
     }
@@ -368,13 +483,42 @@ impl Request {
         if self.held_until != 0 {
             return false;
         }
-        self.held_until = self.rel(now_ms).saturating_add(self.clocks.idle).max(1);
+        // One more window of the clock that fired.
+        let window = if self.events == 0 {
+            self.clocks.first_token
+        } else {
+            self.clocks.idle
+        };
+        self.held_until = self.rel(now_ms).saturating_add(window).max(1);
         true
+    }
+
+    /// Whether an idle clock (stall, or first token) runs for it: the streams the
+    /// mass-stall valve counts ([`crate::cut`]).
+    pub fn idle_clock_on(&self) -> bool {
+        if !matches!(self.phase, Phase::Requested | Phase::Streaming(_)) || self.observed.is_some()
+        {
+            return false;
+        }
+        if self.events == 0 {
+            self.clocks.first_token > 0 && self.first < UPLOAD_ENDED
+        } else {
+            self.clocks.idle > 0
+        }
     }
 
     /// Whether a mass stall holds this request's close.
     pub fn held(&self) -> bool {
         self.held_until != 0
+    }
+
+    /// An idle clock (stall or first token) is due at this tick: true when it was due
+    /// at the previous tick too and nothing arrived since (the stream may be cut), else
+    /// arms it for the next tick. Progress disarms it ([`Request::stamp`]).
+    pub fn confirm_idle(&mut self) -> bool {
+        let armed = self.flags & ARMED != 0;
+        self.flags |= ARMED;
+        armed
     }
 
     /// Enforce mode: records the abort (`→ Aborted`) unless one exists or the request
@@ -403,6 +547,7 @@ impl Request {
         if self.observed.take().is_some() {
             self.clocks_from = self.rel(now_ms);
             self.held_until = 0;
+            self.flags &= !ARMED;
         }
     }
 
@@ -497,11 +642,12 @@ pub fn classify_end(req: &Request, details: &[u8], flag_bits: u64) -> End {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scan::DEFAULT_EVENT_WORDS;
 
     /// A chunk at `now` as the engine feeds it: the exact time when the request asks for
     /// it, else stamped right away (as a tick at `now` would).
     fn body_at(r: &mut Request, chunk: &[u8], len: usize, eos: bool, now: u64) -> Fed {
-        let (fed, clock) = r.on_body(chunk, len, eos);
+        let (fed, clock) = r.on_body(chunk, len, eos, &DEFAULT_EVENT_WORDS);
         if clock {
             r.mark(now);
         } else {
@@ -519,7 +665,7 @@ mod tests {
     }
 
     fn req(limits: Limits) -> Request {
-        Request::new(RequestId::try_new(b"r").unwrap(), limits, 1000)
+        Request::new(RequestId::try_new(b"r").unwrap(), limits, Some(1000))
     }
 
     const L: Limits = Limits {
@@ -606,12 +752,18 @@ mod tests {
         let mut r = req(L);
         r.on_response_headers(Framing::Sse, 1024, false);
         // Before the first event.
-        assert_eq!(r.on_body(b": ping\n\n", 8, false), (Fed::default(), false));
+        assert_eq!(
+            r.on_body(b": ping\n\n", 8, false, &DEFAULT_EVENT_WORDS),
+            (Fed::default(), false)
+        );
         body_at(&mut r, b"data: x\n\n", 9, false, 1100);
         // After a tick that found no progress (the next event reads the clock).
         r.stamp(1200);
-        assert_eq!(r.on_body(b": ping\n\n", 8, false), (Fed::default(), false));
-        assert!(r.on_body(b"data: y\n\n", 9, false).1);
+        assert_eq!(
+            r.on_body(b": ping\n\n", 8, false, &DEFAULT_EVENT_WORDS),
+            (Fed::default(), false)
+        );
+        assert!(r.on_body(b"data: y\n\n", 9, false, &DEFAULT_EVENT_WORDS).1);
     }
 
     #[test]
@@ -621,12 +773,15 @@ mod tests {
             ..L
         });
         r.on_response_headers(Framing::Opaque, 1024, false);
-        assert_eq!(r.on_body(&[], 0, false), (Fed::default(), false));
+        assert_eq!(
+            r.on_body(&[], 0, false, &DEFAULT_EVENT_WORDS),
+            (Fed::default(), false)
+        );
         r.stamp(1200);
         assert_eq!(r.last_event_ms(), None);
         // The first-token clock still fires on a body of empty chunks.
         assert_eq!(r.due(1300), Some(AbortReason::FirstTokenTimeout));
-        assert_eq!(r.on_body(&[], 0, true).0.events, 0);
+        assert_eq!(r.on_body(&[], 0, true, &DEFAULT_EVENT_WORDS).0.events, 0);
         assert_eq!(r.events(), 0);
     }
 
@@ -862,13 +1017,16 @@ mod tests {
         let mut r = req(L);
         r.on_response_headers(Framing::Sse, 1024, false);
         // The first event asks for the clock (the exact time to first token).
-        let (_, clock) = r.on_body(b"data: {}\n\n", 10, false);
+        let (_, clock) = r.on_body(b"data: {}\n\n", 10, false, &DEFAULT_EVENT_WORDS);
         assert!(clock);
         r.mark(1010);
         assert_eq!(r.first_token_ms(), Some(10));
         // Further chunks do not, until a tick finds none.
         for _ in 0..5 {
-            assert!(!r.on_body(b"data: {}\n\n", 10, false).1);
+            assert!(
+                !r.on_body(b"data: {}\n\n", 10, false, &DEFAULT_EVENT_WORDS)
+                    .1
+            );
         }
         // The tick at 1240 stamps them with its own time: the idle clock counts from
         // there (late, never early, by less than a tick).
@@ -878,7 +1036,10 @@ mod tests {
         assert_eq!(r.due(1340), Some(AbortReason::Stalled));
         // A tick with no progress: the next chunk reads the clock, and its gap is measured.
         r.stamp(1300);
-        assert!(r.on_body(b"data: {}\n\n", 10, false).1);
+        assert!(
+            r.on_body(b"data: {}\n\n", 10, false, &DEFAULT_EVENT_WORDS)
+                .1
+        );
         r.mark(1330);
         assert_eq!((r.last_event_ms(), r.max_gap_ms()), (Some(1330), 90));
         assert_eq!(r.events(), 7);
@@ -889,7 +1050,7 @@ mod tests {
         // The VM's monotonic clock is past u32::MAX ms (49.7 days): relative u32 times
         // from the stream's own start still work.
         let start = u64::from(u32::MAX) + 123_456;
-        let mut r = Request::new(RequestId::try_new(b"w").unwrap(), L, start);
+        let mut r = Request::new(RequestId::try_new(b"w").unwrap(), L, Some(start));
         r.on_response_headers(Framing::Sse, 1024, false);
         body_at(&mut r, b"data: {}\n\n", 10, false, start + 50);
         assert_eq!(r.first_token_ms(), Some(50));
@@ -897,16 +1058,212 @@ mod tests {
         assert_eq!(r.due(start + 149), None);
         assert_eq!(r.due(start + 150), Some(AbortReason::Stalled));
         assert_eq!(r.age_ms(start + 1_000), 1_000);
-        // A stream older than 49.7 days saturates: it stays old (its clocks fired long
-        // ago), it never reads as young again.
-        let mut r = Request::new(RequestId::try_new(b"o").unwrap(), L, 1_000);
-        let much_later = 1_000 + u64::from(u32::MAX) + 10_000;
-        assert_eq!(r.due(much_later), Some(AbortReason::MaxAge));
+        assert_eq!(
+            r.age_ms(much_later_than(start)),
+            much_later_than(start) - start
+        );
+    }
+
+    fn much_later_than(t: u64) -> u64 {
+        t + u64::from(u32::MAX) + 10_000
+    }
+
+    /// Issue 27.4: a stream older than 49.7 days (its relative `u32` times saturated)
+    /// was due every tick; the tick now rebases it, and its clocks stay exact.
+    #[test]
+    fn a_stream_older_than_49_7_days_is_cut_only_when_its_clocks_say() {
+        let idle_only = Limits { max_age_ms: 0, ..L };
+        let mut r = Request::new(RequestId::try_new(b"o").unwrap(), idle_only, Some(1_000));
         r.on_response_headers(Framing::Sse, 1024, false);
-        body_at(&mut r, b"data: {}\n\n", 10, false, much_later);
+        body_at(&mut r, b"data: {}\n\n", 10, false, 1_000);
+        // A stream that keeps flowing, one event every 50 ms, stamped by ticks of 50 ms,
+        // read over more than 49.7 days (sampled: every tick near the epoch edges).
+        let end = much_later_than(1_000);
+        let edge = 1_000 + EPOCH_MS;
+        let times = (1..=400u64)
+            .map(|k| k * 10_000_000)
+            .chain((0..40).map(|k| edge - 1_000 + k * 50))
+            .chain((0..40).map(|k| end - 2_000 + k * 50));
+        let mut times: Vec<u64> = times.collect();
+        times.sort_unstable();
+        let mut t = 1_000;
+        for next in times {
+            t = next;
+            // A tick at `t`: the progress since the last is stamped now.
+            body_at(&mut r, b"data: {}\n\n", 10, false, t);
+            assert_eq!(r.due(t), None, "cut at {t} while flowing");
+            assert_eq!(r.due(t + 99), None);
+            assert_eq!(r.due(t + 100), Some(AbortReason::Stalled));
+        }
+        assert_eq!(r.last_event_ms(), Some(t));
+        assert_eq!(r.age_ms(t), t - 1_000);
+        // First token time is measured from the start, whenever it comes.
+        let mut r = Request::new(RequestId::try_new(b"f").unwrap(), idle_only, Some(1_000));
+        r.on_response_headers(Framing::Sse, 1024, false);
+        r.stamp(end - 10);
+        body_at(&mut r, b"data: {}\n\n", 10, false, end);
+        // (Saturated at 49.7 days: a histogram value.)
         assert_eq!(r.first_token_ms(), Some(u64::from(u32::MAX)));
-        assert_eq!(r.due(much_later + 1), Some(AbortReason::MaxAge));
-        assert_eq!(r.age_ms(much_later), much_later - 1_000);
+        assert_eq!(r.due(end + 99), None);
+        assert_eq!(r.due(end + 100), Some(AbortReason::Stalled));
+        // Max age still fires once.
+        let mut r = Request::new(RequestId::try_new(b"m").unwrap(), L, Some(1_000));
+        r.stamp(end);
+        assert_eq!(r.due(end), Some(AbortReason::MaxAge));
+    }
+
+    /// The rebase moves the first-token start with the rest (a sentinel stays one), and
+    /// keeps "held once" as it was.
+    #[test]
+    fn a_rebase_keeps_the_first_token_clock_and_the_hold() {
+        let l = Limits {
+            idle_timeout_ms: 0,
+            first_token_timeout_ms: 300,
+            max_age_ms: 0,
+        };
+        let later = 1_000 + EPOCH_MS + 10;
+        // The upload ended at +100: after the rebase the clock counts from the new base
+        // (later than the truth), not from +100 past it.
+        let mut r = req(l);
+        r.on_request_body_follows();
+        r.on_request_end(Some(1_100));
+        r.stamp(later);
+        assert!(!r.held(), "never held");
+        assert_eq!(r.due(later + 289), None);
+        assert_eq!(r.due(later + 290), Some(AbortReason::FirstTokenTimeout));
+        // The end came while the clock could not be read: the next tick's time, after the
+        // rebase too.
+        let mut r = req(l);
+        r.on_request_body_follows();
+        r.on_request_end(None);
+        r.stamp(later);
+        assert_eq!(r.due(later + 299), None);
+        assert_eq!(r.due(later + 300), Some(AbortReason::FirstTokenTimeout));
+        // A deadline that reaches what a `u32` holds never fires, even when the time
+        // saturates (no tick rebased it).
+        let mut r = req(Limits {
+            first_token_timeout_ms: 1,
+            ..l
+        });
+        r.on_request_body_follows();
+        r.on_request_end(None);
+        assert_eq!(r.due(1_000 + u64::from(u32::MAX) + 5), None);
+        // Held once stays held once.
+        let mut r = req(l);
+        assert!(r.hold(1_200));
+        r.stamp(later);
+        assert!(r.held());
+        assert!(!r.hold(later));
+    }
+
+    /// Issue 27.7: the valve's population is what may stall: a first-token clock that
+    /// runs (not while the upload goes on, nor before its end has a time), an idle clock
+    /// that is on, in a phase with clocks, not observed.
+    #[test]
+    fn idle_clock_on_counts_what_may_stall() {
+        let ft = Limits {
+            idle_timeout_ms: 0,
+            first_token_timeout_ms: 300,
+            max_age_ms: 0,
+        };
+        assert!(req(ft).idle_clock_on());
+        let mut r = req(ft);
+        r.on_request_body_follows();
+        assert!(!r.idle_clock_on(), "uploading");
+        r.on_request_end(None);
+        assert!(!r.idle_clock_on(), "its start is the next tick's");
+        r.stamp(1_500);
+        assert!(r.idle_clock_on());
+        // First-token clock off; idle clock off once streaming.
+        let off = Limits {
+            first_token_timeout_ms: 0,
+            ..ft
+        };
+        let mut r = req(off);
+        assert!(!r.idle_clock_on());
+        r.on_response_headers(Framing::Sse, 1024, false);
+        body_at(&mut r, b"data: {}\n\n", 10, false, 1_100);
+        assert!(!r.idle_clock_on(), "idle_timeout_ms 0");
+        let mut r = req(L);
+        r.on_response_headers(Framing::Sse, 1024, false);
+        body_at(&mut r, b"data: {}\n\n", 10, false, 1_100);
+        assert!(r.idle_clock_on());
+        assert!(r.decide(AbortReason::Stalled, true));
+        assert!(!r.idle_clock_on(), "observed");
+        let mut r = req(L);
+        r.on_response_headers(Framing::Sse, 1024, true);
+        assert!(!r.idle_clock_on(), "ended");
+    }
+
+    /// A first progress counted while the clock could not be read (no mark) gets its time
+    /// from the tick that stamps it; later stamps leave it.
+    #[test]
+    fn the_first_progress_without_a_clock_is_timed_by_the_tick() {
+        let mut r = req(L);
+        r.on_response_headers(Framing::Sse, 1024, false);
+        assert!(
+            r.on_body(b"data: {}\n\n", 10, false, &DEFAULT_EVENT_WORDS)
+                .1
+        );
+        r.stamp(1_070);
+        assert_eq!(r.first_token_ms(), Some(70));
+        r.on_body(b"data: {}\n\n", 10, false, &DEFAULT_EVENT_WORDS);
+        r.stamp(1_090);
+        assert_eq!(r.first_token_ms(), Some(70));
+        assert_eq!(r.last_event_ms(), Some(1_090));
+    }
+
+    /// Issue 27.4: a request whose headers came while the clock could not be read starts
+    /// at the next reading, not at a stale or zero fallback (which made it look days old).
+    #[test]
+    fn a_request_started_without_a_clock_reading_is_never_old_too_early() {
+        let l = Limits {
+            first_token_timeout_ms: 300,
+            ..L
+        };
+        let mut r = Request::new(RequestId::try_new(b"u").unwrap(), l, None);
+        assert_eq!(r.age_ms(5_000_000), 0);
+        assert_eq!(r.due(5_000_000), None);
+        r.stamp(5_000_000);
+        assert_eq!(r.due(5_000_299), None);
+        assert_eq!(r.due(5_000_300), Some(AbortReason::FirstTokenTimeout));
+        assert_eq!(r.due(5_001_000), Some(AbortReason::FirstTokenTimeout));
+        assert_eq!(r.age_ms(5_000_100), 100);
+    }
+
+    /// Issue 27.9: the first-token clock counts from the end of the request body.
+    #[test]
+    fn the_first_token_clock_waits_for_the_end_of_the_upload() {
+        let l = Limits {
+            first_token_timeout_ms: 300,
+            max_age_ms: 0,
+            ..L
+        };
+        let mut r = req(l);
+        r.on_request_body_follows();
+        assert!(r.waits_for_upload());
+        // A slow upload: 10 s, no first-token timeout meanwhile.
+        assert_eq!(r.due(11_000), None);
+        r.on_request_end(Some(11_000));
+        assert!(!r.waits_for_upload());
+        assert_eq!(r.due(11_299), None);
+        assert_eq!(r.due(11_300), Some(AbortReason::FirstTokenTimeout));
+        // A second end changes nothing.
+        r.on_request_end(Some(20_000));
+        assert_eq!(r.due(11_300), Some(AbortReason::FirstTokenTimeout));
+        // An end seen while the clock could not be read counts from the next tick.
+        let mut r = req(l);
+        r.on_request_body_follows();
+        r.on_request_end(None);
+        assert!(!r.waits_for_upload());
+        assert_eq!(r.due(50_000), None);
+        r.stamp(50_000);
+        assert_eq!(r.due(50_299), None);
+        assert_eq!(r.due(50_300), Some(AbortReason::FirstTokenTimeout));
+        // Without a first-token clock the end needs no clock reading.
+        let mut r = req(L);
+        r.on_request_body_follows();
+        assert!(!r.waits_for_upload());
     }
 
     #[test]

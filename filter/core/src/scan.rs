@@ -6,8 +6,21 @@
 //!
 //! SSE rules (WHATWG): lines end in LF, CRLF or CR; `:` starts a comment; `field:value`
 //! with one optional space after the colon; several `data:` lines join with LF; a blank
-//! line dispatches the event. An event with no data line (or only whitespace data) is
-//! not progress. NDJSON: every non-blank line is an event.
+//! line dispatches the event; a UTF-8 byte-order mark that opens the stream is skipped.
+//! An event with no data line (or only whitespace data) is not progress. NDJSON: every
+//! non-blank line is an event.
+//!
+//! Progress is content, not any event: an event named (SSE `event:`) or typed (JSON
+//! top-level `"type"`) as one of `non_progress_events` (heartbeats, the Responses API
+//! preamble) is not progress, nor, until the stream's first progress, a Chat/Completions
+//! chunk whose choices carry no content (the role-only first chunk: a server may send it
+//! before the engine scheduled the request). Everything else is progress, what the
+//! scanner cannot read included (an oversized or malformed event): a false "no progress"
+//! could cut a stream someone reads.
+//!
+//! Completion: SSE `data: [DONE]` or a terminal Responses API `event:` name; NDJSON (no
+//! event names, no `[DONE]`) a terminal `"type"` or `"done": true`. In SSE a JSON value
+//! never completes: such a key in a chat chunk is no promise that the stream is over.
 
 use crate::json;
 use memchr::{memchr2, memchr3};
@@ -66,6 +79,9 @@ impl Framing {
 pub enum Event<'a> {
     /// A data event, its data (LF-joined lines), and whether it completed the stream.
     Data(&'a [u8], bool),
+    /// A data event that is not progress (a heartbeat, a preamble, a chunk without
+    /// content before the first progress).
+    Idle(&'a [u8]),
     /// A data event larger than `max_event_bytes`: skipped, still progress.
     Oversized,
 }
@@ -105,12 +121,27 @@ enum Line {
 /// The SSE field names the scanner acts on.
 const FIELD_NAMES: [&[u8]; 2] = [b"data", b"event"];
 
-/// The `event:` names that end a Responses API stream.
-const TERMINAL_EVENTS: [&[u8]; 3] = [
+/// The event names of the default configuration: the [`TERMINAL`] ones that end a
+/// Responses API stream, then the default `non_progress_events`
+/// ([`crate::config::DEFAULT_NON_PROGRESS_EVENTS`]).
+pub const DEFAULT_EVENT_WORDS: [&[u8]; 10] = [
     b"response.completed",
     b"response.failed",
     b"response.incomplete",
+    b"ping",
+    b"heartbeat",
+    b"keepalive",
+    b"keep-alive",
+    b"response.created",
+    b"response.in_progress",
+    b"response.queued",
 ];
+
+/// The first `TERMINAL` event names end a stream; the rest are not progress.
+pub const TERMINAL: usize = 3;
+
+/// A UTF-8 byte-order mark.
+const BOM: [u8; 3] = [0xEF, 0xBB, 0xBF];
 
 /// Matches bytes that arrive in pieces (split anywhere across chunks) against a few fixed
 /// words, keeping a position and one bit per word still possible: 2 bytes in every tracked
@@ -119,8 +150,8 @@ const TERMINAL_EVENTS: [&[u8]; 3] = [
 struct Words {
     /// Bytes seen (saturating: longer than every word is no match anyway).
     len: u8,
-    /// Bit `k`: word `k` still matches what was seen.
-    live: u8,
+    /// Bit `k`: word `k` still matches what was seen (16 words at most).
+    live: u16,
 }
 
 impl Words {
@@ -129,18 +160,18 @@ impl Words {
     /// A value starts: every word is possible.
     const START: Words = Words {
         len: 0,
-        live: u8::MAX,
+        live: u16::MAX,
     };
 
-    fn push(&mut self, words: &[&[u8]], bytes: &[u8]) {
+    fn push<W: AsRef<[u8]>>(&mut self, words: &[W], bytes: &[u8]) {
         for &b in bytes {
             if self.live == 0 {
                 return;
             }
             let at = usize::from(self.len);
-            for (k, w) in words.iter().enumerate() {
-                if w.get(at) != Some(&b) {
-                    self.live &= !(1u8 << k);
+            for (k, w) in words.iter().take(16).enumerate() {
+                if w.as_ref().get(at) != Some(&b) {
+                    self.live &= !(1u16 << k);
                 }
             }
             self.len = self.len.saturating_add(1);
@@ -148,11 +179,14 @@ impl Words {
     }
 
     /// The index of the word seen exactly, if one was.
-    fn matched(self, words: &[&[u8]]) -> Option<usize> {
+    fn matched<W: AsRef<[u8]>>(self, words: &[W]) -> Option<usize> {
         words
             .iter()
+            .take(16)
             .enumerate()
-            .find(|(k, w)| self.live & (1u8 << k) != 0 && w.len() == usize::from(self.len))
+            .find(|(k, w)| {
+                self.live & (1u16 << k) != 0 && w.as_ref().len() == usize::from(self.len)
+            })
             .map(|(k, _)| k)
     }
 }
@@ -174,10 +208,17 @@ pub struct Scanner {
     data: Vec<u8>,
     data_lines: u32,
     oversized: bool,
-    /// The event's `event:` value, matched against [`TERMINAL_EVENTS`].
+    /// The event's `event:` value, matched against the event names (terminal first).
     event_name: Words,
     completed: bool,
+    /// Bits 0–1: bytes of a [`BOM`] matched at the start of the stream (3: past the
+    /// start); [`PROGRESSED`]: a progress event was dispatched (after it, chunks without
+    /// content count). One byte (a scanner lives in every tracked stream).
+    start: u8,
 }
+
+/// [`Scanner`]`::start`: a progress event was dispatched.
+const PROGRESSED: u8 = 4;
 
 impl Scanner {
     /// A scanner for a body of `framing`, bounding events at `max_event_bytes`.
@@ -194,6 +235,7 @@ impl Scanner {
             oversized: false,
             event_name: Words::NONE,
             completed: false,
+            start: 0,
         }
     }
 
@@ -212,12 +254,24 @@ impl Scanner {
         self.feed_with(chunk, &mut |_| {})
     }
 
-    /// Feeds a chunk, calling `on_event` for each dispatched data event.
+    /// Feeds a chunk, calling `on_event` for each dispatched data event (the default
+    /// event names).
     pub fn feed_with(&mut self, chunk: &[u8], on_event: &mut dyn FnMut(Event<'_>)) -> Fed {
+        self.feed_in(chunk, &DEFAULT_EVENT_WORDS, on_event)
+    }
+
+    /// Feeds a chunk with the configured event names (`words`: the [`TERMINAL`] ones
+    /// first, then the non-progress ones; [`crate::config::Config::event_words`]).
+    pub fn feed_in<W: AsRef<[u8]>>(
+        &mut self,
+        chunk: &[u8],
+        words: &[W],
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Fed {
         let mut fed = Fed::default();
         match self.framing {
             Framing::Opaque => {}
-            Framing::Sse | Framing::Ndjson => self.scan(chunk, &mut fed, on_event),
+            Framing::Sse | Framing::Ndjson => self.scan(chunk, words, &mut fed, on_event),
         }
         fed
     }
@@ -225,16 +279,49 @@ impl Scanner {
     /// The body ended: an NDJSON last line without a newline still counts. (An SSE
     /// event not closed by a blank line is discarded, as the SSE spec says.)
     pub fn finish(&mut self, on_event: &mut dyn FnMut(Event<'_>)) -> Fed {
+        self.finish_in(&DEFAULT_EVENT_WORDS, on_event)
+    }
+
+    /// [`Scanner::finish`] with the configured event names.
+    pub fn finish_in<W: AsRef<[u8]>>(
+        &mut self,
+        words: &[W],
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Fed {
         let mut fed = Fed::default();
         // A line still open: `end_line` makes it an event only in NDJSON.
         if matches!(self.line, Line::Value(_)) {
-            self.end_line(&mut fed, on_event, &[], &mut None);
+            self.end_line(&mut fed, words, on_event, &[], &mut None);
         }
         fed
     }
 
-    fn scan(&mut self, chunk: &[u8], fed: &mut Fed, on_event: &mut dyn FnMut(Event<'_>)) {
-        let mut i = 0usize;
+    /// Skips a byte-order mark at the start of the stream (split anywhere); returns where
+    /// the chunk's own bytes start.
+    fn skip_bom(&mut self, chunk: &[u8]) -> usize {
+        let mut i = 0;
+        while let Some(&want) = BOM.get(usize::from(self.start & 3)) {
+            match chunk.get(i) {
+                None => break,
+                Some(&b) if b == want => {
+                    self.start += 1;
+                    i += 1;
+                }
+                // No mark (what a partial one held is dropped: not UTF-8 anyway).
+                Some(_) => self.start |= 3,
+            }
+        }
+        i
+    }
+
+    fn scan<W: AsRef<[u8]>>(
+        &mut self,
+        chunk: &[u8],
+        words: &[W],
+        fed: &mut Fed,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) {
+        let mut i = self.skip_bom(chunk);
         let len = chunk.len();
         // The current event's data when it is one line wholly inside this chunk (the
         // usual case): kept as a range of the chunk, copied into `self.data` only if the
@@ -255,7 +342,7 @@ impl Scanner {
                         // A blank line. (The LF of its CRLF needs no skip: it reads as a
                         // second blank line, which has nothing to dispatch.)
                         i += 1;
-                        self.blank_line(fed, on_event, chunk, &mut pending);
+                        self.blank_line(fed, words, on_event, chunk, &mut pending);
                         continue;
                     }
                     if self.framing == Framing::Ndjson {
@@ -296,7 +383,7 @@ impl Scanner {
                                 self.skip_lf = delim == b'\r';
                                 self.start_value(field);
                                 self.line = Line::Value(field);
-                                self.end_line(fed, on_event, chunk, &mut pending);
+                                self.end_line(fed, words, on_event, chunk, &mut pending);
                             }
                         }
                     }
@@ -323,14 +410,14 @@ impl Scanner {
                     if whole_line_here {
                         pending = Some(i..i + end);
                     } else {
-                        self.push_value(field, &rest[..end]);
+                        self.push_value(field, words, &rest[..end]);
                     }
                     match found {
                         None => i = len,
                         Some(off) => {
                             self.skip_lf = rest[off] == b'\r';
                             i += off + 1;
-                            self.end_line(fed, on_event, chunk, &mut pending);
+                            self.end_line(fed, words, on_event, chunk, &mut pending);
                         }
                     }
                 }
@@ -399,17 +486,18 @@ impl Scanner {
         self.data.extend_from_slice(bytes);
     }
 
-    fn push_value(&mut self, field: Field, bytes: &[u8]) {
+    fn push_value<W: AsRef<[u8]>>(&mut self, field: Field, words: &[W], bytes: &[u8]) {
         match field {
             Field::Data => self.push_data(bytes),
-            Field::Event => self.event_name.push(&TERMINAL_EVENTS, bytes),
+            Field::Event => self.event_name.push(words, bytes),
             Field::Other => {}
         }
     }
 
-    fn end_line(
+    fn end_line<W: AsRef<[u8]>>(
         &mut self,
         fed: &mut Fed,
+        words: &[W],
         on_event: &mut dyn FnMut(Event<'_>),
         chunk: &[u8],
         pending: &mut Option<Range<usize>>,
@@ -418,34 +506,36 @@ impl Scanner {
         if self.framing == Framing::Ndjson {
             // Every line is its own event.
             let in_chunk = pending.take().and_then(|r| chunk.get(r));
-            self.dispatch(fed, on_event, in_chunk);
+            self.dispatch(fed, words, on_event, in_chunk);
         }
     }
 
-    fn blank_line(
+    fn blank_line<W: AsRef<[u8]>>(
         &mut self,
         fed: &mut Fed,
+        words: &[W],
         on_event: &mut dyn FnMut(Event<'_>),
         chunk: &[u8],
         pending: &mut Option<Range<usize>>,
     ) {
         if self.framing == Framing::Sse {
             let in_chunk = pending.take().and_then(|r| chunk.get(r));
-            self.dispatch(fed, on_event, in_chunk);
+            self.dispatch(fed, words, on_event, in_chunk);
         }
     }
 
     /// Ends an event. Its data is `in_chunk` when it never left the chunk, else
     /// `self.data`.
-    fn dispatch(
+    fn dispatch<W: AsRef<[u8]>>(
         &mut self,
         fed: &mut Fed,
+        words: &[W],
         on_event: &mut dyn FnMut(Event<'_>),
         in_chunk: Option<&[u8]>,
     ) {
         let had_data = self.data_lines > 0;
         let oversized = self.oversized;
-        let terminal_name = self.event_name.matched(&TERMINAL_EVENTS).is_some();
+        let named = self.event_name.matched(words);
         self.data_lines = 0;
         self.oversized = false;
         self.event_name = Words::NONE;
@@ -453,8 +543,10 @@ impl Scanner {
             return;
         }
         if oversized {
+            // Unread: progress (a false "no progress" could cut a read stream).
             fed.events += 1;
             fed.oversized += 1;
+            self.start |= PROGRESSED;
             on_event(Event::Oversized);
             self.reset_data();
             return;
@@ -464,26 +556,31 @@ impl Scanner {
             self.reset_data();
             return;
         }
-        fed.events += 1;
+        let mut progress = named.is_none_or(|k| k < TERMINAL);
         let mut completes = false;
         if !self.completed {
-            let done = if data == b"[DONE]" || terminal_name {
+            let ndjson = self.framing == Framing::Ndjson;
+            let done = if data == b"[DONE]" || named.is_some_and(|k| k < TERMINAL) {
                 true
             } else if data.first() == Some(&b'{') {
-                if json::inert(data) {
-                    // The common case: a content chunk that cannot complete anything.
-                    // No full look.
+                // Before the first progress, whether the choices carry content matters.
+                let content = progress && self.start & PROGRESSED == 0;
+                if !content && json::inert_with(data, words) {
+                    // The common case: a content chunk that cannot complete anything and
+                    // is not typed as a non-progress event. No full look.
                     false
                 } else {
-                    let look = json::look(data);
+                    let look = json::look_with(data, words, content);
                     if look.malformed {
                         fed.malformed += 1;
                         false
                     } else {
+                        progress &= !look.idle_type && !look.no_content;
                         // `finish_reason` alone never completes: only `[DONE]`, a
-                        // terminal Responses API event, `"done": true` or the end of
-                        // stream (a choice index may start after another finished).
-                        look.terminal_type || look.done
+                        // terminal Responses API event, `"done": true` (NDJSON) or the
+                        // end of stream (a choice index may start after another
+                        // finished).
+                        ndjson && (look.terminal_type || look.done)
                     }
                 }
             } else {
@@ -493,9 +590,16 @@ impl Scanner {
                 self.completed = true;
                 fed.completed = true;
                 completes = true;
+                progress = true;
             }
         }
-        on_event(Event::Data(data, completes));
+        if progress {
+            fed.events += 1;
+            self.start |= PROGRESSED;
+            on_event(Event::Data(data, completes));
+        } else {
+            on_event(Event::Idle(data));
+        }
         self.reset_data();
     }
 
@@ -537,6 +641,8 @@ mod tests {
                 }
             }
             Event::Oversized => events.push(None),
+            // Dispatched all the same (what is progress: `progress_of`).
+            Event::Idle(d) => events.push(Some(d.to_vec())),
         };
         for c in chunks {
             let fed = s.feed_with(c, &mut record);
@@ -854,6 +960,170 @@ mod tests {
         assert_eq!(s.feed(b"data: [DO"), Fed::default());
         assert_eq!(s.finish(&mut |_| {}), Fed::default());
         assert!(!s.completed());
+    }
+
+    const RESPONSES: &[u8] =
+        include_bytes!("../../../integration/fixtures/sse/openai-spec-responses.sse");
+
+    /// Per dispatched event, whether it was progress; and whether the body completed. The
+    /// body is fed whole, then split at every byte: both must agree.
+    fn progress_with(framing: Framing, words: &[&[u8]], body: &[u8]) -> (Vec<bool>, bool) {
+        let feed = |chunks: &mut dyn Iterator<Item = &[u8]>| {
+            let mut s = Scanner::new(framing, 65536);
+            let mut out = Vec::new();
+            let mut events = 0;
+            let mut on = |e: Event<'_>| out.push(!matches!(e, Event::Idle(_)));
+            for c in chunks {
+                events += s.feed_in(c, words, &mut on).events;
+            }
+            events += s.finish_in(words, &mut on).events;
+            assert_eq!(events as usize, out.iter().filter(|p| **p).count());
+            (out, s.completed())
+        };
+        let whole = feed(&mut core::iter::once(body));
+        let bytewise = feed(&mut body.chunks(1));
+        assert_eq!(whole, bytewise, "split at every byte");
+        whole
+    }
+
+    fn progress_of(framing: Framing, body: &[u8]) -> (Vec<bool>, bool) {
+        progress_with(framing, &DEFAULT_EVENT_WORDS, body)
+    }
+
+    /// Issue 27.2: the Responses API preamble (`response.created`, `response.in_progress`,
+    /// and the empty item and part announced before the first token) is not progress; the
+    /// deltas are. The fixture is the OpenAI specification's event sequence (a real
+    /// vLLM's was not recorded for this change).
+    #[test]
+    fn the_responses_preamble_is_not_progress() {
+        let (p, done) = progress_of(Framing::Sse, RESPONSES);
+        assert_eq!(
+            p,
+            [false, false, false, false, true, true, true, true, true, true]
+        );
+        assert!(done);
+        // NDJSON framing of the same events (typed, no event names) agrees.
+        let ndjson: Vec<u8> = RESPONSES
+            .split(|b| *b == b'\n')
+            .filter_map(|l| l.strip_prefix(b"data: "))
+            .flat_map(|l| [l, b"\n"].concat())
+            .collect();
+        let (p, done) = progress_of(Framing::Ndjson, &ndjson);
+        assert_eq!(
+            p,
+            [false, false, false, false, true, true, true, true, true, true]
+        );
+        assert!(done);
+    }
+
+    /// Issue 27.2: the Chat Completions role-only first chunk is not progress; the content
+    /// chunks after it are, even one whose delta decoded to "" (the engine produced a
+    /// token), and so is the usage-only chunk.
+    #[test]
+    fn the_role_only_first_chunk_is_not_progress() {
+        let (p, done) = progress_of(Framing::Sse, CHAT);
+        assert!(!p[0], "the role chunk");
+        assert!(p[1..].iter().all(|x| *x), "{p:?}");
+        assert!(done);
+        let (p, _) = progress_of(Framing::Sse, COMPL);
+        assert!(p.iter().all(|x| *x), "a completion's first text is content");
+        // Before the first progress, a choice without content is not progress, whatever
+        // its form; anything the look does not know is.
+        let first = |ev: &str| progress_of(Framing::Sse, format!("data: {ev}\n\n").as_bytes()).0;
+        for empty in [
+            r#"{"choices":[{"index":0,"delta":{"role":"assistant"},"logprobs":null,"finish_reason":null}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":null,"tool_calls":[]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{}},{"index":1,"delta":{"content":""}}]}"#,
+            r#"{"choices":[{"index":0,"text":"","finish_reason":null}]}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":1}}"#,
+            r#"{"choices":[{"index":0,"message":{"role":"assistant","content":""}}]}"#,
+        ] {
+            assert_eq!(first(empty), [false], "{empty}");
+        }
+        for content in [
+            r#"{"choices":[{"index":0,"delta":{"content":"a"}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":""}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"reasoning_content":"x"}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"content":"","x":1}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"role":"assistant"},"finish_reason":"stop"}]}"#,
+            r#"{"choices":[{"index":0,"text":"t"}]}"#,
+            r#"{"choices":[{"index":0,"logprobs":{"content":[]}}]}"#,
+            r#"{"choices":[1]}"#,
+            r#"{"choices":{"index":0}}"#,
+            r#"{"choices":{}}"#,
+            r#"{"choices":[[]]}"#,
+            r#"{"choices":[{"delta":[]}]}"#,
+            r#"{"response":"tok","done":false}"#,
+            r#"{"type":"response.output_text.delta","delta":"a"}"#,
+            r#"{"type":"response.function_call_arguments.delta","delta":"{"}"#,
+            r#"{"type":"error"}"#,
+            r#"{"choices":[{"index":0,"delta":{"content":"a"}"#,
+            "not json",
+        ] {
+            assert_eq!(first(content), [true], "{content}");
+        }
+    }
+
+    /// Issue 27.3: heartbeats (`event: ping`, `{"type":"ping"}`) are not progress, before
+    /// or after the first token; the list is the configuration's.
+    #[test]
+    fn heartbeats_are_not_progress() {
+        let body = b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n\
+            event: ping\ndata: {}\n\n\
+            data: {\"type\":\"ping\"}\n\n\
+            data: {\"type\" : \"heartbeat\",\"t\":1}\n\n\
+            event: keep-alive\ndata: 1\n\n\
+            data: {\"type\":\"pings\"}\n\n";
+        let (p, _) = progress_of(Framing::Sse, body);
+        assert_eq!(p, [true, false, false, false, false, true]);
+        // Another list: only `beat` is a heartbeat.
+        let words: [&[u8]; 4] = [
+            b"response.completed",
+            b"response.failed",
+            b"response.incomplete",
+            b"beat",
+        ];
+        let body = b"data: x\n\nevent: beat\ndata: {}\n\nevent: ping\ndata: {}\n\ndata: {\"type\":\"beat\"}\n\n";
+        assert_eq!(
+            progress_with(Framing::Sse, &words, body).0,
+            [true, false, true, false]
+        );
+        // NDJSON: typed only.
+        let body = b"{\"message\":{\"content\":\"a\"},\"done\":false}\n{\"type\":\"ping\"}\n";
+        assert_eq!(progress_of(Framing::Ndjson, body).0, [true, false]);
+    }
+
+    /// Issue 27.9: a UTF-8 byte-order mark opening the stream no longer hides its first
+    /// field; one later in the stream is data like any other byte.
+    #[test]
+    fn a_byte_order_mark_at_the_start_is_skipped() {
+        let body = b"\xEF\xBB\xBFdata: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: [DONE]\n\n";
+        assert_eq!(progress_of(Framing::Sse, body), (vec![true, true], true));
+        let body = b"\xEF\xBB\xBF{\"response\":\"a\"}\n{\"done\":true}\n";
+        assert_eq!(progress_of(Framing::Ndjson, body), (vec![true, true], true));
+        // Not at the start: a field named "\u{FEFF}data" is not `data`.
+        let body = b"data: x\n\n\xEF\xBB\xBFdata: y\n\n";
+        assert_eq!(progress_of(Framing::Sse, body).0, [true]);
+        // A partial mark is dropped; what follows it is read.
+        let body = b"\xEFdata: x\n\n";
+        assert_eq!(progress_of(Framing::Sse, body).0, [true]);
+    }
+
+    /// Issue 27.9: in SSE a JSON value (`"done": true`, a terminal `"type"`) does not
+    /// complete the stream; `[DONE]` and a terminal `event:` name do. NDJSON, which has
+    /// neither, completes on the JSON value.
+    #[test]
+    fn json_values_complete_ndjson_only() {
+        for ev in [
+            &b"data: {\"done\":true}\n\n"[..],
+            b"data: {\"type\":\"response.completed\"}\n\n",
+            b"data: {\"choices\":[],\"type\":\"response.failed\"}\n\n",
+        ] {
+            assert!(!progress_of(Framing::Sse, ev).1, "{ev:?}");
+        }
+        assert!(progress_of(Framing::Sse, b"event: response.completed\ndata: {}\n\n").1);
+        assert!(progress_of(Framing::Ndjson, b"{\"done\":true}\n").1);
+        assert!(progress_of(Framing::Ndjson, b"{\"type\":\"response.incomplete\"}\n").1);
     }
 
     #[test]

@@ -41,6 +41,8 @@ pub(crate) struct MockHost {
     pub shared: std::collections::BTreeMap<String, (Vec<u8>, u32)>,
     /// Shared-data calls fail.
     pub shared_broken: bool,
+    /// The clock cannot be read: `now_exact` answers `None`, `now_ms` this stale value.
+    pub stale: Option<u64>,
 }
 
 impl MockHost {
@@ -60,7 +62,13 @@ impl MockHost {
 
 impl Clock for MockHost {
     fn now_ms(&self) -> u64 {
-        self.now
+        self.stale.unwrap_or(self.now)
+    }
+    fn now_exact(&self) -> Option<u64> {
+        match self.stale {
+            Some(_) => None,
+            None => Some(self.now),
+        }
     }
     fn unix_secs(&self) -> u64 {
         self.unix

@@ -23,7 +23,7 @@ use kvguard_contract::{CONTROL_HEADER, REQUEST_ID_HEADER};
 use kvguard_filter_core::engine::{self, Engine, Streams, Verdict};
 use kvguard_filter_core::host::{Call, Clock, DispatchError, Host, Level, SharedData, SharedError};
 use kvguard_filter_core::metrics::{Kind, Metric, Metrics};
-use kvguard_filter_core::{lease, Config, Mode, OutcomeTag};
+use kvguard_filter_core::{config, lease, Config, Mode, OutcomeTag};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
 use std::hash::{BuildHasher, Hasher};
@@ -96,6 +96,11 @@ impl Clock for EnvoyHost<'_> {
             CLOCK_ERRORS.with(|c| c.set(c.get() + 1));
             last
         })
+    }
+    fn now_exact(&self) -> Option<u64> {
+        abi::monotonic_ms()
+            .map_err(|_| CLOCK_ERRORS.with(|c| c.set(c.get() + 1)))
+            .ok()
     }
     fn unix_secs(&self) -> u64 {
         abi::now_nanos() / 1_000_000_000
@@ -331,7 +336,7 @@ fn sync_tick(shared: &SharedRef) {
     if refused {
         abi::log(abi::LogLevel::Warn, "the host refused a tick period change");
         let _ = with_engine(shared, |e, p| {
-            e.set_tick_state(ms == 0);
+            e.tick_refused();
             p.add(Metric::HostErrors, 1);
         });
     }
@@ -357,6 +362,43 @@ fn report_clock_errors(p: &mut EnvoyHost<'_>) {
 /// streams already in flight; plugins of other names keep their own.
 fn mode_key(plugin_name: &[u8]) -> String {
     format!("kvguard.mode.{}", String::from_utf8_lossy(plugin_name))
+}
+
+/// The kill switch: a configuration new to this Envoy process that names its `mode`
+/// publishes it to every root context of the plugin (and one loaded for the first time
+/// when none was published yet, its default). A configuration loaded again (another
+/// worker, a VM reloaded after a trap, a draining listener) publishes nothing, so a pushed
+/// `observe` stays until a new configuration names `enforce` ([`config::first_load`]).
+fn publish_mode(key: &str, raw: &[u8], cfg: &Config) {
+    let seen_key = format!("{key}.seen");
+    let digest = config::config_digest(raw);
+    // Two workers loading the same new configuration race: the loser reads it as seen.
+    for _ in 0..4 {
+        let (seen, cas) = match abi::get_shared_data_cas(&seen_key) {
+            Ok(Some((v, cas))) => (Some(v), cas),
+            Ok(None) => (None, 0),
+            Err(_) => break,
+        };
+        let Some(list) = config::first_load(seen.as_deref(), digest) else {
+            return;
+        };
+        match abi::set_shared_data_cas(&seen_key, &list, cas) {
+            Ok(()) => {}
+            Err(abi::Status(abi::CAS_MISMATCH)) => continue,
+            Err(_) => break,
+        }
+        let unset = matches!(abi::get_shared_data(key), Ok(None));
+        if (cfg.mode_named || unset)
+            && abi::set_shared_data(key, cfg.mode.as_str().as_bytes()).is_err()
+        {
+            break;
+        }
+        return;
+    }
+    abi::log(
+        abi::LogLevel::Warn,
+        &format!("cannot write shared data {key}; a mode change reaches new streams only"),
+    );
 }
 
 /// Reads this plugin's mode from shared data and hands it to the engine (the kill
@@ -646,12 +688,7 @@ impl RootContext for Root {
             .flatten()
             .unwrap_or_else(|| b"kvguard".to_vec());
         let key = mode_key(&plugin);
-        if abi::set_shared_data(&key, cfg.mode.as_str().as_bytes()).is_err() {
-            abi::log(
-                abi::LogLevel::Warn,
-                &format!("cannot write shared data {key}; a mode change reaches new streams only"),
-            );
-        }
+        publish_mode(&key, &raw, &cfg);
         let need_queue = {
             let Ok(mut guard) = self.shared.try_borrow_mut() else {
                 return false;
@@ -670,6 +707,9 @@ impl RootContext for Root {
             }
             s.queue_id.is_none()
         };
+        // The mode in force is the published one (this configuration may be an old one
+        // loaded again, whose mode is not).
+        sync_mode(&self.shared);
         if need_queue {
             // Unique per VM: every worker's VM registers its own queue, and the host
             // delivers `on_queue_ready` to the root context that registered it.
@@ -793,6 +833,17 @@ struct Stream {
 
 impl Context for Stream {}
 
+impl Stream {
+    /// The request body ended: the first-token clock starts.
+    fn request_ended(&self) {
+        let id = self.id;
+        let _ = with_engine(&self.shared, |e, p| {
+            e.on_request_end(p, id);
+            report_clock_errors(p);
+        });
+    }
+}
+
 impl Drop for Stream {
     fn drop(&mut self) {
         if self.tracked {
@@ -803,7 +854,7 @@ impl Drop for Stream {
 }
 
 impl HttpContext for Stream {
-    fn on_http_request_headers(&mut self, _: usize, _: bool) -> Action {
+    fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
         trap::on_request_headers(self.id);
         // A client never speaks for kvguard: its stamp or signature headers go, on every
         // request, tracked or not (the edge's header mutation does the same; this is the
@@ -820,7 +871,7 @@ impl HttpContext for Stream {
             .flatten();
         let id = self.id;
         let verdict = with_engine(&self.shared, |e, p| {
-            e.on_request_headers(p, id, path.as_deref(), rid.as_deref())
+            e.on_request_headers(p, id, path.as_deref(), rid.as_deref(), !end_of_stream)
         });
         let instance = match verdict {
             Some(Verdict::Tracked) => {
@@ -858,6 +909,20 @@ impl HttpContext for Stream {
                     .flatten();
             }
             sync_tick(&self.shared);
+        }
+        Action::Continue
+    }
+
+    fn on_http_request_body(&mut self, _: usize, end_of_stream: bool) -> Action {
+        if self.tracked && end_of_stream {
+            self.request_ended();
+        }
+        Action::Continue
+    }
+
+    fn on_http_request_trailers(&mut self, _: usize) -> Action {
+        if self.tracked {
+            self.request_ended();
         }
         Action::Continue
     }
