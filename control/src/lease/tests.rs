@@ -59,7 +59,8 @@ fn the_mode_names_its_flag_value_and_the_table_says_what_it_holds() {
     );
     let mut l = Leases::new(TTL);
     assert_eq!(l.ttl(), TTL);
-    assert!(l.is_empty() && l.len() == 0);
+    assert!(l.is_empty());
+    assert_eq!(l.len(), 0);
     l.renew(&body(A, 1, Via::Admin), Instant::now()).unwrap();
     assert!(!l.is_empty() && l.len() == 1 && l.holds(&A));
 }
