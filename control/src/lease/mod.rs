@@ -203,6 +203,12 @@ impl Leases {
         }
     }
 
+    /// The period assumed for a sender that does not say its own: the filter's default,
+    /// a sixth of the default TTL.
+    fn default_period(&self) -> Duration {
+        self.ttl / 6
+    }
+
     /// The longest renewal period this TTL allows.
     pub fn max_period(&self) -> Duration {
         self.ttl / kvguard_contract::lease::MIN_TTL_PERIODS
@@ -225,7 +231,7 @@ impl Leases {
         let i = slot(r.via);
         let period = r
             .period_ms
-            .map_or(self.ttl / 6, Duration::from_millis)
+            .map_or(self.default_period(), Duration::from_millis)
             .max(Duration::from_millis(1));
         let fresh = |l: &mut Lease| {
             match r.via {
@@ -297,7 +303,7 @@ impl Leases {
             id,
             Lease {
                 host: None,
-                period: self.ttl / 6,
+                period: self.default_period(),
                 counter,
                 admin: None,
                 data: Some(at),

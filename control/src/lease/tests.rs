@@ -48,6 +48,24 @@ fn expired(l: &mut Leases, now: Instant) -> Vec<(InstanceId, Expiry)> {
 }
 
 #[test]
+fn the_mode_names_its_flag_value_and_the_table_says_what_it_holds() {
+    assert_eq!(
+        [LeaseMode::Off, LeaseMode::Observe, LeaseMode::Enforce].map(LeaseMode::as_str),
+        ["off", "observe", "enforce"]
+    );
+    assert_eq!(
+        [Expiry::Silent, Expiry::Replaced, Expiry::Unproven].map(Expiry::as_str),
+        ["silent", "replaced", "unproven"]
+    );
+    let mut l = Leases::new(TTL);
+    assert_eq!(l.ttl(), TTL);
+    assert!(l.is_empty());
+    assert_eq!(l.len(), 0);
+    l.renew(&body(A, 1, Via::Admin), Instant::now()).unwrap();
+    assert!(!l.is_empty() && l.len() == 1 && l.holds(&A));
+}
+
+#[test]
 fn a_lone_gateway_whose_data_path_renewed_expires_after_the_ttl_of_silence_on_both_paths() {
     let t0 = Instant::now();
     let mut l = Leases::new(TTL);
@@ -201,6 +219,11 @@ fn a_draining_hot_restart_parent_that_still_renews_is_not_replaced() {
     l.renew(&on_host(C, 1, Via::Admin, 8), t0 + s(1)).unwrap();
     l.renew(&on_host(C, 2, Via::Admin, 8), t0 + s(11)).unwrap();
     assert!(expired(&mut l, t0 + s(12)).is_empty());
+    // Two renewals at the same instant prove nothing of either.
+    let mut l = Leases::new(TTL);
+    l.renew(&on_host(A, 1, Via::Admin, 7), t0).unwrap();
+    l.renew(&on_host(B, 1, Via::Admin, 7), t0).unwrap();
+    assert!(expired(&mut l, t0 + s(11)).is_empty());
     // The newer process replaces the older, never the reverse.
     let mut l = Leases::new(TTL);
     l.renew(&on_host(B, 1, Via::Admin, 7), t0).unwrap();
@@ -323,6 +346,70 @@ fn revive_takes_back_an_expired_lease_with_its_counters() {
     // Reviving what never expired does nothing.
     l.revive(B, last);
     assert!(!l.holds(&B));
+}
+
+#[test]
+fn a_stall_extends_each_kind_of_evidence_and_the_host_key_rule() {
+    let t0 = Instant::now();
+    // The admin path is the latest evidence.
+    let mut l = Leases::new(TTL);
+    let last = renew_both(&mut l, A, 3, t0);
+    l.renew(&body(A, 9, Via::Admin), last + s(10)).unwrap();
+    l.extend(s(20));
+    assert!(expired(&mut l, last + s(59)).is_empty());
+    assert_eq!(expired(&mut l, last + s(61)), vec![(A, Expiry::Silent)]);
+    // The data path is.
+    let mut l = Leases::new(TTL);
+    let last = renew_both(&mut l, A, 3, t0);
+    l.touch(&A, last + s(10));
+    l.extend(s(20));
+    assert!(expired(&mut l, last + s(59)).is_empty());
+    assert_eq!(expired(&mut l, last + s(61)), vec![(A, Expiry::Silent)]);
+    // A stall moves the replaced rule's clock too: B's renewal before the stall is not
+    // after A's last evidence once both moved.
+    let mut l = Leases::new(TTL);
+    l.renew(&on_host(B, 1, Via::Admin, 7), t0).unwrap();
+    l.renew(&on_host(A, 1, Via::Admin, 7), t0 + s(1)).unwrap();
+    l.extend(s(20));
+    assert!(
+        expired(&mut l, t0 + s(30)).is_empty(),
+        "B is 10 s silent after the stall, not 30"
+    );
+    assert_eq!(
+        expired(&mut l, t0 + s(30) + ms(1)),
+        vec![(B, Expiry::Replaced)]
+    );
+}
+
+#[test]
+fn a_sender_that_does_not_say_its_period_is_held_on_the_default_period() {
+    // No period_ms: a sixth of the TTL (5 s), so B heard 7.5 s after A's last evidence
+    // is not yet "since A went silent"; 7.6 s is.
+    for (heard_ms, expires) in [(7_500, false), (7_600, true)] {
+        let t0 = Instant::now();
+        let mut l = Leases::new(TTL);
+        for c in 1..=3 {
+            let mut r = body(A, c, Via::Data);
+            r.period_ms = None;
+            l.renew(&r, t0).unwrap();
+        }
+        l.renew(&body(B, 1, Via::Admin), t0 + ms(heard_ms)).unwrap();
+        let j = l.judge(t0 + s(31));
+        assert_eq!(
+            !j.expired.is_empty(),
+            expires,
+            "heard at {heard_ms} ms: {j:?}"
+        );
+    }
+    // A revived lease is judged on the default period too.
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    let last = renew_both(&mut l, A, 3, t0);
+    assert_eq!(expired(&mut l, last + s(31)), vec![(A, Expiry::Silent)]);
+    l.revive(A, last + s(32));
+    l.renew(&body(B, 1, Via::Admin), last + s(32) + ms(7_600))
+        .unwrap();
+    assert_eq!(expired(&mut l, last + s(63)), vec![(A, Expiry::Unproven)]);
 }
 
 #[test]

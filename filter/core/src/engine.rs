@@ -1454,6 +1454,61 @@ mod tests {
     }
 
     #[test]
+    fn the_replicas_of_streams_in_flight_are_listed_once_each_and_at_most_max_replicas() {
+        let extra =
+            r#","control_target_cluster":"kvguard_replica","control_target_cidrs":["10.0.0.0/8"]"#;
+        let (mut e, mut h) = engine(extra);
+        assert!(e.targets().is_empty());
+        let max = crate::lease::MAX_REPLICAS;
+        // Two streams on replica 0, one on each of max + 2 others, one unstamped.
+        for i in 0..(max + 4) {
+            let id = format!("t{i}");
+            let replica = i.saturating_sub(1);
+            track(&mut e, &mut h, i as u32 + 1, &id);
+            let st = stamp_for(&id, &format!("10.0.0.{replica}:9902"), SECRET);
+            let stamp = (i + 1 < max + 4).then_some(st.as_bytes());
+            e.on_response_headers(
+                &mut h,
+                i as u32 + 1,
+                Some(b"text/event-stream"),
+                None,
+                stamp,
+                false,
+            );
+        }
+        let mut t = e.targets();
+        assert_eq!(t.len(), max, "{t:?}");
+        t.sort();
+        t.dedup();
+        assert_eq!(t.len(), max, "each once");
+        // Fewer replicas than the bound: every one of them.
+        let (mut e, mut h) = engine(extra);
+        for (i, r) in ["10.0.0.1:9902", "10.0.0.2:9902", "10.0.0.1:9902"]
+            .iter()
+            .enumerate()
+        {
+            let id = format!("u{i}");
+            track(&mut e, &mut h, i as u32 + 1, &id);
+            let st = stamp_for(&id, r, SECRET);
+            e.on_response_headers(
+                &mut h,
+                i as u32 + 1,
+                Some(b"text/event-stream"),
+                None,
+                Some(st.as_bytes()),
+                false,
+            );
+        }
+        let mut t = e.targets();
+        t.sort();
+        let want: Vec<core::net::SocketAddr> = vec![
+            "10.0.0.1:9902".parse().unwrap(),
+            "10.0.0.2:9902".parse().unwrap(),
+        ];
+        assert_eq!(t, want);
+    }
+
+    #[test]
     fn per_replica_routing_and_rejected_stamps() {
         let extra = r#","control_target_cluster":"kvguard_replica","control_target_cidrs":["10.0.0.0/8","127.0.0.1"]"#;
         // Stamps on the default port (9902) only.

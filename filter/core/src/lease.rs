@@ -1133,6 +1133,67 @@ mod tests {
     }
 
     #[test]
+    fn a_vm_writes_a_replica_at_most_once_a_period_and_each_replica_apart() {
+        let cfg = lease_config("");
+        let mut h = MockHost::default();
+        let mut r = Renewer::new(None);
+        let (a, b): (SocketAddr, SocketAddr) = (
+            "10.0.0.1:9902".parse().unwrap(),
+            "10.0.0.2:9902".parse().unwrap(),
+        );
+        let version = |h: &MockHost| h.shared.get(REPLICAS_KEY).map_or(0, |(_, cas)| *cas);
+        r.note_replica(&cfg, &mut h, a, 1000);
+        assert_eq!(version(&h), 1);
+        // Within the period: no shared-data write at all.
+        r.note_replica(&cfg, &mut h, a, 1000 + P - 1);
+        assert_eq!(version(&h), 1);
+        // Another replica is written at once.
+        r.note_replica(&cfg, &mut h, b, 1000 + P - 1);
+        assert_eq!(version(&h), 2);
+        let mut live = live_replicas(
+            h.shared.get(REPLICAS_KEY).map(|(v, _)| v.as_slice()),
+            1000 + P,
+            P,
+        );
+        live.sort();
+        assert_eq!(live, vec![a, b]);
+        // A period later: written again, once.
+        r.note_replica(&cfg, &mut h, a, 1000 + P);
+        assert_eq!(version(&h), 3);
+        r.note_replica(&cfg, &mut h, a, 1000 + P + 1);
+        assert_eq!(version(&h), 3);
+        assert_eq!(r.replicas_noted.iter().filter(|(x, _)| *x == a).count(), 1);
+        // Lease off: nothing.
+        r.note_replica(
+            &config(r#","lease_renew_ms":0"#),
+            &mut h,
+            "10.0.0.3:9902".parse().unwrap(),
+            99_999,
+        );
+        assert_eq!(version(&h), 3);
+    }
+
+    #[test]
+    fn an_upstream_is_written_again_exactly_a_period_later_and_others_beside_it() {
+        let v = remember_upstream(None, &up("a"), 1000, P).unwrap();
+        assert_eq!(remember_upstream(Some(&v), &up("a"), 1000 + P - 1, P), None);
+        let again = remember_upstream(Some(&v), &up("a"), 1000 + P, P).unwrap();
+        assert_eq!(parse_upstreams(&again), vec![(up("a"), 1000 + P)]);
+        // Another upstream named at the same instant is added, not skipped.
+        let both = remember_upstream(Some(&v), &up("b"), 1000, P).unwrap();
+        assert_eq!(
+            parse_upstreams(&both),
+            vec![(up("b"), 1000), (up("a"), 1000)]
+        );
+        // The same cluster under another authority is another upstream.
+        let other = Upstream {
+            cluster: "a".to_owned(),
+            authority: "other.example".to_owned(),
+        };
+        assert!(remember_upstream(Some(&v), &other, 1000, P).is_some());
+    }
+
+    #[test]
     fn upstreams_are_remembered_bounded_and_forgotten() {
         let v = remember_upstream(None, &up("a"), 1000, P).unwrap();
         assert_eq!(live_upstreams(Some(&v), 1000, P), vec![up("a")]);
