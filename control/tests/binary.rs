@@ -7,6 +7,7 @@ mod common;
 use common::*;
 use kvguard_integration::client;
 use kvguard_integration::proc::ChildGuard;
+use kvguard_integration::stall::StallMark;
 use kvguard_integration::wait::{bounded, poll_until_async};
 use std::net::SocketAddr;
 use std::process::Command;
@@ -439,24 +440,38 @@ async fn admin_answers_probes_and_aborts_within_a_second_beside_300_keep_alive_c
         .await
         .unwrap_or_else(|e| panic!("{e}; failures: {:?}", load.failed.lock().unwrap()));
         let mut slowest = Duration::ZERO;
+        // Over 1 s only by the time the test or the binary waited for a CPU (the cores
+        // are shared): `stall::within`'s credit.
+        let within_a_second = |what: String, took: Duration, mark: &StallMark| {
+            if took > Duration::from_secs(1) {
+                let (credit, said) = mark.since();
+                assert!(
+                    took <= Duration::from_secs(1) + credit,
+                    "{what}: {took:?} (credit {credit:?}: {said})"
+                );
+            }
+        };
         for round in 0..5 {
+            let mark = StallMark::control(child.pid());
             let t0 = std::time::Instant::now();
-            let health =
-                tokio::time::timeout(Duration::from_secs(1), client::get(admin, "/healthz"))
-                    .await
-                    .unwrap_or_else(|_| {
-                        panic!("round {round}: /healthz on a new connection: no answer within 1 s")
-                    })
-                    .unwrap();
-            assert_eq!(health.status, 200);
-            let t1 = std::time::Instant::now();
-            let (status, _) = tokio::time::timeout(
-                Duration::from_secs(1),
-                abort(admin, &format!("probe-abort-{round}"), "operator"),
+            let health = client::request(
+                admin,
+                hyper::Method::GET,
+                "/healthz",
+                &[],
+                Vec::new(),
+                false,
+                Duration::from_secs(5),
             )
             .await
-            .unwrap_or_else(|_| panic!("round {round}: signed abort: no answer within 1 s"));
+            .unwrap();
+            assert_eq!(health.status, 200);
+            within_a_second(format!("round {round}: /healthz"), t0.elapsed(), &mark);
+            let mark = StallMark::control(child.pid());
+            let t1 = std::time::Instant::now();
+            let (status, _) = abort(admin, &format!("probe-abort-{round}"), "operator").await;
             assert_eq!(status, 404, "round {round}");
+            within_a_second(format!("round {round}: signed abort"), t1.elapsed(), &mark);
             slowest = slowest.max(t1 - t0).max(t1.elapsed());
             tokio::time::sleep(Duration::from_millis(300)).await;
         }

@@ -1600,3 +1600,90 @@ async fn vllm_fds_and_memory_are_summed_over_its_engine_core() {
     .await
     .unwrap();
 }
+
+/// A series of kvguard-control's `/metrics` (exact name), if present.
+async fn control_series(admin: SocketAddr, name: &str) -> Option<f64> {
+    let text = client::get(admin, "/metrics").await.ok()?.text();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// vLLM counts each choice of an `n > 1` request and each prompt of a batched completion
+/// in `num_requests_running` / `_waiting`: such healthy traffic through kvguard-control
+/// reads 0 orphans (it counts `n` × prompts per request), and the same `n = 4` request
+/// sent past kvguard-control (nobody accounts for it) reads 4.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_orphan_gauge_reads_0_for_n_and_batched_traffic_and_4_for_an_unaccounted_n_4() {
+    bounded("orphans per engine sequence", T, async {
+        let Some((v, _turn)) = vllm("orphans_per_engine_sequence").await else {
+            return;
+        };
+        let mut cfg = kvguard_control::Config::for_tests(&v.url(), vec![]).unwrap();
+        cfg.limits = kvguard_control::config::Limits::default();
+        cfg.sample_interval = Duration::from_millis(200);
+        cfg.engine_api_key = vllm_api_key();
+        let deps = kvguard_control::Deps::real(&cfg);
+        let ctl = kvguard_control::Server::start(cfg, deps).await.unwrap();
+        let bearer = vllm_api_key().map(|k| format!("Bearer {k}"));
+        let stream = |addr: SocketAddr, id: &'static str, extra: Value| {
+            let bearer = bearer.clone();
+            async move {
+                let mut body = completion(LONG);
+                for (k, x) in extra.as_object().unwrap() {
+                    body[k] = x.clone();
+                }
+                let mut headers = vec![("x-request-id", id)];
+                if let Some(b) = &bearer {
+                    headers.push(("authorization", b.as_str()));
+                }
+                let mut s = client::stream_sse(addr, "/v1/completions", &body, &headers, false)
+                    .await
+                    .unwrap();
+                assert_eq!(s.status, 200, "{id}");
+                s.read_events(2, W).await.unwrap();
+                s
+            }
+        };
+        let engine_seqs =
+            |n: f64| move |f: &kvguard_integration::vllm::EngineFigures| f.running + f.waiting == n;
+        // Through kvguard-control: n = 4, and a batch of 3 prompts: 7 engine sequences.
+        let n4 = stream(ctl.proxy_addr, "orph-n4", json!({"n": 4})).await;
+        let batch = stream(
+            ctl.proxy_addr,
+            "orph-batch",
+            json!({"prompt": ["kvguard a", "kvguard b", "kvguard c"]}),
+        )
+        .await;
+        v.wait_figures("seven sequences", W, engine_seqs(7.0))
+            .await
+            .unwrap();
+        // Five samples that saw the engine's seven: each reads 0 orphans (before: 5).
+        let admin = ctl.admin_addr;
+        let mut seen = 0;
+        while seen < 5 {
+            let running = control_series(admin, "kvguard_control_engine_requests_running").await;
+            let waiting = control_series(admin, "kvguard_control_engine_requests_waiting").await;
+            let orphans = control_series(admin, "kvguard_control_orphans").await;
+            if running.unwrap_or(0.0) + waiting.unwrap_or(0.0) == 7.0 {
+                assert_eq!(orphans, Some(0.0), "healthy n=4 and batched traffic");
+                seen += 1;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        // Past kvguard-control: an n = 4 request nobody here accounts for reads 4.
+        let past = stream(v.addr(), "orph-past", json!({"n": 4})).await;
+        v.wait_figures("eleven sequences", W, engine_seqs(11.0))
+            .await
+            .unwrap();
+        poll_until_async("orphans 4", W, Duration::from_millis(100), || async {
+            (control_series(admin, "kvguard_control_orphans").await == Some(4.0)).then_some(())
+        })
+        .await
+        .unwrap();
+        drop((n4, batch, past));
+        v.wait_idle(W).await.unwrap();
+        ctl.stop().await;
+    })
+    .await
+    .unwrap();
+}

@@ -9,7 +9,7 @@
 //!   keep-alive idle on that port, and so is the peers' pool idle.
 //! - Driven: a real Envoy with the shipped clusters' idle timeouts in front of the real
 //!   kvguard-control, requests on both ports with gaps on either side of the client's idle
-//!   timeout and between it and the server's, for `KVGUARD_IDLE_SOAK_SECS` (default 70 s;
+//!   timeout and between it and the server's, for `KVGUARD_IDLE_SOAK_SECS` (default 45 s;
 //!   docs/TESTING.md has a 5-minute run): every answer 200, Envoy saw no connection closed
 //!   by kvguard-control and no reset, and closed idle ones itself.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -164,7 +164,7 @@ async fn the_shipped_idle_timeouts_see_no_reset_for_minutes() {
     let secs: u64 = std::env::var("KVGUARD_IDLE_SOAK_SECS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(70);
+        .unwrap_or(45);
     let run = Duration::from_secs(secs);
     bounded("test", run + Duration::from_secs(60), async {
         let engine_idle = shipped_idle("envoy-config/envoy/edge.yaml", "engine");
