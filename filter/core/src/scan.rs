@@ -1027,6 +1027,12 @@ mod tests {
         assert!(done);
         let (p, _) = progress_of(Framing::Sse, COMPL);
         assert!(p.iter().all(|x| *x), "a completion's first text is content");
+        // An oversized first event is progress (unread): a role-only chunk after it counts.
+        let mut s = Scanner::new(Framing::Sse, 256);
+        let big = format!("data: {{\"x\":\"{}\"}}\n\n", "a".repeat(300));
+        assert_eq!(s.feed(big.as_bytes()).events, 1);
+        let role = br#"data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}"#;
+        assert_eq!(s.feed(&[&role[..], b"\n\n"].concat()).events, 1);
         // Before the first progress, a choice without content is not progress, whatever
         // its form; anything the look does not know is.
         let first = |ev: &str| progress_of(Framing::Sse, format!("data: {ev}\n\n").as_bytes()).0;
