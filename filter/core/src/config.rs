@@ -631,7 +631,16 @@ impl Config {
                 ))
             }
         }
-        routes.sort_by_key(|r| core::cmp::Reverse(r.path_prefix.len()));
+        // Longest prefix first, in configuration order among equals: an insertion sort
+        // (at most 256 routes, once per load) rather than the standard library's, whose
+        // code would cost the size-bound module ~4 KB.
+        for i in 1..routes.len() {
+            let mut j = i;
+            while j > 0 && routes[j - 1].path_prefix.len() < routes[j].path_prefix.len() {
+                routes.swap(j - 1, j);
+                j -= 1;
+            }
+        }
         let lease_renew_ms = int(
             "lease_renew_ms",
             raw.get("lease_renew_ms"),
@@ -810,6 +819,12 @@ mod tests {
         assert_eq!(c.mode, Mode::Observe);
         assert!(c.mode_named);
         assert_eq!(c.target.as_ref().unwrap().cidrs.len(), 2);
+        let lens: Vec<usize> = c.routes.iter().map(|r| r.path_prefix.len()).collect();
+        assert_eq!(lens, vec![7, 2, 2], "longest first");
+        assert_eq!(
+            c.routes[1].path_prefix, "/a",
+            "configuration order among equals"
+        );
         let l = c.limits_for(b"/a/long/x").unwrap();
         assert_eq!(l.idle_timeout_ms, 7);
         assert_eq!(l.first_token_timeout_ms, 5000);

@@ -102,9 +102,9 @@ pub fn remember(
     {
         return None;
     }
+    // Most recent first (the value is always written so): the longest unseen goes first.
     list.retain(|(a, t)| *a != addr && now_ms.saturating_sub(*t) <= horizon);
-    list.push((addr, now_ms));
-    list.sort_by_key(|e| core::cmp::Reverse(e.1));
+    list.insert(0, (addr, now_ms));
     list.truncate(MAX_REPLICAS);
     Some(replicas_value(&list))
 }
