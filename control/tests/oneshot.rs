@@ -1587,4 +1587,126 @@ async fn orphans_count_engine_sequences_per_tracked_request() {
         series(&st, "kvguard_control_orphans").as_deref(),
         Some("4.0")
     );
+
+/// `body` forwarded by peer `from` (each envelope its own signature).
+fn envelope(body: &[u8], from: &str) -> Request<Body> {
+    let env = kvguard_contract::Forwarded::new(from, body)
+        .unwrap()
+        .to_json();
+    let sig = signature::sign(&Key::try_new(KEY).unwrap(), NOW, &env);
+    Request::post(kvguard_contract::PEER_LEASE_PATH)
+        .header(kvguard_contract::SIGNATURE_HEADER, sig)
+        .body(Body::from(env))
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_renewal_forwarded_by_a_peer_is_taken_once_and_counted_by_its_result() {
+    let (st, _clock) = state(|_| {});
+    let a = kvguard_contract::InstanceId([2; 16]);
+    let data = kvguard_contract::Renewal::new(a, 1)
+        .sent(kvguard_contract::Via::Data, true)
+        .to_json();
+    let (s, v) = call(admin::app(st.clone()), envelope(&data, "10.0.0.8:9902")).await;
+    assert_eq!((s, &v["duplicate"]), (StatusCode::OK, &json!(false)), "{v}");
+    assert!(st.leases.lock().unwrap().holds(&a));
+    let (s, v) = call(admin::app(st.clone()), envelope(&data, "10.0.0.9:9902")).await;
+    assert_eq!((s, &v["duplicate"]), (StatusCode::OK, &json!(true)), "{v}");
+    let series =
+        |r: &str| format!("kvguard_control_peer_received_total{{kind=\"renewal\",result=\"{r}\"}}");
+    assert_eq!(lease_metric(&st, &series("accepted")).await, 1.0);
+    assert_eq!(lease_metric(&st, &series("duplicate")).await, 1.0);
+    // A forwarded renewal is never counted as the gateway's own.
+    assert_eq!(
+        lease_metric(&st, &renewals_series("data", "accepted")).await,
+        0.0
+    );
+    // A stale counter is refused, counted as neither.
+    let old = kvguard_contract::Renewal::new(a, 0)
+        .sent(kvguard_contract::Via::Data, true)
+        .to_json();
+    let (s, _) = call(admin::app(st.clone()), envelope(&old, "10.0.0.8:9902")).await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_eq!(lease_metric(&st, &series("accepted")).await, 1.0);
+    // Lease mode off: 404.
+    let (off, _) = state(|c| c.lease_mode = kvguard_control::lease::LeaseMode::Off);
+    let (s, v) = call(admin::app(off), envelope(&data, "10.0.0.8:9902")).await;
+    assert_eq!(
+        (s, v["error"].as_str()),
+        (StatusCode::NOT_FOUND, Some("leases_off"))
+    );
+}
+
+/// A peer that records the renewals forwarded to it.
+async fn recording_peer() -> (std::net::SocketAddr, Arc<std::sync::Mutex<Vec<Vec<u8>>>>) {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let s2 = seen.clone();
+    let app = axum::Router::new().route(
+        kvguard_contract::PEER_LEASE_PATH,
+        axum::routing::post(move |body: axum::body::Bytes| {
+            let s2 = s2.clone();
+            async move {
+                s2.lock().unwrap().push(body.to_vec());
+                "{}"
+            }
+        }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    (addr, seen)
+}
+
+#[tokio::test]
+async fn only_a_new_renewal_that_asks_for_it_is_forwarded_to_the_peers() {
+    let (peer, seen) = recording_peer().await;
+    let (st, _clock) = state(|c| {
+        c.peers = Some(kvguard_control::config::PeerConfig {
+            urls: vec![kvguard_control::config::parse_peer_url(&format!("http://{peer}")).unwrap()],
+            self_addr: "127.0.0.1:1".parse().unwrap(),
+        });
+    });
+    let a = kvguard_contract::InstanceId([3; 16]);
+    let send = |counter: u64, via: kvguard_contract::Via, fanout: bool| {
+        let body = kvguard_contract::Renewal::new(a, counter)
+            .sent(via, fanout)
+            .to_json();
+        let sig = signature::sign(&Key::try_new(KEY).unwrap(), NOW, &body);
+        let path = match via {
+            kvguard_contract::Via::Admin => kvguard_contract::LEASE_PATH,
+            kvguard_contract::Via::Data => kvguard_contract::DATA_LEASE_PATH,
+        };
+        (
+            Request::post(path)
+                .header(kvguard_contract::SIGNATURE_HEADER, sig)
+                .body(Body::from(body.clone()))
+                .unwrap(),
+            body,
+        )
+    };
+    // Sent to this replica directly (fanout false): not forwarded.
+    let (req, _) = send(1, kvguard_contract::Via::Admin, false);
+    assert_eq!(call(admin::app(st.clone()), req).await.0, StatusCode::OK);
+    // In band, to be forwarded: forwarded once, as it is.
+    let (req, body) = send(1, kvguard_contract::Via::Data, true);
+    assert_eq!(call(proxy::app(st.clone()), req).await.0, StatusCode::OK);
+    // The same again (a duplicate): not forwarded.
+    let (req, _) = send(1, kvguard_contract::Via::Data, true);
+    assert_eq!(call(proxy::app(st.clone()), req).await.0, StatusCode::OK);
+    // Refused (a replay): not forwarded.
+    let (req, _) = send(0, kvguard_contract::Via::Admin, true);
+    assert_eq!(
+        call(admin::app(st.clone()), req).await.0,
+        StatusCode::CONFLICT
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while seen.lock().unwrap().is_empty() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Nothing else arrives after the one forward (the others were decided before it).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let got = seen.lock().unwrap().clone();
+    assert_eq!(got.len(), 1, "{got:?}");
+    let env = kvguard_contract::Forwarded::parse(&got[0]).unwrap();
+    assert_eq!(env.body.as_bytes(), &body[..]);
 }
