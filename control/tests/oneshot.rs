@@ -1587,6 +1587,7 @@ async fn orphans_count_engine_sequences_per_tracked_request() {
         series(&st, "kvguard_control_orphans").as_deref(),
         Some("4.0")
     );
+}
 
 /// `body` forwarded by peer `from` (each envelope its own signature).
 fn envelope(body: &[u8], from: &str) -> Request<Body> {
