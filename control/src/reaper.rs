@@ -13,8 +13,22 @@ use tokio_util::sync::CancellationToken;
 /// stalled) first credits the stall to every request in flight ([`note_reaper_gap`]).
 pub fn spawn(st: Arc<AppState>, stop: CancellationToken) {
     let every = tick(&st.cfg.limits);
+    run_every(st, every, stop, move |st, gap| {
+        note_reaper_gap(st, gap, every);
+        reap_once(st);
+    });
+}
+
+/// Runs `pass` every `period` until `stop`, with the gap since the previous pass on
+/// kvguard-control's clock (a gap well over the period is a stall of the process).
+pub fn run_every(
+    st: Arc<AppState>,
+    period: Duration,
+    stop: CancellationToken,
+    mut pass: impl FnMut(&Arc<AppState>, Duration) + Send + 'static,
+) {
     tokio::spawn(async move {
-        let mut iv = tokio::time::interval(every);
+        let mut iv = tokio::time::interval(period);
         iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last = st.clock.now();
         loop {
@@ -23,9 +37,8 @@ pub fn spawn(st: Arc<AppState>, stop: CancellationToken) {
                 _ = iv.tick() => {}
             }
             let now = st.clock.now();
-            note_reaper_gap(&st, now.saturating_duration_since(last), every);
+            pass(&st, now.saturating_duration_since(last));
             last = now;
-            reap_once(&st);
         }
     });
 }

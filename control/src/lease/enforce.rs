@@ -15,20 +15,9 @@ pub fn spawn(st: Arc<AppState>, stop: CancellationToken) {
         return;
     }
     let every = lease_tick(st.cfg.lease_ttl);
-    tokio::spawn(async move {
-        let mut iv = tokio::time::interval(every);
-        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut last = st.clock.now();
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => break,
-                _ = iv.tick() => {}
-            }
-            let now = st.clock.now();
-            note_loop_gap(&st, now.saturating_duration_since(last), every);
-            last = now;
-            judge(&st);
-        }
+    crate::reaper::run_every(st, every, stop, move |st, gap| {
+        note_loop_gap(st, gap, every);
+        judge(st);
     });
 }
 

@@ -247,20 +247,7 @@ fn with_engine<R>(
     shared: &SharedRef,
     f: impl FnOnce(&mut Engine, &mut EnvoyHost<'_>) -> R,
 ) -> Option<R> {
-    let Ok(mut guard) = shared.try_borrow_mut() else {
-        abi::log(
-            abi::LogLevel::Error,
-            "re-entrant call into the filter state; skipped (fail open)",
-        );
-        return None;
-    };
-    let s = &mut *guard;
-    let engine = s.engine.as_mut()?;
-    let mut p = EnvoyHost {
-        metric_ids: &mut s.metric_ids,
-        batch: &mut s.batch,
-    };
-    Some(f(engine, &mut p))
+    with_lease(shared, |e, _, p| f(e, p))
 }
 
 /// Runs `f` with the engine, this VM's lease renewer and the host (fail open: `None`
