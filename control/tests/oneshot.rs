@@ -1608,9 +1608,14 @@ async fn a_renewal_forwarded_by_a_peer_is_taken_once_and_counted_by_its_result()
     let data = kvguard_contract::Renewal::new(a, 1)
         .sent(kvguard_contract::Via::Data, true)
         .to_json();
+    let series =
+        |r: &str| format!("kvguard_control_peer_received_total{{kind=\"renewal\",result=\"{r}\"}}");
     let (s, v) = call(admin::app(st.clone()), envelope(&data, "10.0.0.8:9902")).await;
     assert_eq!((s, &v["duplicate"]), (StatusCode::OK, &json!(false)), "{v}");
     assert!(st.leases.lock().unwrap().holds(&a));
+    assert_eq!(lease_metric(&st, &series("accepted")).await, 1.0);
+    let text = kvguard_control::metrics::encode(&st.registry);
+    assert!(!text.contains(&series("duplicate")), "{text}");
     let (s, v) = call(admin::app(st.clone()), envelope(&data, "10.0.0.9:9902")).await;
     assert_eq!((s, &v["duplicate"]), (StatusCode::OK, &json!(true)), "{v}");
     let series =
@@ -1691,6 +1696,15 @@ async fn only_a_new_renewal_that_asks_for_it_is_forwarded_to_the_peers() {
     // In band, to be forwarded: forwarded once, as it is.
     let (req, body) = send(1, kvguard_contract::Via::Data, true);
     assert_eq!(call(proxy::app(st.clone()), req).await.0, StatusCode::OK);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while seen.lock().unwrap().is_empty() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        seen.lock().unwrap().len(),
+        1,
+        "the accepted renewal forwarded"
+    );
     // The same again (a duplicate): not forwarded.
     let (req, _) = send(1, kvguard_contract::Via::Data, true);
     assert_eq!(call(proxy::app(st.clone()), req).await.0, StatusCode::OK);
@@ -1700,11 +1714,7 @@ async fn only_a_new_renewal_that_asks_for_it_is_forwarded_to_the_peers() {
         call(admin::app(st.clone()), req).await.0,
         StatusCode::CONFLICT
     );
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while seen.lock().unwrap().is_empty() && std::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    // Nothing else arrives after the one forward (the others were decided before it).
+    // Nothing else arrives (a forward is dispatched before the answer; 200 ms is margin).
     tokio::time::sleep(Duration::from_millis(200)).await;
     let got = seen.lock().unwrap().clone();
     assert_eq!(got.len(), 1, "{got:?}");
