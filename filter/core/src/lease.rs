@@ -1150,6 +1150,15 @@ mod tests {
         // Another replica is written at once.
         r.note_replica(&cfg, &mut h, b, 1000 + P - 1);
         assert_eq!(version(&h), 2);
+        // Noting either again within its period costs no shared-data call at all.
+        let reads = h.shared_reads.get();
+        r.note_replica(&cfg, &mut h, a, 1000 + P - 1);
+        r.note_replica(&cfg, &mut h, b, 1000 + P - 1);
+        assert_eq!(
+            h.shared_reads.get(),
+            reads,
+            "no host call within the period"
+        );
         let mut live = live_replicas(
             h.shared.get(REPLICAS_KEY).map(|(v, _)| v.as_slice()),
             1000 + P,

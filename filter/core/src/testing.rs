@@ -41,6 +41,8 @@ pub(crate) struct MockHost {
     pub shared: std::collections::BTreeMap<String, (Vec<u8>, u32)>,
     /// Shared-data calls fail.
     pub shared_broken: bool,
+    /// Shared-data reads so far (each is a host call in the plugin).
+    pub shared_reads: core::cell::Cell<usize>,
     /// The clock cannot be read: `now_exact` answers `None`, `now_ms` this stale value.
     pub stale: Option<u64>,
 }
@@ -100,6 +102,7 @@ impl Host for MockHost {
 
 impl SharedData for MockHost {
     fn shared_get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, SharedError> {
+        self.shared_reads.set(self.shared_reads.get() + 1);
         if self.shared_broken {
             return Err(SharedError::Other);
         }
