@@ -406,3 +406,15 @@ pub async fn open_streams_with_first(
     }
     out
 }
+
+/// The value of one series of kvguard-control's `/metrics` (`name{labels}` as written
+/// there); panics naming it when it is missing (a series that does not exist is not 0).
+pub async fn control_metric(
+    control: &kvguard_integration::demo::stack::Control,
+    series: &str,
+) -> f64 {
+    let text = control.metrics_text().await.unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{series} missing from kvguard-control's /metrics"))
+}

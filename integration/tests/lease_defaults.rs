@@ -73,13 +73,6 @@ async fn gateway(upstream: SocketAddr, admin: SocketAddr, node: Option<&str>) ->
     Envoy::start(eo).await.unwrap()
 }
 
-async fn metric(control: &Control, series: &str) -> f64 {
-    let text = control.metrics_text().await.unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{series} missing from kvguard-control's /metrics"))
-}
-
 /// Waits until `n` leases here are enforceable (their data path carried three renewals).
 async fn wait_enforceable(control: &Control, n: f64) {
     poll_until_async(
@@ -87,7 +80,8 @@ async fn wait_enforceable(control: &Control, n: f64) {
         ENFORCEABLE_WITHIN,
         Duration::from_millis(100),
         || async {
-            (metric(control, "kvguard_control_leases_enforceable").await >= n).then_some(())
+            (support::control_metric(control, "kvguard_control_leases_enforceable").await >= n)
+                .then_some(())
         },
     )
     .await
@@ -130,7 +124,7 @@ async fn default_flags_a_sigkilled_gateways_streams_end_within_the_ttl_a_restart
             let by_reason = p.control.aborts_by_reason().await.unwrap();
             assert_eq!(by_reason.get("gateway_lost"), Some(&20.0), "{by_reason:?}");
             assert_eq!(
-                metric(
+                support::control_metric(
                     &p.control,
                     "kvguard_control_lease_expiries_total{mode=\"enforce\",why=\"silent\"}"
                 )
@@ -149,7 +143,8 @@ async fn default_flags_a_sigkilled_gateways_streams_end_within_the_ttl_a_restart
                 W,
                 Duration::from_millis(50),
                 || async {
-                    (metric(&p.control, "kvguard_control_leases").await >= 1.0).then_some(())
+                    (support::control_metric(&p.control, "kvguard_control_leases").await >= 1.0)
+                        .then_some(())
                 },
             )
             .await
@@ -171,7 +166,7 @@ async fn default_flags_a_sigkilled_gateways_streams_end_within_the_ttl_a_restart
             // Two periods after the old one's last renewal, judged within a second.
             assert!(took <= PERIOD * 2 + Duration::from_secs(2), "took {took:?}");
             assert_eq!(
-                metric(
+                support::control_metric(
                     &p.control,
                     "kvguard_control_lease_requests_ended_total{mode=\"enforce\",why=\"replaced\"}"
                 )

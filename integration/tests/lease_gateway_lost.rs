@@ -43,13 +43,6 @@ async fn gateway(upstream: SocketAddr, control: SocketAddr) -> Envoy {
     Envoy::start(eo).await.unwrap()
 }
 
-async fn metric(control: &Control, series: &str) -> f64 {
-    let text = control.metrics_text().await.unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{series} missing from kvguard-control's /metrics"))
-}
-
 /// Waits until `n` leases are enforceable: each gateway's data path carried three
 /// in-band renewals (from its first tracked response on).
 async fn wait_enforceable(control: &Control, n: f64) {
@@ -58,7 +51,8 @@ async fn wait_enforceable(control: &Control, n: f64) {
         W,
         Duration::from_millis(50),
         || async {
-            (metric(control, "kvguard_control_leases_enforceable").await >= n).then_some(())
+            (support::control_metric(control, "kvguard_control_leases_enforceable").await >= n)
+                .then_some(())
         },
     )
     .await
@@ -124,7 +118,7 @@ async fn a_sigkilled_gateways_streams_end_within_the_ttl_and_only_its_own() {
         let by_reason = control.aborts_by_reason().await.unwrap();
         assert_eq!(by_reason.get("gateway_lost"), Some(&200.0), "{by_reason:?}");
         assert_eq!(
-            metric(
+            support::control_metric(
                 &control,
                 "kvguard_control_lease_expiries_total{mode=\"enforce\",why=\"silent\"}"
             )
@@ -181,7 +175,7 @@ async fn observe_mode_counts_a_dead_gateways_streams_and_ends_none() {
         gw.guard().kill().unwrap();
         drop(streams);
         poll_until_async("the lease expiry", W, Duration::from_millis(50), || async {
-            let ended = metric(
+            let ended = support::control_metric(
                 &control,
                 "kvguard_control_lease_requests_ended_total{mode=\"observe\",why=\"silent\"}",
             )

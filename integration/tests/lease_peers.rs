@@ -120,16 +120,9 @@ async fn gateway(
     Envoy::start(eo).await.unwrap()
 }
 
-async fn metric(control: &Control, series: &str) -> f64 {
-    let text = control.metrics_text().await.unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{series} missing from kvguard-control's /metrics"))
-}
-
 async fn wait_metric(control: &Control, series: &str, at_least: f64) {
     poll_until_async(series, W, Duration::from_millis(50), || async {
-        (metric(control, series).await >= at_least).then_some(())
+        (support::control_metric(control, series).await >= at_least).then_some(())
     })
     .await
     .unwrap_or_else(|e| panic!("{e:#}\n{}", control.log()));
@@ -217,18 +210,21 @@ async fn an_abort_before_the_stamp_is_forwarded_to_the_replica_holding_the_reque
         );
         let a = &controls[0];
         let series = |r: &str| format!("kvguard_control_abort_api_answers_total{{result=\"{r}\"}}");
-        assert_eq!(metric(a, &series("aborted")).await, held[0] as f64);
         assert_eq!(
-            metric(a, &series("forwarded")).await,
+            support::control_metric(a, &series("aborted")).await,
+            held[0] as f64
+        );
+        assert_eq!(
+            support::control_metric(a, &series("forwarded")).await,
             (held[1] + held[2]) as f64
         );
         assert_eq!(
-            metric(a, &series("not_found")).await,
+            support::control_metric(a, &series("not_found")).await,
             0.0,
             "no 404 for an id a peer held"
         );
         assert_eq!(
-            metric(
+            support::control_metric(
                 a,
                 "kvguard_control_peer_forwards_total{kind=\"abort\",result=\"ok\"}"
             )
@@ -236,7 +232,7 @@ async fn an_abort_before_the_stamp_is_forwarded_to_the_replica_holding_the_reque
             (held[1] + held[2]) as f64
         );
         assert_eq!(
-            metric(
+            support::control_metric(
                 a,
                 "kvguard_control_peer_forwards_total{kind=\"abort\",result=\"failed\"}"
             )
@@ -244,13 +240,13 @@ async fn an_abort_before_the_stamp_is_forwarded_to_the_replica_holding_the_reque
             0.0
         );
         assert_eq!(
-            metric(a, "kvguard_control_tombstones").await,
+            support::control_metric(a, "kvguard_control_tombstones").await,
             (held[0] + held[1] + held[2]) as f64,
             "A tombstoned every id it ended or a peer ended on its forward"
         );
         for (i, c) in controls.iter().enumerate().skip(1) {
             assert_eq!(
-                metric(
+                support::control_metric(
                     c,
                     "kvguard_control_peer_received_total{kind=\"abort\",result=\"aborted\"}"
                 )
@@ -343,7 +339,7 @@ async fn three_replicas_a_killed_gateways_request_on_one_ends_there_by_its_lease
                 let want = if i == 2 { 1.0 } else { 0.0 };
                 assert_eq!(by.get("gateway_lost"), Some(&want), "replica {i}: {by:?}");
                 assert_eq!(
-                    metric(c, "kvguard_control_leases").await,
+                    support::control_metric(c, "kvguard_control_leases").await,
                     1.0,
                     "replica {i}: G2's lease"
                 );
@@ -441,7 +437,7 @@ async fn a_hot_restart_parent_that_exits_has_its_streams_ended_by_its_lease_the_
             );
         }
         assert_eq!(
-            metric(&control, "kvguard_control_leases").await,
+            support::control_metric(&control, "kvguard_control_leases").await,
             1.0,
             "the child's lease"
         );
@@ -522,7 +518,10 @@ async fn forged_and_replayed_forwarded_messages_are_refused_and_counted() {
             // Genuine: not held here, 404, and tombstoned (a request with the id is
             // refused: the abort overtook it on another replica).
             forged_genuine_replayed(a, pa, &env, &key, &forged_key, 404).await;
-            assert_eq!(metric(&control, "kvguard_control_tombstones").await, 1.0);
+            assert_eq!(
+                support::control_metric(&control, "kvguard_control_tombstones").await,
+                1.0
+            );
             // A gateway's own signed abort is not a forwarded one (and is not forwarded on).
             let r = post(a, pa, abort.clone(), signature::sign(&key, unix(), &abort)).await;
             assert_eq!(r.status, 400, "{}", r.text());
@@ -531,7 +530,10 @@ async fn forged_and_replayed_forwarded_messages_are_refused_and_counted() {
             let renewal = Renewal::new(inst, 1).to_json();
             let env = Forwarded::new("10.9.9.9:9902", &renewal).unwrap().to_json();
             forged_genuine_replayed(a, pl, &env, &key, &forged_key, 200).await;
-            assert_eq!(metric(&control, "kvguard_control_leases").await, 1.0);
+            assert_eq!(
+                support::control_metric(&control, "kvguard_control_leases").await,
+                1.0
+            );
             // Stale signature time (outside ±30 s): refused like an abort's.
             let r = post(
                 a,
@@ -544,13 +546,34 @@ async fn forged_and_replayed_forwarded_messages_are_refused_and_counted() {
             let s = |k: &str, r: &str| {
                 format!("kvguard_control_peer_received_total{{kind=\"{k}\",result=\"{r}\"}}")
             };
-            assert_eq!(metric(&control, &s("abort", "unauthorized")).await, 1.0);
-            assert_eq!(metric(&control, &s("abort", "replay")).await, 1.0);
-            assert_eq!(metric(&control, &s("abort", "not_found")).await, 1.0);
-            assert_eq!(metric(&control, &s("abort", "bad_request")).await, 1.0);
-            assert_eq!(metric(&control, &s("renewal", "unauthorized")).await, 2.0);
-            assert_eq!(metric(&control, &s("renewal", "replay")).await, 1.0);
-            assert_eq!(metric(&control, &s("renewal", "accepted")).await, 1.0);
+            assert_eq!(
+                support::control_metric(&control, &s("abort", "unauthorized")).await,
+                1.0
+            );
+            assert_eq!(
+                support::control_metric(&control, &s("abort", "replay")).await,
+                1.0
+            );
+            assert_eq!(
+                support::control_metric(&control, &s("abort", "not_found")).await,
+                1.0
+            );
+            assert_eq!(
+                support::control_metric(&control, &s("abort", "bad_request")).await,
+                1.0
+            );
+            assert_eq!(
+                support::control_metric(&control, &s("renewal", "unauthorized")).await,
+                2.0
+            );
+            assert_eq!(
+                support::control_metric(&control, &s("renewal", "replay")).await,
+                1.0
+            );
+            assert_eq!(
+                support::control_metric(&control, &s("renewal", "accepted")).await,
+                1.0
+            );
             // The id is tombstoned: a request with it is refused.
             let r = client::request(
                 control.proxy,
@@ -591,14 +614,14 @@ async fn measure_aborts_leaving_a_sigtermed_envoy_during_disconnects() {
         for delay_ms in [0u64, 10, 50, 200] {
             let mut envoy = gateway(&[hop.addr()], &[control.admin], |_| {}).await;
             let streams = open(envoy.listener_addr(), STREAMS, 1000, "5").await;
-            let before = metric(&control, series).await;
+            let before = support::control_metric(&control, series).await;
             drop(streams);
             tokio::time::sleep(Duration::from_millis(delay_ms)).await;
             let (_, in_grace) = envoy.guard().terminate(Duration::from_secs(10)).unwrap();
             // Whatever was going to arrive has arrived well within this (one attempt is
             // at most 1 s; Envoy is gone).
             tokio::time::sleep(Duration::from_secs(2)).await;
-            let arrived = metric(&control, series).await - before;
+            let arrived = support::control_metric(&control, series).await - before;
             eprintln!(
                 "MEASURE SIGTERM {delay_ms} ms after {STREAMS} disconnects: {arrived} of {STREAMS} aborts arrived (exited in grace: {in_grace})"
             );
@@ -658,7 +681,7 @@ async fn a_peer_down_is_counted_and_the_abort_is_answered_as_without_peers() {
             "{took:?}: a peer down must not hold the answer past its 500 ms bound"
         );
         assert_eq!(
-            metric(
+            support::control_metric(
                 &control,
                 "kvguard_control_peer_forwards_total{kind=\"abort\",result=\"failed\"}"
             )
@@ -666,9 +689,15 @@ async fn a_peer_down_is_counted_and_the_abort_is_answered_as_without_peers() {
             1.0
         );
         // It left itself out of the list: one peer.
-        assert_eq!(metric(&control, "kvguard_control_peers").await, 1.0);
+        assert_eq!(
+            support::control_metric(&control, "kvguard_control_peers").await,
+            1.0
+        );
         // As without peers: tombstoned here, so the request arriving late is refused.
-        assert_eq!(metric(&control, "kvguard_control_tombstones").await, 1.0);
+        assert_eq!(
+            support::control_metric(&control, "kvguard_control_tombstones").await,
+            1.0
+        );
     })
     .await
     .unwrap();
@@ -706,7 +735,10 @@ async fn a_gateway_renews_every_replica_its_stamps_named() {
             };
             wait_metric(&control, &renewals("accepted"), 2.0).await;
             // No stamp seen yet: each period's renewal reaches the replica once.
-            assert_eq!(metric(&control, &renewals("duplicate")).await, 0.0);
+            assert_eq!(
+                support::control_metric(&control, &renewals("duplicate")).await,
+                0.0
+            );
             // A stream in flight there carries the stamp; while it runs, each period's renewal
             // goes to control_cluster and, through the per-replica route, to the stamped
             // replica: the replica gets it twice (one accepted, one duplicate).
@@ -721,7 +753,10 @@ async fn a_gateway_renews_every_replica_its_stamps_named() {
             .unwrap();
             wait_metric(&control, &renewals("duplicate"), 2.0).await;
             assert!(s.wait_end(W).await.unwrap().saw_done());
-            assert_eq!(metric(&control, &renewals("replay")).await, 0.0);
+            assert_eq!(
+                support::control_metric(&control, &renewals("replay")).await,
+                0.0
+            );
             assert_eq!(
                 support::stat(
                     &envoy,
@@ -817,7 +852,7 @@ async fn a_draining_replica_still_takes_forwarded_renewals_and_aborts() {
         .unwrap();
         // A still forwards each period's renewal to B, and B takes it.
         let series = "kvguard_control_peer_received_total{kind=\"renewal\",result=\"accepted\"}";
-        let taken = metric(&controls[1], series).await;
+        let taken = support::control_metric(&controls[1], series).await;
         wait_metric(&controls[1], series, taken + 3.0).await;
         // A client leaves: its abort goes to A, which forwards it to the draining B.
         drop(streams.pop());
