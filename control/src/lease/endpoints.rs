@@ -81,20 +81,14 @@ async fn from_gateway(st: &Arc<AppState>, via: Via, req: Request) -> Response {
             ),
         );
     }
-    let answer = take(st, &r, None);
-    if answer.status() == StatusCode::OK && r.fanout {
-        if let (Some(peers), Ok(false)) = (&st.peers, duplicate(&answer)) {
+    let (answer, result) = take(st, &r, None);
+    st.metrics.lease.renewal(path, result);
+    if result == "accepted" && r.fanout {
+        if let Some(peers) = &st.peers {
             peers.fan_out_renewal(st, body.to_vec());
         }
     }
     answer
-}
-
-fn duplicate(r: &Response) -> Result<bool, ()> {
-    r.headers()
-        .get("x-kvguard-lease")
-        .map(|v| v.as_bytes() == b"duplicate")
-        .ok_or(())
 }
 
 /// `POST /v1/peer/lease`: a renewal another replica accepted (either path), taken here
@@ -115,19 +109,19 @@ pub async fn peer(State(st): State<Arc<AppState>>, req: Request) -> Response {
             "forwarded renewal: bad inner body".to_owned(),
         );
     };
-    let answer = take(&st, &r, Some(&env.forwarded_by));
-    let result = match duplicate(&answer) {
-        Ok(false) => "accepted",
-        Ok(true) => "duplicate",
-        Err(()) => "refused",
+    let (answer, result) = take(&st, &r, Some(&env.forwarded_by));
+    let result = match result {
+        "accepted" | "duplicate" => result,
+        _ => "refused",
     };
     st.metrics.peer.receive("renewal", result);
     answer
 }
 
 /// Applies a verified renewal and answers it: 200 (with `x-kvguard-lease: accepted` or
-/// `duplicate`), 409 replay, 422 a period too long for the TTL.
-fn take(st: &AppState, r: &RenewalBody, forwarded_by: Option<&str>) -> Response {
+/// `duplicate`), 409 replay, 422 a period too long for the TTL; with the result's label
+/// (`accepted`, `duplicate`, `replay`, `period_too_long`).
+fn take(st: &AppState, r: &RenewalBody, forwarded_by: Option<&str>) -> (Response, &'static str) {
     let now = st.clock.now();
     let path = r.via.as_str();
     let result = {
@@ -152,37 +146,24 @@ fn take(st: &AppState, r: &RenewalBody, forwarded_by: Option<&str>) -> Response 
     };
     match result {
         Ok(new) => {
-            if forwarded_by.is_none() {
-                st.metrics.lease.renewal(path, "accepted");
-            }
             if new {
                 tracing::info!(instance = %r.instance, counter = r.counter, path, forwarded_by, host = ?r.host.map(|h| h.to_string()), "gateway lease taken");
             }
-            ok(false)
+            (ok(false), "accepted")
         }
-        Err(RenewError::Duplicate) => {
-            // The same period's renewal again (to control_cluster and the replica
-            // directly, or forwarded by a peer): no evidence of life, not the sender's fault.
-            if forwarded_by.is_none() {
-                st.metrics.lease.renewal(path, "duplicate");
-            }
-            ok(true)
-        }
+        // The same period's renewal again (to control_cluster and the replica directly, or
+        // forwarded by a peer): no evidence of life, not the sender's fault.
+        Err(RenewError::Duplicate) => (ok(true), "duplicate"),
         Err(RenewError::Replay) => {
-            if forwarded_by.is_none() {
-                st.metrics.lease.renewal(path, "replay");
-            }
             tracing::warn!(instance = %r.instance, counter = r.counter, path, forwarded_by, "lease renewal refused: counter not above the last accepted on its path (replay)");
-            refuse(
+            let answer = refuse(
                 StatusCode::CONFLICT,
                 "replay",
                 "renewal counter not above the last accepted on its path".to_owned(),
-            )
+            );
+            (answer, "replay")
         }
         Err(RenewError::PeriodTooLong { period_ms, max_ms }) => {
-            if forwarded_by.is_none() {
-                st.metrics.lease.renewal(path, "period_too_long");
-            }
             let msg = format!(
                 "renewal period {period_ms} ms is too long for kvguard-control's --lease-ttl {ttl_ms} ms: \
                  at least {} renewals must fit in one TTL; set the filter's lease_renew_ms to at most {max_ms} \
@@ -193,7 +174,10 @@ fn take(st: &AppState, r: &RenewalBody, forwarded_by: Option<&str>) -> Response 
             if let Some(held) = REFUSALS.admit(now_ms, REFUSAL_LOG_PERIOD) {
                 tracing::error!(instance = %r.instance, refused_since_last_line = held, "lease renewal refused: {msg}");
             }
-            refuse(StatusCode::UNPROCESSABLE_ENTITY, "period_too_long", msg)
+            (
+                refuse(StatusCode::UNPROCESSABLE_ENTITY, "period_too_long", msg),
+                "period_too_long",
+            )
         }
     }
 }
