@@ -69,8 +69,8 @@ pub type Waits = BTreeMap<u32, u64>;
 /// `/proc/<pid>/task/*/schedstat`. A thread that ends while it is read is left out. An
 /// error (as text, for the line) when the process's task list cannot be listed, when no
 /// thread's `schedstat` can be read or parsed, or when every thread reads zero time on a
-/// CPU (a kernel with the statistics off prints `0 0 0`): in each case there is no figure
-/// to credit.
+/// CPU (a kernel with the statistics off prints `0 0 0`, and so does a process still in
+/// its first time slice): in each case there is no figure to credit.
 pub fn read_waits(pid: u32) -> std::result::Result<Waits, String> {
     let dir = format!("/proc/{pid}/task");
     let entries = std::fs::read_dir(&dir).map_err(|e| format!("cannot list {dir}: {e}"))?;
@@ -102,7 +102,7 @@ pub fn read_waits(pid: u32) -> std::result::Result<Waits, String> {
     }
     if on_cpu == 0 {
         return Err(format!(
-            "{dir}/*/schedstat read 0 time on a CPU for every thread (schedstats off)"
+            "{dir}/*/schedstat read 0 time on a CPU for every thread (schedstats off, or not yet descheduled)"
         ));
     }
     Ok(waits)
@@ -373,6 +373,16 @@ mod tests {
         ChildGuard::spawn(name, cmd).unwrap()
     }
 
+    /// Waits until the kernel has accounted some of `p`'s time on a CPU: a process still in
+    /// its first time slice reads `0 0 0`, as on a kernel without the statistics, and a
+    /// mark taken then has no figure.
+    fn on_a_cpu(p: &ChildGuard) {
+        crate::wait::poll_until_blocking("on a CPU", T, Duration::from_millis(5), || {
+            read_waits(p.pid()).ok()
+        })
+        .unwrap();
+    }
+
     /// A process kept runnable on a CPU another busy process holds waits for it, and that
     /// wait is its credit.
     #[test]
@@ -382,6 +392,7 @@ mod tests {
         // nice 0 (weights 110 and 1024): it waits most of the time.
         let hog = spinner("hog", cpu, 0);
         let busy = spinner("busy", cpu, 10);
+        on_a_cpu(&busy);
         let mark = StallMark::process().and("busy", busy.pid());
         let t0 = Instant::now();
         std::thread::sleep(Duration::from_secs(1));
@@ -426,6 +437,7 @@ mod tests {
     #[test]
     fn a_process_gone_at_the_check_gives_no_credit() {
         let mut spin = spinner("spin", a_cpu(), 0);
+        on_a_cpu(&spin);
         let mark = StallMark::process().and("spin", spin.pid());
         spin.kill().unwrap();
         let (_, said) = mark.since();
