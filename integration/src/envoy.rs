@@ -396,6 +396,14 @@ pub fn bootstrap(opts: &EnvoyOptions, wasm: Option<&Path>) -> Result<Value> {
         opts.upstream_http2,
         opts.per_connection_buffer_limit_bytes,
     )];
+    // The shipped edge.yaml's inference cluster thresholds (Envoy's default, 1,024, would
+    // refuse streams past it with 503s).
+    clusters[0]["circuit_breakers"] = json!({"thresholds": [{
+        "max_connections": 10_000,
+        "max_pending_requests": 10_000,
+        "max_requests": 10_000,
+        "max_retries": 3
+    }]});
     if let Some(c) = opts.control {
         clusters.push(static_cluster(&opts.control_cluster_name, c, false, None));
     }

@@ -1,8 +1,10 @@
 //! End to end on the engine simulator, for what real vLLM cannot show on this machine:
 //! client → Envoy + kvguard filter → lossy hop → kvguard-control (real binary) → simulator.
 //! Stalls with keep-alives only (reaped by the filter, and by kvguard-control alone), a
-//! disconnect while queued (aborted before admission), a storm of 1,000 disconnects from
-//! the Rust load generator, and the demo's leak run vs kvguard run.
+//! disconnect while queued (aborted before admission), a storm of 2,000 disconnects within
+//! 0.5 s from the Rust load generator (every abort reaches kvguard-control: the filter's
+//! queue, not its 32 calls in flight per VM, bounds a burst), and the demo's leak run vs
+//! kvguard run.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use kvguard_integration::client;
@@ -225,9 +227,9 @@ async fn disconnect_while_queued_is_aborted_before_admission() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn storm_of_1000_disconnects_leaves_no_orphans_and_bounded_memory() {
+async fn storm_of_2000_disconnects_at_once_loses_no_abort_and_bounded_memory() {
     bounded("storm", Duration::from_secs(170), async {
-        let n = 1000usize;
+        let n = 2000usize;
         let sim = sim::spawn(SimConfig {
             kv_blocks: 100_000,
             max_running: 4096,
@@ -254,7 +256,7 @@ async fn storm_of_1000_disconnects_leaves_no_orphans_and_bounded_memory() {
                 "--storm",
                 &n.to_string(),
                 "--storm-window-ms",
-                "3000",
+                "500",
                 "--max-tokens",
                 "400",
                 "--stream-timeout-s",
@@ -326,12 +328,12 @@ async fn storm_of_1000_disconnects_leaves_no_orphans_and_bounded_memory() {
             vm / 1048576.0
         );
         assert!(
-            peak_ctl.saturating_sub(ctl0) < 128 << 20,
+            peak_ctl.saturating_sub(ctl0) < 256 << 20,
             "kvguard-control grew {} MiB",
             (peak_ctl - ctl0) >> 20
         );
         assert!(
-            peak_envoy.saturating_sub(envoy0) < 256 << 20,
+            peak_envoy.saturating_sub(envoy0) < 512 << 20,
             "Envoy grew {} MiB",
             (peak_envoy - envoy0) >> 20
         );
