@@ -30,6 +30,7 @@ pub mod gate;
 pub mod hops;
 pub mod lossy;
 pub mod paths;
+pub mod pd_proxy;
 pub mod proc;
 pub mod prom;
 pub mod receiver;

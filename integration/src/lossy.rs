@@ -61,10 +61,10 @@ pub struct LossyStats {
 }
 
 #[derive(Default)]
-struct Counters {
-    requests: AtomicU64,
+pub(crate) struct Counters {
+    pub(crate) requests: AtomicU64,
     upstream_completed: AtomicU64,
-    upstream_errors: AtomicU64,
+    pub(crate) upstream_errors: AtomicU64,
     clients_gone: AtomicU64,
     bytes_after_client_gone: AtomicU64,
 }
@@ -84,7 +84,13 @@ impl LossyHandle {
 
     /// Counters so far.
     pub fn stats(&self) -> LossyStats {
-        let c = &self.counters;
+        self.counters.stats()
+    }
+}
+
+impl Counters {
+    pub(crate) fn stats(&self) -> LossyStats {
+        let c = self;
         LossyStats {
             requests: c.requests.load(Ordering::Relaxed),
             upstream_completed: c.upstream_completed.load(Ordering::Relaxed),
@@ -113,7 +119,7 @@ pub async fn spawn(config: LossyConfig) -> Result<LossyHandle> {
 /// Request header asking the hop to hide a client's close before the response head too.
 pub const HOLD_HEADER: &str = "x-lossy-hold";
 
-const HOP_BY_HOP: [&str; 8] = [
+pub(crate) const HOP_BY_HOP: [&str; 8] = [
     "connection",
     "keep-alive",
     "proxy-connection",
@@ -215,7 +221,7 @@ async fn send_and_pump(
 
 /// Reads the upstream body to its end whatever the client does (detached), passing it on
 /// while the client is there.
-fn pump(
+pub(crate) fn pump(
     mut rbody: Incoming,
     c: Arc<Counters>,
 ) -> mpsc::UnboundedReceiver<Result<Bytes, std::io::Error>> {
@@ -260,12 +266,21 @@ fn pump(
 }
 
 async fn send_upstream(cfg: &LossyConfig, req: Request<Full<Bytes>>) -> Result<Response<Incoming>> {
-    let tcp = TcpStream::connect(cfg.upstream)
+    send(cfg.upstream, cfg.upstream_http2, req).await
+}
+
+/// Sends `req` on a fresh connection to `upstream` (h2c when `http2`).
+pub(crate) async fn send(
+    upstream: SocketAddr,
+    http2: bool,
+    req: Request<Full<Bytes>>,
+) -> Result<Response<Incoming>> {
+    let tcp = TcpStream::connect(upstream)
         .await
-        .with_context(|| format!("connecting to {}", cfg.upstream))?;
+        .with_context(|| format!("connecting to {upstream}"))?;
     let _ = tcp.set_nodelay(true);
     let io = TokioIo::new(tcp);
-    if cfg.upstream_http2 {
+    if http2 {
         let (mut s, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io).await?;
         tokio::spawn(async move {
             let _ = conn.await;

@@ -2,7 +2,7 @@
 //! engine). See `kvguard_integration::sim` for the behaviour.
 
 use clap::Parser;
-use kvguard_integration::sim::{self, SimConfig};
+use kvguard_integration::sim::{self, PdRole, SimConfig};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -54,6 +54,16 @@ struct Args {
     /// --lora-modules).
     #[arg(long = "lora-adapter")]
     lora_adapters: Vec<String>,
+    /// Its part in prefill/decode disaggregation (vLLM NixlConnector-like; see the
+    /// simulator's `pd` module).
+    #[arg(long, value_enum, default_value_t = PdRole::Both)]
+    pd_role: PdRole,
+    /// Prefill role: how long finished requests' blocks wait for the decode side, ms.
+    #[arg(long, default_value_t = 30_000)]
+    kv_lease_ms: u64,
+    /// Decode role: how long reading the blocks from the prefill side takes, ms.
+    #[arg(long, default_value_t = 20)]
+    kv_pull_ms: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -72,6 +82,9 @@ fn main() -> anyhow::Result<()> {
         default_max_tokens: a.default_max_tokens,
         record_limit: a.record_limit,
         lora_adapters: a.lora_adapters,
+        pd_role: a.pd_role,
+        kv_lease_ms: a.kv_lease_ms,
+        kv_pull_ms: a.kv_pull_ms,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -1,8 +1,9 @@
 //! The simulator's engine: KV pool, FIFO admission, records, counters.
 
-use super::{AbortApiCall, EndKind, RequestRecord, SeqState, SimConfig, SimState};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use super::{AbortApiCall, EndKind, KvRelease, RequestRecord, SeqState, SimConfig, SimState};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fmt::Write as _;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
@@ -37,11 +38,18 @@ struct Inner {
     generation_tokens: u64,
     /// LoRA adapters loaded now, in load order.
     lora: Vec<String>,
+    /// Prefill role: sequences that keep their blocks for the decode side once finished.
+    hold_on_finish: HashSet<u64>,
+    /// Prefill role: finished sequences holding their blocks for the decode side, by
+    /// engine id: (seq, blocks, lease deadline ms).
+    held: HashMap<String, (u64, u32, u64)>,
 }
 
 /// The shared simulator engine (behind [`super::SimHandle`]).
 pub struct Sim {
     pub(crate) cfg: SimConfig,
+    /// Where it serves (a prefill replica names it in `kv_transfer_params`).
+    pub(crate) addr: SocketAddr,
     started: Instant,
     /// Unix time of the start (`process_start_time_seconds`).
     started_unix: f64,
@@ -56,7 +64,7 @@ pub(crate) struct Ticket {
 }
 
 impl Sim {
-    pub(crate) fn new(cfg: SimConfig) -> Self {
+    pub(crate) fn new(cfg: SimConfig, addr: SocketAddr) -> Self {
         let started_unix = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs_f64())
@@ -64,6 +72,7 @@ impl Sim {
         let lora = cfg.lora_adapters.clone();
         Sim {
             cfg,
+            addr,
             started: Instant::now(),
             started_unix,
             inner: Mutex::new(Inner {
@@ -86,6 +95,8 @@ impl Sim {
                 attempts: HashMap::new(),
                 generation_tokens: 0,
                 lora,
+                hold_on_finish: HashSet::new(),
+                held: HashMap::new(),
             }),
         }
     }
@@ -248,13 +259,25 @@ impl Sim {
         };
         let _ = live.stop.send(Some(how));
         let blocks = g.records.get(&seq).map(|r| r.blocks).unwrap_or(0);
+        let now = self.now_ms();
+        // A prefill for a remote decode that ran to its length keeps its blocks for the
+        // decode side; ended any other way it frees them, as vLLM's connector does.
+        let hold = g.hold_on_finish.remove(&seq) && how == EndKind::Length;
         if let Some(pos) = g.running.iter().position(|s| *s == seq) {
             g.running.remove(pos);
-            g.blocks_used = g.blocks_used.saturating_sub(blocks);
+            if hold {
+                let until = now.saturating_add(self.cfg.kv_lease_ms);
+                if let Some(r) = g.records.get_mut(&seq) {
+                    r.kv_held_ms = Some(now);
+                    let id = r.engine_id.clone();
+                    g.held.insert(id, (seq, blocks, until));
+                }
+            } else {
+                g.blocks_used = g.blocks_used.saturating_sub(blocks);
+            }
         } else if let Some(pos) = g.waiting.iter().position(|s| *s == seq) {
             g.waiting.remove(pos);
         }
-        let now = self.now_ms();
         if let Some(r) = g.records.get_mut(&seq) {
             r.state = SeqState::Ended;
             r.ended = Some(how);
@@ -331,6 +354,60 @@ impl Sim {
         ended
     }
 
+    /// Prefill role: `seq` keeps its blocks for the decode side when it finishes.
+    pub(crate) fn hold_on_finish(&self, seq: u64) {
+        self.lock().hold_on_finish.insert(seq);
+    }
+
+    /// Prefill role: lets go of the blocks held for the decode side under `engine_id`;
+    /// `false` when none are held under it (released already, or never held).
+    pub fn release_held(&self, engine_id: &str, why: KvRelease) -> bool {
+        let mut g = self.lock();
+        self.release_locked(&mut g, engine_id, why)
+    }
+
+    fn release_locked(&self, g: &mut Inner, engine_id: &str, why: KvRelease) -> bool {
+        let Some((seq, blocks, _)) = g.held.remove(engine_id) else {
+            return false;
+        };
+        g.blocks_used = g.blocks_used.saturating_sub(blocks);
+        let now = self.now_ms();
+        if let Some(r) = g.records.get_mut(&seq) {
+            r.kv_released = Some((why, now));
+        }
+        self.schedule(g);
+        true
+    }
+
+    /// Prefill role: a decode-side heartbeat for `engine_ids` extends each one's lease to
+    /// at least two thirds of the lease from now (vLLM's `_handle_heartbeat`).
+    pub fn heartbeat(&self, engine_ids: &[String]) {
+        let mut g = self.lock();
+        let until = self
+            .now_ms()
+            .saturating_add(self.cfg.kv_lease_ms.saturating_mul(2) / 3);
+        for id in engine_ids {
+            if let Some(h) = g.held.get_mut(id) {
+                h.2 = h.2.max(until);
+            }
+        }
+    }
+
+    /// Prefill role: lets go of every hold whose lease ran out by now.
+    pub(crate) fn expire_leases(&self) {
+        let mut g = self.lock();
+        let now = self.now_ms();
+        let due: Vec<String> = g
+            .held
+            .iter()
+            .filter(|(_, h)| h.2 <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in due {
+            self.release_locked(&mut g, &id, KvRelease::LeaseExpired);
+        }
+    }
+
     /// Ends every live sequence and refuses new ones.
     pub fn shutdown(&self) {
         let mut g = self.lock();
@@ -371,6 +448,8 @@ impl Sim {
                 })
                 .collect(),
             abort_calls: g.abort_calls.clone(),
+            held_for_decode: ids(&mut g.held.values().map(|h| &h.0)),
+            blocks_held_for_decode: g.held.values().map(|h| h.1).sum(),
         }
     }
 

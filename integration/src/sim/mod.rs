@@ -28,10 +28,16 @@
 //! - Abort APIs:
 //!   SGLang-style `POST /abort_request {"rid"}` and vLLM-style
 //!   `POST /inference/v1/abort_requests {"request_ids": [..]}`.
+//! - Prefill/decode disaggregation as vLLM 0.32's NixlConnector does it
+//!   ([`SimConfig::pd_role`], [`pd`]; docs/PD-ENGINES.md): a prefill replica holds a
+//!   finished request's blocks for the decode side until the decode side notifies it (after
+//!   its read, or when it gives the request up) or the lease runs out; a decode replica
+//!   reads them, then streams.
 //! - HTTP/1.1 and h2c on the same port.
 
 mod engine;
 mod openai;
+pub mod pd;
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -73,6 +79,42 @@ pub struct SimConfig {
     /// each as a model whose `parent` is `model`; `POST /v1/load_lora_adapter` and
     /// `/v1/unload_lora_adapter` change the list at run time.
     pub lora_adapters: Vec<String>,
+    /// Its part in prefill/decode disaggregation.
+    pub pd_role: PdRole,
+    /// Prefill role: how long a finished request's blocks wait for the decode side's
+    /// notification (vLLM's `kv_lease_duration`, 30 s); each decode-side heartbeat extends
+    /// it to at least two thirds of this from then.
+    pub kv_lease_ms: u64,
+    /// Decode role: how long reading the blocks from the prefill side takes.
+    pub kv_pull_ms: u64,
+}
+
+/// A simulator's part in prefill/decode disaggregation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum PdRole {
+    /// Prefill and decode in one engine (no `kv_transfer_params` handling).
+    #[default]
+    Both,
+    /// A request with `kv_transfer_params.do_remote_decode` keeps its blocks after it
+    /// finished, for the decode side, and answers the parameters to read them with.
+    Prefill,
+    /// A request with `kv_transfer_params.do_remote_prefill` reads its prompt's blocks
+    /// from the prefill replica they name before it generates.
+    Decode,
+}
+
+/// Why a prefill replica let go of blocks it held for the decode side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvRelease {
+    /// The decode side read them and said so.
+    Pulled,
+    /// The decode side gave the request up before reading them (aborted there, or refused)
+    /// and said so.
+    NotPulled,
+    /// Nobody said anything before the lease ran out.
+    LeaseExpired,
 }
 
 impl Default for SimConfig {
@@ -91,6 +133,9 @@ impl Default for SimConfig {
             default_max_tokens: 16,
             record_limit: 10_000,
             lora_adapters: Vec::new(),
+            pd_role: PdRole::Both,
+            kv_lease_ms: 30_000,
+            kv_pull_ms: 20,
         }
     }
 }
@@ -171,6 +216,19 @@ pub struct RequestRecord {
     pub ended_ms: Option<u64>,
     /// Request headers as received (lower-case names; repeated headers joined by `, `).
     pub headers: std::collections::BTreeMap<String, String>,
+    /// Prefill role, a request for a remote decode: when it finished and began holding its
+    /// blocks for the decode side, ms since start.
+    #[serde(default)]
+    pub kv_held_ms: Option<u64>,
+    /// Prefill role: why and when those blocks were let go.
+    #[serde(default)]
+    pub kv_released: Option<(KvRelease, u64)>,
+    /// Decode role: the prefill replica's id of the request whose blocks this one reads.
+    #[serde(default)]
+    pub kv_remote_id: Option<String>,
+    /// Decode role: when the read finished, ms since start.
+    #[serde(default)]
+    pub kv_pulled_ms: Option<u64>,
 }
 
 /// A call to one of the abort APIs.
@@ -214,6 +272,12 @@ pub struct SimState {
     pub requests: Vec<RequestRecord>,
     /// Abort API calls, oldest first.
     pub abort_calls: Vec<AbortApiCall>,
+    /// Prefill role: request ids whose blocks are held for the decode side.
+    #[serde(default)]
+    pub held_for_decode: Vec<String>,
+    /// Prefill role: the blocks those hold (part of `blocks_used`).
+    #[serde(default)]
+    pub blocks_held_for_decode: u32,
 }
 
 impl SimState {
@@ -234,9 +298,9 @@ impl SimState {
         }
     }
 
-    /// Whether nothing runs or waits.
+    /// Whether nothing runs or waits, and no block is held for a decode side.
     pub fn is_idle(&self) -> bool {
-        self.running.is_empty() && self.waiting.is_empty()
+        self.running.is_empty() && self.waiting.is_empty() && self.held_for_decode.is_empty()
     }
 }
 
@@ -320,7 +384,11 @@ pub async fn spawn(config: SimConfig) -> Result<SimHandle> {
     let listener = crate::http::bind(config.listen)
         .await
         .context("binding the engine simulator")?;
-    let sim = Arc::new(Sim::new(config));
+    let addr = listener.local_addr().context("the simulator's address")?;
+    let sim = Arc::new(Sim::new(config, addr));
+    if sim.cfg.pd_role == PdRole::Prefill {
+        tokio::spawn(pd::reap_leases(Arc::downgrade(&sim)));
+    }
     let s2 = sim.clone();
     let server = crate::http::serve(listener, move |req, _peer| {
         let sim = s2.clone();

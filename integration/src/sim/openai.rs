@@ -1,7 +1,8 @@
 //! The simulator's HTTP side: routing, the OpenAI API in vLLM's framing, abort APIs.
 
 use super::engine::{Sim, Ticket};
-use super::{EndKind, RequestRecord, SeqState};
+use super::pd::{self, PullDuty};
+use super::{EndKind, PdRole, RequestRecord, SeqState};
 use crate::http::{bytes_response, full, json_response, read_body, ChannelBody, RespBody};
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -39,6 +40,8 @@ pub(crate) async fn handle(
             &serde_json::to_value(sim.state()).unwrap_or(Value::Null),
         ),
         (Method::GET, "/v1/models") => json_response(200, &models(&sim)),
+        (Method::POST, "/sim/kv/notify") => pd::notify_endpoint(&sim, req).await,
+        (Method::POST, "/sim/kv/heartbeat") => pd::heartbeat_endpoint(&sim, req).await,
         (Method::POST, "/v1/load_lora_adapter") => {
             let Some(name) = lora_name(req).await else {
                 return Ok(error(
@@ -202,16 +205,18 @@ struct Params {
     keepalive: Option<Duration>,
     engine_id: String,
     created: u64,
+    /// Prefill role: the `kv_transfer_params` its answer carries (blocks held for the
+    /// decode side).
+    kv_out: Option<Value>,
+    /// Decode role: the prefill replica to read from and notify.
+    pull: PullDuty,
 }
 
-fn header<'a>(req: &'a Request<Incoming>, name: &str) -> Option<&'a str> {
+fn header<'a, B>(req: &'a Request<B>, name: &str) -> Option<&'a str> {
     req.headers().get(name).and_then(|v| v.to_str().ok())
 }
 
-fn header_num<T: std::str::FromStr>(
-    req: &Request<Incoming>,
-    name: &str,
-) -> Result<Option<T>, String> {
+fn header_num<T: std::str::FromStr>(req: &Request<()>, name: &str) -> Result<Option<T>, String> {
     match header(req, name) {
         None => Ok(None),
         Some(v) => v
@@ -245,13 +250,26 @@ async fn completion(
     req: Request<Incoming>,
     kind: Kind,
 ) -> Result<Response<RespBody>, std::io::Error> {
-    completion_inner(sim, req, kind).await
+    let (parts, body) = req.into_parts();
+    let body = read_body(body, MAX_BODY).await;
+    // Decode role: from here the prefill replica named in the body is owed a notification,
+    // also when this request is refused (the duty notifies when dropped).
+    let remote = match (&body, sim.cfg.pd_role) {
+        (Ok(b), PdRole::Decode) => serde_json::from_slice::<Value>(b)
+            .ok()
+            .and_then(|v| pd::remote_prefill(&v)),
+        _ => None,
+    };
+    let duty = PullDuty::new(remote);
+    completion_inner(sim, Request::from_parts(parts, ()), body, kind, duty).await
 }
 
 async fn completion_inner(
     sim: Arc<Sim>,
-    req: Request<Incoming>,
+    req: Request<()>,
+    body: Result<Bytes, String>,
     kind: Kind,
+    pull: PullDuty,
 ) -> Result<Response<RespBody>, std::io::Error> {
     let cfg = &sim.cfg;
     let mut headers: BTreeMap<String, String> = BTreeMap::new();
@@ -306,7 +324,7 @@ async fn completion_inner(
         return err_reply(code, "simulated engine error (x-sim-status)", typ, None);
     }
     let path = req.uri().path().to_string();
-    let body = match read_body(req.into_body(), MAX_BODY).await {
+    let body = match body {
         Ok(b) => b,
         Err(e) => {
             return err_reply(
@@ -472,6 +490,9 @@ async fn completion_inner(
         Kind::Completion => format!("cmpl-{request_id}"),
         Kind::Chat => format!("chatcmpl-{request_id}"),
     };
+    let hold = cfg.pd_role == PdRole::Prefill && pd::wants_remote_decode(&v);
+    let kv_out = hold.then(|| pd::transfer_params(&sim, &engine_id, blocks));
+    let kv_remote_id = pull.pending().map(|r| r.request_id.clone());
     let model = v
         .get("model")
         .and_then(Value::as_str)
@@ -496,6 +517,8 @@ async fn completion_inner(
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
+        kv_out,
+        pull,
     };
     let rec = RequestRecord {
         request_id,
@@ -518,8 +541,15 @@ async fn completion_inner(
         first_token_ms: None,
         ended_ms: None,
         headers,
+        kv_held_ms: None,
+        kv_released: None,
+        kv_remote_id,
+        kv_pulled_ms: None,
     };
     let ticket = sim.enqueue(rec);
+    if hold {
+        sim.hold_on_finish(ticket.seq);
+    }
     let delivered = sim.delivered_counter(ticket.seq);
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(run_sequence(sim.clone(), params, ticket, tx));
@@ -618,12 +648,15 @@ fn full_body(p: &Params, texts: &[String], finish: &str) -> Bytes {
         Kind::Chat => "chat.completion",
         Kind::Completion => "text_completion",
     };
-    let v = json!({
+    let mut v = json!({
         "id": p.engine_id, "object": object, "created": p.created, "model": p.model,
         "choices": choices,
         "usage": {"prompt_tokens": p.prompt_tokens, "total_tokens": u64::from(p.prompt_tokens) + completion_tokens, "completion_tokens": completion_tokens},
         "system_fingerprint": FINGERPRINT,
     });
+    if let Some(kv) = &p.kv_out {
+        v["kv_transfer_params"] = kv.clone();
+    }
     Bytes::from(serde_json::to_vec(&v).unwrap_or_default())
 }
 
@@ -639,7 +672,7 @@ fn token_text(step: u32, index: u32) -> String {
 /// the abort signal, ends the sequence.
 type Tx = mpsc::UnboundedSender<Result<Bytes, std::io::Error>>;
 
-async fn run_sequence(sim: Arc<Sim>, p: Params, ticket: Ticket, tx: Tx) {
+async fn run_sequence(sim: Arc<Sim>, mut p: Params, ticket: Ticket, tx: Tx) {
     let Ticket {
         seq,
         mut admitted,
@@ -661,6 +694,15 @@ async fn run_sequence(sim: Arc<Sim>, p: Params, ticket: Ticket, tx: Tx) {
         "stop"
     };
     let stalled_at = p.stall_after.unwrap_or(u32::MAX);
+    // Decode role: heartbeats to the prefill replica until the read, which starts at
+    // admission and takes `kv_pull_ms`.
+    let hb_every = Duration::from_millis((sim.cfg.kv_lease_ms / 6).max(10));
+    let mut next_hb = if p.pull.pending().is_some() {
+        Instant::now()
+    } else {
+        far
+    };
+    let mut pull_done = far;
     if stop.borrow().is_some() {
         sim.finish(seq, EndKind::Shutdown);
         return;
@@ -688,6 +730,23 @@ async fn run_sequence(sim: Arc<Sim>, p: Params, ticket: Ticket, tx: Tx) {
                     return;
                 }
                 running = true;
+                if p.pull.pending().is_some() {
+                    pull_done = Instant::now() + Duration::from_millis(sim.cfg.kv_pull_ms);
+                } else {
+                    next_token = Instant::now() + p.delay_first + interval;
+                }
+            }
+            _ = sleep_until(next_hb), if p.pull.pending().is_some() => {
+                if let Some(r) = p.pull.pending().cloned() {
+                    tokio::spawn(async move { pd::heartbeat(&r).await });
+                }
+                next_hb += hb_every;
+            }
+            _ = sleep_until(pull_done), if running && p.pull.pending().is_some() => {
+                p.pull.pulled().await;
+                let now_ms = sim.now_ms();
+                sim.update(seq, |r| r.kv_pulled_ms = Some(now_ms));
+                next_hb = far;
                 next_token = Instant::now() + p.delay_first + interval;
             }
             _ = sleep_until(next_token), if running && !stalled => {
