@@ -274,18 +274,6 @@ async fn evicted_stream(s: &Stack, chunks: u32) -> String {
     id
 }
 
-/// The engine's record of `id` once it ended (bounded wait).
-async fn engine_end(sim: &SimHandle, id: &str) -> sim::RequestRecord {
-    sim.wait_state("the engine ends the request", W, |s| {
-        s.request(id).is_some_and(|r| r.ended.is_some())
-    })
-    .await
-    .unwrap()
-    .request(id)
-    .cloned()
-    .unwrap()
-}
-
 /// With kvguard at `place`: the evicted request ends in the engine (one abort, `reason`:
 /// Envoy ends the stream with a local reply after the upstream was reached, on either side
 /// of kvguard), a request the EPP lets through completes with none.

@@ -294,18 +294,6 @@ async fn response_payload_too_large_after_the_upstream_replied_is_aborted() {
     .unwrap();
 }
 
-/// The engine's record of request `id` once it ended (bounded wait).
-async fn engine_end(sim: &sim::SimHandle, id: &str) -> sim::RequestRecord {
-    sim.wait_state("the engine ends the request", W, |s| {
-        s.request(id).is_some_and(|r| r.ended.is_some())
-    })
-    .await
-    .unwrap()
-    .request(id)
-    .cloned()
-    .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn behind_a_hop_that_hides_disconnects_kvguard_control_ends_the_engines_work() {
     bounded("local reply end to end", T, async {

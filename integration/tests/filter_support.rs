@@ -145,6 +145,18 @@ pub async fn wait_log(envoy: &Envoy, needle: &str) {
     .unwrap_or_else(|e| panic!("{e}:\n{}", envoy.log()));
 }
 
+/// The engine's record of request `id` once it ended (bounded wait).
+pub async fn engine_end(sim: &SimHandle, id: &str) -> sim::RequestRecord {
+    sim.wait_state("the engine ends the request", W, |s| {
+        s.request(id).is_some_and(|r| r.ended.is_some())
+    })
+    .await
+    .unwrap()
+    .request(id)
+    .cloned()
+    .unwrap()
+}
+
 /// The id of the last request the simulator saw.
 pub fn last_id(sim: &SimHandle) -> String {
     sim.state()
