@@ -14,7 +14,7 @@ use kvguard_contract::abort::MAX_ABORT_BODY;
 use kvguard_contract::peer::MAX_PEER_BODY;
 use kvguard_contract::signature::{self, SignatureError};
 use kvguard_contract::{
-    AbortAnswer, AbortReason, AbortRequest, Forwarded, RequestId, ABORT_PATH, LEASE_PATH,
+    AbortAnswer, AbortReason, AbortRequest, Domain, Forwarded, RequestId, ABORT_PATH, LEASE_PATH,
     PEER_ABORT_PATH, PEER_LEASE_PATH, SIGNATURE_HEADER,
 };
 use serde_json::json;
@@ -191,7 +191,7 @@ async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
         .headers
         .get(SIGNATURE_HEADER)
         .map(HeaderValue::as_bytes);
-    if let Err(e) = verify_fresh(&st, sig_header, &body) {
+    if let Err(e) = verify_fresh(&st, Domain::Abort, sig_header, &body) {
         let e = match e {
             Refused::Full => {
                 st.metrics.abort_api("replay_full");
@@ -204,14 +204,15 @@ async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
             tracing::warn!("abort call refused: replayed signature");
             return refuse(StatusCode::CONFLICT, "replay", e.to_string());
         }
-        st.metrics.abort_api("unauthorized");
+        let result = refused_result(e);
+        st.metrics.abort_api(result);
         let now_ms = st.clock.unix_secs().saturating_mul(1000);
         if let Some(held) = REFUSALS.admit(now_ms, REFUSAL_LOG_PERIOD) {
             tracing::warn!(
                 why = e.as_str(),
                 keys = st.keys().accept.len(),
                 refused_since_last_line = held,
-                "abort call refused: {e} (one line per {REFUSAL_LOG_PERIOD:?} at most; every refusal is counted in kvguard_control_abort_api_answers_total{{result=\"unauthorized\"}})"
+                "abort call refused: {e} (one line per {REFUSAL_LOG_PERIOD:?} at most; every refusal is counted in kvguard_control_abort_api_answers_total{{result=\"{result}\"}})"
             );
         }
         return refuse(StatusCode::UNAUTHORIZED, "unauthorized", e.to_string());
@@ -267,12 +268,29 @@ enum Refused {
     Full,
 }
 
-/// Verifies a signature (any key, `t` within the window) and remembers it: a second
-/// call with the same signature is [`SignatureError::Replay`].
-fn verify_fresh(st: &AppState, header: Option<&[u8]>, body: &[u8]) -> Result<(), Refused> {
+/// The result label of a refused signature: `outdated` names a sender that predates the
+/// signatures' domain prefixes (contract §3: upgrade the gateways first), any other
+/// refusal is `unauthorized`. Both answer 401.
+pub(crate) fn refused_result(e: SignatureError) -> &'static str {
+    if e == SignatureError::Outdated {
+        "outdated"
+    } else {
+        "unauthorized"
+    }
+}
+
+/// Verifies a signature of a `domain` message (any key, `t` within the window) and
+/// remembers it: a second call with the same signature is [`SignatureError::Replay`].
+fn verify_fresh(
+    st: &AppState,
+    domain: Domain,
+    header: Option<&[u8]>,
+    body: &[u8],
+) -> Result<(), Refused> {
     let now_unix = st.clock.unix_secs();
     let keys = st.keys();
-    let sig = signature::verify(&keys.accept, header, body, now_unix).map_err(Refused::Sig)?;
+    let sig =
+        signature::verify(domain, &keys.accept, header, body, now_unix).map_err(Refused::Sig)?;
     let seen = st.replay().check_and_remember(&sig, now_unix);
     match seen {
         Seen::Fresh => Ok(()),
@@ -358,7 +376,7 @@ pub(crate) async fn open_forwarded(
         .headers
         .get(SIGNATURE_HEADER)
         .map(HeaderValue::as_bytes);
-    if let Err(e) = verify_fresh(st, header, &body) {
+    if let Err(e) = verify_fresh(st, Domain::Envelope, header, &body) {
         let e = match e {
             Refused::Full => {
                 st.metrics.peer.receive(kind, "replay_full");
@@ -371,10 +389,11 @@ pub(crate) async fn open_forwarded(
             tracing::warn!(kind, "forwarded {kind} refused: replayed signature");
             return Err(refuse(StatusCode::CONFLICT, "replay", e.to_string()));
         }
-        st.metrics.peer.receive(kind, "unauthorized");
+        let result = refused_result(e);
+        st.metrics.peer.receive(kind, result);
         let now_ms = st.clock.unix_secs().saturating_mul(1000);
         if let Some(held) = REFUSALS.admit(now_ms, REFUSAL_LOG_PERIOD) {
-            tracing::warn!(kind, why = e.as_str(), refused_since_last_line = held, "forwarded {kind} refused: {e} (every replica needs the same keys and a clock within 30 s; counted in kvguard_control_peer_received_total{{result=\"unauthorized\"}})");
+            tracing::warn!(kind, why = e.as_str(), refused_since_last_line = held, "forwarded {kind} refused: {e} (every replica needs the same keys and a clock within 30 s; counted in kvguard_control_peer_received_total{{result=\"{result}\"}})");
         }
         return Err(refuse(
             StatusCode::UNAUTHORIZED,

@@ -20,7 +20,9 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use kvguard_contract::{signature, Forwarded, PEER_ABORT_PATH, PEER_LEASE_PATH, SIGNATURE_HEADER};
+use kvguard_contract::{
+    signature, Domain, Forwarded, PEER_ABORT_PATH, PEER_LEASE_PATH, SIGNATURE_HEADER,
+};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -160,7 +162,7 @@ impl Peers {
         let keys = st.keys();
         let key = keys.stamp.as_ref().or(keys.accept.first())?;
         let env = Forwarded::new(&self.name, body)?.to_json();
-        let sig = signature::sign(key, st.clock.unix_secs(), &env);
+        let sig = signature::sign(Domain::Envelope, key, st.clock.unix_secs(), &env);
         Some((Bytes::from(env), sig))
     }
 
