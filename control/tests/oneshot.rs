@@ -562,7 +562,7 @@ async fn an_abort_racing_its_request_ends_it_or_refuses_it_never_404_while_it_ru
             st2.abort_or_tombstone(&id2, AbortReason::DownstreamReset, None)
         });
         let (admitted, found) = (admit.await.unwrap(), abort.await.unwrap());
-        if let (Ok(entry), kvguard_control::state::AbortFound::NotFound) = (&admitted, found) {
+        if let (Ok(entry), kvguard_control::abort::AbortFound::NotFound) = (&admitted, found) {
             if entry.ended().is_none() {
                 bad.push(i);
             }
@@ -1356,7 +1356,7 @@ async fn ending_a_request_whose_client_had_gone_counts_the_orphans_cost() {
             AbortReason::DownstreamReset,
             Some((Duration::from_secs(2), 3))
         ),
-        kvguard_control::state::AbortFound::Ended
+        kvguard_control::abort::AbortFound::Ended
     );
     let l = "{reason=\"downstream_reset\"}";
     assert_eq!(
@@ -1489,7 +1489,7 @@ async fn a_dry_run_tombstones_nothing_and_keeps_a_superseded_attempt_in_flight()
     // An abort that overtakes its request: counted and logged, no tombstone.
     assert_eq!(
         st.abort_or_tombstone(&id, AbortReason::DownstreamReset, None),
-        kvguard_control::state::AbortFound::NotFound
+        kvguard_control::abort::AbortFound::NotFound
     );
     assert!(st.inner().tombstones.is_empty());
     let first = st.admit(id.clone(), "POST".into(), "/".into()).unwrap();

@@ -4,7 +4,8 @@
 //! peer (`POST /v1/peer/lease`). Each is signed; freshness is the counter's, per path.
 
 use super::{LeaseMode, RenewError};
-use crate::admin::{open_forwarded, refuse, refused_result, REFUSALS, REFUSAL_LOG_PERIOD};
+use crate::abort::endpoint::{open_forwarded, refused_result};
+use crate::admin::{refuse, REFUSALS, REFUSAL_LOG_PERIOD};
 use crate::state::AppState;
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode};
