@@ -84,7 +84,11 @@ pub enum Refusal {
     Draining,
 }
 
-/// Everything the handlers and tasks share.
+/// Everything the handlers and tasks share. Each part that changes has its own lock, so
+/// unrelated work never waits on another's: the table and tombstones (one lock, so that
+/// admission and abort see one view), the replay memory, the keys (read-mostly, swapped
+/// whole on reload), the engine status, the GPU status, the leases; the peer set is
+/// immutable apart from its own resolution cache. No code holds two of them at once.
 pub struct AppState {
     /// Validated configuration.
     pub cfg: Config,
@@ -362,5 +366,38 @@ impl AppState {
                         .is_some_and(|t| now.saturating_duration_since(t) <= window)
             })
             .unwrap_or(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{FakeEngine, ManualClock};
+
+    #[test]
+    fn admission_replay_keys_engine_gpu_and_leases_each_have_their_own_lock() {
+        let key = Key::try_new(b"kvguard-state-test-key-0123456789").unwrap();
+        let cfg = Config::for_tests("http://127.0.0.1:9", vec![key]).unwrap();
+        let st = AppState::new(
+            cfg,
+            Arc::new(ManualClock::new(1_800_000_000)),
+            Arc::new(FakeEngine),
+            GpuTracker::unavailable("test".into()),
+        );
+        // With the admission lock held, every other part is free (a shared lock would
+        // make these attempts fail, not wait).
+        let inner = st.inner();
+        assert!(st.replay.try_lock().is_ok(), "replay memory");
+        assert!(st.keys.try_write().is_ok(), "keys");
+        assert!(st.engine_status.try_lock().is_ok(), "engine status");
+        assert!(st.gpu.try_lock().is_ok(), "gpu");
+        assert!(st.leases.try_lock().is_ok(), "leases");
+        drop(inner);
+        // And the other way round: a held replay, lease or engine lock leaves admission free.
+        let replay = st.replay();
+        let leases = st.leases.lock().unwrap();
+        let engine = st.engine_status.lock().unwrap();
+        assert!(st.inner.try_lock().is_ok(), "admission");
+        drop((replay, leases, engine));
     }
 }

@@ -14,7 +14,7 @@ use kvguard_control::expo::EngineFigures;
 use kvguard_control::gpu::{DeviceMemory, GpuProbe, GpuSnapshot, GpuTracker, ProcessMemory};
 use kvguard_control::lease::enforce;
 use kvguard_control::state::AppState;
-use kvguard_control::testing::{FakeProbe, ManualClock};
+use kvguard_control::testing::{FakeEngine, FakeProbe, ManualClock};
 use kvguard_control::{admin, proxy, reaper, sampler};
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -23,19 +23,6 @@ use tower::ServiceExt;
 
 const KEY: &[u8] = b"kvguard-control-test-key-0123456789";
 const NOW: u64 = 1_800_000_000;
-
-struct FakeEngine;
-impl Engine for FakeEngine {
-    fn scrape(&self) -> BoxFut<'_, Result<String, String>> {
-        Box::pin(async { Err("fake".into()) })
-    }
-    fn health(&self) -> BoxFut<'_, Result<(), String>> {
-        Box::pin(async { Err("fake".into()) })
-    }
-    fn abort(&self, _id: RequestId) -> BoxFut<'_, Result<(), String>> {
-        Box::pin(async { Ok(()) })
-    }
-}
 
 fn state(tweak: impl FnOnce(&mut Config)) -> (Arc<AppState>, Arc<ManualClock>) {
     // Port 9 (discard): nothing answers there.
