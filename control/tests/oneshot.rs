@@ -1796,3 +1796,52 @@ async fn each_signed_call_takes_only_its_own_kind_and_a_sender_before_the_prefix
         assert_eq!(lease_metric(&st, &s("outdated")).await, 1.0, "{series}");
     }
 }
+
+/// A peer that holds every id it is forwarded an abort for (answers 200 `aborted`).
+async fn holding_peer() -> std::net::SocketAddr {
+    let app = axum::Router::new().route(
+        kvguard_contract::PEER_ABORT_PATH,
+        axum::routing::post(|| async {
+            axum::Json(json!({"request_id": "held", "found": true, "aborted": true}))
+        }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    addr
+}
+
+#[tokio::test]
+async fn an_abort_a_peer_answers_is_passed_on_and_tombstoned_here_but_not_in_a_dry_run() {
+    let peer = holding_peer().await;
+    for dry_run in [false, true] {
+        let (st, _clock) = state(|c| {
+            c.dry_run = dry_run;
+            c.peers = Some(kvguard_control::config::PeerConfig {
+                urls: vec![
+                    kvguard_control::config::parse_peer_url(&format!("http://{peer}")).unwrap(),
+                ],
+                self_addr: "127.0.0.1:1".parse().unwrap(),
+            });
+        });
+        let body = br#"{"request_id":"held","reason":"downstream_reset"}"#;
+        let sig = signature::sign(Domain::Abort, &Key::try_new(KEY).unwrap(), NOW, body);
+        let (s, v) = call(admin::app(st.clone()), abort_req(body, Some(sig))).await;
+        assert_eq!((s, &v["aborted"]), (StatusCode::OK, &json!(true)), "{v}");
+        assert_eq!(
+            lease_metric(
+                &st,
+                "kvguard_control_abort_api_answers_total{result=\"forwarded\"}"
+            )
+            .await,
+            1.0
+        );
+        // A later attempt with the id is refused here too, unless this is a dry run
+        // (which refuses nothing).
+        assert_eq!(
+            st.inner().tombstones.is_empty(),
+            dry_run,
+            "dry run {dry_run}"
+        );
+    }
+}
