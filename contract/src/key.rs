@@ -1,5 +1,6 @@
 //! Shared secrets for HMAC-SHA256.
 
+use crate::domain::Domain;
 use core::fmt;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -46,22 +47,35 @@ impl Key {
         Ok(Key(trimmed.to_vec()))
     }
 
-    /// HMAC-SHA256 over the concatenation of `parts`.
-    pub fn mac(&self, parts: &[&[u8]]) -> [u8; 32] {
+    /// HMAC-SHA256 over `domain`'s prefix followed by the concatenation of `parts`.
+    pub fn mac(&self, domain: Domain, parts: &[&[u8]]) -> [u8; 32] {
         let mut mac = self.hmac();
+        mac.update(domain.prefix());
         for p in parts {
             mac.update(p);
         }
         mac.finalize().into_bytes().into()
     }
 
-    /// Whether `tag` is the HMAC of the concatenation of `parts`, compared in constant time.
-    pub fn verify(&self, parts: &[&[u8]], tag: &[u8; 32]) -> bool {
+    /// Whether `tag` is [`Key::mac`] of `domain` and `parts`, compared in constant time.
+    pub fn verify(&self, domain: Domain, parts: &[&[u8]], tag: &[u8; 32]) -> bool {
         let mut mac = self.hmac();
+        mac.update(domain.prefix());
         for p in parts {
             mac.update(p);
         }
         mac.verify_slice(tag).is_ok()
+    }
+
+    /// HMAC-SHA256 over the concatenation of `parts`, with no domain prefix: only for the
+    /// `v1=` field a signer adds for verifiers that predate the prefixes (contract §3),
+    /// and for hashing under a fixed public key.
+    pub(crate) fn mac_unprefixed(&self, parts: &[&[u8]]) -> [u8; 32] {
+        let mut mac = self.hmac();
+        for p in parts {
+            mac.update(p);
+        }
+        mac.finalize().into_bytes().into()
     }
 
     fn hmac(&self) -> HmacSha256 {
@@ -105,6 +119,26 @@ mod tests {
             format!("{:?}", Some(Key::try_new(&[b'z'; MIN_KEY_LEN]).unwrap())),
             "Some(Key(<16 bytes>))"
         );
+    }
+
+    #[test]
+    fn each_domain_gives_its_own_mac_and_none_is_the_unprefixed_one() {
+        let k = Key::try_new(b"kvguard-test-key-0123456789abcdef").unwrap();
+        let parts: [&[u8]; 3] = [b"1795960117", b".", b"{}"];
+        let raw = k.mac_unprefixed(&parts);
+        for a in Domain::ALL {
+            let tag = k.mac(a, &parts);
+            assert_ne!(tag, raw, "{a:?}");
+            // The prefix is part of the input, not a separate key: spelling it out as the
+            // first part gives the same MAC.
+            let mut spelled = vec![a.prefix()];
+            spelled.extend_from_slice(&parts);
+            assert_eq!(tag, k.mac_unprefixed(&spelled), "{a:?}");
+            for b in Domain::ALL {
+                assert_eq!(k.verify(b, &parts, &tag), a == b, "{a:?} verified as {b:?}");
+            }
+            assert!(!k.verify(a, &parts, &raw), "{a:?}");
+        }
     }
 
     #[test]

@@ -66,7 +66,7 @@ impl HostKey {
     /// already has keeps the filter's module small).
     pub fn derive(node_id: &[u8], vm_id: &[u8]) -> HostKey {
         let len = (node_id.len() as u64).to_be_bytes();
-        let d = Key(HOST_KEY_DOMAIN.to_vec()).mac(&[&len, node_id, vm_id]);
+        let d = Key(HOST_KEY_DOMAIN.to_vec()).mac_unprefixed(&[&len, node_id, vm_id]);
         let mut k = [0u8; 16];
         k.copy_from_slice(&d[..16]);
         HostKey(k)

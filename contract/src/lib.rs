@@ -1,6 +1,7 @@
 //! The wire contract shared by the kvguard filter (wasm, in Envoy) and kvguard-control
 //! (beside the engine): request ids, abort reasons, the abort body and its answers, the
-//! `x-kvguard-signature` HMAC scheme and the signed `x-kvguard-control` response stamp.
+//! `x-kvguard-signature` HMAC scheme and the signed `x-kvguard-control` response stamp, each
+//! kind of signed message under its own domain prefix ([`Domain`]).
 //!
 //! Both sides depend on this crate so they cannot drift; `tests/vectors.rs` pins the
 //! formats to values computed by an independent implementation (Python's `hmac`).
@@ -8,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 pub mod abort;
+pub mod domain;
 mod hex;
 pub mod id;
 pub mod key;
@@ -19,6 +21,7 @@ pub mod sse;
 pub mod stamp;
 
 pub use abort::{AbortAnswer, AbortRequest, Disposition, ABORT_PATH};
+pub use domain::Domain;
 pub use id::{IdError, RequestId, MAX_ID_LEN};
 pub use key::{Key, KeyError, MIN_KEY_LEN};
 pub use lease::{

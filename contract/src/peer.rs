@@ -5,10 +5,10 @@
 //! A forwarded message is an envelope naming the replica that forwarded it and carrying
 //! the original body verbatim. It goes to its own path ([`PEER_ABORT_PATH`],
 //! [`PEER_LEASE_PATH`]) and a replica never forwards what reached it there: one hop,
-//! loop-free. The envelope is signed like an abort (`x-kvguard-signature`, the
-//! forwarding replica's first key, `t` within ±30 s, a signature seen before is a
-//! replay); since its body is never a valid abort or renewal body (and the reverse), a
-//! gateway's signed message cannot be passed off as a forwarded one.
+//! loop-free. The envelope is signed as an `x-kvguard-signature` of its own kind
+//! ([`crate::Domain::Envelope`]: its MAC never verifies as an abort's or a renewal's, nor
+//! theirs as its), with the replica's stamp key, `t` within ±30 s, a signature seen before
+//! is a replay; and its body is never a valid abort or renewal body (nor the reverse).
 
 use serde::{Deserialize, Serialize};
 

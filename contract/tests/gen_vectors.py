@@ -2,14 +2,19 @@
 """Recomputes contract/tests/vectors.json from its inputs, independently of the Rust code.
 
 Standard library only (hmac, hashlib, json, ipaddress); nothing from the Rust side. Reads the
-committed vectors.json, takes each case's inputs (key, t, body; key, addr, request_id, t)
+committed vectors.json, takes each case's inputs (kind, key, t, body; key, addr, request_id, t)
 and recomputes every other value from docs/CONTRACT.md alone:
 
   abort body (§3)   compact JSON, fields in the contract's order: request_id, reason,
                     age_ms, tokens, then idle_ms, gone_ms, attempt when present
-  signature (§3)    x-kvguard-signature: t=<t>,v1=<lowercase hex HMAC-SHA256(key, "<t>.<body>")>
-  stamp (§4)        x-kvguard-control: <ip>:<port>;t=<t>;sig=<lowercase hex
-                    HMAC-SHA256(key, "<ip>:<port>|<request_id>|<t>")>
+                    (renewal and envelope bodies are taken as given: any JSON)
+  prefix (§3)       per kind: "kvguard-abort-v2\0", "kvguard-renewal-v2\0",
+                    "kvguard-envelope-v2\0", "kvguard-stamp-v2\0"
+  signature (§3)    x-kvguard-signature: t=<t>,v1=<hex HMAC(key, "<t>.<body>")>,
+                    v2=<hex HMAC(key, prefix(kind) + "<t>.<body>")>
+  stamp (§4)        x-kvguard-control: <ip>:<port>;t=<t>;v2=<hex
+                    HMAC(key, "kvguard-stamp-v2\0" + "<ip>:<port>|<request_id>|<t>")>
+  HMAC              HMAC-SHA256, lowercase hex
   key               surrounding ASCII whitespace trimmed, at least 16 bytes
 
 usage: gen_vectors.py [--check] [FILE]
@@ -37,6 +42,16 @@ U32 = 2**32 - 1
 # Body fields in the contract's order; the optional ones are left out when absent.
 BODY_FIELDS = [("request_id", True), ("reason", True), ("age_ms", True), ("tokens", True),
                ("idle_ms", False), ("gone_ms", False), ("attempt", False)]
+
+
+# The domain-separation prefix of each signed message kind.
+PREFIX = {
+    "abort": b"kvguard-abort-v2\0",
+    "renewal": b"kvguard-renewal-v2\0",
+    "envelope": b"kvguard-envelope-v2\0",
+    "stamp": b"kvguard-stamp-v2\0",
+}
+SIGNED_KINDS = ("abort", "renewal", "envelope")
 
 
 class BadInput(Exception):
@@ -102,17 +117,28 @@ def canonical_addr(addr):
 
 
 def signature_case(c):
+    kind = c["kind"]
+    if kind not in SIGNED_KINDS:
+        raise BadInput(f"kind {kind!r} is not one of {SIGNED_KINDS}")
     t = check_uint("t", c["t"], U64)
-    body = canonical_body(c["body"])
-    header = f"t={t},v1={mac_hex(c['key'], f'{t}.{body}'.encode())}"
-    return {"key": c["key"], "t": t, "body": body, "header": header}
+    if kind == "abort":
+        body = canonical_body(c["body"])
+    else:
+        json.loads(c["body"])
+        body = c["body"]
+    msg = f"{t}.{body}".encode()
+    v1 = mac_hex(c["key"], msg)
+    v2 = mac_hex(c["key"], PREFIX[kind] + msg)
+    header = f"t={t},v1={v1},v2={v2}"
+    return {"kind": kind, "key": c["key"], "t": t, "body": body, "header": header}
 
 
 def stamp_case(c):
     t = check_uint("t", c["t"], U64)
     addr = canonical_addr(c["addr"])
     rid = check_id(c["request_id"])
-    header = f"{addr};t={t};sig={mac_hex(c['key'], f'{addr}|{rid}|{t}'.encode())}"
+    v2 = mac_hex(c["key"], PREFIX["stamp"] + f"{addr}|{rid}|{t}".encode())
+    header = f"{addr};t={t};v2={v2}"
     return {"key": c["key"], "addr": addr, "request_id": rid, "t": t, "header": header}
 
 
@@ -133,7 +159,8 @@ def render(doc):
         tail = "".join(f",\n     {d(k)}: {d(case[k])}" for k in rest)
         return f"    {{{head}{tail}}}"
 
-    sig = ",\n".join(block(c, ["key", "t"], ["body", "header"]) for c in doc["signature"])
+    sig = ",\n".join(block(c, ["kind", "key", "t"], ["body", "header"])
+                     for c in doc["signature"])
     stp = ",\n".join(block(c, ["key", "addr", "request_id", "t"], ["header"])
                      for c in doc["stamp"])
     return (f'{{\n  "comment": {d(doc["comment"])},\n  "signature": [\n{sig}\n  ],\n'

@@ -1,24 +1,71 @@
 //! Pins the wire formats to vectors computed by an independent implementation.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
-use kvguard_contract::{signature, stamp, AbortReason, AbortRequest, Key, RequestId};
+use kvguard_contract::{
+    signature, stamp, AbortReason, AbortRequest, Domain, Forwarded, Key, Renewal, RequestId,
+};
 use serde_json::Value;
 
 fn vectors() -> Value {
     serde_json::from_str(include_str!("vectors.json")).unwrap()
 }
 
+fn domain(kind: &str) -> Domain {
+    match kind {
+        "abort" => Domain::Abort,
+        "renewal" => Domain::Renewal,
+        "envelope" => Domain::Envelope,
+        other => panic!("unknown kind {other}"),
+    }
+}
+
 #[test]
 fn signature_vectors() {
     let v = vectors();
-    for case in v["signature"].as_array().unwrap() {
+    let cases = v["signature"].as_array().unwrap();
+    let mut kinds: Vec<Domain> = Vec::new();
+    for case in cases {
+        let kind = domain(case["kind"].as_str().unwrap());
+        kinds.push(kind);
         let key = Key::try_new(case["key"].as_str().unwrap().as_bytes()).unwrap();
         let t = case["t"].as_u64().unwrap();
         let body = case["body"].as_str().unwrap().as_bytes();
         let header = case["header"].as_str().unwrap();
-        assert_eq!(signature::sign(&key, t, body), header);
-        assert!(signature::verify(&[key], Some(header.as_bytes()), body, t).is_ok());
+        assert_eq!(signature::sign(kind, &key, t, body), header);
+        for other in Domain::ALL {
+            let r = signature::verify(
+                other,
+                std::slice::from_ref(&key),
+                Some(header.as_bytes()),
+                body,
+                t,
+            );
+            assert_eq!(r.is_ok(), other == kind, "{kind:?} checked as {other:?}");
+        }
     }
+    for kind in [Domain::Abort, Domain::Renewal, Domain::Envelope] {
+        assert!(kinds.contains(&kind), "no vector for {kind:?}");
+    }
+}
+
+#[test]
+fn the_renewal_and_envelope_vector_bodies_are_what_the_senders_send() {
+    let v = vectors();
+    let body = |i: usize| {
+        v["signature"][i]["body"]
+            .as_str()
+            .unwrap()
+            .as_bytes()
+            .to_vec()
+    };
+    let renewal = Renewal::parse(&body(2)).unwrap();
+    let resent = Renewal::new(renewal.instance, renewal.counter)
+        .from_host(renewal.host.unwrap(), renewal.period_ms.unwrap())
+        .sent(renewal.via, renewal.fanout)
+        .to_json();
+    assert_eq!(resent, body(2));
+    let env = Forwarded::new("10.0.0.1:9902", &body(0)).unwrap();
+    assert_eq!(env.to_json(), body(3));
 }
 
 #[test]

@@ -6,19 +6,22 @@
 //! sequences itself, and reports NVML memory, engine KV signals and leak signals as
 //! Prometheus metrics.
 //!
-//! The abort path through the files: [`admin`] verifies a signed call and asks [`state`]
-//! to end the id or tombstone it (one lock); the [`reaper`] loop ends what its rules
-//! judge idle; [`state`] removes the [`table`] entry, tombstones the id ([`tombstones`]),
-//! cancels the entry (the [`proxy`]'s response body sends the final SSE event), closes
-//! its engine connection, calls the [`engine`]'s abort API, and arms the post-abort
-//! deadline after which [`downstream`] cuts the client's h2 stream or HTTP/1.1
-//! connection. [`server`] wires the listeners and tasks.
+//! The abort path is [`abort`]: its endpoints verify a signed call (`abort/endpoint.rs`),
+//! `abort/mod.rs` decides it (here, under the table lock, or by the peer that holds the
+//! id: `abort/peer.rs`) and ends the request: the [`table`] entry leaves, the id is
+//! tombstoned ([`tombstones`]), the entry is cancelled (the [`proxy`]'s response body
+//! sends the final SSE event), its engine connection is closed, the [`engine`]'s abort API
+//! is called, and the post-abort deadline is armed after which [`downstream`] cuts the
+//! client's h2 stream or HTTP/1.1 connection. The [`reaper`] loop, the lease and shutdown
+//! end requests the same way. [`state`] holds what they share and admits requests;
+//! [`server`] wires the listeners and tasks.
 //!
 //! The liveness lease (a dead gateway's streams) is [`lease`]: the judgement in
 //! `lease/mod.rs`, the renewal endpoints in `lease/endpoints.rs`, the loop that enforces
 //! it in `lease/enforce.rs`.
 #![forbid(unsafe_code)]
 
+pub mod abort;
 pub mod admin;
 pub mod clock;
 pub mod config;

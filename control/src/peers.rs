@@ -6,7 +6,8 @@
 //! an abort for an id it does not hold to every peer, and an accepted renewal too:
 //! signed envelopes ([`kvguard_contract::Forwarded`]) on their own paths, which a replica
 //! never forwards again (one hop, loop-free). A peer that does not answer within
-//! [`PEER_TIMEOUT`] is counted and skipped, never fatal.
+//! [`PEER_TIMEOUT`] is counted and skipped, never fatal. Forwarding an abort is
+//! [`crate::abort::peer`]; this module is the peer set, its client and the envelope.
 //!
 //! `--peers` entries are resolved every [`RESOLVE_EVERY`] (a headless Service name
 //! resolves to every replica); this replica's own address (`--peer-self`) is left out.
@@ -20,7 +21,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use kvguard_contract::{signature, Forwarded, PEER_ABORT_PATH, PEER_LEASE_PATH, SIGNATURE_HEADER};
+use kvguard_contract::{signature, Domain, Forwarded, PEER_LEASE_PATH, SIGNATURE_HEADER};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -36,18 +37,6 @@ pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
 pub const POOL_IDLE: Duration = Duration::from_secs(10);
 /// Largest peer answer body read.
 const MAX_ANSWER: usize = 4096;
-
-/// A peer's answer to a forwarded abort that found the id: status and body, passed on
-/// to the abort's sender as they are.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PeerAnswer {
-    /// The peer that held the id.
-    pub peer: SocketAddr,
-    /// Its status (200).
-    pub status: StatusCode,
-    /// Its JSON body.
-    pub body: Bytes,
-}
 
 /// The peer set and the client that talks to it.
 pub struct Peers {
@@ -156,15 +145,15 @@ impl Peers {
     /// Signed with the stamp key when there is one: during a rotation's last step (the old
     /// key leaves `--secret-file`) the replicas that reloaded first accept only the new
     /// key, which every replica accepts and signs its stamp with since step 3.
-    fn envelope(&self, st: &AppState, body: &[u8]) -> Option<(Bytes, String)> {
+    pub(crate) fn envelope(&self, st: &AppState, body: &[u8]) -> Option<(Bytes, String)> {
         let keys = st.keys();
         let key = keys.stamp.as_ref().or(keys.accept.first())?;
         let env = Forwarded::new(&self.name, body)?.to_json();
-        let sig = signature::sign(key, st.clock.unix_secs(), &env);
+        let sig = signature::sign(Domain::Envelope, key, st.clock.unix_secs(), &env);
         Some((Bytes::from(env), sig))
     }
 
-    async fn post(
+    pub(crate) async fn post(
         &self,
         peer: SocketAddr,
         path: &'static str,
@@ -198,68 +187,6 @@ impl Peers {
         tokio::time::timeout(PEER_TIMEOUT, fut)
             .await
             .map_err(|_| format!("{peer}: no answer within {PEER_TIMEOUT:?}"))?
-    }
-
-    /// Forwards an abort body (already verified here) to every peer at once; the first
-    /// peer that holds the id (200) answers for it. `None`: no peer holds it (each
-    /// answered 404, or failed: counted per peer).
-    pub async fn forward_abort(
-        self: &Arc<Self>,
-        st: &Arc<AppState>,
-        body: &[u8],
-    ) -> Option<PeerAnswer> {
-        let peers = self.addrs(st).await;
-        let (env, sig) = self.envelope(st, body)?;
-        if peers.is_empty() {
-            return None;
-        }
-        let (tx, mut rx) = tokio::sync::mpsc::channel(peers.len());
-        for peer in peers {
-            let (this, st, env, sig, tx) = (
-                self.clone(),
-                st.clone(),
-                env.clone(),
-                sig.clone(),
-                tx.clone(),
-            );
-            // Each call finishes (and is counted) on its own, even after another peer
-            // answered.
-            tokio::spawn(async move {
-                let r = this.post(peer, PEER_ABORT_PATH, env, sig).await;
-                let found = match r {
-                    Ok((s, b)) if s == StatusCode::OK => {
-                        st.metrics.peer.forward("abort", "ok");
-                        Some(PeerAnswer {
-                            peer,
-                            status: s,
-                            body: b,
-                        })
-                    }
-                    Ok((s, _)) if s == StatusCode::NOT_FOUND => {
-                        st.metrics.peer.forward("abort", "not_found");
-                        None
-                    }
-                    Ok((s, b)) => {
-                        st.metrics.peer.forward("abort", "failed");
-                        tracing::warn!(%peer, status = s.as_u16(), answer = %String::from_utf8_lossy(&b), "forwarded abort refused by the peer (check that every replica has the same keys and a clock within 30 s)");
-                        None
-                    }
-                    Err(e) => {
-                        st.metrics.peer.forward("abort", "failed");
-                        tracing::warn!(%peer, error = %e, "forwarded abort: peer unreachable");
-                        None
-                    }
-                };
-                let _ = tx.send(found).await;
-            });
-        }
-        drop(tx);
-        while let Some(r) = rx.recv().await {
-            if r.is_some() {
-                return r;
-            }
-        }
-        None
     }
 
     /// Forwards a renewal body this replica accepted to every peer, in the background.

@@ -58,7 +58,7 @@ impl ReplayMemory {
     /// Records a verified signature at `now_unix`.
     pub fn check_and_remember(&mut self, sig: &Signature, now_unix: u64) -> Seen {
         self.purge(now_unix);
-        let k = (sig.t, sig.v1);
+        let k = (sig.t, sig.mac);
         if self.seen.contains(&k) {
             return Seen::Replay;
         }
@@ -67,7 +67,7 @@ impl ReplayMemory {
             return Seen::Full;
         }
         self.seen.insert(k);
-        self.by_t.entry(sig.t).or_default().push(sig.v1);
+        self.by_t.entry(sig.t).or_default().push(sig.mac);
         Seen::Fresh
     }
 
@@ -92,7 +92,7 @@ mod tests {
     use super::*;
 
     fn sig(t: u64, b: u8) -> Signature {
-        Signature { t, v1: [b; 32] }
+        Signature { t, mac: [b; 32] }
     }
 
     #[test]

@@ -1,15 +1,15 @@
 //! Shared state: configuration, keys, the in-flight table, tombstones, replay memory,
-//! engine and GPU status, metrics; and how a request is ended (abort API, reaper,
-//! shutdown, a superseding retry).
+//! engine and GPU status, leases, peers, metrics; and admission (a superseding retry
+//! included). How a request is ended is [`crate::abort`].
 
 use crate::clock::Clock;
 use crate::config::Config;
 use crate::engine::Engine;
 use crate::expo::{EngineFigures, EngineFlavour};
 use crate::gpu::GpuTracker;
-use crate::metrics::{outcome, Metrics};
+use crate::metrics::Metrics;
 use crate::replay::ReplayMemory;
-use crate::table::{ClientGone, Entry};
+use crate::table::Entry;
 use crate::tombstones::{Tombstone, Tombstones};
 use kvguard_contract::{AbortReason, Key, RequestId};
 use prometheus_client::registry::Registry;
@@ -63,19 +63,6 @@ pub struct EngineStatus {
     pub tracked: Option<u64>,
 }
 
-/// What an abort call found ([`AppState::abort_or_tombstone`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AbortFound {
-    /// In flight: ended by this call.
-    Ended,
-    /// In flight, `--dry-run`: observed only.
-    Observed,
-    /// Already ended, or tombstoned.
-    Already,
-    /// Not in flight: tombstoned now.
-    NotFound,
-}
-
 /// The keys kvguard-control uses: those it accepts on abort calls, and the one it signs
 /// its response stamp with.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -97,7 +84,11 @@ pub enum Refusal {
     Draining,
 }
 
-/// Everything the handlers and tasks share.
+/// Everything the handlers and tasks share. Each part that changes has its own lock, so
+/// unrelated work never waits on another's: the table and tombstones (one lock, so that
+/// admission and abort see one view), the replay memory, the keys (read-mostly, swapped
+/// whole on reload), the engine status, the GPU status, the leases; the peer set is
+/// immutable apart from its own resolution cache. No code holds two of them at once.
 pub struct AppState {
     /// Validated configuration.
     pub cfg: Config,
@@ -298,7 +289,7 @@ impl AppState {
         self.remove_locked(&mut inner, entry);
     }
 
-    fn remove_locked(&self, inner: &mut Inner, entry: &Entry) {
+    pub(crate) fn remove_locked(&self, inner: &mut Inner, entry: &Entry) {
         if inner
             .table
             .get(&entry.id)
@@ -318,7 +309,7 @@ impl AppState {
         self.tombstone_locked(&mut inner, id, reason, now);
     }
 
-    fn tombstone_locked(
+    pub(crate) fn tombstone_locked(
         &self,
         inner: &mut Inner,
         id: RequestId,
@@ -340,187 +331,6 @@ impl AppState {
         let mut inner = self.inner();
         inner.tombstones.purge(now);
         self.metrics.tombstones.set(inner.tombstones.len() as i64);
-    }
-
-    /// What the abort API does for `id`, decided under one lock: the request is in flight
-    /// (it is ended), already ended (tombstoned), or not yet here (it is tombstoned, so it
-    /// is refused when it arrives). An abort racing its request's admission therefore
-    /// either ends it or refuses it, never answers 404 while it runs.
-    ///
-    /// `gone`: how long ago the sender saw the client go and how many data events it had
-    /// passed on (the abort body's `gone_ms`, `tokens`), for the orphan's cost.
-    pub fn abort_or_tombstone(
-        self: &Arc<Self>,
-        id: &RequestId,
-        reason: AbortReason,
-        gone: Option<(Duration, u64)>,
-    ) -> AbortFound {
-        self.abort_here(id, reason, gone, true)
-    }
-
-    /// Like [`AppState::abort_or_tombstone`], but an id not in flight here is left alone
-    /// (no tombstone): a peer may hold it (`--peers`), and a tombstone here would be
-    /// useless at best. [`AbortFound::NotFound`] then means "nothing written".
-    pub fn abort_if_here(
-        self: &Arc<Self>,
-        id: &RequestId,
-        reason: AbortReason,
-        gone: Option<(Duration, u64)>,
-    ) -> AbortFound {
-        self.abort_here(id, reason, gone, false)
-    }
-
-    fn abort_here(
-        self: &Arc<Self>,
-        id: &RequestId,
-        reason: AbortReason,
-        gone: Option<(Duration, u64)>,
-        tombstone_missing: bool,
-    ) -> AbortFound {
-        let now = self.clock.now();
-        let mut inner = self.inner();
-        if let Some(entry) = inner.table.get(id).cloned() {
-            if let Some((ago, delivered)) = gone {
-                entry.mark_client_gone(ClientGone {
-                    at: now.checked_sub(ago).unwrap_or(now),
-                    delivered,
-                    reason,
-                });
-            }
-            if self.cfg.dry_run {
-                drop(inner);
-                self.observe(&entry, reason, "abort_api");
-                return AbortFound::Observed;
-            }
-            if !entry.mark_ended(reason) {
-                return AbortFound::Already;
-            }
-            self.remove_locked(&mut inner, &entry);
-            self.tombstone_locked(&mut inner, id.clone(), reason, now);
-            drop(inner);
-            self.finish_end(&entry, reason, "abort_api");
-            return AbortFound::Ended;
-        }
-        if inner.tombstones.get(id, now).is_some() {
-            return AbortFound::Already;
-        }
-        if tombstone_missing {
-            if self.cfg.dry_run {
-                drop(inner);
-                tracing::info!(request_id = %id, reason = %reason, outcome = outcome::DRY_RUN, "abort call for an id not in flight: would tombstone it (dry run)");
-            } else {
-                self.tombstone_locked(&mut inner, id.clone(), reason, now);
-            }
-        }
-        AbortFound::NotFound
-    }
-
-    /// Ends a request in flight for `reason` (`via`: `reaper`, `shutdown`, for the log).
-    /// Returns `false` if it was already being ended.
-    ///
-    /// Enforce mode: the entry leaves the table and its id is tombstoned at once; the
-    /// client's stream gets the final SSE event and ends, the engine connection is closed
-    /// (vLLM, TGI, llama.cpp abort on disconnect), the engine's own abort is called per
-    /// strategy, and if the client does not take its end within `--abort-flush-timeout`
-    /// the downstream side is cut ([`crate::downstream`]). `--dry-run`: logged and
-    /// counted once per request, nothing else.
-    pub fn end_request(
-        self: &Arc<Self>,
-        entry: &Arc<Entry>,
-        reason: AbortReason,
-        via: &'static str,
-    ) -> bool {
-        if self.cfg.dry_run && via != "shutdown" {
-            self.observe(entry, reason, via);
-            return false;
-        }
-        {
-            let now = self.clock.now();
-            let mut inner = self.inner();
-            if !entry.mark_ended(reason) {
-                return false;
-            }
-            self.remove_locked(&mut inner, entry);
-            self.tombstone_locked(&mut inner, entry.id.clone(), reason, now);
-        }
-        self.finish_end(entry, reason, via);
-        true
-    }
-
-    /// `--dry-run`: what would be ended, logged and counted once per request.
-    fn observe(&self, entry: &Entry, reason: AbortReason, via: &'static str) {
-        if entry.mark_observed() {
-            self.metrics.abort(reason, outcome::DRY_RUN);
-            tracing::info!(request_id = %entry.id, reason = %reason, via, strategy = self.cfg.abort_strategy.as_str(), outcome = outcome::DRY_RUN, age_ms = self.age_ms(entry), events = entry.events(), "would end request (dry run)");
-        }
-    }
-
-    fn age_ms(&self, entry: &Entry) -> u64 {
-        let age = self
-            .clock
-            .now()
-            .saturating_duration_since(entry.times().started);
-        u64::try_from(age.as_millis()).unwrap_or(u64::MAX)
-    }
-
-    /// The part of ending that happens outside the lock: the client stream and the engine
-    /// connection, the downstream deadline, the engine's abort API, the log line.
-    fn finish_end(self: &Arc<Self>, entry: &Arc<Entry>, reason: AbortReason, via: &'static str) {
-        entry.end();
-        self.count_orphan_cost(entry);
-        self.arm_downstream_deadline(entry);
-        let this = self.clone();
-        let entry = entry.clone();
-        let age_ms = self.age_ms(&entry);
-        let events = entry.events();
-        let strategy = self.cfg.abort_strategy.as_str();
-        tokio::spawn(async move {
-            let (outcome, error) = match this.engine.abort(entry.id.clone()).await {
-                Ok(()) => (outcome::ABORTED, None),
-                Err(e) => (outcome::ENGINE_CALL_FAILED, Some(e)),
-            };
-            this.metrics.abort(reason, outcome);
-            match error {
-                None => {
-                    tracing::info!(request_id = %entry.id, reason = %reason, via, strategy, outcome, age_ms, events, "ended request")
-                }
-                Some(e) => {
-                    tracing::warn!(request_id = %entry.id, reason = %reason, via, strategy, outcome, age_ms, events, error = %e, "ended request; the engine's abort call failed (the connection was closed)")
-                }
-            }
-        });
-    }
-
-    /// Adds an ended request's orphan cost (if its client was known to have gone) to
-    /// `kvguard_control_orphan_seconds_total` / `wasted_tokens_total` under the abort's
-    /// reason. Called where the engine connection closes (an end by kvguard, or the
-    /// response ending by itself: `--dry-run`, or an abort that lost the race).
-    pub fn count_orphan_cost(&self, entry: &Entry) {
-        if let Some(c) = entry.take_orphan_cost(self.clock.now()) {
-            self.metrics.orphan_cost(c.reason, c.seconds, c.events);
-        }
-    }
-
-    /// Cuts the request's downstream side if its response is still not gone after
-    /// `--abort-flush-timeout` (a client that stopped reading never takes the final event).
-    fn arm_downstream_deadline(&self, entry: &Arc<Entry>) {
-        let Some(down) = entry.downstream().cloned() else {
-            return;
-        };
-        let entry = entry.clone();
-        let grace = self.cfg.abort_flush_timeout;
-        let metrics = self.metrics.clone();
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = entry.finished_token().cancelled() => {}
-                _ = tokio::time::sleep(grace) => {
-                    let scope = down.scope().as_str();
-                    metrics.downstream_cut(scope);
-                    tracing::info!(request_id = %entry.id, scope, "the client did not take the end of its request within --abort-flush-timeout; cut its downstream side");
-                    down.cut();
-                }
-            }
-        });
     }
 
     /// Successful admissions so far (quiet checkpoints: none may happen during a sample).
@@ -556,5 +366,38 @@ impl AppState {
                         .is_some_and(|t| now.saturating_duration_since(t) <= window)
             })
             .unwrap_or(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{FakeEngine, ManualClock};
+
+    #[test]
+    fn admission_replay_keys_engine_gpu_and_leases_each_have_their_own_lock() {
+        let key = Key::try_new(b"kvguard-state-test-key-0123456789").unwrap();
+        let cfg = Config::for_tests("http://127.0.0.1:9", vec![key]).unwrap();
+        let st = AppState::new(
+            cfg,
+            Arc::new(ManualClock::new(1_800_000_000)),
+            Arc::new(FakeEngine),
+            GpuTracker::unavailable("test".into()),
+        );
+        // With the admission lock held, every other part is free (a shared lock would
+        // make these attempts fail, not wait).
+        let inner = st.inner();
+        assert!(st.replay.try_lock().is_ok(), "replay memory");
+        assert!(st.keys.try_write().is_ok(), "keys");
+        assert!(st.engine_status.try_lock().is_ok(), "engine status");
+        assert!(st.gpu.try_lock().is_ok(), "gpu");
+        assert!(st.leases.try_lock().is_ok(), "leases");
+        drop(inner);
+        // And the other way round: a held replay, lease or engine lock leaves admission free.
+        let replay = st.replay();
+        let leases = st.leases.lock().unwrap();
+        let engine = st.engine_status.lock().unwrap();
+        assert!(st.inner.try_lock().is_ok(), "admission");
+        drop((replay, leases, engine));
     }
 }

@@ -1,11 +1,30 @@
 //! Test doubles (feature `test-support`, never in the production build): a clock that
-//! moves only when told, GPU probes with canned or hanging answers.
+//! moves only when told, an engine that never answers, GPU probes with canned or hanging
+//! answers.
 
 use crate::clock::Clock;
+use crate::engine::{BoxFut, Engine};
 use crate::gpu::{GpuProbe, GpuSnapshot};
+use kvguard_contract::RequestId;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
+
+/// An engine whose metrics and health never answer and whose abort API always succeeds.
+#[derive(Debug)]
+pub struct FakeEngine;
+
+impl Engine for FakeEngine {
+    fn scrape(&self) -> BoxFut<'_, Result<String, String>> {
+        Box::pin(async { Err("fake".into()) })
+    }
+    fn health(&self) -> BoxFut<'_, Result<(), String>> {
+        Box::pin(async { Err("fake".into()) })
+    }
+    fn abort(&self, _id: RequestId) -> BoxFut<'_, Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+}
 
 /// A clock that moves only when told.
 #[derive(Debug)]

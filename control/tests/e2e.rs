@@ -262,7 +262,12 @@ async fn unsigned_wrong_key_stale_replayed_and_malformed_aborts_are_refused() {
         let other_body =
             serde_json::to_vec(&json!({"request_id": "someone-else", "reason": "operator"}))
                 .unwrap();
-        let sig = kvguard_contract::signature::sign(&key(), now_unix(), &other_body);
+        let sig = kvguard_contract::signature::sign(
+            kvguard_contract::Domain::Abort,
+            &key(),
+            now_unix(),
+            &other_body,
+        );
         for expected in [404, 409] {
             let r = client::request(
                 admin,
@@ -970,7 +975,8 @@ async fn a_replay_memory_filled_under_load_refuses_new_calls_and_never_accepts_a
                 &json!({"request_id": format!("fill-{i}"), "reason": "operator"}),
             )
             .unwrap();
-            let sig = kvguard_contract::signature::sign(&key, t, &body);
+            let sig =
+                kvguard_contract::signature::sign(kvguard_contract::Domain::Abort, &key, t, &body);
             let r = post_signed(ctl.admin_addr, &body, &sig).await;
             let want = if i < CAP { 404 } else { 503 };
             assert_eq!(r, want, "call {i}");

@@ -6,7 +6,7 @@
 use axum::body::Body;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use kvguard_contract::{signature, AbortReason, Key, RequestId};
+use kvguard_contract::{signature, AbortReason, Domain, Key, RequestId};
 use kvguard_control::clock::Clock;
 use kvguard_control::config::Config;
 use kvguard_control::engine::{BoxFut, Engine};
@@ -14,7 +14,7 @@ use kvguard_control::expo::EngineFigures;
 use kvguard_control::gpu::{DeviceMemory, GpuProbe, GpuSnapshot, GpuTracker, ProcessMemory};
 use kvguard_control::lease::enforce;
 use kvguard_control::state::AppState;
-use kvguard_control::testing::{FakeProbe, ManualClock};
+use kvguard_control::testing::{FakeEngine, FakeProbe, ManualClock};
 use kvguard_control::{admin, proxy, reaper, sampler};
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -23,19 +23,6 @@ use tower::ServiceExt;
 
 const KEY: &[u8] = b"kvguard-control-test-key-0123456789";
 const NOW: u64 = 1_800_000_000;
-
-struct FakeEngine;
-impl Engine for FakeEngine {
-    fn scrape(&self) -> BoxFut<'_, Result<String, String>> {
-        Box::pin(async { Err("fake".into()) })
-    }
-    fn health(&self) -> BoxFut<'_, Result<(), String>> {
-        Box::pin(async { Err("fake".into()) })
-    }
-    fn abort(&self, _id: RequestId) -> BoxFut<'_, Result<(), String>> {
-        Box::pin(async { Ok(()) })
-    }
-}
 
 fn state(tweak: impl FnOnce(&mut Config)) -> (Arc<AppState>, Arc<ManualClock>) {
     // Port 9 (discard): nothing answers there.
@@ -76,13 +63,19 @@ async fn abort_api_answers_per_contract_on_an_injected_clock() {
     // Skew boundary: ±30 s accepted, 31 refused.
     let (s, _) = call(
         app.clone(),
-        abort_req(body, Some(signature::sign(&key, NOW - 31, body))),
+        abort_req(
+            body,
+            Some(signature::sign(Domain::Abort, &key, NOW - 31, body)),
+        ),
     )
     .await;
     assert_eq!(s, StatusCode::UNAUTHORIZED);
     let (s, _) = call(
         app.clone(),
-        abort_req(body, Some(signature::sign(&key, NOW + 31, body))),
+        abort_req(
+            body,
+            Some(signature::sign(Domain::Abort, &key, NOW + 31, body)),
+        ),
     )
     .await;
     assert_eq!(s, StatusCode::UNAUTHORIZED);
@@ -90,7 +83,7 @@ async fn abort_api_answers_per_contract_on_an_injected_clock() {
     assert_eq!(s, StatusCode::UNAUTHORIZED);
     let (s, _) = call(app.clone(), abort_req(body, Some("t=1,v1=zz".into()))).await;
     assert_eq!(s, StatusCode::UNAUTHORIZED);
-    let sig = signature::sign(&key, NOW - 30, body);
+    let sig = signature::sign(Domain::Abort, &key, NOW - 30, body);
     let (s, v) = call(app.clone(), abort_req(body, Some(sig.clone()))).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
     assert_eq!(v, json!({"request_id": "r1", "found": false}));
@@ -100,7 +93,10 @@ async fn abort_api_answers_per_contract_on_an_injected_clock() {
     // The tombstone answers already_aborted.
     let (s, v) = call(
         app.clone(),
-        abort_req(body, Some(signature::sign(&key, NOW + 30, body))),
+        abort_req(
+            body,
+            Some(signature::sign(Domain::Abort, &key, NOW + 30, body)),
+        ),
     )
     .await;
     assert_eq!(s, StatusCode::OK);
@@ -112,7 +108,7 @@ async fn abort_api_answers_per_contract_on_an_injected_clock() {
     let big = vec![b' '; 5000];
     let (s, _) = call(
         app.clone(),
-        abort_req(&big, Some(signature::sign(&key, NOW, &big))),
+        abort_req(&big, Some(signature::sign(Domain::Abort, &key, NOW, &big))),
     )
     .await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
@@ -122,7 +118,7 @@ async fn abort_api_answers_per_contract_on_an_injected_clock() {
     let t = NOW + 61;
     let (s, _) = call(
         app.clone(),
-        abort_req(body, Some(signature::sign(&key, t, body))),
+        abort_req(body, Some(signature::sign(Domain::Abort, &key, t, body))),
     )
     .await;
     assert_eq!(s, StatusCode::NOT_FOUND);
@@ -137,7 +133,7 @@ async fn abort_api_answers_per_contract_on_an_injected_clock() {
     let live = br#"{"request_id":"live","reason":"downstream_reset"}"#;
     let (s, v) = call(
         app.clone(),
-        abort_req(live, Some(signature::sign(&key, t, live))),
+        abort_req(live, Some(signature::sign(Domain::Abort, &key, t, live))),
     )
     .await;
     assert_eq!(s, StatusCode::OK);
@@ -553,7 +549,7 @@ async fn an_abort_racing_its_request_ends_it_or_refuses_it_never_404_while_it_ru
             st2.abort_or_tombstone(&id2, AbortReason::DownstreamReset, None)
         });
         let (admitted, found) = (admit.await.unwrap(), abort.await.unwrap());
-        if let (Ok(entry), kvguard_control::state::AbortFound::NotFound) = (&admitted, found) {
+        if let (Ok(entry), kvguard_control::abort::AbortFound::NotFound) = (&admitted, found) {
             if entry.ended().is_none() {
                 bad.push(i);
             }
@@ -577,7 +573,7 @@ async fn a_full_replay_memory_refuses_new_calls_never_a_replay_and_refusals_are_
     let app = admin::app(st.clone());
     let signed = |i: u32, t: u64| {
         let body = format!(r#"{{"request_id":"e{i}","reason":"stalled","idle_ms":5,"gone_ms":7}}"#);
-        let sig = signature::sign(&key, t, body.as_bytes());
+        let sig = signature::sign(Domain::Abort, &key, t, body.as_bytes());
         (body, sig)
     };
     let calls: Vec<_> = (0..3).map(|i| signed(i, NOW)).collect();
@@ -659,7 +655,7 @@ async fn an_abort_overtaken_by_its_request_mid_handler_ends_it() {
     // verifying the signature: between its look-up and its tombstone, had they been apart.
     let (st2, slot) = (st.clone(), admitted.clone());
     let body = br#"{"request_id":"overtaken","reason":"downstream_reset"}"#;
-    let sig = signature::sign(&Key::try_new(KEY).unwrap(), NOW, body);
+    let sig = signature::sign(Domain::Abort, &Key::try_new(KEY).unwrap(), NOW, body);
     *clock.hook.lock().unwrap() = Some(Box::new(move || {
         let e = st2.admit(
             RequestId::try_new(b"overtaken").unwrap(),
@@ -691,7 +687,7 @@ fn renewal_on(
     let body = kvguard_contract::Renewal::new(instance, counter)
         .sent(via, true)
         .to_json();
-    let sig = signature::sign(&Key::try_new(key).unwrap(), t, &body);
+    let sig = signature::sign(Domain::Renewal, &Key::try_new(key).unwrap(), t, &body);
     let path = match via {
         kvguard_contract::Via::Admin => kvguard_contract::LEASE_PATH,
         kvguard_contract::Via::Data => kvguard_contract::DATA_LEASE_PATH,
@@ -824,7 +820,7 @@ async fn a_renewal_period_too_long_for_the_ttl_is_refused_naming_the_fix() {
     let body = kvguard_contract::Renewal::new(a, 1)
         .from_host(kvguard_contract::HostKey([1; 16]), 10_001)
         .to_json();
-    let sig = signature::sign(&Key::try_new(KEY).unwrap(), NOW, &body);
+    let sig = signature::sign(Domain::Renewal, &Key::try_new(KEY).unwrap(), NOW, &body);
     let req = Request::post(kvguard_contract::LEASE_PATH)
         .header(kvguard_contract::SIGNATURE_HEADER, sig)
         .body(Body::from(body))
@@ -1160,7 +1156,7 @@ async fn a_new_process_renewing_with_a_dead_ones_host_key_ends_its_requests_with
         let body = kvguard_contract::Renewal::new(i, n)
             .from_host(host, 5_000)
             .to_json();
-        let sig = signature::sign(&Key::try_new(KEY).unwrap(), NOW, &body);
+        let sig = signature::sign(Domain::Renewal, &Key::try_new(KEY).unwrap(), NOW, &body);
         Request::post(kvguard_contract::LEASE_PATH)
             .header(kvguard_contract::SIGNATURE_HEADER, sig)
             .body(Body::from(body))
@@ -1347,7 +1343,7 @@ async fn ending_a_request_whose_client_had_gone_counts_the_orphans_cost() {
             AbortReason::DownstreamReset,
             Some((Duration::from_secs(2), 3))
         ),
-        kvguard_control::state::AbortFound::Ended
+        kvguard_control::abort::AbortFound::Ended
     );
     let l = "{reason=\"downstream_reset\"}";
     assert_eq!(
@@ -1410,14 +1406,14 @@ async fn replaced_keys_take_effect_on_the_next_abort_call() {
     st.set_keys(keys.clone());
     assert_eq!(*st.keys(), keys);
     let body = br#"{"request_id":"k","reason":"operator"}"#;
-    let old_sig = signature::sign(&Key::try_new(KEY).unwrap(), NOW, body);
+    let old_sig = signature::sign(Domain::Abort, &Key::try_new(KEY).unwrap(), NOW, body);
     let (s, _) = call(admin::app(st.clone()), abort_req(body, Some(old_sig))).await;
     assert_eq!(
         s,
         StatusCode::UNAUTHORIZED,
         "the old key is no longer accepted"
     );
-    let new_sig = signature::sign(&new, NOW, body);
+    let new_sig = signature::sign(Domain::Abort, &new, NOW, body);
     let (s, _) = call(admin::app(st.clone()), abort_req(body, Some(new_sig))).await;
     assert_eq!(
         s,
@@ -1480,7 +1476,7 @@ async fn a_dry_run_tombstones_nothing_and_keeps_a_superseded_attempt_in_flight()
     // An abort that overtakes its request: counted and logged, no tombstone.
     assert_eq!(
         st.abort_or_tombstone(&id, AbortReason::DownstreamReset, None),
-        kvguard_control::state::AbortFound::NotFound
+        kvguard_control::abort::AbortFound::NotFound
     );
     assert!(st.inner().tombstones.is_empty());
     let first = st.admit(id.clone(), "POST".into(), "/".into()).unwrap();
@@ -1594,7 +1590,7 @@ fn envelope(body: &[u8], from: &str) -> Request<Body> {
     let env = kvguard_contract::Forwarded::new(from, body)
         .unwrap()
         .to_json();
-    let sig = signature::sign(&Key::try_new(KEY).unwrap(), NOW, &env);
+    let sig = signature::sign(Domain::Envelope, &Key::try_new(KEY).unwrap(), NOW, &env);
     Request::post(kvguard_contract::PEER_LEASE_PATH)
         .header(kvguard_contract::SIGNATURE_HEADER, sig)
         .body(Body::from(env))
@@ -1677,7 +1673,7 @@ async fn only_a_new_renewal_that_asks_for_it_is_forwarded_to_the_peers() {
         let body = kvguard_contract::Renewal::new(a, counter)
             .sent(via, fanout)
             .to_json();
-        let sig = signature::sign(&Key::try_new(KEY).unwrap(), NOW, &body);
+        let sig = signature::sign(Domain::Renewal, &Key::try_new(KEY).unwrap(), NOW, &body);
         let path = match via {
             kvguard_contract::Via::Admin => kvguard_contract::LEASE_PATH,
             kvguard_contract::Via::Data => kvguard_contract::DATA_LEASE_PATH,
@@ -1720,4 +1716,132 @@ async fn only_a_new_renewal_that_asks_for_it_is_forwarded_to_the_peers() {
     assert_eq!(got.len(), 1, "{got:?}");
     let env = kvguard_contract::Forwarded::parse(&got[0]).unwrap();
     assert_eq!(env.body.as_bytes(), &body[..]);
+}
+
+/// The header a signer before the domain prefixes sent: `t` and the unprefixed `v1` only.
+fn v1_only(header: &str) -> String {
+    header.split(",v2=").next().unwrap().to_owned()
+}
+
+#[tokio::test]
+async fn each_signed_call_takes_only_its_own_kind_and_a_sender_before_the_prefixes_is_named() {
+    let (st, _clock) = state(|_| {});
+    let key = Key::try_new(KEY).unwrap();
+    let post = |path: &'static str, body: &[u8], sig: String| {
+        Request::post(path)
+            .header(kvguard_contract::SIGNATURE_HEADER, sig)
+            .body(Body::from(body.to_vec()))
+            .unwrap()
+    };
+    let abort = br#"{"request_id":"kinds","reason":"operator"}"#.to_vec();
+    let instance = kvguard_contract::InstanceId([4; 16]);
+    let renewal = kvguard_contract::Renewal::new(instance, 1).to_json();
+    let env = kvguard_contract::Forwarded::new("10.0.0.8:9902", &renewal)
+        .unwrap()
+        .to_json();
+    let calls = [
+        (kvguard_contract::ABORT_PATH, &abort, Domain::Abort),
+        (kvguard_contract::LEASE_PATH, &renewal, Domain::Renewal),
+        (kvguard_contract::PEER_LEASE_PATH, &env, Domain::Envelope),
+    ];
+    let mut t = NOW - 20;
+    for (path, body, own) in calls {
+        for signed in [Domain::Abort, Domain::Renewal, Domain::Envelope] {
+            if signed == own {
+                continue;
+            }
+            t += 1;
+            let sig = signature::sign(signed, &key, t, body);
+            let (s, v) = call(admin::app(st.clone()), post(path, body, sig)).await;
+            assert_eq!(
+                s,
+                StatusCode::UNAUTHORIZED,
+                "{path} signed as {signed:?}: {v}"
+            );
+        }
+        t += 1;
+        let old = v1_only(&signature::sign(own, &key, t, body));
+        let (s, v) = call(admin::app(st.clone()), post(path, body, old)).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "{path} with v1 only: {v}");
+        assert!(
+            v["message"].as_str().unwrap().contains("v1 and no v2"),
+            "{v}"
+        );
+        t += 1;
+        let own_sig = signature::sign(own, &key, t, body);
+        let (s, v) = call(admin::app(st.clone()), post(path, body, own_sig)).await;
+        assert_ne!(
+            s,
+            StatusCode::UNAUTHORIZED,
+            "{path} signed as its own kind: {v}"
+        );
+    }
+    for (series, unauthorized) in [
+        ("kvguard_control_abort_api_answers_total{result=\"", 2.0),
+        (
+            "kvguard_control_lease_renewals_total{path=\"admin\",result=\"",
+            2.0,
+        ),
+        (
+            "kvguard_control_peer_received_total{kind=\"renewal\",result=\"",
+            2.0,
+        ),
+    ] {
+        let s = |r: &str| format!("{series}{r}\"}}");
+        assert_eq!(
+            lease_metric(&st, &s("unauthorized")).await,
+            unauthorized,
+            "{series}"
+        );
+        assert_eq!(lease_metric(&st, &s("outdated")).await, 1.0, "{series}");
+    }
+}
+
+/// A peer that holds every id it is forwarded an abort for (answers 200 `aborted`).
+async fn holding_peer() -> std::net::SocketAddr {
+    let app = axum::Router::new().route(
+        kvguard_contract::PEER_ABORT_PATH,
+        axum::routing::post(|| async {
+            axum::Json(json!({"request_id": "held", "found": true, "aborted": true}))
+        }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    addr
+}
+
+#[tokio::test]
+async fn an_abort_a_peer_answers_is_passed_on_and_tombstoned_here_but_not_in_a_dry_run() {
+    let peer = holding_peer().await;
+    for dry_run in [false, true] {
+        let (st, _clock) = state(|c| {
+            c.dry_run = dry_run;
+            c.peers = Some(kvguard_control::config::PeerConfig {
+                urls: vec![
+                    kvguard_control::config::parse_peer_url(&format!("http://{peer}")).unwrap(),
+                ],
+                self_addr: "127.0.0.1:1".parse().unwrap(),
+            });
+        });
+        let body = br#"{"request_id":"held","reason":"downstream_reset"}"#;
+        let sig = signature::sign(Domain::Abort, &Key::try_new(KEY).unwrap(), NOW, body);
+        let (s, v) = call(admin::app(st.clone()), abort_req(body, Some(sig))).await;
+        assert_eq!((s, &v["aborted"]), (StatusCode::OK, &json!(true)), "{v}");
+        assert_eq!(
+            lease_metric(
+                &st,
+                "kvguard_control_abort_api_answers_total{result=\"forwarded\"}"
+            )
+            .await,
+            1.0
+        );
+        // A later attempt with the id is refused here too, unless this is a dry run
+        // (which refuses nothing).
+        assert_eq!(
+            st.inner().tombstones.is_empty(),
+            dry_run,
+            "dry run {dry_run}"
+        );
+    }
 }

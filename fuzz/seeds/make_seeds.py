@@ -95,7 +95,9 @@ put("filter_config", b"{")
 mac = b"ab" * 32
 for value in [b"127.0.0.1:9902;t=1800000000;sig=" + mac, b"[fd00::1]:9902;t=1;sig=" + mac,
               b"10.1.2.3:80 ; t=0 ; sig=" + mac.upper(), b"host:1;t=1;sig=" + mac,
-              b"t=1800000000,v1=" + mac, b"v1=" + mac + b", t=5, v2=zz"]:
+              b"t=1800000000,v1=" + mac, b"v1=" + mac + b", t=5, v2=zz",
+              b"127.0.0.1:9902;t=1800000000;v2=" + mac, b"[fd00::1]:9902;t=1;v2=" + mac,
+              b"t=1800000000,v1=" + mac + b",v2=" + mac, b"v2=" + mac + b", t=5, v3=zz"]:
     put("control_header", bytes([0]) + sl(b"req-1") + value)
     put("control_header", bytes([7]) + sl(b"chatcmpl-abc.def:ghi_jk-1") + value)
 
@@ -108,8 +110,10 @@ bodies = [b'{"request_id":"r1","reason":"stalled","age_ms":5,"tokens":6}',
           b'{"request_id":"r","reason":"timeout","age_ms":18446744073709551616}']
 for body in bodies:
     put("abort_request", bytes([0]) + sl(b"t=1800000000,v1=" + mac) + body)
+    put("abort_request", bytes([0]) + sl(b"t=1800000000,v2=" + mac) + body)
     put("abort_request", bytes([40]) + sl(b"") + body)
     put("control_abort_api", bytes([0]) + sl(b"") + sl(b"t=1800000000,v1=" + mac) + body)
+    put("control_abort_api", bytes([0]) + sl(b"") + sl(b"t=1800000000,v2=" + mac) + body)
     put("control_abort_api", bytes([3]) + sl(b"x-other") + sl(b"v") + body)
     put("control_abort_api", bytes([0x80]) + sl(b"") + sl(b"") + body)
 

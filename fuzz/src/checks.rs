@@ -9,7 +9,7 @@
 //! one of the properties written next to it.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use kvguard_contract::{signature, stamp, AbortReason, AbortRequest, Key, RequestId};
+use kvguard_contract::{signature, stamp, AbortReason, AbortRequest, Domain, Key, RequestId};
 use kvguard_filter_core::engine::{Action, Engine, Verdict};
 use kvguard_filter_core::host::{Call, Clock, DispatchError, Host, Level};
 use kvguard_filter_core::metrics::{Metric, Metrics};
@@ -264,11 +264,11 @@ pub fn control_header(data: &[u8]) {
 
     // Raw parsing of both headers.
     if let Ok(s) = stamp::parse(value) {
-        let again = format!("{};t={};sig={}", s.addr, s.t, hex(&s.sig));
+        let again = format!("{};t={};v2={}", s.addr, s.t, hex(&s.sig));
         assert_eq!(stamp::parse(again.as_bytes()), Ok(s), "stamp round trip");
     }
     if let Ok(s) = signature::parse(value) {
-        let again = format!("t={},v1={}", s.t, hex(&s.v1));
+        let again = format!("t={},v2={}", s.t, hex(&s.mac));
         assert_eq!(
             signature::parse(again.as_bytes()),
             Ok(s),
@@ -343,13 +343,13 @@ pub fn abort_request(data: &[u8]) {
     }
     let keys = [key.clone()];
     assert!(
-        signature::verify(&keys, Some(header), body, NOW).is_err(),
+        signature::verify(Domain::Abort, &keys, Some(header), body, NOW).is_err(),
         "a fuzzer-made signature verified"
     );
-    let _ = signature::verify(&keys, None, body, NOW);
+    let _ = signature::verify(Domain::Abort, &keys, None, body, NOW);
     let t = NOW.saturating_add_signed(skew);
-    let genuine = signature::sign(&key, t, body);
-    let r = signature::verify(&keys, Some(genuine.as_bytes()), body, NOW);
+    let genuine = signature::sign(Domain::Abort, &key, t, body);
+    let r = signature::verify(Domain::Abort, &keys, Some(genuine.as_bytes()), body, NOW);
     if skew.unsigned_abs() <= signature::MAX_SKEW_SECS {
         assert!(r.is_ok(), "genuine signature refused at skew {skew}");
     } else {
@@ -359,7 +359,14 @@ pub fn abort_request(data: &[u8]) {
         let mut tampered = body.to_vec();
         tampered[0] ^= 1;
         assert!(
-            signature::verify(&keys, Some(genuine.as_bytes()), &tampered, NOW).is_err(),
+            signature::verify(
+                Domain::Abort,
+                &keys,
+                Some(genuine.as_bytes()),
+                &tampered,
+                NOW
+            )
+            .is_err(),
             "signature verified for another body"
         );
     }
@@ -480,7 +487,7 @@ pub fn control_abort_api(data: &[u8]) {
     // 2. The same body genuinely signed, at a skew taken from the input.
     let skew = i64::from((mode >> 1) as i8 >> 1); // -32..=31
     let t = NOW.saturating_add_signed(skew);
-    let sig = signature::sign(&key, t, &body);
+    let sig = signature::sign(Domain::Abort, &key, t, &body);
     let headers: [(&[u8], &[u8]); 1] = [(b"x-kvguard-signature", sig.as_bytes())];
     let (status, answer) = post(&st, "/v1/abort", &headers, body.clone()).unwrap();
     if skew.unsigned_abs() > signature::MAX_SKEW_SECS {
@@ -503,7 +510,7 @@ pub fn control_abort_api(data: &[u8]) {
     // 4. A fresh signature for a tombstoned id: already aborted.
     if parsed.is_ok() {
         let t2 = if t == NOW + 1 { NOW + 2 } else { NOW + 1 };
-        let sig2 = signature::sign(&key, t2, &body);
+        let sig2 = signature::sign(Domain::Abort, &key, t2, &body);
         let h2: [(&[u8], &[u8]); 1] = [(b"x-kvguard-signature", sig2.as_bytes())];
         let (s2, a2) = post(&st, "/v1/abort", &h2, body).unwrap();
         assert_eq!(s2, 200);
@@ -839,8 +846,13 @@ pub fn filter_engine(data: &[u8]) {
         // Signed at the time it was sent: within the run's clock span.
         let s = signature::parse(sig.as_bytes()).expect("abort call signature malformed");
         assert!(s.t <= now);
-        assert!(
-            signature::verify(std::slice::from_ref(&key), Some(sig.as_bytes()), body, s.t).is_ok()
-        );
+        assert!(signature::verify(
+            Domain::Abort,
+            std::slice::from_ref(&key),
+            Some(sig.as_bytes()),
+            body,
+            s.t
+        )
+        .is_ok());
     }
 }

@@ -8,7 +8,7 @@ use hyper::body::Incoming;
 use hyper::{Request, Response};
 use kvguard_contract::abort::MAX_ABORT_BODY;
 use kvguard_contract::signature::{self, SignatureError};
-use kvguard_contract::{AbortAnswer, AbortRequest, Key, LEASE_PATH, SIGNATURE_HEADER};
+use kvguard_contract::{AbortAnswer, AbortRequest, Domain, Key, LEASE_PATH, SIGNATURE_HEADER};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -435,7 +435,7 @@ fn verify_and_answer(
     body: &[u8],
 ) -> (Result<(), SignatureError>, Response<RespBody>) {
     let now = now_unix();
-    let s = match signature::verify(&shared.keys, sig, body, now) {
+    let s = match signature::verify(Domain::Abort, &shared.keys, sig, body, now) {
         Ok(s) => s,
         Err(e) => {
             return (
@@ -447,7 +447,7 @@ fn verify_and_answer(
     let mut g = shared.lock();
     g.seen_sigs
         .retain(|_, t| now.abs_diff(*t) <= kvguard_contract::MAX_SKEW_SECS * 2);
-    if g.seen_sigs.insert((s.t, s.v1), s.t).is_some() {
+    if g.seen_sigs.insert((s.t, s.mac), s.t).is_some() {
         return (
             Err(SignatureError::Replay),
             json_response(409, &serde_json::json!({"error": "replay"})),

@@ -800,7 +800,8 @@ async fn vllm_scale_out_abort_api_frees_the_sequence_while_its_client_stays_conn
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .as_secs();
-        let sig = kvguard_contract::signature::sign(&key, t, &body);
+        let sig =
+            kvguard_contract::signature::sign(kvguard_contract::Domain::Abort, &key, t, &body);
         // kvguard-control runs in this process: this process's stalls are its stalls.
         let mark = StallMark::process();
         let r = client::request(

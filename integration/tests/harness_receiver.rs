@@ -2,7 +2,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use kvguard_contract::signature::{self, SignatureError};
-use kvguard_contract::{AbortReason, AbortRequest, Key, RequestId};
+use kvguard_contract::{AbortReason, AbortRequest, Domain, Key, RequestId};
 use kvguard_integration::client;
 use kvguard_integration::receiver::{self, Behaviour, IdPolicy, ReceiverConfig};
 use kvguard_integration::wait::bounded;
@@ -59,13 +59,18 @@ async fn verify_answers_per_contract() {
         let addr = rx.addr();
         let b = abort_body("r1");
         // In flight: 200 aborted; same body signed again (new signature): already_aborted.
-        let r = send(addr, &b, Some(signature::sign(&key(), now(), &b))).await;
+        let r = send(
+            addr,
+            &b,
+            Some(signature::sign(Domain::Abort, &key(), now(), &b)),
+        )
+        .await;
         assert_eq!(r.status, 200);
         assert_eq!(
             r.text(),
             r#"{"request_id":"r1","found":true,"aborted":true}"#
         );
-        let sig = signature::sign(&key(), now() - 1, &b);
+        let sig = signature::sign(Domain::Abort, &key(), now() - 1, &b);
         let r = send(addr, &b, Some(sig.clone())).await;
         assert_eq!(
             r.text(),
@@ -76,24 +81,36 @@ async fn verify_answers_per_contract() {
         // Missing, stale, wrong key: 401.
         assert_eq!(send(addr, &b, None).await.status, 401);
         assert_eq!(
-            send(addr, &b, Some(signature::sign(&key(), now() - 100, &b)))
-                .await
-                .status,
+            send(
+                addr,
+                &b,
+                Some(signature::sign(Domain::Abort, &key(), now() - 100, &b))
+            )
+            .await
+            .status,
             401
         );
         let stranger = Key::try_new(b"not-a-configured-key-at-all").unwrap();
         assert_eq!(
-            send(addr, &b, Some(signature::sign(&stranger, now(), &b)))
-                .await
-                .status,
+            send(
+                addr,
+                &b,
+                Some(signature::sign(Domain::Abort, &stranger, now(), &b))
+            )
+            .await
+            .status,
             401
         );
         // Signed but malformed: 400.
         let bad = br#"{"request_id":"a b","reason":"stalled"}"#;
         assert_eq!(
-            send(addr, bad, Some(signature::sign(&key(), now(), bad)))
-                .await
-                .status,
+            send(
+                addr,
+                bad,
+                Some(signature::sign(Domain::Abort, &key(), now(), bad))
+            )
+            .await
+            .status,
             400
         );
         let calls = rx.wait_for_calls(7, T).await.unwrap();
@@ -120,13 +137,23 @@ async fn unknown_ids_get_404_and_a_tombstone() {
         let rx = receiver::spawn(cfg).await.unwrap();
         assert!(rx.register("known"));
         let b = abort_body("known");
-        let r = send(rx.addr(), &b, Some(signature::sign(&key(), now(), &b))).await;
+        let r = send(
+            rx.addr(),
+            &b,
+            Some(signature::sign(Domain::Abort, &key(), now(), &b)),
+        )
+        .await;
         assert_eq!(
             (r.status, r.json().unwrap()["aborted"].as_bool()),
             (200, Some(true))
         );
         let b = abort_body("late");
-        let r = send(rx.addr(), &b, Some(signature::sign(&key(), now(), &b))).await;
+        let r = send(
+            rx.addr(),
+            &b,
+            Some(signature::sign(Domain::Abort, &key(), now(), &b)),
+        )
+        .await;
         assert_eq!(r.status, 404);
         assert_eq!(r.text(), r#"{"request_id":"late","found":false}"#);
         assert!(!rx.register("late"), "a tombstone refuses the id");
@@ -146,7 +173,12 @@ async fn behaviours_status_delay_close() {
         assert_eq!(send(rx.addr(), &b, None).await.status, 503);
         rx.set_behaviour(Behaviour::Delay(Duration::from_millis(300)));
         let t0 = std::time::Instant::now();
-        let r = send(rx.addr(), &b, Some(signature::sign(&key(), now(), &b))).await;
+        let r = send(
+            rx.addr(),
+            &b,
+            Some(signature::sign(Domain::Abort, &key(), now(), &b)),
+        )
+        .await;
         assert_eq!(r.status, 200);
         assert!(t0.elapsed() >= Duration::from_millis(300));
         rx.set_behaviour(Behaviour::Close);

@@ -22,7 +22,9 @@
 #[path = "filter_support.rs"]
 mod support;
 
-use kvguard_contract::{signature, AbortReason, AbortRequest, Forwarded, Key, Renewal, RequestId};
+use kvguard_contract::{
+    signature, AbortReason, AbortRequest, Domain, Forwarded, Key, Renewal, RequestId,
+};
 use kvguard_integration::client;
 use kvguard_integration::demo::stack::{self, Control};
 use kvguard_integration::envoy::{
@@ -478,11 +480,11 @@ async fn forged_genuine_replayed(
         admin,
         path,
         env.to_vec(),
-        signature::sign(forged, unix(), env),
+        signature::sign(Domain::Envelope, forged, unix(), env),
     )
     .await;
     assert_eq!(r.status, 401, "forged, {path}: {}", r.text());
-    let sig = signature::sign(key, unix(), env);
+    let sig = signature::sign(Domain::Envelope, key, unix(), env);
     let r = post(admin, path, env.to_vec(), sig.clone()).await;
     assert_eq!(r.status, genuine, "genuine, {path}: {}", r.text());
     let r = post(admin, path, env.to_vec(), sig).await;
@@ -522,8 +524,14 @@ async fn forged_and_replayed_forwarded_messages_are_refused_and_counted() {
                 support::control_metric(&control, "kvguard_control_tombstones").await,
                 1.0
             );
-            // A gateway's own signed abort is not a forwarded one (and is not forwarded on).
-            let r = post(a, pa, abort.clone(), signature::sign(&key, unix(), &abort)).await;
+            // A gateway's own signed abort is not a forwarded one (and is not forwarded on):
+            // its MAC is an abort's, not an envelope's; and an abort body signed as an
+            // envelope is still no envelope.
+            let as_gateway = signature::sign(Domain::Abort, &key, unix(), &abort);
+            let r = post(a, pa, abort.clone(), as_gateway).await;
+            assert_eq!(r.status, 401, "{}", r.text());
+            let as_replica = signature::sign(Domain::Envelope, &key, unix(), &abort);
+            let r = post(a, pa, abort.clone(), as_replica).await;
             assert_eq!(r.status, 400, "{}", r.text());
             // Renewals: forged, genuine, replayed.
             let inst = kvguard_contract::InstanceId([5; 16]);
@@ -539,7 +547,7 @@ async fn forged_and_replayed_forwarded_messages_are_refused_and_counted() {
                 a,
                 pl,
                 env.clone(),
-                signature::sign(&key, unix() - 120, &env),
+                signature::sign(Domain::Envelope, &key, unix() - 120, &env),
             )
             .await;
             assert_eq!(r.status, 401, "{}", r.text());
@@ -548,7 +556,7 @@ async fn forged_and_replayed_forwarded_messages_are_refused_and_counted() {
             };
             assert_eq!(
                 support::control_metric(&control, &s("abort", "unauthorized")).await,
-                1.0
+                2.0
             );
             assert_eq!(
                 support::control_metric(&control, &s("abort", "replay")).await,
@@ -635,7 +643,7 @@ async fn measure_aborts_leaving_a_sigtermed_envoy_during_disconnects() {
                 )
                 .to_json();
                 let key = Key::try_new(stack::SECRET.as_bytes()).unwrap();
-                let sig = signature::sign(&key, unix(), &body);
+                let sig = signature::sign(Domain::Abort, &key, unix(), &body);
                 post(control.admin, kvguard_contract::ABORT_PATH, body, sig).await;
             }
             engine
@@ -671,7 +679,7 @@ async fn a_peer_down_is_counted_and_the_abort_is_answered_as_without_peers() {
             control.admin,
             kvguard_contract::ABORT_PATH,
             body.clone(),
-            signature::sign(&key, unix(), &body),
+            signature::sign(Domain::Abort, &key, unix(), &body),
         )
         .await;
         let took = sent.elapsed();

@@ -17,7 +17,7 @@
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use kvguard_contract::{signature, InstanceId, Key, Renewal};
+use kvguard_contract::{signature, Domain, InstanceId, Key, Renewal};
 use kvguard_integration::client;
 use kvguard_integration::demo::stack::{Control, SECRET};
 use kvguard_integration::sim::{self, SimConfig};
@@ -111,18 +111,23 @@ async fn gateway_connection(
         if stop.stopped() {
             return;
         }
-        let (path, body) = if let (4, Some(counter)) = (k % 5, &renew) {
+        let (path, domain, body) = if let (4, Some(counter)) = (k % 5, &renew) {
             let counter = counter.fetch_add(1, Ordering::AcqRel) + 1;
-            ("/v1/lease", Renewal::new(instance, counter).to_json())
+            (
+                "/v1/lease",
+                Domain::Renewal,
+                Renewal::new(instance, counter).to_json(),
+            )
         } else {
             let id = format!("gw-{worker}-{conn}-{k}-{}", admin.port());
             (
                 "/v1/abort",
+                Domain::Abort,
                 serde_json::to_vec(&json!({"request_id": id, "reason": "downstream_reset"}))
                     .unwrap(),
             )
         };
-        let sig = signature::sign(&key, now_unix(), &body);
+        let sig = signature::sign(domain, &key, now_unix(), &body);
         let req = hyper::Request::post(path)
             .header("host", "kvguard-control")
             .header("content-type", "application/json")

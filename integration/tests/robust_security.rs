@@ -13,7 +13,7 @@
 #[path = "filter_support.rs"]
 mod support;
 
-use kvguard_contract::{signature, stamp, Key, RequestId};
+use kvguard_contract::{signature, stamp, Domain, Key, RequestId};
 use kvguard_integration::client;
 use kvguard_integration::demo::stack::{self, Stack, StackOptions};
 use kvguard_integration::envoy::CONTROL_TARGET_CLUSTER;
@@ -129,28 +129,65 @@ async fn forged_skewed_and_replayed_abort_calls_are_refused_and_counted() {
         let now = now_unix();
         assert_eq!(post_abort(admin, &body, None).await, 401, "unsigned");
         assert_eq!(
-            post_abort(admin, &body, Some(&signature::sign(&wrong, now, &body))).await,
+            post_abort(
+                admin,
+                &body,
+                Some(&signature::sign(Domain::Abort, &wrong, now, &body))
+            )
+            .await,
             401,
             "wrong key"
         );
         assert_eq!(
-            post_abort(admin, &body, Some(&signature::sign(&key, now - 120, &body))).await,
+            post_abort(
+                admin,
+                &body,
+                Some(&signature::sign(Domain::Abort, &key, now - 120, &body))
+            )
+            .await,
             401,
             "120 s in the past"
         );
         assert_eq!(
-            post_abort(admin, &body, Some(&signature::sign(&key, now + 45, &body))).await,
+            post_abort(
+                admin,
+                &body,
+                Some(&signature::sign(Domain::Abort, &key, now + 45, &body))
+            )
+            .await,
             401,
             "45 s in the future"
         );
         assert_eq!(
-            post_abort(admin, &body, Some("t=1,v1=zz")).await,
+            post_abort(admin, &body, Some("t=1,v2=zz")).await,
             401,
             "malformed"
         );
+        // Signed for another kind of message (a lease renewal's prefix).
+        assert_eq!(
+            post_abort(
+                admin,
+                &body,
+                Some(&signature::sign(Domain::Renewal, &key, now, &body))
+            )
+            .await,
+            401,
+            "signed as a renewal"
+        );
+        // A sender before the prefixes (its v1 alone): refused and counted by name.
+        let v1_only = signature::sign(Domain::Abort, &key, now, &body)
+            .split(",v2=")
+            .next()
+            .unwrap()
+            .to_owned();
+        assert_eq!(
+            post_abort(admin, &body, Some(&v1_only)).await,
+            401,
+            "v1 only"
+        );
         // A signature made for another body does not carry over.
         let other = br#"{"request_id":"ghost-1","reason":"operator"}"#;
-        let sig_other = signature::sign(&key, now, other);
+        let sig_other = signature::sign(Domain::Abort, &key, now, other);
         assert_eq!(
             post_abort(admin, &body, Some(&sig_other)).await,
             401,
@@ -180,7 +217,8 @@ async fn forged_skewed_and_replayed_abort_calls_are_refused_and_counted() {
                 .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
                 .sum()
         };
-        assert!(count("unauthorized") >= 6.0, "refusals not counted:\n{m}");
+        assert!(count("unauthorized") >= 7.0, "refusals not counted:\n{m}");
+        assert!(count("outdated") >= 1.0, "outdated not counted:\n{m}");
         assert!(count("replay") >= 1.0, "replay not counted:\n{m}");
         assert_eq!(
             engine.state().request(&victim).and_then(|r| r.ended),

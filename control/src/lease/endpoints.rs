@@ -4,7 +4,8 @@
 //! peer (`POST /v1/peer/lease`). Each is signed; freshness is the counter's, per path.
 
 use super::{LeaseMode, RenewError};
-use crate::admin::{open_forwarded, refuse, REFUSALS, REFUSAL_LOG_PERIOD};
+use crate::abort::endpoint::{open_forwarded, refused_result};
+use crate::admin::{refuse, REFUSALS, REFUSAL_LOG_PERIOD};
 use crate::state::AppState;
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode};
@@ -12,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kvguard_contract::lease::MAX_RENEWAL_BODY;
 use kvguard_contract::signature;
-use kvguard_contract::{Renewal, RenewalBody, Via, SIGNATURE_HEADER};
+use kvguard_contract::{Domain, Renewal, RenewalBody, Via, SIGNATURE_HEADER};
 use serde_json::json;
 use std::sync::Arc;
 
@@ -53,11 +54,12 @@ async fn from_gateway(st: &Arc<AppState>, via: Via, req: Request) -> Response {
         .headers
         .get(SIGNATURE_HEADER)
         .map(HeaderValue::as_bytes);
-    if let Err(e) = signature::verify_any_time(&st.keys().accept, header, &body) {
-        st.metrics.lease.renewal(path, "unauthorized");
+    if let Err(e) = signature::verify_any_time(Domain::Renewal, &st.keys().accept, header, &body) {
+        let result = refused_result(e);
+        st.metrics.lease.renewal(path, result);
         let now_ms = st.clock.unix_secs().saturating_mul(1000);
         if let Some(held) = REFUSALS.admit(now_ms, REFUSAL_LOG_PERIOD) {
-            tracing::warn!(path, why = e.as_str(), refused_since_last_line = held, "lease renewal refused: {e} (every refusal is counted in kvguard_control_lease_renewals_total{{result=\"unauthorized\"}})");
+            tracing::warn!(path, why = e.as_str(), refused_since_last_line = held, "lease renewal refused: {e} (every refusal is counted in kvguard_control_lease_renewals_total{{result=\"{result}\"}})");
         }
         return refuse(StatusCode::UNAUTHORIZED, "unauthorized", e.to_string());
     }

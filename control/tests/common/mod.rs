@@ -4,7 +4,7 @@
 
 pub mod script;
 
-use kvguard_contract::{signature, Key};
+use kvguard_contract::{signature, Domain, Key};
 use kvguard_control::config::Config;
 use kvguard_control::{Deps, Server};
 use kvguard_integration::client;
@@ -76,7 +76,7 @@ pub async fn abort_signed(
     t: u64,
 ) -> (u16, Value, String) {
     let bytes = serde_json::to_vec(body).unwrap();
-    let sig = key.map(|k| signature::sign(k, t, &bytes));
+    let sig = key.map(|k| signature::sign(Domain::Abort, k, t, &bytes));
     let mut headers = vec![];
     if let Some(s) = &sig {
         headers.push(("x-kvguard-signature", s.as_str()));
@@ -167,7 +167,7 @@ impl KeepAliveClients {
                         }
                         let req = if k % 2 == 0 {
                             let body = serde_json::to_vec(&json!({"request_id": format!("ka-{i}-{k}"), "reason": "downstream_reset"})).unwrap();
-                            let sig = signature::sign(&key(), now_unix(), &body);
+                            let sig = signature::sign(Domain::Abort, &key(), now_unix(), &body);
                             hyper::Request::post("/v1/abort")
                                 .header("host", "control")
                                 .header("x-kvguard-signature", sig)

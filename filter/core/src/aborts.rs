@@ -4,7 +4,7 @@
 use crate::config::Config;
 use crate::host::{Call, DispatchError, Host, Level};
 use crate::metrics::{Metric, Metrics, Outcome, Route};
-use kvguard_contract::{signature, AbortReason, AbortRequest, Disposition, RequestId};
+use kvguard_contract::{signature, AbortReason, AbortRequest, Disposition, Domain, RequestId};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 
@@ -179,7 +179,7 @@ impl AbortQueue {
             .with_durations(since(job.last_event_ms), since(job.gone_at_ms))
             .with_attempt(job.attempts.saturating_add(1))
             .to_json();
-        let sig = signature::sign(&cfg.key, unix_secs, &body);
+        let sig = signature::sign(Domain::Abort, &cfg.key, unix_secs, &body);
         let mut headers: Vec<(&'static str, String)> = vec![
             (":method", "POST".to_owned()),
             (":path", cfg.abort_path.clone()),
@@ -427,6 +427,7 @@ mod tests {
         assert_eq!(h(":authority").unwrap(), "kvguard");
         let sig = h("x-kvguard-signature").unwrap();
         assert!(verify(
+            Domain::Abort,
             std::slice::from_ref(&cfg.key),
             Some(sig.as_bytes()),
             &call.body,

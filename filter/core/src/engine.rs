@@ -421,6 +421,7 @@ impl Engine {
                     let cause = match e {
                         stamp::StampError::Malformed => StampRejected::Malformed,
                         stamp::StampError::Mismatch => StampRejected::Mismatch,
+                        stamp::StampError::Outdated => StampRejected::Outdated,
                     };
                     p.add(Metric::StampRejected(cause), 1);
                     p.log(Level::Warn, &format!("{e} (request_id={})", req.id));
@@ -1549,6 +1550,10 @@ mod tests {
                 StampRejected::OutsideCidrs,
             ),
             ("garbage".to_owned(), StampRejected::Malformed),
+            (
+                stamp_for("p2", "10.1.2.3:9902", SECRET).replace(";v2=", ";sig="),
+                StampRejected::Outdated,
+            ),
         ];
         for (i, (value, cause)) in cases.iter().enumerate() {
             let ctx = 10 + i as u32;
@@ -1566,13 +1571,13 @@ mod tests {
             e.on_log(&mut h, ctx, b"downstream_remote_disconnect", flags::DC);
         }
         e.pump(&mut h);
-        assert_eq!(h.calls.len(), 5);
+        assert_eq!(h.calls.len(), 6);
         assert!(h.calls[1..].iter().all(
             |c| c.1 == "kvguard" && !c.2.iter().any(|(k, _)| *k == "x-envoy-original-dst-host")
         ));
         assert_eq!(
             h.metric(Metric::AbortRoutes(crate::metrics::Route::Fallback)),
-            4
+            5
         );
     }
 
@@ -1624,6 +1629,7 @@ mod tests {
             .unwrap();
         let old = Key::try_new(SECRET.as_bytes()).unwrap();
         assert!(kvguard_contract::signature::verify(
+            kvguard_contract::Domain::Abort,
             std::slice::from_ref(&old),
             Some(sig.as_bytes()),
             &h.calls[0].3,

@@ -17,7 +17,7 @@ use crate::config::Config;
 use crate::host::{Call, Level, Platform, SharedData, SharedError};
 use crate::metrics::{LeaseResult, Metric};
 use core::net::SocketAddr;
-use kvguard_contract::{signature, HostKey, InstanceId, Renewal, Via, DATA_LEASE_PATH};
+use kvguard_contract::{signature, Domain, HostKey, InstanceId, Renewal, Via, DATA_LEASE_PATH};
 
 /// Shared-data key of the instance id (value `v1:<32 hex>`).
 pub const INSTANCE_KEY: &str = "kvguard.instance.v1";
@@ -329,7 +329,7 @@ pub fn send<P: Platform + ?Sized>(
         }
     };
     let body = renewal.to_json();
-    let sig = signature::sign(&cfg.key, p.unix_secs(), &body);
+    let sig = signature::sign(Domain::Renewal, &cfg.key, p.unix_secs(), &body);
     let mut headers = vec![
         (":method", "POST".to_owned()),
         (":path", path.to_owned()),
@@ -846,6 +846,7 @@ mod tests {
             );
             let sig = header(c, signature::SIGNATURE_HEADER).unwrap();
             assert!(signature::verify_any_time(
+                Domain::Renewal,
                 std::slice::from_ref(&cfg.key),
                 Some(sig.as_bytes()),
                 &c.3

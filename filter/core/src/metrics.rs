@@ -120,8 +120,10 @@ impl Route {
 /// Why an `x-kvguard-control` stamp was not used (label `cause`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StampRejected {
-    /// Not `<ip>:<port>;t=..;sig=..`.
+    /// Not `<ip>:<port>;t=..;v2=..`.
     Malformed,
+    /// `sig=` in place of `v2=`: its kvguard-control predates the stamp's domain prefix.
+    Outdated,
     /// The signature does not verify for this request id.
     Mismatch,
     /// The address is outside `control_target_cidrs`.
@@ -131,8 +133,9 @@ pub enum StampRejected {
 }
 
 impl StampRejected {
-    const ALL: [StampRejected; 4] = [
+    const ALL: [StampRejected; 5] = [
         StampRejected::Malformed,
+        StampRejected::Outdated,
         StampRejected::Mismatch,
         StampRejected::OutsideCidrs,
         StampRejected::PortNotAllowed,
@@ -141,6 +144,7 @@ impl StampRejected {
     pub const fn as_str(self) -> &'static str {
         match self {
             StampRejected::Malformed => "malformed",
+            StampRejected::Outdated => "outdated",
             StampRejected::Mismatch => "mismatch",
             StampRejected::OutsideCidrs => "outside_cidrs",
             StampRejected::PortNotAllowed => "port_not_allowed",

@@ -1,0 +1,268 @@
+//! What happens to an abort: `POST /v1/abort` (contract §3), and how any request is ended
+//! here (the abort API, the reaper, the lease, shutdown).
+//!
+//! 1. [`endpoint`] reads the call: the body (at most 4096 bytes), the signature (an
+//!    abort's, any configured key, `t` within ±30 s), the replay memory
+//!    ([`crate::replay`], its own lock), then the body's fields.
+//! 2. [`abort`] decides and carries it out. With `--peers`, an id not in flight here is
+//!    forwarded to every peer ([`peer`]) and the first that holds it answers; otherwise,
+//!    or when no peer holds it, it is decided here under the table lock
+//!    ([`AppState::abort_or_tombstone`]): ended, already ended, or tombstoned so that the
+//!    request is refused if it arrives later.
+//! 3. Ending ([`AppState::end_request`], and the abort API's own path) removes the
+//!    [`crate::table`] entry, tombstones the id ([`crate::tombstones`]), cancels the entry
+//!    (the [`crate::proxy`]'s response body sends the final SSE event), closes the engine
+//!    connection, calls the engine's abort API, and arms the deadline after which
+//!    [`crate::downstream`] cuts the client's side.
+//! 4. [`endpoint`] answers per contract §3's table and counts the answer.
+//!
+//! `POST /v1/peer/abort`, an abort another replica forwarded, is in [`endpoint`] too: opened
+//! as an envelope, decided here only, never forwarded again.
+
+pub mod endpoint;
+pub mod peer;
+
+use crate::metrics::outcome;
+use crate::state::AppState;
+use crate::table::{ClientGone, Entry};
+use kvguard_contract::{AbortReason, RequestId};
+use peer::PeerAnswer;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What an abort call found ([`AppState::abort_or_tombstone`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AbortFound {
+    /// In flight: ended by this call.
+    Ended,
+    /// In flight, `--dry-run`: observed only.
+    Observed,
+    /// Already ended, or tombstoned.
+    Already,
+    /// Not in flight: tombstoned now.
+    NotFound,
+}
+
+/// Where an abort was decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decided {
+    /// Here: what this replica found.
+    Here(AbortFound),
+    /// By the peer that held the id (`--peers`): its answer, passed on as it is. This
+    /// replica tombstoned the id too (not in a dry run).
+    Peer(PeerAnswer),
+}
+
+/// Decides and carries out a verified abort of `id` for `reason` (`body`: the call's body
+/// as signed, forwarded verbatim to the peers). `gone`: how long ago the sender saw the
+/// client go and how many data events it had passed on (the body's `gone_ms`, `tokens`).
+///
+/// Without peers, or when no peer holds the id (each answered 404 or failed), the id is
+/// decided here under the table lock: ended if it arrived meanwhile, else tombstoned.
+/// Every replica that got the forward tombstoned the id, and so does this one when a
+/// peer ended it: a request the abort overtook is refused wherever it lands.
+pub async fn abort(
+    st: &Arc<AppState>,
+    id: &RequestId,
+    reason: AbortReason,
+    gone: Option<(Duration, u64)>,
+    body: &[u8],
+) -> Decided {
+    if let Some(peers) = st.peers.clone() {
+        match st.abort_if_here(id, reason, gone) {
+            AbortFound::NotFound => {
+                if let Some(a) = peers.forward_abort(st, body).await {
+                    if !st.cfg.dry_run {
+                        st.tombstone(id.clone(), reason);
+                    }
+                    return Decided::Peer(a);
+                }
+            }
+            found => return Decided::Here(found),
+        }
+    }
+    Decided::Here(st.abort_or_tombstone(id, reason, gone))
+}
+
+impl AppState {
+    /// What the abort API does for `id`, decided under one lock: the request is in flight
+    /// (it is ended), already ended (tombstoned), or not yet here (it is tombstoned, so it
+    /// is refused when it arrives). An abort racing its request's admission therefore
+    /// either ends it or refuses it, never answers 404 while it runs.
+    ///
+    /// `gone`: how long ago the sender saw the client go and how many data events it had
+    /// passed on (the abort body's `gone_ms`, `tokens`), for the orphan's cost.
+    pub fn abort_or_tombstone(
+        self: &Arc<Self>,
+        id: &RequestId,
+        reason: AbortReason,
+        gone: Option<(Duration, u64)>,
+    ) -> AbortFound {
+        self.abort_here(id, reason, gone, true)
+    }
+
+    /// Like [`AppState::abort_or_tombstone`], but an id not in flight here is left alone
+    /// (no tombstone): a peer may hold it (`--peers`), and a tombstone here would be
+    /// useless at best. [`AbortFound::NotFound`] then means "nothing written".
+    pub fn abort_if_here(
+        self: &Arc<Self>,
+        id: &RequestId,
+        reason: AbortReason,
+        gone: Option<(Duration, u64)>,
+    ) -> AbortFound {
+        self.abort_here(id, reason, gone, false)
+    }
+
+    fn abort_here(
+        self: &Arc<Self>,
+        id: &RequestId,
+        reason: AbortReason,
+        gone: Option<(Duration, u64)>,
+        tombstone_missing: bool,
+    ) -> AbortFound {
+        let now = self.clock.now();
+        let mut inner = self.inner();
+        if let Some(entry) = inner.table.get(id).cloned() {
+            if let Some((ago, delivered)) = gone {
+                entry.mark_client_gone(ClientGone {
+                    at: now.checked_sub(ago).unwrap_or(now),
+                    delivered,
+                    reason,
+                });
+            }
+            if self.cfg.dry_run {
+                drop(inner);
+                self.observe(&entry, reason, "abort_api");
+                return AbortFound::Observed;
+            }
+            if !entry.mark_ended(reason) {
+                return AbortFound::Already;
+            }
+            self.remove_locked(&mut inner, &entry);
+            self.tombstone_locked(&mut inner, id.clone(), reason, now);
+            drop(inner);
+            self.finish_end(&entry, reason, "abort_api");
+            return AbortFound::Ended;
+        }
+        if inner.tombstones.get(id, now).is_some() {
+            return AbortFound::Already;
+        }
+        if tombstone_missing {
+            if self.cfg.dry_run {
+                drop(inner);
+                tracing::info!(request_id = %id, reason = %reason, outcome = outcome::DRY_RUN, "abort call for an id not in flight: would tombstone it (dry run)");
+            } else {
+                self.tombstone_locked(&mut inner, id.clone(), reason, now);
+            }
+        }
+        AbortFound::NotFound
+    }
+
+    /// Ends a request in flight for `reason` (`via`: `reaper`, `shutdown`, for the log).
+    /// Returns `false` if it was already being ended.
+    ///
+    /// Enforce mode: the entry leaves the table and its id is tombstoned at once; the
+    /// client's stream gets the final SSE event and ends, the engine connection is closed
+    /// (vLLM, TGI, llama.cpp abort on disconnect), the engine's own abort is called per
+    /// strategy, and if the client does not take its end within `--abort-flush-timeout`
+    /// the downstream side is cut ([`crate::downstream`]). `--dry-run`: logged and
+    /// counted once per request, nothing else.
+    pub fn end_request(
+        self: &Arc<Self>,
+        entry: &Arc<Entry>,
+        reason: AbortReason,
+        via: &'static str,
+    ) -> bool {
+        if self.cfg.dry_run && via != "shutdown" {
+            self.observe(entry, reason, via);
+            return false;
+        }
+        {
+            let now = self.clock.now();
+            let mut inner = self.inner();
+            if !entry.mark_ended(reason) {
+                return false;
+            }
+            self.remove_locked(&mut inner, entry);
+            self.tombstone_locked(&mut inner, entry.id.clone(), reason, now);
+        }
+        self.finish_end(entry, reason, via);
+        true
+    }
+
+    /// `--dry-run`: what would be ended, logged and counted once per request.
+    fn observe(&self, entry: &Entry, reason: AbortReason, via: &'static str) {
+        if entry.mark_observed() {
+            self.metrics.abort(reason, outcome::DRY_RUN);
+            tracing::info!(request_id = %entry.id, reason = %reason, via, strategy = self.cfg.abort_strategy.as_str(), outcome = outcome::DRY_RUN, age_ms = self.age_ms(entry), events = entry.events(), "would end request (dry run)");
+        }
+    }
+
+    fn age_ms(&self, entry: &Entry) -> u64 {
+        let age = self
+            .clock
+            .now()
+            .saturating_duration_since(entry.times().started);
+        u64::try_from(age.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The part of ending that happens outside the lock: the client stream and the engine
+    /// connection, the downstream deadline, the engine's abort API, the log line.
+    fn finish_end(self: &Arc<Self>, entry: &Arc<Entry>, reason: AbortReason, via: &'static str) {
+        entry.end();
+        self.count_orphan_cost(entry);
+        self.arm_downstream_deadline(entry);
+        let this = self.clone();
+        let entry = entry.clone();
+        let age_ms = self.age_ms(&entry);
+        let events = entry.events();
+        let strategy = self.cfg.abort_strategy.as_str();
+        tokio::spawn(async move {
+            let (outcome, error) = match this.engine.abort(entry.id.clone()).await {
+                Ok(()) => (outcome::ABORTED, None),
+                Err(e) => (outcome::ENGINE_CALL_FAILED, Some(e)),
+            };
+            this.metrics.abort(reason, outcome);
+            match error {
+                None => {
+                    tracing::info!(request_id = %entry.id, reason = %reason, via, strategy, outcome, age_ms, events, "ended request")
+                }
+                Some(e) => {
+                    tracing::warn!(request_id = %entry.id, reason = %reason, via, strategy, outcome, age_ms, events, error = %e, "ended request; the engine's abort call failed (the connection was closed)")
+                }
+            }
+        });
+    }
+
+    /// Adds an ended request's orphan cost (if its client was known to have gone) to
+    /// `kvguard_control_orphan_seconds_total` / `wasted_tokens_total` under the abort's
+    /// reason. Called where the engine connection closes (an end by kvguard, or the
+    /// response ending by itself: `--dry-run`, or an abort that lost the race).
+    pub fn count_orphan_cost(&self, entry: &Entry) {
+        if let Some(c) = entry.take_orphan_cost(self.clock.now()) {
+            self.metrics.orphan_cost(c.reason, c.seconds, c.events);
+        }
+    }
+
+    /// Cuts the request's downstream side if its response is still not gone after
+    /// `--abort-flush-timeout` (a client that stopped reading never takes the final event).
+    pub(crate) fn arm_downstream_deadline(&self, entry: &Arc<Entry>) {
+        let Some(down) = entry.downstream().cloned() else {
+            return;
+        };
+        let entry = entry.clone();
+        let grace = self.cfg.abort_flush_timeout;
+        let metrics = self.metrics.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = entry.finished_token().cancelled() => {}
+                _ = tokio::time::sleep(grace) => {
+                    let scope = down.scope().as_str();
+                    metrics.downstream_cut(scope);
+                    tracing::info!(request_id = %entry.id, scope, "the client did not take the end of its request within --abort-flush-timeout; cut its downstream side");
+                    down.cut();
+                }
+            }
+        });
+    }
+}
