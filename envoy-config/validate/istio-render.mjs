@@ -28,7 +28,7 @@
 // them since 1.21), a WasmPlugin or an EnvoyFilter selecting no Deployment of the inputs, a WasmPlugin url not
 // pinned by sha256 digest, the sidecar.istio.io/bootstrapOverride annotation on a gateway pod
 // (the gateway injection template ignores it), a custom bootstrap that is missing or not
-// JSON. Also refused, as kvguard's own requirements for gateway pods (envoy-config/README.md):
+// JSON. Also refused, as kvguard's own requirements for gateway pods (docs/DESIGN.md, "Gateway pods"):
 // no `concurrency` in proxy.istio.io/config, or no EXIT_ON_ZERO_ACTIVE_CONNECTIONS drain.
 //
 // Usage: node istio-render.mjs --base BASE.yaml --wasm PATH --out DIR ISTIO.yaml...

@@ -1,4 +1,5 @@
-// Replays the kubectl commands of ROLLOUT.md's ```sh blocks, in order, against a model of an
+// Replays the kubectl commands of the ```sh blocks of the files given (docs/DEPLOY-ISTIO.md,
+// then envoy-config/istio/ROLLOUT.md), in order, against a model of an
 // empty cluster with Istio installed (namespaces default, kube-system, kube-public,
 // istio-system; the core, apps, policy, RBAC, networking and Istio API groups). Fails when a
 // command uses a namespace that does not exist yet, when a workload is applied before a
@@ -9,12 +10,12 @@
 // ("Prometheus Operator" in its comment: the Operator's CRDs and namespace `monitoring`),
 // and when a manifest of envoy-config/istio/ or envoy-config/kubernetes/ is never applied.
 //
-// Usage: node rollout-order.mjs REPO_ROOT ROLLOUT.md
+// Usage: node rollout-order.mjs REPO_ROOT MARKDOWN...
 import { readFileSync, readdirSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { parseAllDocuments } from "yaml";
 
-const [root, rollout] = process.argv.slice(2);
+const [root, ...docs] = process.argv.slice(2);
 const errors = [];
 const namespaces = new Set(["default", "kube-system", "kube-public", "istio-system"]);
 const secrets = new Set(); // ns/name
@@ -25,17 +26,19 @@ const nsLabels = new Map();
 const injected = new Map(); // ns -> a workload needing injection
 
 // The ```sh blocks, with `\` continuations joined and comments kept apart.
-const md = readFileSync(rollout, "utf8");
 const lines = [];
-let inSh = false;
-md.split("\n").forEach((l, i) => {
-  if (/^\s*```sh\s*$/.test(l)) inSh = true;
-  else if (/^\s*```\s*$/.test(l)) inSh = false;
-  else if (inSh) {
-    if (lines.length && lines.at(-1).text.endsWith("\\")) lines.at(-1).text = lines.at(-1).text.slice(0, -1) + " " + l.trim();
-    else lines.push({ text: l.trim(), n: i + 1 });
-  }
-});
+for (const doc of docs) {
+  let inSh = false;
+  const file = doc.split("/").pop();
+  readFileSync(doc, "utf8").split("\n").forEach((l, i) => {
+    if (/^\s*```sh\s*$/.test(l)) inSh = true;
+    else if (/^\s*```\s*$/.test(l)) inSh = false;
+    else if (inSh) {
+      if (lines.length && lines.at(-1).text.endsWith("\\")) lines.at(-1).text = lines.at(-1).text.slice(0, -1) + " " + l.trim();
+      else lines.push({ text: l.trim(), n: `${file}:${i + 1}` });
+    }
+  });
+}
 
 const podSpecOf = (o) => o.spec?.template?.spec;
 const needsInjection = (o) => {
@@ -56,7 +59,7 @@ const secretRefs = (spec) => {
 function apply(file, line, operator) {
   const docs = parseAllDocuments(readFileSync(file, "utf8")).map((d) => d.toJS()).filter(Boolean);
   applied.add(file);
-  const where = `ROLLOUT.md:${line.n}: ${file.slice(root.length + 1)}`;
+  const where = `${line.n}: ${file.slice(root.length + 1)}`;
   for (const o of docs) {
     const group = o.apiVersion.includes("/") ? o.apiVersion.split("/")[0] : "";
     const name = `${o.kind} ${o.metadata?.name}`;
@@ -92,11 +95,11 @@ for (const line of lines) {
   const verb = a[1];
   const operator = /Prometheus Operator/.test(comment);
   if (verb === "label" && /^(namespace|ns)$/.test(a[2])) {
-    errors.push(`ROLLOUT.md:${line.n}: \`${cmd}\`: label the Namespace in its manifest instead`);
+    errors.push(`${line.n}: \`${cmd}\`: label the Namespace in its manifest instead`);
   } else if (verb === "create") {
     if (a[2] === "namespace" || a[2] === "ns") namespaces.add(a[3]);
     else {
-      if (!namespaces.has(ns)) errors.push(`ROLLOUT.md:${line.n}: \`${cmd}\`: namespace ${ns} does not exist yet`);
+      if (!namespaces.has(ns)) errors.push(`${line.n}: \`${cmd}\`: namespace ${ns} does not exist yet`);
       if (a[2] === "secret") secrets.add(`${ns}/${a[4]}`);
     }
   } else if (verb === "apply") {
@@ -115,7 +118,7 @@ for (const [ns, who] of injected) {
 }
 for (const dir of ["envoy-config/istio", "envoy-config/kubernetes"]) {
   for (const f of readdirSync(join(root, dir)).filter((f) => /\.ya?ml$/.test(f))) {
-    if (!applied.has(join(root, dir, f))) errors.push(`${dir}/${f} is never applied by ROLLOUT.md's commands`);
+    if (!applied.has(join(root, dir, f))) errors.push(`${dir}/${f} is never applied by the commands`);
   }
 }
 for (const e of errors) console.error(`FAIL ${e}`);
