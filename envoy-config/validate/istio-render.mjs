@@ -31,7 +31,7 @@
 // JSON. Also refused, as kvguard's own requirements for gateway pods (docs/DESIGN.md, "Gateway pods"):
 // no `concurrency` in proxy.istio.io/config, or no EXIT_ON_ZERO_ACTIVE_CONNECTIONS drain.
 //
-// Usage: node istio-render.mjs --base BASE.yaml --wasm PATH --out DIR ISTIO.yaml...
+// Usage: node istio-render.mjs --base BASE.yaml --wasm PATH --out DIR [--only-selected yes] ISTIO.yaml...
 import { readFileSync, writeFileSync, mkdirSync } from "node:fs";
 import { join, dirname, basename } from "node:path";
 import { parseAllDocuments, parse, stringify } from "yaml";
@@ -215,6 +215,8 @@ function selectedDeployments(wp) {
       d.o.metadata.namespace === wp.metadata.namespace &&
       want.every(([k, v]) => d.o.spec.template?.metadata?.labels?.[k] === v),
   );
+  // --only-selected yes: the inputs hold one gateway (Gateway API), which one plugin selects.
+  if (!hits.length && opt["only-selected"] === "yes") return [];
   if (!hits.length) die(`WasmPlugin ${wp.metadata.namespace}/${wp.metadata.name}: its selector ${JSON.stringify(wp.spec.selector)} picks no Deployment of the inputs`);
   return hits;
 }
