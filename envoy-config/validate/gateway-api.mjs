@@ -9,9 +9,15 @@
 //   infrastructure.labels, annotated with infrastructure.annotations, gateway injection
 //   template, istio-proxy with `image: auto`), with the ConfigMap's `deployment` patch
 //   merged in strategically (lists of named items merge by name), plus the ConfigMaps of
-//   --configmaps (the custom bootstrap).
+//   --configmaps (the custom bootstrap);
+// - an InferencePool (Gateway API Inference Extension v1) among the inputs: its fields; it
+//   selects the --engines Deployment's pods and targets kvguard-control's proxy port there
+//   (every picked request passes kvguard-control); its endpoint picker's Service leads to a
+//   Deployment whose --model-server-metrics-port is the engine's own port, not the target
+//   port (else the picker's scrapes would be proxied and counted as inference).
 //
-// Usage: node gateway-api.mjs --base BASE.yaml --configmaps FILE.yaml --out OUT.yaml GATEWAY_API.yaml
+// Usage: node gateway-api.mjs --base BASE.yaml --configmaps FILE.yaml --out OUT.yaml
+//          [--engines ENGINES.yaml] GATEWAY_API.yaml [INFERENCE_POOL.yaml]
 import { readFileSync, writeFileSync } from "node:fs";
 import { parse, parseAllDocuments, stringify } from "yaml";
 
@@ -57,6 +63,14 @@ const SCHEMA = {
       }],
     },
   },
+  InferencePool: {
+    apiVersion: L, kind: L, metadata: META,
+    spec: {
+      selector: { matchLabels: {} },
+      targetPorts: [{ number: L }],
+      endpointPickerRef: { group: L, kind: L, name: L, port: { number: L }, failureMode: L },
+    },
+  },
   ReferenceGrant: {
     apiVersion: L, kind: L, metadata: META,
     spec: { from: [{ group: L, kind: L, namespace: L }], to: [{ group: L, kind: L, name: L }] },
@@ -74,7 +88,7 @@ function fields(v, s, where) {
     else fields(x, s[k], `${where}.${k}`);
   }
 }
-const GW_API = /^gateway\.networking\.k8s\.io\/v1(beta1)?$/;
+const GW_API = /^(gateway|inference)\.networking\.k8s\.io\/v1(beta1)?$/;
 for (const o of objs.filter((o) => GW_API.test(o.apiVersion))) {
   if (!SCHEMA[o.kind]) errors.push(`${ref(o)}: kind not checked here`);
   else fields(o, SCHEMA[o.kind], ref(o));
@@ -157,6 +171,33 @@ for (const r of objs.filter((o) => o.kind === "HTTPRoute")) {
         g.spec.to.some((t) => (t.kind ?? "Service") === (b.kind ?? "Service") && (!t.name || t.name === b.name)),
     );
     if (!grant) errors.push(`${ref(r)}: backend ${bns}/${b.name} in another namespace without a ReferenceGrant there (the route is refused)`);
+  }
+}
+const engines = opt.engines ? docs(opt.engines) : [];
+for (const pool of objs.filter((o) => o.kind === "InferencePool")) {
+  const ns = pool.metadata.namespace;
+  const want = Object.entries(pool.spec?.selector?.matchLabels ?? {});
+  const picked = engines.filter((d) => d.kind === "Deployment" && d.metadata.namespace === ns && want.every(([k, v]) => d.spec?.template?.metadata?.labels?.[k] === v));
+  if (!picked.length) errors.push(`${ref(pool)}: its selector picks no Deployment of ${opt.engines}`);
+  for (const d of picked) {
+    const spec = d.spec.template.spec;
+    const control = [...(spec.initContainers ?? []), ...(spec.containers ?? [])].find((c) => c.name === "kvguard-control");
+    const proxyPort = control?.ports?.find((p) => p.name === "proxy")?.containerPort;
+    const enginePorts = (spec.containers ?? []).filter((c) => c.name !== "kvguard-control").flatMap((c) => c.ports ?? []).map((p) => p.containerPort);
+    for (const t of pool.spec.targetPorts ?? []) {
+      if (t.number !== proxyPort) errors.push(`${ref(pool)}: target port ${t.number} is not kvguard-control's proxy port (${proxyPort}) in ${ref(d)}: picked requests would bypass kvguard-control`);
+    }
+    const epp = pool.spec.endpointPickerRef ?? {};
+    const svc = objs.find((o) => o.kind === "Service" && o.metadata.namespace === ns && o.metadata.name === epp.name);
+    if (!svc) errors.push(`${ref(pool)}: endpoint picker Service ${ns}/${epp.name} is not in the inputs`);
+    else if (!(svc.spec.ports ?? []).some((p) => p.port === epp.port?.number)) errors.push(`${ref(svc)}: no port ${epp.port?.number} (endpointPickerRef)`);
+    const eppPods = svc ? objs.filter((o) => o.kind === "Deployment" && o.metadata.namespace === ns && Object.entries(svc.spec.selector ?? {}).every(([k, v]) => o.spec?.template?.metadata?.labels?.[k] === v)) : [];
+    if (svc && !eppPods.length) errors.push(`${ref(svc)}: selects no Deployment of the inputs`);
+    for (const e of eppPods) {
+      const args = e.spec.template.spec.containers.flatMap((c) => c.args ?? []);
+      const port = Number(/^--?model-server-metrics-port=(\d+)$/.exec(args.find((a) => /model-server-metrics-port=/.test(a)) ?? "")?.[1]);
+      if (!enginePorts.includes(port)) errors.push(`${ref(e)}: --model-server-metrics-port=${port || "(unset: the target port)"}, not the engine's own port (${enginePorts}): the picker's scrapes would go through kvguard-control and count as inference`);
+    }
   }
 }
 if (!gateways.length) errors.push("no Gateway (gateway.networking.k8s.io) in the inputs");
