@@ -2,17 +2,30 @@
 // the Envoy config is envoy/local.yaml (the one the by-hand recipe runs), the wasm is mounted
 // where that file names it, and the ports of its clusters are the ports the services in
 // compose.yaml listen on (Envoy `engine` → kvguard-control proxy or the lossy hop,
-// `kvguard_control` → kvguard-control admin, kvguard-control → vLLM).
+// `kvguard_control` → kvguard-control admin, kvguard-control → vLLM). Device reservations
+// (`deploy.resources.reservations.devices`: Docker refuses them without the NVIDIA toolkit)
+// only on services of profile `gpu` alone, or in GPU_OVERRIDE, which may name only services
+// of COMPOSE.yaml.
 //
-// Usage: node compose-sync.mjs COMPOSE.yaml
+// Usage: node compose-sync.mjs COMPOSE.yaml [GPU_OVERRIDE.yaml]
 import { readFileSync, existsSync } from "node:fs";
 import { dirname, resolve } from "node:path";
 import { parse } from "yaml";
 
-const file = process.argv[2];
+const [file, gpuOverride] = process.argv.slice(2);
 const dir = dirname(file);
 const compose = parse(readFileSync(file, "utf8"));
 const errors = [];
+for (const [name, s] of Object.entries(compose.services ?? {})) {
+  const devices = s.deploy?.resources?.reservations?.devices ?? [];
+  const profiles = s.profiles ?? [];
+  if (devices.length && !(profiles.length === 1 && profiles[0] === "gpu"))
+    errors.push(`${file}: service ${name} reserves devices (${devices.map((d) => d.driver).join(", ")}) in profiles [${profiles}] — only profile gpu alone, or the GPU override file`);
+}
+if (gpuOverride) {
+  for (const name of Object.keys(parse(readFileSync(gpuOverride, "utf8")).services ?? {}))
+    if (!compose.services?.[name]) errors.push(`${gpuOverride}: service ${name} is not in ${file}`);
+}
 const svc = (name) => compose.services?.[name] ?? (errors.push(`${file}: no service ${name}`), {});
 
 // ${VAR:-default} / ${VAR:?msg} / ${VAR}, as compose expands them with the environment `env`.

@@ -15,7 +15,7 @@
 // that does not exist here).
 //
 // Usage: node envoy-stats.mjs --envoy BIN --config RENDERED.yaml --metrics METRICS.md [--config-yaml FILE]
-import { readFileSync } from "node:fs";
+import { readFileSync, writeFileSync } from "node:fs";
 import { parse } from "yaml";
 import { closedPort, plaintext, pointClustersAt, sleep, startEnvoy } from "./envoy-run.mjs";
 
@@ -62,6 +62,8 @@ try {
     text = await (await fetch(`http://${admin}/stats/prometheus`)).text();
     if (/^kvguard_filter_aborts_total\{/m.test(text) && /^kvguard_filter_pending_aborts\{\} 0$/m.test(text)) break;
   }
+  // --dump FILE: every metric name on /stats/prometheus, for alert-series.mjs.
+  if (opt.dump) writeFileSync(opt.dump, [...new Set(text.split("\n").map((l) => /^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]/.exec(l)?.[1]).filter(Boolean))].sort().join("\n") + "\n");
   const names = new Set();
   const bad = [];
   for (const line of text.split("\n")) {

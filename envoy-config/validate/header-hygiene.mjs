@@ -1,6 +1,6 @@
 // Runs Envoy on a rendered Envoy config, twice, in front of stand-ins for the engine side
 // (nothing on the machine is reached, every port is 0), and checks the header hygiene the
-// config's header_mutation filter must give (envoy-config/README.md, "Header hygiene"):
+// config's header_mutation filter must give (docs/DESIGN.md, "Header hygiene"):
 //
 // 1. filter VM down (the kvguard filter taken out of the chain: failing open, it passes
 //    everything untouched): the client never sees the `x-kvguard-control` replica stamp,

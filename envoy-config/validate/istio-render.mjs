@@ -15,6 +15,9 @@
 //   + EnvoyFilter patches     applied after that, with Istio's semantics (ADD appends; MERGE
 //                             merges protobuf-style: messages recursively, repeated fields
 //                             appended, scalars replaced; INSERT_FIRST / INSERT_BEFORE)
+//   + the stats matcher       pilot-agent's default inclusion list plus the pod's
+//                             proxyStatsMatcher (proxy.istio.io/config): other stats do not
+//                             exist on an Istio proxy, so the Envoy runs see what Prometheus gets
 //
 // One output per WasmPlugin, for the gateway Deployment its selector picks (observe and
 // enforce select different pods). Istio-only HTTP filters (istio.*) keep their names and
@@ -25,10 +28,10 @@
 // them since 1.21), a WasmPlugin or an EnvoyFilter selecting no Deployment of the inputs, a WasmPlugin url not
 // pinned by sha256 digest, the sidecar.istio.io/bootstrapOverride annotation on a gateway pod
 // (the gateway injection template ignores it), a custom bootstrap that is missing or not
-// JSON. Also refused, as kvguard's own requirements for gateway pods (envoy-config/README.md):
+// JSON. Also refused, as kvguard's own requirements for gateway pods (docs/DESIGN.md, "Gateway pods"):
 // no `concurrency` in proxy.istio.io/config, or no EXIT_ON_ZERO_ACTIVE_CONNECTIONS drain.
 //
-// Usage: node istio-render.mjs --base BASE.yaml --wasm PATH --out DIR ISTIO.yaml...
+// Usage: node istio-render.mjs --base BASE.yaml --wasm PATH --out DIR [--only-selected yes] ISTIO.yaml...
 import { readFileSync, writeFileSync, mkdirSync } from "node:fs";
 import { join, dirname, basename } from "node:path";
 import { parseAllDocuments, parse, stringify } from "yaml";
@@ -212,6 +215,8 @@ function selectedDeployments(wp) {
       d.o.metadata.namespace === wp.metadata.namespace &&
       want.every(([k, v]) => d.o.spec.template?.metadata?.labels?.[k] === v),
   );
+  // --only-selected yes: the inputs hold one gateway (Gateway API), which one plugin selects.
+  if (!hits.length && opt["only-selected"] === "yes") return [];
   if (!hits.length) die(`WasmPlugin ${wp.metadata.namespace}/${wp.metadata.name}: its selector ${JSON.stringify(wp.spec.selector)} picks no Deployment of the inputs`);
   return hits;
 }
@@ -265,12 +270,27 @@ for (const ef of envoyFilters) {
   if (!hit) die(`${ref(ef)}: its workloadSelector ${JSON.stringify(ef.o.spec.workloadSelector ?? {})} picks no Deployment of the inputs (istiod would apply it to nothing)`);
 }
 
+// pilot-agent's stats inclusion list (istio/istio pkg/bootstrap/config.go and
+// tools/packaging/common/envoy_bootstrap.json): only these Envoy stats exist on an Istio
+// proxy, plus those its proxyStatsMatcher names.
+function istioStatsMatcher(m = {}) {
+  const prefix = ["reporter=", ...(m.inclusionPrefixes ?? []), "cluster_manager", "listener_manager", "server", "cluster.xds-grpc", "wasm", "component", "istio"];
+  const suffix = [...(m.inclusionSuffixes ?? []), "rbac.allowed", "rbac.denied", "shadow_allowed", "shadow_denied", "downstream_cx_active"];
+  const regex = [...(m.inclusionRegexps ?? []), "vhost\\..*\\.route\\..*"];
+  return {
+    inclusion_list: {
+      patterns: [...prefix.map((p) => ({ prefix: p })), ...suffix.map((s) => ({ suffix: s })), ...regex.map((r) => ({ safe_regex: { regex: r } }))],
+    },
+  };
+}
+
 const base = parseAllDocuments(readFileSync(opt.base, "utf8"))[0].toJS();
 mkdirSync(opt.out, { recursive: true });
 for (const { o: wp } of wasmPlugins) {
   for (const d of selectedDeployments(wp)) {
     const { pc, bootstrap, from } = podProxy(d);
     const cfg = clone(base);
+    cfg.stats_config.stats_matcher = istioStatsMatcher(pc.proxyStatsMatcher);
     for (const h of hcms(cfg.static_resources.listeners)) {
       const chain = h.typed_config.http_filters;
       const at = chain.findIndex((x) => !BEFORE_STATS.has(x.name));

@@ -1,11 +1,21 @@
 // Builds kubernetes/prometheusrule.yaml (a Prometheus Operator PrometheusRule) from the rule
 // files in prometheus/, so Operator users get exactly the rules that promtool tests.
-// --write regenerates it; --check (scripts/validate-configs) fails if it is out of date.
+// --write regenerates it; --check (scripts/validate-configs) fails if it is out of date;
+// --spec writes the object's spec.groups as one rule file, for `promtool check rules`: the
+// Operator hands Prometheus all of a PrometheusRule's groups as one file, where a repeated
+// group name is refused (two source files may each use the name; their union may not).
 //
 // Usage: node prometheusrule.mjs --check|--write OUT.yaml RULES.yaml...
+//        node prometheusrule.mjs --spec PROMETHEUSRULE.yaml OUT.yaml
 import { readFileSync, writeFileSync, existsSync } from "node:fs";
 import { parse, stringify } from "yaml";
 
+if (process.argv[2] === "--spec") {
+  const [, , , obj, out] = process.argv;
+  const spec = parse(readFileSync(obj, "utf8")).spec;
+  writeFileSync(out, stringify({ groups: spec.groups }, { lineWidth: 0 }));
+  process.exit(0);
+}
 const [mode, out, ...rules] = process.argv.slice(2);
 if (!["--check", "--write"].includes(mode) || !out || !rules.length) {
   console.error("usage: node prometheusrule.mjs --check|--write OUT.yaml RULES.yaml...");
