@@ -69,8 +69,8 @@ const upstream = createServer((req, res) => {
   const id = req.headers["x-request-id"] ?? "";
   const t = Math.floor(Date.now() / 1000);
   const addr = `127.0.0.1:${replicaPort}`;
-  const sig = createHmac("sha256", key).update(`${addr}|${id}|${t}`).digest("hex");
-  res.writeHead(200, { "content-type": "text/event-stream", "x-kvguard-control": `${addr};t=${t};sig=${sig}` });
+  const sig = createHmac("sha256", key).update(`kvguard-stamp-v2\0${addr}|${id}|${t}`).digest("hex");
+  res.writeHead(200, { "content-type": "text/event-stream", "x-kvguard-control": `${addr};t=${t};v2=${sig}` });
   res.write(`data: ${JSON.stringify({ headers: Object.keys(req.headers) })}\n\n`);
   const tick = setInterval(() => res.write(`data: {"choices":[{"delta":{"content":"x"}}]}\n\n`), 50);
   res.on("close", () => clearInterval(tick));
@@ -138,7 +138,7 @@ async function stream(port) {
   const res = await fetch(`http://127.0.0.1:${port}/v1/chat/completions`, {
     method: "POST",
     signal: ac.signal,
-    headers: { "content-type": "application/json", "x-kvguard-control": "192.0.2.1:9902;t=1;sig=00", "x-kvguard-signature": "00", "x-kvguard-anything": "1" },
+    headers: { "content-type": "application/json", "x-kvguard-control": "192.0.2.1:9902;t=1;v2=00", "x-kvguard-signature": "00", "x-kvguard-anything": "1" },
     body: JSON.stringify({ model: "m", stream: true, messages: [{ role: "user", content: "hi" }] }),
   });
   const reader = res.body.getReader();
