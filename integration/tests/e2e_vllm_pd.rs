@@ -57,6 +57,14 @@ async fn finished(v: &Vllm) -> f64 {
     metric_sum(&r.text(), "vllm:request_success_total").unwrap_or(0.0)
 }
 
+/// `vllm:nixl_num_kv_expired_reqs`: prefills whose blocks P freed at the end of their
+/// lease (what the `KvguardPrefillBlocksStranded` alert reads). Must be exported.
+async fn expired(p: &Vllm) -> f64 {
+    let r = client::get(p.addr(), "/metrics").await.unwrap();
+    metric_sum(&r.text(), "vllm:nixl_num_kv_expired_reqs")
+        .expect("P exports no vllm:nixl_num_kv_expired_reqs (the alert's series)")
+}
+
 /// Nothing runs or waits on either side and neither holds blocks.
 async fn both_idle(pd: &VllmPd, within: Duration) {
     let idle = |f: &EngineFigures| f.running == 0.0 && f.waiting == 0.0 && f.kv_usage == 0.0;
@@ -109,6 +117,7 @@ async fn left_at_hand_off(pd: &VllmPd) -> Duration {
     let (_open, hold) = tokio::sync::watch::channel(false);
     let px = proxy(pd, true, Some(hold)).await;
     let (p0, d0) = (finished(&pd.p).await, finished(&pd.d).await);
+    let e0 = expired(&pd.p).await;
     let conn = send_raw(px.addr(), "pd-handoff", &completion(64)).await;
     poll_until_async(
         "P finishes the prefill",
@@ -138,6 +147,7 @@ async fn left_at_hand_off(pd: &VllmPd) -> Duration {
     );
     assert_eq!(finished(&pd.d).await, d0, "D saw the request");
     assert_eq!(px.stats().requests, 1);
+    assert_eq!(expired(&pd.p).await, e0 + 1.0, "P counts the expired lease");
     held
 }
 
@@ -159,6 +169,7 @@ async fn held_prefill(p: &Vllm, id: &str) -> Value {
 
 /// Returns how long P held the blocks after D's rejection.
 async fn rejected_by_d_frees_p(pd: &VllmPd) -> Duration {
+    let e0 = expired(&pd.p).await;
     let params = held_prefill(&pd.p, "pd-reject").await;
     let f = pd.p.figures().await.unwrap();
     assert!(
