@@ -195,6 +195,7 @@ async fn rejected_by_d_frees_p(pd: &VllmPd) -> Duration {
         held < LEASE.mul_f64(0.5),
         "P let go only after {held:?}: the lease, not D"
     );
+    assert_eq!(expired(&pd.p).await, e0, "a release by D is not an expiry");
     held
 }
 
