@@ -450,6 +450,7 @@ async fn pd_pair(hide_disconnects: bool) -> PdPair {
         prefill: p.addr(),
         decode: d.addr(),
         hide_disconnects,
+        hand_off: None,
     })
     .await
     .unwrap();
