@@ -877,3 +877,95 @@ pub async fn run(args: &Args, ready: &Ready) -> RunData {
         prefill: ready.prefill.is_some(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn quiet_with_a_prefill_engine_needs_its_held_blocks_back() {
+        let idle = Scrape {
+            kv: Some(0.0),
+            ..Scrape::default()
+        };
+        let mut s = Sample {
+            prefill: Some(idle),
+            ..Sample::default()
+        };
+        assert!(is_quiet(&s, None));
+        assert!(is_quiet(&s, Some(0.001)));
+        // Blocks held for a decode side, nothing running: quiet for the baseline only.
+        s.prefill = Some(Scrape {
+            kv: Some(0.01),
+            ..idle
+        });
+        assert!(!is_quiet(&s, Some(0.001)));
+        assert!(is_quiet(&s, Some(f64::INFINITY)));
+        // A prefill running, or no reading of the prefill engine: not quiet.
+        s.prefill = Some(Scrape {
+            running: 1.0,
+            ..idle
+        });
+        assert!(!is_quiet(&s, Some(f64::INFINITY)));
+        s.prefill = None;
+        assert!(!is_quiet(&s, Some(f64::INFINITY)));
+        // The decode engine, or a client still connected: not quiet.
+        s.prefill = Some(idle);
+        s.engine.waiting = 1.0;
+        assert!(!is_quiet(&s, Some(0.001)));
+        s.engine.waiting = 0.0;
+        s.live = 1;
+        assert!(!is_quiet(&s, None));
+        assert_eq!(held_epsilon(Some(100.0)), 0.005);
+        assert_eq!(held_epsilon(None), 1e-6);
+    }
+
+    #[test]
+    fn the_early_phase_runs_with_prefill_metrics_and_shares_the_streaming_time() {
+        let base = [
+            "kvguard-leakcheck",
+            "--target",
+            "http://127.0.0.1:1",
+            "--engine-metrics",
+            "http://127.0.0.1:2/metrics",
+            "--duration",
+            "10s",
+            "--rounds",
+            "1",
+            "--non-streaming-share",
+            "0.4",
+        ];
+        let kinds = |extra: &[&str]| {
+            let a = Args::parse_from(base.iter().chain(extra.iter()));
+            plan_phases(&a)
+                .into_iter()
+                .map(|(k, _, d)| (k, d.as_secs_f64()))
+                .collect::<Vec<_>>()
+        };
+        let one = kinds(&[]);
+        assert_eq!(
+            one.iter().map(|k| k.0).collect::<Vec<_>>(),
+            [
+                Kind::StreamingDropped,
+                Kind::StreamingSilent,
+                Kind::NonStreamingDropped
+            ]
+        );
+        let pd = kinds(&["--prefill-metrics", "http://127.0.0.1:3/metrics"]);
+        assert_eq!(pd.len(), 4);
+        assert_eq!(pd[2].0, Kind::StreamingEarly);
+        // 6 s of streaming over three kinds, 4 s of non-streaming.
+        for (_, d) in &pd[..3] {
+            assert!((d - 2.0).abs() < 1e-9, "{pd:?}");
+        }
+        assert!((pd[3].1 - 4.0).abs() < 1e-9, "{pd:?}");
+        let off = kinds(&[
+            "--prefill-metrics",
+            "http://127.0.0.1:3/metrics",
+            "--early-share",
+            "0",
+        ]);
+        assert!(off.iter().all(|k| k.0 != Kind::StreamingEarly), "{off:?}");
+    }
+}
