@@ -1,7 +1,8 @@
 //! `kvguard-leakcheck` (the operator's command, its own crate) run as a process against
 //! real components: the simulator behind LiteLLM 1.108.7 without kvguard (the
 //! non-streaming leak) and with kvguard (freed), vllm-router 0.1.17 straight to the
-//! engine, and bad input (unreachable target, metrics without the engine's names, a
+//! engine, a prefill/decode pair of simulators behind the suite's P/D proxy (both engines'
+//! metrics read), and bad input (unreachable target, metrics without the engine's names, a
 //! model that does not exist, a target answering errors, a target that never answers,
 //! bad flags): each a distinct exit code, within seconds, never a hang.
 //!
@@ -12,8 +13,9 @@
 use kvguard_integration::demo::stack::{self, Control, Stack, StackOptions};
 use kvguard_integration::hops::{Hop, HopKind, LiteLlmOptions};
 use kvguard_integration::lossy::{self, LossyConfig};
+use kvguard_integration::pd_proxy::{self, PdProxyConfig, PdProxyHandle};
 use kvguard_integration::proc::ChildGuard;
-use kvguard_integration::sim::{self, SimConfig, SimHandle};
+use kvguard_integration::sim::{self, KvRelease, PdRole, SimConfig, SimHandle};
 use kvguard_integration::wait::bounded;
 use serde_json::Value;
 use std::net::SocketAddr;
@@ -418,6 +420,178 @@ async fn stops_at_the_kv_threshold_and_refuses_a_busy_engine_as_inconclusive() {
             "load sent to a busy engine"
         );
         other.disconnect();
+    })
+    .await
+    .unwrap();
+}
+
+/// The prefill side's lease in the P/D runs (vLLM's default is 30 s): well above
+/// `--free-within` (2 s), so that blocks stranded until it show as held past the bound.
+const LEASE_MS: u64 = 5_000;
+
+/// A prefill and a decode simulator at 50 tokens per second behind the suite's P/D proxy.
+struct PdPair {
+    p: SimHandle,
+    d: SimHandle,
+    proxy: PdProxyHandle,
+}
+
+async fn pd_pair(hide_disconnects: bool) -> PdPair {
+    let role = |pd_role| SimConfig {
+        pd_role,
+        kv_lease_ms: LEASE_MS,
+        token_rate: 50.0,
+        ..SimConfig::default()
+    };
+    let p = sim::spawn(role(PdRole::Prefill)).await.unwrap();
+    let d = sim::spawn(role(PdRole::Decode)).await.unwrap();
+    let proxy = pd_proxy::spawn(PdProxyConfig {
+        listen: None,
+        prefill: p.addr(),
+        decode: d.addr(),
+        hide_disconnects,
+        hand_off: None,
+    })
+    .await
+    .unwrap();
+    PdPair { p, d, proxy }
+}
+
+impl PdPair {
+    /// The check through the proxy, the decode side as `--engine-metrics` and the prefill
+    /// side as `--prefill-metrics`.
+    fn args(&self, silent: bool) -> Vec<String> {
+        let mut a = args(self.proxy.addr(), self.d.addr(), silent);
+        a.extend([
+            "--prefill-metrics".to_string(),
+            format!("http://{}/metrics", self.p.addr()),
+        ]);
+        a
+    }
+
+    /// Why the prefill side let go of each block hold (the simulator's own record).
+    fn releases(&self) -> Vec<KvRelease> {
+        self.p
+            .state()
+            .requests
+            .iter()
+            .filter_map(|r| Some(r.kv_released?.0))
+            .collect()
+    }
+}
+
+/// Behind a P/D proxy that hides disconnects, the way the reference proxies do: clients
+/// that leave during the prefill (the early phase; a 600 ms prefill, `x-sim-delay-first-ms`
+/// on both legs) leave the prefill side's blocks held with nothing running there until the
+/// lease, and clients that leave during decode leave the decode side generating. The
+/// verdict is leaks, and it names both: the prefill side's held blocks (how long, how
+/// many block-seconds) and the decode side's orphans.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_pair_behind_a_proxy_that_hides_disconnects_leaks_on_both_sides() {
+    bounded("leakcheck, P/D hiding", T, async {
+        let pd = pd_pair(true).await;
+        // Streaming only: the proxy passes a non-streaming client's close on until the
+        // decode side's answer head, which comes at its end.
+        let mut a = pd.args(false);
+        let ns = a.iter().position(|x| x == "--non-streaming-share").unwrap();
+        a[ns + 1] = "0".into();
+        a.extend(
+            [
+                "--early-share",
+                "0.5",
+                "--header",
+                "x-sim-delay-first-ms: 600",
+            ]
+            .map(String::from),
+        );
+        let o = leakcheck(&a, RUN).await;
+        assert_eq!(o.code, 1, "exit 1 = leaks:\n{}", o.log);
+        let r = o.report.as_ref().unwrap();
+        assert_eq!(
+            r["preflight"]["prefill"]["routing_confirmed"], true,
+            "{}",
+            o.log
+        );
+        let p = &r["analysis"]["prefill"];
+        assert_eq!(p["verdict"], "leaks", "{p}\n{}", o.log);
+        // Held past --free-within, never longer than the lease that freed them (the
+        // figure is a lower bound).
+        let longest = p["held_longest_s"].as_f64().unwrap();
+        assert!(
+            longest > 2.0 && longest <= LEASE_MS as f64 / 1000.0 + 0.5,
+            "{p}"
+        );
+        assert!(p["held_block_seconds"].as_f64().unwrap() > 0.0, "{p}");
+        assert!(p["early_abandoned"].as_u64().unwrap() > 0, "{p}");
+        assert!(
+            r["analysis"]["findings"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|f| f["class"] == "prefill_held" && f["fits"] == true),
+            "{}",
+            o.log
+        );
+        assert!(
+            o.log
+                .contains("prefill side: the prefill engine held blocks"),
+            "{}",
+            o.log
+        );
+        // The decode side generated for clients gone during decode.
+        assert_eq!(o.verdict("streaming_dropped"), "leaks", "{}", o.log);
+        // Against the prefill engine's own record: blocks it let go only at the lease.
+        assert!(
+            pd.releases().contains(&KvRelease::LeaseExpired),
+            "{:?}",
+            pd.releases()
+        );
+    })
+    .await
+    .unwrap();
+}
+
+/// Behind a P/D proxy that passes disconnects on, with clients that leave only during
+/// decode (no early phase): the decode side ends each abandoned request, the prefill side
+/// lets go of every hold at the decode side's read, and the verdict is no leak. Then the
+/// prefill-side flag's bad input: another engine's metrics (it did not count the probes'
+/// prefill legs) and the decode side's metrics given twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_pair_behind_a_proxy_that_passes_disconnects_no_leak() {
+    bounded("leakcheck, P/D passing", T, async {
+        let pd = pd_pair(false).await;
+        let mut a = pd.args(true);
+        a.extend(["--early-share", "0"].map(String::from));
+        let o = leakcheck(&a, RUN).await;
+        assert_eq!(o.code, 0, "exit 0 = no leak:\n{}", o.log);
+        o.assert_every_kind("no_leak");
+        let r = o.report.as_ref().unwrap();
+        let p = &r["analysis"]["prefill"];
+        assert_eq!(p["verdict"], "no_leak", "{p}");
+        assert!(p["held_longest_s"].as_f64().unwrap() <= 2.0, "{p}");
+        assert!(p["readings"].as_u64().unwrap() > 20, "{p}");
+        let rel = pd.releases();
+        assert!(
+            !rel.is_empty() && rel.iter().all(|w| *w == KvRelease::Pulled),
+            "{rel:?}"
+        );
+
+        let other = sim50().await;
+        let mut bad = a.clone();
+        let i = bad.iter().position(|x| x == "--prefill-metrics").unwrap();
+        bad[i + 1] = format!("http://{}/metrics", other.addr());
+        let o = leakcheck(&bad, BAD).await;
+        assert_eq!(o.code, 5, "{}", o.log);
+        assert!(
+            o.log.contains("did not count the prefill legs") && o.log.contains("--prefill-metrics"),
+            "{}",
+            o.log
+        );
+        assert!(o.took < Duration::from_secs(20), "{:?}", o.took);
+        bad[i + 1] = format!("http://{}/metrics", pd.d.addr());
+        let o = leakcheck(&bad, BAD).await;
+        assert_eq!(o.code, 3, "{}", o.log);
+        assert!(o.log.contains("--prefill-metrics"), "{}", o.log);
     })
     .await
     .unwrap();

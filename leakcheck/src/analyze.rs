@@ -8,7 +8,7 @@
 //! be seen, and memory growth over a few checkpoints is called warm-up-or-retention, not
 //! a leak.
 
-use crate::workload::{Checkpoint, Kind, Outcome, RunData, Sample};
+use crate::workload::{held_epsilon, Checkpoint, Kind, Outcome, RunData, Sample};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -129,6 +129,39 @@ pub struct QuietFigures {
     pub memory_monotonic: bool,
 }
 
+/// P/D: the prefill engine's blocks held with nothing running there (awaiting a decode
+/// side that never reads them: the client left before the decode leg, behind a proxy
+/// that does not tell the prefill side).
+#[derive(Debug, Clone, Serialize)]
+pub struct PrefillFigures {
+    /// The prefill engine's KV usage with nothing there (the lowest at any checkpoint).
+    pub kv_baseline: Option<f64>,
+    /// KV blocks in its pool (`vllm:cache_config_info`), when exported.
+    pub num_blocks: Option<f64>,
+    /// Longest stretch of readings that showed blocks held above the baseline with nothing
+    /// running or waiting there (s; from its first reading to its last: a lower bound).
+    pub held_longest_s: f64,
+    /// Those stretches together (s).
+    pub held_total_s: f64,
+    /// KV usage above the baseline integrated over those readings (share of the pool × s).
+    pub held_kv_seconds: f64,
+    /// The same in blocks × s, when the pool size is known.
+    pub held_block_seconds: Option<f64>,
+    /// Most KV held at one such reading, above the baseline (share of the pool).
+    pub held_peak_kv: f64,
+    /// Stretches longer than --free-within.
+    pub stretches_past_bound: usize,
+    /// Abandoned requests of the early phases (clients gone before the first token: the
+    /// case that strands the prefill side).
+    pub early_abandoned: usize,
+    /// Readings of the prefill engine.
+    pub readings: usize,
+    /// Verdict for the prefill side.
+    pub verdict: Verdict,
+    /// Why, with the figures.
+    pub reason: String,
+}
+
 /// The whole analysis.
 #[derive(Debug, Clone, Serialize)]
 pub struct Analysis {
@@ -142,6 +175,9 @@ pub struct Analysis {
     pub quiet: QuietFigures,
     /// Classification.
     pub findings: Vec<Finding>,
+    /// P/D: the prefill side (`--prefill-metrics`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill: Option<PrefillFigures>,
     /// The run's pace: seconds per data event of completed streams (median).
     pub s_per_event: Option<f64>,
     /// Median data events of completed streams.
@@ -186,6 +222,114 @@ fn other_traffic(samples: &[&Sample]) -> bool {
         }
     }
     false
+}
+
+/// The prefill side of a P/D run: stretches of readings where it held blocks above its
+/// baseline with nothing running or waiting there.
+pub fn prefill_figures(d: &RunData, th: &Thresholds) -> PrefillFigures {
+    let f = th.free_within_s;
+    let readings: Vec<(f64, crate::engine::Scrape)> = d
+        .samples
+        .iter()
+        .filter_map(|s| Some((s.t, s.prefill?)))
+        .collect();
+    let num_blocks = readings.iter().find_map(|(_, p)| p.num_blocks);
+    let eps = held_epsilon(num_blocks);
+    let kv_baseline = d
+        .baseline
+        .iter()
+        .chain(d.checkpoints.iter())
+        .filter_map(|c| c.prefill_kv)
+        .reduce(f64::min);
+    let early_abandoned = d
+        .requests
+        .iter()
+        .filter(|r| r.kind == Kind::StreamingEarly && r.outcome == Outcome::Abandoned)
+        .count();
+    let mut p = PrefillFigures {
+        kv_baseline,
+        num_blocks,
+        held_longest_s: 0.0,
+        held_total_s: 0.0,
+        held_kv_seconds: 0.0,
+        held_block_seconds: None,
+        held_peak_kv: 0.0,
+        stretches_past_bound: 0,
+        early_abandoned,
+        readings: readings.len(),
+        verdict: Verdict::Inconclusive,
+        reason: String::new(),
+    };
+    let Some(base) = kv_baseline else {
+        p.reason = "the prefill engine was never quiet (nothing running or waiting there): no baseline for the blocks it holds".into();
+        return p;
+    };
+    // Blocks held above the baseline with nothing running or waiting there.
+    let held =
+        |s: &crate::engine::Scrape| s.in_engine() == 0.0 && s.kv.is_some_and(|kv| kv - base > eps);
+    let mut start: Option<f64> = None;
+    let mut last = 0.0;
+    let close = |p: &mut PrefillFigures, from: f64, to: f64| {
+        let len = to - from;
+        p.held_total_s += len;
+        p.held_longest_s = p.held_longest_s.max(len);
+        if len > f {
+            p.stretches_past_bound += 1;
+        }
+    };
+    for (i, (t, s)) in readings.iter().enumerate() {
+        if held(s) {
+            let above = s.kv.unwrap_or(base) - base;
+            p.held_peak_kv = p.held_peak_kv.max(above);
+            if let Some((t1, _)) = readings.get(i + 1) {
+                p.held_kv_seconds += above * (t1 - t).min(3.0 * th.sample_interval_s);
+            }
+            // A gap in the readings ends a stretch: it is not known what happened there.
+            if let Some(from) = start.filter(|_| t - last > 3.0 * th.sample_interval_s) {
+                close(&mut p, from, last);
+                start = None;
+            }
+            start.get_or_insert(*t);
+            last = *t;
+        } else if let Some(from) = start.take() {
+            close(&mut p, from, last);
+        }
+    }
+    if let Some(from) = start {
+        close(&mut p, from, last);
+    }
+    p.held_block_seconds = num_blocks.map(|n| n * p.held_kv_seconds);
+    let blocks = |kv: f64| match num_blocks {
+        Some(n) => format!("{:.0} blocks", kv * n),
+        None => format!("{:.1} % of its KV", 100.0 * kv),
+    };
+    let amount = match p.held_block_seconds {
+        Some(b) => format!("{b:.0} block-seconds"),
+        None => format!("{:.2} pool-seconds", p.held_kv_seconds),
+    };
+    if p.held_longest_s > f {
+        p.verdict = Verdict::Leaks;
+        p.reason = format!(
+            "the prefill engine held blocks with nothing running there for up to {:.1} s (--free-within {f:.1} s): up to {} awaiting a decode side that never read them, {amount} in all over {} stretches past the bound",
+            p.held_longest_s,
+            blocks(p.held_peak_kv),
+            p.stretches_past_bound
+        );
+    } else if readings.is_empty() {
+        p.reason = "no reading of the prefill engine".into();
+    } else {
+        p.verdict = Verdict::NoLeak;
+        p.reason = format!(
+            "the prefill engine held blocks with nothing running there for at most {:.1} s ({amount}); {}",
+            p.held_longest_s,
+            if early_abandoned == 0 {
+                "no client left before its first token (--early-share 0): a hand-off leak was not provoked".to_string()
+            } else {
+                format!("{early_abandoned} clients left before their first token")
+            }
+        );
+    }
+    p
 }
 
 /// Analyses a run.
@@ -281,7 +425,9 @@ pub fn analyze(
                 let held = r.gone_s? - r.sent_s;
                 Some(match kind {
                     Kind::StreamingDropped => (events_nat - r.events as f64).max(0.0) * tau,
-                    Kind::StreamingSilent => (natural_stream - held).max(0.0),
+                    Kind::StreamingSilent | Kind::StreamingEarly => {
+                        (natural_stream - held).max(0.0)
+                    }
                     Kind::NonStreamingDropped => (natural_nonstream - held).max(0.0),
                 })
             })
@@ -506,6 +652,17 @@ pub fn analyze(
         });
     }
 
+    let prefill = d.prefill.then(|| prefill_figures(d, th));
+    if let Some(p) = &prefill {
+        findings.push(Finding {
+            class: "prefill_held",
+            fits: p.verdict == Verdict::Leaks,
+            detail: p.reason.clone(),
+        });
+        if p.verdict == Verdict::Leaks {
+            reasons.push(format!("prefill side: {}", p.reason));
+        }
+    }
     for r in &results {
         if r.verdict == Verdict::Leaks {
             reasons.push(format!("{}: {}", r.kind.label(), r.reason));
@@ -545,9 +702,18 @@ pub fn analyze(
         if let Some(r) = retention_inconclusive {
             inc.push(r);
         }
+        if let Some(p) = prefill
+            .as_ref()
+            .filter(|p| p.verdict == Verdict::Inconclusive)
+        {
+            inc.push(format!("prefill side: {}", p.reason));
+        }
         if inc.is_empty() {
             for r in &results {
                 reasons.push(format!("{}: {}", r.kind.label(), r.reason));
+            }
+            if let Some(p) = &prefill {
+                reasons.push(format!("prefill side: {}", p.reason));
             }
             Verdict::NoLeak
         } else {
@@ -561,6 +727,7 @@ pub fn analyze(
         kinds: results,
         quiet: q,
         findings,
+        prefill,
         s_per_event,
         events_per_stream,
     }
@@ -591,6 +758,7 @@ mod tests {
             },
             live,
             abandoned_open: open,
+            prefill: None,
         }
     }
 
@@ -626,6 +794,7 @@ mod tests {
             kv: Some(kv),
             rss_bytes: rss,
             gpu_used_bytes: None,
+            prefill_kv: None,
         }
     }
 
@@ -678,6 +847,7 @@ mod tests {
             scrape_failures: 0,
             gpu: "off".into(),
             wall_s: quiet + 1.0,
+            prefill: false,
         }
     }
 
@@ -816,6 +986,119 @@ mod tests {
             .findings
             .iter()
             .any(|f| f.class == "retention" && f.fits));
+    }
+
+    /// `run(1.25, 10.25)` as a P/D run: the prefill engine (a pool of 100 blocks) holds
+    /// `kv` of its pool from `from` to `to` s, running `running` requests meanwhile.
+    fn pd(from: f64, to: f64, kv: f64, running: f64) -> RunData {
+        let mut d = run(1.25, 10.25);
+        d.prefill = true;
+        d.baseline.as_mut().unwrap().prefill_kv = Some(0.0);
+        d.checkpoints[0].prefill_kv = Some(0.0);
+        for s in &mut d.samples {
+            let on = s.t >= from && s.t < to;
+            s.prefill = Some(Scrape {
+                running: if on { running } else { 0.0 },
+                kv: Some(if on { kv } else { 0.0 }),
+                num_blocks: Some(100.0),
+                ..Scrape::default()
+            });
+        }
+        d
+    }
+
+    #[test]
+    fn prefill_blocks_held_with_nothing_running_past_the_bound_leak() {
+        // 5 blocks held from 2 s to 6 s with nothing running there.
+        let a = analyze(&pd(2.0, 6.0, 0.05, 0.0), &TH, 0.1, 100.0);
+        let p = a.prefill.as_ref().unwrap();
+        assert_eq!(p.verdict, Verdict::Leaks, "{p:?}");
+        // Readings every 0.25 s: the first at 2.0, the last at 5.75.
+        assert!((p.held_longest_s - 3.75).abs() < 1e-9, "{p:?}");
+        assert!((p.held_total_s - 3.75).abs() < 1e-9, "{p:?}");
+        assert!((p.held_kv_seconds - 0.2).abs() < 1e-9, "{p:?}");
+        assert!((p.held_block_seconds.unwrap() - 20.0).abs() < 1e-6, "{p:?}");
+        assert!((p.held_peak_kv - 0.05).abs() < 1e-12, "{p:?}");
+        assert_eq!(p.stretches_past_bound, 1);
+        assert!(p.reason.contains("5 blocks"), "{}", p.reason);
+        assert_eq!(a.verdict, Verdict::Leaks);
+        assert!(a.reasons.iter().any(|r| r.starts_with("prefill side:")));
+        assert!(a
+            .findings
+            .iter()
+            .any(|f| f.class == "prefill_held" && f.fits));
+    }
+
+    #[test]
+    fn prefill_blocks_held_briefly_or_while_running_are_no_leak() {
+        // Held for one reading (the hand-off to the decode side).
+        let a = analyze(&pd(2.0, 2.25, 0.05, 0.0), &TH, 0.1, 100.0);
+        let p = a.prefill.as_ref().unwrap();
+        assert_eq!(p.verdict, Verdict::NoLeak, "{p:?}");
+        assert_eq!(p.held_longest_s, 0.0);
+        assert!(p.reason.contains("--early-share 0"), "{}", p.reason);
+        assert_eq!(a.verdict, Verdict::NoLeak, "{:?}", a.reasons);
+        assert!(a
+            .findings
+            .iter()
+            .any(|f| f.class == "prefill_held" && !f.fits));
+        // Blocks in use while the prefill engine runs requests: its work, not held.
+        let a = analyze(&pd(2.0, 6.0, 0.05, 1.0), &TH, 0.1, 100.0);
+        assert_eq!(a.prefill.as_ref().unwrap().held_total_s, 0.0);
+        assert_eq!(a.verdict, Verdict::NoLeak);
+        // Exactly at the bound is not past it.
+        let a = analyze(&pd(2.0, 4.25, 0.05, 0.0), &TH, 0.1, 100.0);
+        let p = a.prefill.as_ref().unwrap();
+        assert_eq!(p.held_longest_s, 2.0);
+        assert_eq!(p.verdict, Verdict::NoLeak, "{p:?}");
+    }
+
+    #[test]
+    fn prefill_stretches_end_at_a_gap_and_the_baseline_is_the_lowest_checkpoint() {
+        // Held 2..6 s, but the readings from 3 to 5 s were lost: two stretches of 0.75 s.
+        let mut d = pd(2.0, 6.0, 0.05, 0.0);
+        d.samples.retain(|s| !(s.t >= 3.0 && s.t < 5.0));
+        let a = analyze(&d, &TH, 0.1, 100.0);
+        let p = a.prefill.as_ref().unwrap();
+        assert!((p.held_longest_s - 0.75).abs() < 1e-9, "{p:?}");
+        assert!((p.held_total_s - 1.5).abs() < 1e-9, "{p:?}");
+        assert_eq!(p.verdict, Verdict::NoLeak);
+        // A baseline taken while someone else's blocks were still held: the lowest
+        // checkpoint is the baseline, and the rise above it shows.
+        let mut d = pd(2.0, 6.0, 0.05, 0.0);
+        d.baseline.as_mut().unwrap().prefill_kv = Some(0.10);
+        let a = analyze(&d, &TH, 0.1, 100.0);
+        let p = a.prefill.as_ref().unwrap();
+        assert_eq!(p.kv_baseline, Some(0.0));
+        assert_eq!(p.verdict, Verdict::Leaks);
+        // Half a block above the baseline is noise, not a held block.
+        let a = analyze(&pd(2.0, 6.0, 0.004, 0.0), &TH, 0.1, 100.0);
+        assert_eq!(a.prefill.as_ref().unwrap().held_total_s, 0.0);
+    }
+
+    #[test]
+    fn a_prefill_side_never_read_is_inconclusive() {
+        let mut d = pd(2.0, 6.0, 0.05, 0.0);
+        for s in &mut d.samples {
+            s.prefill = None;
+        }
+        let a = analyze(&d, &TH, 0.1, 100.0);
+        assert_eq!(a.prefill.as_ref().unwrap().verdict, Verdict::Inconclusive);
+        assert_eq!(a.verdict, Verdict::Inconclusive, "{:?}", a.reasons);
+        assert!(a
+            .reasons
+            .iter()
+            .any(|r| r.contains("no reading of the prefill engine")));
+        let mut d = pd(2.0, 6.0, 0.05, 0.0);
+        d.baseline.as_mut().unwrap().prefill_kv = None;
+        d.checkpoints[0].prefill_kv = None;
+        let a = analyze(&d, &TH, 0.1, 100.0);
+        assert!(
+            a.prefill.as_ref().unwrap().reason.contains("never quiet"),
+            "{:?}",
+            a.prefill
+        );
+        assert_eq!(a.verdict, Verdict::Inconclusive);
     }
 
     #[test]

@@ -84,9 +84,16 @@ pub struct Args {
     /// `<prefix>/v1/chat/completions`).
     #[arg(long)]
     pub target: String,
-    /// The engine's own metrics, e.g. `http://engine:8000/metrics` (vLLM, SGLang).
+    /// The engine's own metrics, e.g. `http://engine:8000/metrics` (vLLM, SGLang). With
+    /// prefill/decode disaggregation: the decode engine's (the one that streams).
     #[arg(long)]
     pub engine_metrics: String,
+    /// Prefill/decode disaggregation: the prefill engine's own metrics, e.g.
+    /// `http://prefill:8000/metrics`. Adds the prefill-side check: KV blocks held on the
+    /// prefill engine with nothing running there (awaiting a decode side that never reads
+    /// them), for how long, against --free-within.
+    #[arg(long)]
+    pub prefill_metrics: Option<String>,
     /// Model name to ask for; default: the only model `<target>/v1/models` lists.
     #[arg(long)]
     pub model: Option<String>,
@@ -107,6 +114,12 @@ pub struct Args {
     /// its socket open for a while, then closes it.
     #[arg(long, default_value_t = 0.3)]
     pub silent_share: f64,
+    /// Share of streaming requests in the early phases whose client leaves before the
+    /// first token (at 10–40 % of the probe's time to first token: with prefill/decode
+    /// disaggregation, during the prefill or the hand-off). Default: 0.3 with
+    /// --prefill-metrics, else 0 (no early phase).
+    #[arg(long)]
+    pub early_share: Option<f64>,
     /// Share of the arrival time spent on non-streaming requests (0 = none, 1 = only).
     #[arg(long, default_value_t = 0.3)]
     pub non_streaming_share: f64,
@@ -202,6 +215,15 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 impl Args {
+    /// `--early-share` as given, else its default (0.3 with `--prefill-metrics`, else 0).
+    pub fn early_share(&self) -> f64 {
+        match (self.early_share, &self.prefill_metrics) {
+            (Some(v), _) => v,
+            (None, Some(_)) => 0.3,
+            (None, None) => 0.0,
+        }
+    }
+
     /// Checks values clap cannot: each error names the flag and what to pass.
     pub fn validate(&self) -> Result<(), String> {
         let share = |name: &str, v: f64| {
@@ -213,6 +235,7 @@ impl Args {
         };
         share("disconnect-share", self.disconnect_share)?;
         share("silent-share", self.silent_share)?;
+        share("early-share", self.early_share())?;
         share("non-streaming-share", self.non_streaming_share)?;
         share("kv-tolerance", self.kv_tolerance)?;
         if !(self.rate > 0.0 && self.rate <= 50.0) {
@@ -259,11 +282,28 @@ impl Args {
         if !(self.memory_tolerance > 0.0 && self.memory_tolerance.is_finite()) {
             return Err("--memory-tolerance: above 0 (0.10 = 10 %)".into());
         }
-        if self.disconnect_share == 0.0 && self.silent_share == 0.0 {
+        if self.disconnect_share == 0.0 && self.silent_share == 0.0 && self.early_share() == 0.0 {
             return Err(
-                "--disconnect-share and --silent-share are both 0: nothing would be abandoned"
+                "--disconnect-share, --silent-share and --early-share are all 0: nothing would be abandoned"
                     .into(),
             );
+        }
+        if let Some(p) = &self.prefill_metrics {
+            if p.trim_end_matches('/') == self.engine_metrics.trim_end_matches('/') {
+                return Err(format!(
+                    "--prefill-metrics {p}: the same as --engine-metrics; pass the prefill \
+                     engine's own /metrics there, and the decode engine's (the one that \
+                     streams) as --engine-metrics"
+                ));
+            }
+            if self.quiet_timeout <= self.free_within {
+                return Err(
+                    "--quiet-timeout: above --free-within with --prefill-metrics (quiet \
+                     checkpoints wait for the prefill engine's held blocks to return; vLLM \
+                     holds them up to its kv_lease_duration, 30 s)"
+                        .into(),
+                );
+            }
         }
         if let Some(e) = &self.extra_body {
             match serde_json::from_str::<serde_json::Value>(e) {
@@ -311,5 +351,32 @@ mod tests {
         a.rate = 1.0;
         a.extra_body = Some("[1]".into());
         assert!(a.validate().unwrap_err().contains("--extra-body"));
+        a.extra_body = None;
+
+        // P/D: the early phase is on by default with --prefill-metrics, off without.
+        assert_eq!(a.early_share(), 0.0);
+        a.prefill_metrics = Some("http://127.0.0.1:3/metrics".into());
+        assert_eq!(a.early_share(), 0.3);
+        assert_eq!(a.validate(), Ok(()));
+        a.early_share = Some(0.0);
+        assert_eq!(a.early_share(), 0.0);
+        a.early_share = Some(1.5);
+        assert!(a.validate().unwrap_err().contains("--early-share"));
+        a.early_share = None;
+        a.prefill_metrics = Some("http://127.0.0.1:2/metrics/".into());
+        let e = a.validate().unwrap_err();
+        assert!(
+            e.contains("--prefill-metrics") && e.contains("decode"),
+            "{e}"
+        );
+        a.prefill_metrics = Some("http://127.0.0.1:3/metrics".into());
+        a.quiet_timeout = a.free_within;
+        assert!(a.validate().unwrap_err().contains("--quiet-timeout"));
+        a.quiet_timeout = Duration::from_secs(120);
+        a.disconnect_share = 0.0;
+        a.silent_share = 0.0;
+        assert_eq!(a.validate(), Ok(()), "the early phase alone abandons");
+        a.early_share = Some(0.0);
+        assert!(a.validate().unwrap_err().contains("--early-share"));
     }
 }

@@ -108,6 +108,10 @@ pub struct Scrape {
     pub aborted: Option<f64>,
     /// `process_resident_memory_bytes` of the process serving the metrics.
     pub rss_bytes: Option<f64>,
+    /// KV blocks in the pool (`vllm:cache_config_info`'s `num_gpu_blocks` label): turns KV
+    /// usage into blocks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub num_blocks: Option<f64>,
 }
 
 impl Scrape {
@@ -154,10 +158,32 @@ pub fn parse(text: &str) -> Result<(Scrape, EngineFlavour), String> {
             "process_resident_memory_bytes" => {
                 *s.rss_bytes.get_or_insert(0.0) += x.value;
             }
+            "vllm:cache_config_info" => {
+                s.num_blocks = label(x.labels, "num_gpu_blocks")
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .filter(|v| v.is_finite() && *v > 0.0);
+            }
             _ => {}
         }
     }
     Ok((s, flavour))
+}
+
+/// The value of label `name` in an `a="x",b="y"` label set (no escapes inside: the
+/// labels read here are numbers).
+fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
+    let pat = format!("{name}=\"");
+    let mut from = 0;
+    while let Some(i) = labels[from..].find(&pat) {
+        let at = from + i;
+        // A whole label name: at the start, or after `{` or `,`.
+        if at == 0 || matches!(labels.as_bytes()[at - 1], b',' | b' ') {
+            let rest = &labels[at + pat.len()..];
+            return rest.split_once('"').map(|(v, _)| v);
+        }
+        from = at + pat.len();
+    }
+    None
 }
 
 /// Reads the engine's metrics once (bounded by `timeout`).
@@ -212,6 +238,16 @@ mod tests {
         assert_eq!(s.finished, Some(2.0));
         assert_eq!(s.aborted, Some(0.0));
         assert_eq!(s.rss_bytes, Some(9.52127488e8));
+        assert_eq!(s.num_blocks, Some(32768.0));
+    }
+
+    #[test]
+    fn labels_by_whole_name() {
+        let l = r#"cpu_num_gpu_blocks="1",num_gpu_blocks="64",x="y""#;
+        assert_eq!(label(l, "num_gpu_blocks"), Some("64"));
+        assert_eq!(label(l, "x"), Some("y"));
+        assert_eq!(label(l, "z"), None);
+        assert_eq!(label(r#"a_num_gpu_blocks="1""#, "num_gpu_blocks"), None);
     }
 
     #[test]

@@ -56,8 +56,12 @@ fn main() -> ExitCode {
 
 async fn run(args: Args) -> Exit {
     eprintln!(
-        "kvguard-leakcheck: checking {} (engine metrics {}) ...",
-        args.target, args.engine_metrics
+        "kvguard-leakcheck: checking {} (engine metrics {}{}) ...",
+        args.target,
+        args.engine_metrics,
+        args.prefill_metrics
+            .as_deref()
+            .map_or(String::new(), |p| format!(", prefill engine metrics {p}"))
     );
     let ready = match preflight::run(&args).await {
         Ok(r) => r,
@@ -98,6 +102,7 @@ async fn run(args: Args) -> Exit {
     print!("{}", report::text(&a, &ready, &data));
     let settings = serde_json::json!({
         "target": args.target, "engine_metrics": args.engine_metrics, "model": ready.model,
+        "prefill_metrics": args.prefill_metrics, "early_share": args.early_share(),
         "duration_s": args.duration.as_secs_f64(), "rate": args.rate,
         "disconnect_share": args.disconnect_share, "silent_share": args.silent_share,
         "non_streaming_share": args.non_streaming_share, "max_tokens": args.max_tokens,

@@ -1,6 +1,8 @@
 //! Checks before any load: both endpoints answer, the engine exports the names leakcheck
 //! reads, the model exists, the target answers a request and a stream, and the engine
-//! behind `--engine-metrics` is the one the target routes to. Each failure is a
+//! behind `--engine-metrics` is the one the target routes to (with `--prefill-metrics`:
+//! the prefill engine exports KV usage and counted the probes' prefill legs too). Each
+//! failure is a
 //! [`Fail`]: an exit code and a message that names the fix. Every step is bounded.
 
 use crate::cli::{Api, Args, Exit};
@@ -45,6 +47,8 @@ pub struct Ready {
     pub probe_ttft_s: f64,
     /// The probe stream: seconds per data event (whole stream time / events).
     pub probe_s_per_event: f64,
+    /// The probe stream: seconds per data event after the first (`None`: one event).
+    pub probe_gap_s_per_event: Option<f64>,
     /// The probe stream: data events read.
     pub probe_events: u64,
     /// Whether the engine counted the probes (`vllm:request_success_total` rose); `None`:
@@ -52,12 +56,37 @@ pub struct Ready {
     pub routing_confirmed: Option<bool>,
     /// Notes for the report (what could not be checked).
     pub notes: Vec<String>,
+    /// Prefill/decode disaggregation: the prefill engine (`--prefill-metrics`).
+    pub prefill: Option<PrefillReady>,
+}
+
+/// The prefill engine of a P/D pair, as the checks found it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PrefillReady {
+    /// Where its metrics are read.
+    #[serde(skip)]
+    pub metrics: Endpoint,
+    /// Whose metric names it exports.
+    pub flavour: EngineFlavour,
+    /// Whether it counted the probes' prefill legs; `None`: it exports no finished-request
+    /// counter.
+    pub routing_confirmed: Option<bool>,
+    /// KV blocks in its pool (`vllm:cache_config_info`), when exported.
+    pub num_blocks: Option<f64>,
 }
 
 impl Ready {
-    /// The estimated natural length of one request (s): `max_tokens` events at the probe's pace.
+    /// The estimated natural length of one request (s): `max_tokens` events at the probe's
+    /// pace. With P/D the time to the first token holds the prefill leg and the hand-off,
+    /// so the whole stream's pace would overstate a request's length (and the clients
+    /// planned to leave part-way would finish first): the pace after the first event is
+    /// used (the P/D proxies in front of these engines stream events as they come).
     pub fn natural_estimate_s(&self, max_tokens: u32) -> f64 {
-        self.probe_ttft_s + f64::from(max_tokens) * self.probe_s_per_event
+        let pace = match (&self.prefill, self.probe_gap_s_per_event) {
+            (Some(_), Some(gap)) => gap,
+            _ => self.probe_s_per_event,
+        };
+        self.probe_ttft_s + f64::from(max_tokens) * pace
     }
 }
 
@@ -145,6 +174,37 @@ pub async fn run(args: &Args) -> Result<Ready, Fail> {
                 format!("--engine-metrics: {e:#}; {metrics_fix}"),
             )
         })?;
+    let prefill_fix = "pass the prefill engine's own /metrics (vLLM serves it on its API port, \
+                       e.g. --prefill-metrics http://prefill:8000/metrics)";
+    let prefill_before = match &args.prefill_metrics {
+        None => None,
+        Some(url) => {
+            let ep = Endpoint::resolve(url).await.map_err(|e| match e {
+                EndpointError::Bad(m) => fail(Exit::BadFlags, format!("--prefill-metrics {m}")),
+                EndpointError::Unreachable(m) => {
+                    fail(Exit::EngineMetrics, format!("--prefill-metrics {m}"))
+                }
+            })?;
+            let (s, flavour) = engine::scrape(&ep, Duration::from_secs(5).min(t))
+                .await
+                .map_err(|e| {
+                    fail(
+                        Exit::EngineMetrics,
+                        format!("--prefill-metrics: {e:#}; {prefill_fix}"),
+                    )
+                })?;
+            if s.kv.is_none() {
+                return Err(fail(
+                    Exit::EngineMetrics,
+                    format!(
+                        "--prefill-metrics {url}: no KV usage (vllm:kv_cache_usage_perc, \
+                         sglang:token_usage): the prefill-side check reads the blocks it holds; {prefill_fix}"
+                    ),
+                ));
+            }
+            Some((ep, s, flavour))
+        }
+    };
     let mut notes = Vec::new();
     if before.kv.is_none() {
         notes.push(
@@ -365,8 +425,11 @@ pub async fn run(args: &Args) -> Result<Ready, Fail> {
     // The whole stream's time over its events, not the gaps between them: a hop that
     // buffers (LiteLLM) delivers events in bursts, and the gaps would understate the pace.
     let per_event = (last - t0).as_secs_f64() / events as f64;
+    let gap_per_event = (events > 1).then(|| (last - first).as_secs_f64() / (events - 1) as f64);
 
-    // The engine counted the two probes: the target routes to this engine.
+    // The engine counted the two probes: the target routes to this engine (and, with
+    // --prefill-metrics, the prefill engine counted their prefill legs).
+    let until = Instant::now() + Duration::from_secs(5);
     let routing_confirmed = match before.finished {
         None => {
             notes.push(
@@ -377,18 +440,7 @@ pub async fn run(args: &Args) -> Result<Ready, Fail> {
             None
         }
         Some(b) => {
-            let until = Instant::now() + Duration::from_secs(5);
-            let mut seen = false;
-            while Instant::now() < until {
-                if let Ok((now, _)) = engine::scrape(&metrics, Duration::from_secs(5)).await {
-                    if now.finished.unwrap_or(b) >= b + 2.0 {
-                        seen = true;
-                        break;
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            if !seen {
+            if !counted(&metrics, b, until).await {
                 return Err(fail(
                     Exit::EngineMetrics,
                     format!(
@@ -402,6 +454,50 @@ pub async fn run(args: &Args) -> Result<Ready, Fail> {
             Some(true)
         }
     };
+    let prefill = match prefill_before {
+        None => None,
+        Some((ep, pb, flavour)) => {
+            let confirmed = match pb.finished {
+                None => {
+                    notes.push(
+                        "the prefill engine exports no finished-request counter \
+                         (vllm:request_success_total): could not confirm that --target sends \
+                         prefill legs to the engine behind --prefill-metrics"
+                            .to_string(),
+                    );
+                    None
+                }
+                Some(b) => {
+                    if !counted(&ep, b, until).await {
+                        return Err(fail(
+                            Exit::EngineMetrics,
+                            format!(
+                                "the prefill engine behind --prefill-metrics {} did not count the \
+                                 prefill legs of the two probe requests sent to --target {}: the \
+                                 target is not a P/D proxy over this prefill engine (or spreads \
+                                 prefills over several); point both at one dedicated P/D pair",
+                                ep.url, args.target
+                            ),
+                        ));
+                    }
+                    Some(true)
+                }
+            };
+            if pb.num_blocks.is_none() {
+                notes.push(
+                    "the prefill engine exports no block count (vllm:cache_config_info \
+                     num_gpu_blocks): its held KV is reported as a share of its pool, not in blocks"
+                        .to_string(),
+                );
+            }
+            Some(PrefillReady {
+                metrics: ep,
+                flavour,
+                routing_confirmed: confirmed,
+                num_blocks: pb.num_blocks,
+            })
+        }
+    };
     Ok(Ready {
         target,
         metrics,
@@ -410,10 +506,28 @@ pub async fn run(args: &Args) -> Result<Ready, Fail> {
         flavour,
         probe_ttft_s: ttft,
         probe_s_per_event: per_event,
+        probe_gap_s_per_event: gap_per_event,
         probe_events: events,
         routing_confirmed,
         notes,
+        prefill,
     })
+}
+
+/// Whether the finished-request counter at `ep` rose by two from `before` by `until`
+/// (polled every 200 ms; a failed read is retried).
+async fn counted(ep: &Endpoint, before: f64, until: Instant) -> bool {
+    loop {
+        if let Ok((now, _)) = engine::scrape(ep, Duration::from_secs(5)).await {
+            if now.finished.unwrap_or(before) >= before + 2.0 {
+                return true;
+            }
+        }
+        if Instant::now() >= until {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 #[cfg(test)]
@@ -438,6 +552,40 @@ mod tests {
         ));
         // A wrong path, not a missing model.
         assert!(!looks_like_missing_model(404, "404 page not found"));
+    }
+
+    #[test]
+    fn natural_length_with_pd_leaves_the_hand_off_out_of_the_pace() {
+        let ep = Endpoint {
+            url: "http://127.0.0.1:1".into(),
+            addr: "127.0.0.1:1".parse().unwrap(),
+            authority: "127.0.0.1:1".into(),
+            path: String::new(),
+        };
+        let mut r = Ready {
+            target: ep.clone(),
+            metrics: ep.clone(),
+            path: String::new(),
+            model: "m".into(),
+            flavour: EngineFlavour::Vllm,
+            probe_ttft_s: 1.0,
+            probe_s_per_event: 0.1,
+            probe_gap_s_per_event: Some(0.02),
+            probe_events: 16,
+            routing_confirmed: Some(true),
+            notes: Vec::new(),
+            prefill: None,
+        };
+        assert!((r.natural_estimate_s(100) - 11.0).abs() < 1e-9);
+        r.prefill = Some(PrefillReady {
+            metrics: ep,
+            flavour: EngineFlavour::Vllm,
+            routing_confirmed: Some(true),
+            num_blocks: None,
+        });
+        assert!((r.natural_estimate_s(100) - 3.0).abs() < 1e-9);
+        r.probe_gap_s_per_event = None;
+        assert!((r.natural_estimate_s(100) - 11.0).abs() < 1e-9);
     }
 
     #[test]

@@ -95,6 +95,25 @@ pub fn text(a: &Analysis, ready: &Ready, run: &RunData) -> String {
         pct(q.kv_peak),
         q.waiting_peak
     );
+    if let Some(p) = &a.prefill {
+        let _ = writeln!(
+            o,
+            "prefill side (P/D): {} — KV baseline {}, held with nothing running there: longest {:.1} s, {:.1} s in all, peak {}{}, {} early clients abandoned; prefill legs counted: {}",
+            p.verdict.label(),
+            pct(p.kv_baseline),
+            p.held_longest_s,
+            p.held_total_s,
+            pct(Some(p.held_peak_kv)),
+            p.held_block_seconds
+                .map_or(String::new(), |b| format!(", {b:.0} block-seconds")),
+            p.early_abandoned,
+            match ready.prefill.as_ref().and_then(|r| r.routing_confirmed) {
+                Some(true) => "yes",
+                Some(false) => "no",
+                None => "not checkable",
+            }
+        );
+    }
     for f in &a.findings {
         let _ = writeln!(
             o,
@@ -144,7 +163,7 @@ pub fn svg(a: &Analysis, run: &RunData) -> String {
         r#"<text x="{left}" y="24" font-size="16">kvguard-leakcheck: {} — engine KV usage (top), running / waiting / orphans (bottom)</text>"#,
         a.verdict.label()
     );
-    let colors = ["#1f77b4", "#ff7f0e", "#9467bd"];
+    let colors = ["#1f77b4", "#ff7f0e", "#9467bd", "#17becf"];
     for p in &run.phases {
         let end = p.quiet_s.unwrap_or(p.clients_done_s);
         let c = colors[p.kind as usize % colors.len()];
@@ -224,6 +243,16 @@ pub fn svg(a: &Analysis, run: &RunData) -> String {
         &mut o,
         run.samples
             .iter()
+            .filter_map(|s| Some((x(s.t), y1(s.prefill?.kv?))))
+            .collect(),
+        "#e377c2",
+        "6 3",
+        2.0,
+    );
+    line(
+        &mut o,
+        run.samples
+            .iter()
             .map(|s| (x(s.t), y2(s.engine.running)))
             .collect(),
         "#2ca02c",
@@ -260,7 +289,7 @@ pub fn svg(a: &Analysis, run: &RunData) -> String {
             );
         }
     }
-    let legend = [
+    let mut legend = vec![
         ("#d62728", "", "KV usage"),
         (
             "#8c564b",
@@ -271,6 +300,9 @@ pub fn svg(a: &Analysis, run: &RunData) -> String {
         ("#2ca02c", "4 3", "waiting"),
         ("black", "", "quiet checkpoints (dots)"),
     ];
+    if run.prefill {
+        legend.insert(1, ("#e377c2", "6 3", "prefill engine's KV usage (P/D)"));
+    }
     let mut xx = left;
     let yy = h - 30.0;
     for (c, dash, label) in legend {
@@ -300,6 +332,15 @@ pub fn svg(a: &Analysis, run: &RunData) -> String {
             k.abandoned
         );
         yy += 14.0;
+    }
+    if let Some(p) = &a.prefill {
+        let _ = writeln!(
+            o,
+            r#"<text x="{:.1}" y="{yy:.1}" font-size="11">prefill side: {} — held with nothing running up to {:.1} s</text>"#,
+            left + 8.0,
+            p.verdict.label(),
+            p.held_longest_s
+        );
     }
     o.push_str("</svg>\n");
     o

@@ -31,6 +31,9 @@ pub enum Kind {
     StreamingSilent,
     /// A non-streaming request whose client closes the connection before the answer.
     NonStreamingDropped,
+    /// A stream whose client leaves before the first token (with prefill/decode
+    /// disaggregation: during the prefill or the hand-off to the decode side).
+    StreamingEarly,
 }
 
 impl Kind {
@@ -40,6 +43,7 @@ impl Kind {
             Kind::StreamingDropped => "streaming, dropped",
             Kind::StreamingSilent => "streaming, silent",
             Kind::NonStreamingDropped => "non-streaming, dropped",
+            Kind::StreamingEarly => "streaming, left before the first token",
         }
     }
 }
@@ -58,6 +62,10 @@ pub struct Sample {
     pub live: usize,
     /// This run's clients that left since the last quiet checkpoint.
     pub abandoned_open: usize,
+    /// P/D: the prefill engine's figures at the same time (`--prefill-metrics`); `None`
+    /// without it, or when that read failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill: Option<Scrape>,
 }
 
 impl Sample {
@@ -81,6 +89,9 @@ pub struct Checkpoint {
     pub rss_bytes: Option<f64>,
     /// GPU memory used on this host (NVML, bytes, all devices).
     pub gpu_used_bytes: Option<f64>,
+    /// P/D: the prefill engine's KV usage (it too had nothing running or waiting).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_kv: Option<f64>,
 }
 
 /// One phase.
@@ -170,6 +181,8 @@ pub struct RunData {
     pub gpu: String,
     /// Wall time (s).
     pub wall_s: f64,
+    /// P/D: the prefill engine was read too (`--prefill-metrics`).
+    pub prefill: bool,
 }
 
 struct Shared {
@@ -477,6 +490,7 @@ async fn sampler(
     let max_misses =
         ((Duration::from_secs(10).as_secs_f64() / interval.as_secs_f64()).ceil() as usize).max(3);
     let mut misses = 0usize;
+    let mut prefill_misses = 0usize;
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -485,7 +499,32 @@ async fn sampler(
         // has not left yet (orphans are never over-counted by the race).
         let live = sh.live.load(Ordering::SeqCst);
         let open = sh.abandoned_open.load(Ordering::SeqCst);
-        match engine::scrape(&ready.metrics, timeout).await {
+        let prefill_read = async {
+            match &ready.prefill {
+                Some(p) => Some(engine::scrape(&p.metrics, timeout).await),
+                None => None,
+            }
+        };
+        let (decode, prefill) = tokio::join!(engine::scrape(&ready.metrics, timeout), prefill_read);
+        let prefill = match prefill {
+            None => None,
+            Some(Ok((p, _))) => {
+                prefill_misses = 0;
+                Some(p)
+            }
+            Some(Err(e)) => {
+                prefill_misses += 1;
+                failures.fetch_add(1, Ordering::SeqCst);
+                if prefill_misses >= max_misses {
+                    sh.stop(format!(
+                        "the prefill engine's metrics stopped answering: {e:#}"
+                    ));
+                    let _ = tx.send(None);
+                }
+                None
+            }
+        };
+        match decode {
             Ok((e, _)) => {
                 misses = 0;
                 // ... and after it: a client that arrived during the scrape may be in the
@@ -496,15 +535,21 @@ async fn sampler(
                     engine: e,
                     live: live.max(sh.live.load(Ordering::SeqCst)),
                     abandoned_open: open.max(sh.abandoned_open.load(Ordering::SeqCst)),
+                    prefill,
                 };
-                if let Some(kv) = e.kv {
-                    if kv >= args.kv_stop && !sh.stop.load(Ordering::SeqCst) {
-                        sh.stop(format!(
-                            "KV usage reached {:.0} % (--kv-stop {:.0} %) at {:.1} s: stopped sending",
-                            kv * 100.0,
-                            args.kv_stop * 100.0,
-                            s.t
-                        ));
+                for (which, kv) in [
+                    ("", e.kv),
+                    ("the prefill engine's ", prefill.and_then(|p| p.kv)),
+                ] {
+                    if let Some(kv) = kv {
+                        if kv >= args.kv_stop && !sh.stop.load(Ordering::SeqCst) {
+                            sh.stop(format!(
+                                "{which}KV usage reached {:.0} % (--kv-stop {:.0} %) at {:.1} s: stopped sending",
+                                kv * 100.0,
+                                args.kv_stop * 100.0,
+                                s.t
+                            ));
+                        }
                     }
                 }
                 if let Ok(mut o) = out.lock() {
@@ -524,12 +569,33 @@ async fn sampler(
     }
 }
 
-/// Waits for `need` consecutive quiet samples (nothing running or waiting, no client of
-/// this run connected); returns the first and the last of them, or `None` at `timeout`.
+/// KV usage above the prefill engine's baseline that counts as blocks held: half a block
+/// when its pool size is known, else any rise (vLLM's usage is exactly its baseline when
+/// nothing is allocated: cached blocks nobody references count as free).
+pub fn held_epsilon(num_blocks: Option<f64>) -> f64 {
+    num_blocks.map_or(1e-6, |n| 0.5 / n)
+}
+
+/// Whether `s` is quiet: nothing running or waiting, no client of this run connected;
+/// with a prefill engine (`prefill_kv_limit`), nothing running or waiting there either and
+/// its KV usage at most the limit (its held blocks returned).
+pub fn is_quiet(s: &Sample, prefill_kv_limit: Option<f64>) -> bool {
+    let prefill_quiet = match prefill_kv_limit {
+        None => true,
+        Some(limit) => s
+            .prefill
+            .is_some_and(|p| p.in_engine() == 0.0 && p.kv.is_some_and(|kv| kv <= limit)),
+    };
+    s.engine.in_engine() == 0.0 && s.live == 0 && prefill_quiet
+}
+
+/// Waits for `need` consecutive quiet samples ([`is_quiet`]); returns the first and the
+/// last of them, or `None` at `timeout`.
 async fn wait_quiet(
     rx: &mut watch::Receiver<Option<Sample>>,
     need: usize,
     timeout: Duration,
+    prefill_kv_limit: Option<f64>,
 ) -> Option<(Sample, Sample)> {
     let deadline = tokio::time::Instant::now() + timeout;
     let mut first: Option<Sample> = None;
@@ -544,7 +610,7 @@ async fn wait_quiet(
             _ => return None,
         }
         let s = (*rx.borrow_and_update())?;
-        if s.engine.in_engine() == 0.0 && s.live == 0 {
+        if is_quiet(&s, prefill_kv_limit) {
             count += 1;
             let f = *first.get_or_insert(s);
             if count >= need {
@@ -574,13 +640,19 @@ async fn gpu_used(probe: &Option<Arc<NvmlProbe>>) -> Option<f64> {
 pub fn plan_phases(args: &Args) -> Vec<(Kind, u32, Duration)> {
     let mut kinds: Vec<(Kind, f64)> = Vec::new();
     let stream_time = 1.0 - args.non_streaming_share;
-    let n_stream = usize::from(args.disconnect_share > 0.0) + usize::from(args.silent_share > 0.0);
+    let early = args.early_share();
+    let n_stream = usize::from(args.disconnect_share > 0.0)
+        + usize::from(args.silent_share > 0.0)
+        + usize::from(early > 0.0);
     if stream_time > 0.0 && n_stream > 0 {
         if args.disconnect_share > 0.0 {
             kinds.push((Kind::StreamingDropped, stream_time / n_stream as f64));
         }
         if args.silent_share > 0.0 {
             kinds.push((Kind::StreamingSilent, stream_time / n_stream as f64));
+        }
+        if early > 0.0 {
+            kinds.push((Kind::StreamingEarly, stream_time / n_stream as f64));
         }
     }
     if args.non_streaming_share > 0.0 && args.disconnect_share > 0.0 {
@@ -647,13 +719,17 @@ pub async fn run(args: &Args, ready: &Ready) -> RunData {
     let mut rng = Rng::new(args.seed);
     let natural = ready.natural_estimate_s(args.max_tokens).clamp(0.5, 600.0);
 
-    let baseline = match wait_quiet(&mut rx, need, args.quiet_timeout).await {
+    // The baseline asks the prefill engine only to run nothing: what it holds then is its
+    // baseline (the blocks of someone else's abandoned prefills return at their lease).
+    let idle_only = ready.prefill.as_ref().map(|_| f64::INFINITY);
+    let baseline = match wait_quiet(&mut rx, need, args.quiet_timeout, idle_only).await {
         Some((_, s)) => Some(Checkpoint {
             t: s.t,
             after_phase: None,
             kv: s.engine.kv,
             rss_bytes: s.engine.rss_bytes,
             gpu_used_bytes: gpu_used(&probe).await,
+            prefill_kv: s.prefill.and_then(|p| p.kv),
         }),
         None => {
             sh.stop(format!(
@@ -663,6 +739,12 @@ pub async fn run(args: &Args, ready: &Ready) -> RunData {
             None
         }
     };
+    // After a phase, the prefill engine's KV must be back at its baseline: its held blocks
+    // returned (read by the decode side, or their lease ran out).
+    let prefill_limit = ready
+        .prefill
+        .as_ref()
+        .map(|p| baseline.and_then(|b| b.prefill_kv).unwrap_or(0.0) + held_epsilon(p.num_blocks));
     let mut n = 0usize;
     for (index, (kind, round, arrival)) in plan_phases(args).into_iter().enumerate() {
         if sh.stop.load(Ordering::SeqCst) {
@@ -687,10 +769,16 @@ pub async fn run(args: &Args, ready: &Ready) -> RunData {
             }
             let share = match kind {
                 Kind::StreamingSilent => args.silent_share,
+                Kind::StreamingEarly => args.early_share(),
                 _ => args.disconnect_share,
             };
             let abandon = rng.unit() < share;
-            let leave_after = natural * (0.1 + 0.3 * rng.unit());
+            let before = match kind {
+                // Before the first token: a share of the probe's time to it.
+                Kind::StreamingEarly => ready.probe_ttft_s,
+                _ => natural,
+            };
+            let leave_after = before * (0.1 + 0.3 * rng.unit());
             let drop_after = 1 + rng.below(u64::from(args.max_tokens / 2).max(1));
             n += 1;
             let rec = RequestRecord {
@@ -713,7 +801,9 @@ pub async fn run(args: &Args, ready: &Ready) -> RunData {
             match (kind, abandon) {
                 (Kind::NonStreamingDropped, false) => tasks.spawn(complete_nonstream(c, rec, n)),
                 (Kind::NonStreamingDropped, true) => tasks.spawn(leave_later(c, rec, n, false)),
-                (Kind::StreamingSilent, true) => tasks.spawn(leave_later(c, rec, n, true)),
+                (Kind::StreamingSilent | Kind::StreamingEarly, true) => {
+                    tasks.spawn(leave_later(c, rec, n, true))
+                }
                 _ => tasks.spawn(streaming(c, rec, n)),
             };
         }
@@ -723,7 +813,7 @@ pub async fn run(args: &Args, ready: &Ready) -> RunData {
             }
         }
         let clients_done_s = sh.now();
-        let quiet = wait_quiet(&mut rx, need, args.quiet_timeout).await;
+        let quiet = wait_quiet(&mut rx, need, args.quiet_timeout, prefill_limit).await;
         let quiet_s = quiet.map(|(f, _)| f.t);
         if let Some((_, last)) = quiet {
             checkpoints.push(Checkpoint {
@@ -732,14 +822,29 @@ pub async fn run(args: &Args, ready: &Ready) -> RunData {
                 kv: last.engine.kv,
                 rss_bytes: last.engine.rss_bytes,
                 gpu_used_bytes: gpu_used(&probe).await,
+                prefill_kv: last.prefill.and_then(|p| p.kv),
             });
             sh.abandoned_open.store(0, Ordering::SeqCst);
         } else {
-            sh.stop(format!(
-                "no quiet checkpoint within --quiet-timeout {:?} after phase {index} ({}): the engine kept running or queueing requests with every client of this run gone",
-                args.quiet_timeout,
-                kind.label()
-            ));
+            let last = *rx.borrow();
+            let held = last
+                .and_then(|s| s.prefill)
+                .filter(|p| p.in_engine() == 0.0)
+                .and_then(|p| p.kv)
+                .filter(|kv| prefill_limit.is_some_and(|l| *kv > l));
+            sh.stop(match held {
+                Some(kv) => format!(
+                    "no quiet checkpoint within --quiet-timeout {:?} after phase {index} ({}): the prefill engine still held {:.1} % of its KV with nothing running there",
+                    args.quiet_timeout,
+                    kind.label(),
+                    100.0 * kv
+                ),
+                None => format!(
+                    "no quiet checkpoint within --quiet-timeout {:?} after phase {index} ({}): the engine kept running or queueing requests with every client of this run gone",
+                    args.quiet_timeout,
+                    kind.label()
+                ),
+            });
         }
         phases.push(Phase {
             index,
@@ -769,5 +874,98 @@ pub async fn run(args: &Args, ready: &Ready) -> RunData {
         scrape_failures: failures.load(Ordering::SeqCst),
         gpu,
         wall_s: sh.now(),
+        prefill: ready.prefill.is_some(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn quiet_with_a_prefill_engine_needs_its_held_blocks_back() {
+        let idle = Scrape {
+            kv: Some(0.0),
+            ..Scrape::default()
+        };
+        let mut s = Sample {
+            prefill: Some(idle),
+            ..Sample::default()
+        };
+        assert!(is_quiet(&s, None));
+        assert!(is_quiet(&s, Some(0.001)));
+        // Blocks held for a decode side, nothing running: quiet for the baseline only.
+        s.prefill = Some(Scrape {
+            kv: Some(0.01),
+            ..idle
+        });
+        assert!(!is_quiet(&s, Some(0.001)));
+        assert!(is_quiet(&s, Some(f64::INFINITY)));
+        // A prefill running, or no reading of the prefill engine: not quiet.
+        s.prefill = Some(Scrape {
+            running: 1.0,
+            ..idle
+        });
+        assert!(!is_quiet(&s, Some(f64::INFINITY)));
+        s.prefill = None;
+        assert!(!is_quiet(&s, Some(f64::INFINITY)));
+        // The decode engine, or a client still connected: not quiet.
+        s.prefill = Some(idle);
+        s.engine.waiting = 1.0;
+        assert!(!is_quiet(&s, Some(0.001)));
+        s.engine.waiting = 0.0;
+        s.live = 1;
+        assert!(!is_quiet(&s, None));
+        assert_eq!(held_epsilon(Some(100.0)), 0.005);
+        assert_eq!(held_epsilon(None), 1e-6);
+    }
+
+    #[test]
+    fn the_early_phase_runs_with_prefill_metrics_and_shares_the_streaming_time() {
+        let base = [
+            "kvguard-leakcheck",
+            "--target",
+            "http://127.0.0.1:1",
+            "--engine-metrics",
+            "http://127.0.0.1:2/metrics",
+            "--duration",
+            "10s",
+            "--rounds",
+            "1",
+            "--non-streaming-share",
+            "0.4",
+        ];
+        let kinds = |extra: &[&str]| {
+            let a = Args::parse_from(base.iter().chain(extra.iter()));
+            plan_phases(&a)
+                .into_iter()
+                .map(|(k, _, d)| (k, d.as_secs_f64()))
+                .collect::<Vec<_>>()
+        };
+        let one = kinds(&[]);
+        assert_eq!(
+            one.iter().map(|k| k.0).collect::<Vec<_>>(),
+            [
+                Kind::StreamingDropped,
+                Kind::StreamingSilent,
+                Kind::NonStreamingDropped
+            ]
+        );
+        let pd = kinds(&["--prefill-metrics", "http://127.0.0.1:3/metrics"]);
+        assert_eq!(pd.len(), 4);
+        assert_eq!(pd[2].0, Kind::StreamingEarly);
+        // 6 s of streaming over three kinds, 4 s of non-streaming.
+        for (_, d) in &pd[..3] {
+            assert!((d - 2.0).abs() < 1e-9, "{pd:?}");
+        }
+        assert!((pd[3].1 - 4.0).abs() < 1e-9, "{pd:?}");
+        let off = kinds(&[
+            "--prefill-metrics",
+            "http://127.0.0.1:3/metrics",
+            "--early-share",
+            "0",
+        ]);
+        assert!(off.iter().all(|k| k.0 != Kind::StreamingEarly), "{off:?}");
     }
 }
