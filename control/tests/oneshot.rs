@@ -2007,10 +2007,10 @@ async fn a_held_prefill_that_cannot_be_released_is_reported_held_until_the_lease
     let (s, v) = signed_abort(app.clone(), "h2", NOW).await;
     assert_eq!(s, StatusCode::OK);
     assert_eq!(
-        (v["found"].clone(), v["aborted"].clone()),
-        (json!(true), Value::Null)
+        v,
+        json!({"request_id": "h2", "found": true,
+               "legs": [{"replica": "127.0.0.1:0", "role": "prefill", "result": "held_until_lease"}]})
     );
-    assert_eq!(v["legs"][0]["result"], "held_until_lease");
     assert!(decode.sent.lock().unwrap().is_empty());
     let m = metrics_text(app.clone()).await;
     assert_eq!(
@@ -2104,6 +2104,20 @@ async fn a_tombstoned_decode_leg_has_its_prefill_released_by_this_engine() {
     assert_eq!(s, StatusCode::CONFLICT);
     assert_eq!(v["error"].get("kv_released"), None);
     assert_eq!(decode.sent.lock().unwrap().len(), 1);
+    // An engine that does not reject it: said so.
+    let (st2, _clock, _decode) = pd_state(None, |_| {});
+    let (s, _) = signed_abort(admin::app(st2.clone()), "d2", NOW).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, v) = call(
+        proxy::app(st2.clone()),
+        Request::post("/v1/completions")
+            .header("x-request-id", "d2")
+            .body(Body::from(serde_json::to_vec(&body).unwrap()))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_eq!(v["error"]["kv_released"], false);
     let m = metrics_text(admin_app).await;
     assert_eq!(
         sample(
@@ -2112,4 +2126,76 @@ async fn a_tombstoned_decode_leg_has_its_prefill_released_by_this_engine() {
         ),
         1.0
     );
+}
+
+#[tokio::test]
+async fn without_a_role_an_abort_reaches_every_leg_only_for_a_disaggregated_request() {
+    let (st, _clock, decode) = pd_state(Some(400), |c| {
+        c.pd_role = kvguard_control::config::PdRole::None;
+        c.pd_decode_url = decode_url();
+    });
+    let app = admin::app(st.clone());
+    // A request in flight whose body asked for the decode leg: its leg is named.
+    let entry = st
+        .admit(
+            RequestId::try_new(b"l1").unwrap(),
+            "POST".into(),
+            "/v1/completions".into(),
+        )
+        .unwrap();
+    entry.set_pd_leg(kvguard_control::pd::PdLeg::Decode);
+    let (s, v) = signed_abort(app.clone(), "l1", NOW).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        v,
+        json!({"request_id": "l1", "found": true, "aborted": true,
+               "legs": [{"replica": "127.0.0.1:0", "role": "decode", "result": "aborted"}]})
+    );
+    // A held hand-off: released, its leg named.
+    st.record_handoff(RequestId::try_new(b"l2").unwrap(), handoff_params());
+    let (s, v) = signed_abort(app.clone(), "l2", NOW).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["legs"][0]["result"], "released", "{v}");
+    assert_eq!(decode.sent.lock().unwrap().len(), 1);
+    // Any other request: the answer as without disaggregation.
+    let _plain = st
+        .admit(
+            RequestId::try_new(b"l3").unwrap(),
+            "POST".into(),
+            "/v1/completions".into(),
+        )
+        .unwrap();
+    let (s, v) = signed_abort(app.clone(), "l3", NOW).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        v,
+        json!({"request_id": "l3", "found": true, "aborted": true})
+    );
+    let (s, v) = signed_abort(app.clone(), "l4", NOW).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_eq!(v, json!({"request_id": "l4", "found": false}));
+}
+
+#[tokio::test]
+async fn the_hand_off_table_is_bounded_and_its_evictions_counted() {
+    let (st, _clock, _decode) = pd_state(Some(400), |c| c.max_pd_handoffs = 1);
+    let app = admin::app(st.clone());
+    for id in ["e1", "e2", "e3"] {
+        st.record_handoff(RequestId::try_new(id.as_bytes()).unwrap(), handoff_params());
+    }
+    let m = metrics_text(app).await;
+    assert_eq!(sample(&m, "kvguard_control_pd_handoffs_held"), 1.0);
+    assert_eq!(sample(&m, "kvguard_control_pd_handoffs_evicted_total"), 2.0);
+    assert!(st.holds_handoff(&RequestId::try_new(b"e3").unwrap()));
+    assert!(!st.holds_handoff(&RequestId::try_new(b"e1").unwrap()));
+}
+
+#[tokio::test]
+async fn a_replica_names_itself_by_its_advertised_address_else_its_admin_listener() {
+    let (st, _clock, _decode) = pd_state(None, |_| {});
+    assert_eq!(st.replica_name(), "127.0.0.1:0");
+    let (st, _clock, _decode) = pd_state(None, |c| {
+        c.advertise = Some("10.0.0.7:9902".parse().unwrap());
+    });
+    assert_eq!(st.replica_name(), "10.0.0.7:9902");
 }
