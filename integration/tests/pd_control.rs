@@ -17,12 +17,16 @@
 //! - gone while the decode side waits for its read: both legs end, the prefill side lets
 //!   go at once;
 //! - gone during decode: the decode side stops (without kvguard it generates on for
-//!   nobody: `sim_pd.rs`).
+//!   nobody: `sim_pd.rs`);
+//! - through Envoy with the kvguard filter in front of the P/D proxy, the filter's own
+//!   aborts (to one replica, its `control_cluster`) free the prefill leg of a client gone
+//!   during prefill and the decode leg of one gone during decode.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use kvguard_contract::AbortReason;
 use kvguard_integration::client;
-use kvguard_integration::demo::stack::Control;
+use kvguard_integration::demo::stack::{self, Control};
+use kvguard_integration::envoy::{Envoy, EnvoyOptions};
 use kvguard_integration::free_addrs;
 use kvguard_integration::pd_proxy::{self, PdProxyConfig, PdProxyHandle};
 use kvguard_integration::sim::{self, EndKind, KvRelease, PdRole, SimConfig, SimHandle};
@@ -444,6 +448,85 @@ async fn a_client_gone_during_decode_ends_the_decode_leg() {
         assert_ne!(st.request("gone").unwrap().ended, Some(EndKind::Length));
         assert_eq!(released(&s.p, "gone", W).await.0, KvRelease::Pulled);
         assert_eq!(s.p.state().blocks_used, 0);
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_envoy_the_filters_aborts_free_the_leg_each_client_left() {
+    bounded("P/D behind Envoy and the filter", T, async {
+        let s = pd(20).await;
+        // The filter sends its aborts to the prefill side's replica only.
+        let envoy = Envoy::start(
+            EnvoyOptions::with_filter(s.proxy.addr(), s.pc.admin, stack::filter_config(0, 0))
+                .vm_env("KVGUARD_SECRET", stack::SECRET),
+        )
+        .await
+        .unwrap();
+        // Gone during decode (Envoy mints the id; the proxy passes it to both legs).
+        let mut c = client::stream_sse(
+            envoy.listener_addr(),
+            "/v1/completions",
+            &completion(1000),
+            &[],
+            false,
+        )
+        .await
+        .unwrap();
+        c.next_event(W).await.unwrap().unwrap();
+        let st = s.d.state();
+        let id = st.requests.first().unwrap().request_id.clone();
+        c.disconnect();
+        let st =
+            s.d.wait_state("the decode side stops", W, |st| {
+                st.request(&id).is_some_and(|r| r.ended.is_some()) && st.blocks_used == 0
+            })
+            .await
+            .unwrap();
+        assert_ne!(st.request(&id).unwrap().ended, Some(EndKind::Length));
+        assert_eq!(released(&s.p, &id, W).await.0, KvRelease::Pulled);
+        // Gone during prefill (2 s): the proxy answers nothing before the decode side
+        // does, so the client leaves before any response header.
+        let entry = envoy.listener_addr();
+        let client = tokio::spawn(async move {
+            client::stream_sse(
+                entry,
+                "/v1/completions",
+                &completion(1000),
+                &[("x-sim-delay-first-ms", "2000")],
+                false,
+            )
+            .await
+        });
+        let st =
+            s.p.wait_state("a prefill runs", W, |st| st.running.len() == 1)
+                .await
+                .unwrap();
+        let early = st.running[0].clone();
+        client.abort();
+        let _ = client.await;
+        let st =
+            s.p.wait_state("the prefill side holds nothing", W, |st| {
+                st.running.is_empty() && st.blocks_used == 0
+            })
+            .await
+            .unwrap();
+        let r = st.request(&early).unwrap();
+        assert!(r.ended.is_some() && r.kv_held_ms.is_none(), "{r:?}");
+        assert!(st.held_for_decode.is_empty(), "{st:?}");
+        // Both were the filter's aborts, answered by the replica it calls.
+        let answered = metric(
+            &s.pc,
+            "kvguard_control_abort_api_answers_total{result=\"aborted\"}",
+        )
+        .await
+            + metric(
+                &s.pc,
+                "kvguard_control_abort_api_answers_total{result=\"forwarded\"}",
+            )
+            .await;
+        assert_eq!(answered, 2.0);
     })
     .await
     .unwrap();
