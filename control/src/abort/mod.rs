@@ -8,7 +8,9 @@
 //!    forwarded to every peer ([`peer`]) and the first that holds it answers; otherwise,
 //!    or when no peer holds it, it is decided here under the table lock
 //!    ([`AppState::abort_or_tombstone`]): ended, already ended, or tombstoned so that the
-//!    request is refused if it arrives later.
+//!    request is refused if it arrives later. A leg of a prefill/decode disaggregated
+//!    request goes to every peer, and a held prefill hand-off is released
+//!    ([`crate::pd`]); the answer lists the legs.
 //! 3. Ending ([`AppState::end_request`], and the abort API's own path) removes the
 //!    [`crate::table`] entry, tombstones the id ([`crate::tombstones`]), cancels the entry
 //!    (the [`crate::proxy`]'s response body sends the final SSE event), closes the engine
