@@ -17,6 +17,7 @@
 //! - [`load`] the load generator behind the `kvguard-load` binary (re-exported from
 //!   `kvguard-loadgen`).
 //! - [`vllm`] real vLLM on CPU: the tiny random-weight model, one server per suite run.
+//! - [`vllm_pd`] a disaggregated vLLM pair (prefill and decode, NixlConnector) on CPU.
 //! - [`demo`] the whole stack (Envoy [+ filter] → lossy hop → kvguard-control → engine),
 //!   the seeded leak-reproduction workload and its report (`kvguard-demo`, `scripts/demo`).
 //! - [`bench`] benchmarks and the soak run behind `kvguard-bench` (`scripts/bench`, `scripts/soak`).
@@ -37,6 +38,7 @@ pub mod receiver;
 pub mod sim;
 pub mod stall;
 pub mod vllm;
+pub mod vllm_pd;
 pub mod wait;
 
 mod http;

@@ -12,7 +12,9 @@
 //!   end it, and the decode leg is then never sent, so the prefill side holds the blocks
 //!   until its lease runs out;
 //! - with [`PdProxyConfig::hide_disconnects`] the decode leg is read to its end after the
-//!   client left (a proxy that does not cancel its upstream call), as the lossy hop does.
+//!   client left (a proxy that does not cancel its upstream call), as the lossy hop does;
+//! - with [`PdProxyConfig::hand_off`] a test holds the request between the legs, so a
+//!   client can leave there.
 
 use crate::http::{bytes_response, read_body, ChannelBody, RespBody};
 use crate::lossy::{self, Counters, LossyStats, HOP_BY_HOP};
@@ -37,6 +39,9 @@ pub struct PdProxyConfig {
     pub decode: SocketAddr,
     /// Keep reading the decode side's answer after the client left.
     pub hide_disconnects: bool,
+    /// Hold each request between its prefill answer and its decode leg until this reads
+    /// `true` (a test's way to leave at the hand-off); `None`: no hold.
+    pub hand_off: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 /// A running P/D proxy; dropping it stops accepting.
@@ -162,6 +167,11 @@ async fn forward(
     let Some(params) = params else {
         return error(502, "prefill: no kv_transfer_params in the answer".into());
     };
+    if let Some(mut gate) = cfg.hand_off.clone() {
+        if gate.wait_for(|open| *open).await.is_err() {
+            return error(503, "hand-off: the hold was dropped".into());
+        }
+    }
     let mut dec = v;
     dec["kv_transfer_params"] = params;
     let dreq = match leg(&path, cfg.decode, &parts.headers, &dec) {

@@ -55,9 +55,17 @@ pub fn cache_dir() -> Result<PathBuf> {
     Ok(PathBuf::from(home).join(".cache/kvguard"))
 }
 
-/// The vLLM virtualenv's python: `$KVGUARD_VLLM_VENV/bin/python`, else
+/// The vLLM virtualenv's python: `$KVGUARD_VLLM_PYTHON` (a vLLM installed otherwise, e.g.
+/// for CUDA: `scripts/pd-vllm --gpu`), else `$KVGUARD_VLLM_VENV/bin/python`, else
 /// `$KVGUARD_CACHE/vllm-venv/bin/python`. The error names `scripts/setup-vllm`.
 pub fn venv_python() -> Result<PathBuf> {
+    if let Some(py) = std::env::var_os("KVGUARD_VLLM_PYTHON") {
+        let py = PathBuf::from(py);
+        if !py.is_file() {
+            bail!("KVGUARD_VLLM_PYTHON={}: no such file", py.display());
+        }
+        return Ok(py);
+    }
     let venv = match std::env::var_os("KVGUARD_VLLM_VENV") {
         Some(v) => PathBuf::from(v),
         None => cache_dir()?.join("vllm-venv"),
@@ -176,6 +184,8 @@ pub struct VllmOptions {
     pub nice: Option<u8>,
     /// Extra arguments.
     pub extra_args: Vec<String>,
+    /// Extra environment (e.g. NIXL's side-channel port for a P/D pair).
+    pub env: Vec<(String, String)>,
     /// Bound on start-up (model load, warm-up, `/health`).
     pub ready_timeout: Duration,
 }
@@ -192,6 +202,7 @@ impl Default for VllmOptions {
             enable_scale_out: true,
             nice: None,
             extra_args: Vec::new(),
+            env: Vec::new(),
             // A new machine compiles the model's graphs first (torch inductor, g++, one
             // core): seen to take over 4 minutes on a loaded 2-core machine.
             ready_timeout: Duration::from_secs(420),
@@ -259,7 +270,8 @@ impl Vllm {
             .env("VLLM_CPU_OMP_THREADS_BIND", &opts.omp_bind)
             .env("VLLM_NO_USAGE_STATS", "1")
             .env("DO_NOT_TRACK", "1")
-            .env("PYTHONUNBUFFERED", "1");
+            .env("PYTHONUNBUFFERED", "1")
+            .envs(opts.env.iter().map(|(k, v)| (k, v)));
         let started = Instant::now();
         let mut guard = ChildGuard::spawn("vllm", cmd)?;
         match Self::await_ready(&mut guard, opts.ready_timeout).await {

@@ -40,7 +40,7 @@ const W: Duration = Duration::from_secs(10);
 /// The prefill engine's lease here (vLLM's default is 30 s).
 const LEASE_MS: u64 = 4000;
 /// How soon after the abort's answer the engines must have let go: far inside the lease
-/// (measured 3-7 ms on loopback; the bound leaves room for a loaded 2-CPU machine and
+/// (measured 3-8 ms on loopback; the bound leaves room for a loaded 2-CPU machine and
 /// stays far under the 4 s lease).
 const FREED_WITHIN: Duration = Duration::from_millis(500);
 
@@ -59,6 +59,11 @@ struct Pd {
 /// P and D simulators, a kvguard-control beside each (peers of each other), the P/D
 /// proxy (hiding disconnects) in front of the two kvguard-controls.
 async fn pd(pull_ms: u64) -> Pd {
+    pd_held(pull_ms, None).await
+}
+
+/// [`pd`], the proxy holding each request between its legs until `hand_off` reads `true`.
+async fn pd_held(pull_ms: u64, hand_off: Option<tokio::sync::watch::Receiver<bool>>) -> Pd {
     let p = sim::spawn(SimConfig {
         pd_role: PdRole::Prefill,
         kv_lease_ms: LEASE_MS,
@@ -108,6 +113,7 @@ async fn pd(pull_ms: u64) -> Pd {
         prefill: pc.proxy,
         decode: dc.proxy,
         hide_disconnects: true,
+        hand_off,
     })
     .await
     .unwrap();
@@ -161,24 +167,6 @@ async fn metric(c: &Control, series: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
         .unwrap_or_else(|| panic!("{series} not in /metrics"))
-}
-
-/// The prefill leg as the P/D proxy sends it, straight to the prefill side's
-/// kvguard-control; returns the transfer parameters it answered.
-async fn prefill_leg(pd: &Pd, id: &str) -> Value {
-    let mut body = completion(1);
-    body["stream"] = json!(false);
-    body["kv_transfer_params"] = json!({"do_remote_decode": true});
-    let r = client::post_json(
-        pd.pc.proxy,
-        "/v1/completions",
-        &body,
-        &[("x-request-id", id)],
-    )
-    .await
-    .unwrap();
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.json().unwrap()["kv_transfer_params"].clone()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -262,7 +250,9 @@ async fn a_client_gone_during_prefill_ends_the_prefill_leg_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_gone_between_prefill_and_decode_releases_the_held_blocks_at_once() {
     bounded("gone between prefill and decode", T, async {
-        let s = pd(20).await;
+        // The proxy holds each request at the hand-off (after P's answer, before D).
+        let (_hold, hand_off) = tokio::sync::watch::channel(false);
+        let s = pd_held(20, Some(hand_off)).await;
         // Without kvguard: a finished prefill nobody reads is held until the lease.
         let mut body = completion(1);
         body["stream"] = json!(false);
@@ -276,10 +266,25 @@ async fn a_client_gone_between_prefill_and_decode_releases_the_held_blocks_at_on
         .await
         .unwrap();
         assert_eq!(r.status, 200);
-        // With kvguard: the prefill leg went through the prefill side's replica, then the
-        // client left before the decode leg was sent.
-        let params = prefill_leg(&s, "between").await;
-        assert_eq!(params["remote_request_id"], "cmpl-between");
+        // With kvguard: the client leaves at the hand-off.
+        let entry = s.proxy.addr();
+        let client = tokio::spawn(async move {
+            client::stream_sse(
+                entry,
+                "/v1/completions",
+                &completion(1000),
+                &[("x-request-id", "between")],
+                false,
+            )
+            .await
+        });
+        s.p.wait_state("P holds the prefill for D", W, |st| {
+            st.held_for_decode.iter().any(|i| i == "between")
+        })
+        .await
+        .unwrap();
+        client.abort();
+        let _ = client.await;
         let st = s.p.state();
         assert_eq!(st.held_for_decode.len(), 2, "{st:?}");
         assert_eq!(metric(&s.pc, "kvguard_control_pd_handoffs_held").await, 1.0);

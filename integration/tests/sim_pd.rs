@@ -55,6 +55,7 @@ async fn pd(hide_disconnects: bool, pull_ms: u64) -> Pd {
         prefill: p.addr(),
         decode: d.addr(),
         hide_disconnects,
+        hand_off: None,
     })
     .await
     .unwrap();
