@@ -156,3 +156,44 @@ pub fn legs_of(peer: SocketAddr, body: &[u8]) -> Vec<Leg> {
         result,
     }]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peers_legs_are_its_own_or_one_from_its_summary() {
+        let peer: SocketAddr = "10.0.0.2:9902".parse().unwrap();
+        let with = br#"{"request_id":"r","found":true,"aborted":true,"legs":[{"replica":"10.0.0.9:9902","role":"decode","result":"aborted"}]}"#;
+        assert_eq!(
+            legs_of(peer, with),
+            [Leg {
+                replica: "10.0.0.9:9902".into(),
+                role: Some("decode".into()),
+                result: LegResult::Aborted
+            }]
+        );
+        for (body, result) in [
+            (
+                &br#"{"request_id":"r","found":true,"aborted":true}"#[..],
+                LegResult::Aborted,
+            ),
+            (
+                br#"{"request_id":"r","found":true,"already_aborted":true}"#,
+                LegResult::AlreadyAborted,
+            ),
+            (br#"{"request_id":"r","found":true}"#, LegResult::DryRun),
+        ] {
+            assert_eq!(
+                legs_of(peer, body),
+                [Leg {
+                    replica: "10.0.0.2:9902".into(),
+                    role: None,
+                    result
+                }]
+            );
+        }
+        assert!(legs_of(peer, br#"{"request_id":"r","found":false}"#).is_empty());
+        assert!(legs_of(peer, b"not json").is_empty());
+    }
+}
