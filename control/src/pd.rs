@@ -186,9 +186,11 @@ impl Handoffs {
             },
         );
         while self.by_id.len() > self.max {
-            if self.pop_oldest().is_some() {
-                self.evicted += 1;
+            // Every live entry has its slot in `order`, so this finds one; never loop on.
+            if self.pop_oldest().is_none() {
+                break;
             }
+            self.evicted += 1;
         }
     }
 
@@ -466,6 +468,7 @@ mod tests {
         h.insert(id("a"), json!({"n": 1}), t0);
         h.insert(id("b"), json!({"n": 2}), t0 + ms(100));
         assert_eq!(h.len(), 2);
+        assert!(!h.is_empty());
         assert_eq!(h.oldest_age(t0 + ms(400)), ms(400));
         assert_eq!(h.recorded_at(&id("a")), Some(t0));
         // A third evicts the oldest.
