@@ -124,6 +124,61 @@ pub struct AbortAnswer {
     /// It had ended earlier.
     #[serde(default, skip_serializing_if = "core::ops::Not::not")]
     pub already_aborted: bool,
+    /// With prefill/decode disaggregation (contract §4): every replica that held the id
+    /// and what it did. Absent when the abort was not fanned out (one holder at most).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub legs: Vec<Leg>,
+}
+
+/// One replica's part of a fanned-out abort (prefill/decode disaggregation, §4).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Leg {
+    /// The replica (its `ip:port` identity among the peers).
+    pub replica: String,
+    /// `prefill` or `decode` (the replica's `--pd-role`, else what the request's body
+    /// asked for); absent when neither is known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    /// What it did.
+    pub result: LegResult,
+}
+
+/// What one replica did with a fanned-out abort.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LegResult {
+    /// The request was in flight there and is now ended.
+    Aborted,
+    /// It had ended earlier there (or its id was tombstoned).
+    AlreadyAborted,
+    /// `--dry-run`: found, not ended.
+    DryRun,
+    /// A finished prefill's blocks, held by the prefill engine for a decode side, were
+    /// released (a decode engine rejected a request carrying their transfer parameters
+    /// and so told the prefill engine to let them go).
+    Released,
+    /// A finished prefill's blocks are held by the prefill engine and could not be
+    /// released from outside: they go at the engine's own lease (vLLM
+    /// `kv_lease_duration`, 30 s).
+    HeldUntilLease,
+}
+
+impl LegResult {
+    /// The wire form.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            LegResult::Aborted => "aborted",
+            LegResult::AlreadyAborted => "already_aborted",
+            LegResult::DryRun => "dry_run",
+            LegResult::Released => "released",
+            LegResult::HeldUntilLease => "held_until_lease",
+        }
+    }
+
+    /// Whether this call ended that leg (a request ended, or held blocks released).
+    pub const fn ended(self) -> bool {
+        matches!(self, LegResult::Aborted | LegResult::Released)
+    }
 }
 
 /// What the sender does with an answer status.
@@ -252,6 +307,7 @@ mod tests {
             found: true,
             aborted: true,
             already_aborted: false,
+            legs: Vec::new(),
         };
         assert_eq!(
             serde_json::to_string(&a).unwrap(),
@@ -262,11 +318,54 @@ mod tests {
             found: false,
             aborted: false,
             already_aborted: false,
+            legs: Vec::new(),
         };
         assert_eq!(
             serde_json::to_string(&n).unwrap(),
             r#"{"request_id":"r","found":false}"#
         );
+    }
+
+    #[test]
+    fn a_fanned_out_answer_names_each_leg_and_an_old_one_parses() {
+        let a = AbortAnswer {
+            request_id: "r".into(),
+            found: true,
+            aborted: true,
+            already_aborted: false,
+            legs: vec![
+                Leg {
+                    replica: "10.0.0.1:9902".into(),
+                    role: Some("prefill".into()),
+                    result: LegResult::Released,
+                },
+                Leg {
+                    replica: "10.0.0.2:9902".into(),
+                    role: None,
+                    result: LegResult::HeldUntilLease,
+                },
+            ],
+        };
+        let json = serde_json::to_string(&a).unwrap();
+        assert_eq!(
+            json,
+            r#"{"request_id":"r","found":true,"aborted":true,"legs":[{"replica":"10.0.0.1:9902","role":"prefill","result":"released"},{"replica":"10.0.0.2:9902","result":"held_until_lease"}]}"#
+        );
+        assert_eq!(serde_json::from_str::<AbortAnswer>(&json).unwrap(), a);
+        let old: AbortAnswer =
+            serde_json::from_str(r#"{"request_id":"r","found":true,"aborted":true}"#).unwrap();
+        assert!(old.legs.is_empty());
+        for (r, s, ended) in [
+            (LegResult::Aborted, "aborted", true),
+            (LegResult::AlreadyAborted, "already_aborted", false),
+            (LegResult::DryRun, "dry_run", false),
+            (LegResult::Released, "released", true),
+            (LegResult::HeldUntilLease, "held_until_lease", false),
+        ] {
+            assert_eq!(r.as_str(), s);
+            assert_eq!(r.ended(), ended, "{s}");
+            assert_eq!(serde_json::to_string(&r).unwrap(), format!("\"{s}\""));
+        }
     }
 
     #[test]

@@ -20,7 +20,7 @@ pub mod signature;
 pub mod sse;
 pub mod stamp;
 
-pub use abort::{AbortAnswer, AbortRequest, Disposition, ABORT_PATH};
+pub use abort::{AbortAnswer, AbortRequest, Disposition, Leg, LegResult, ABORT_PATH};
 pub use domain::Domain;
 pub use id::{IdError, RequestId, MAX_ID_LEN};
 pub use key::{Key, KeyError, MIN_KEY_LEN};

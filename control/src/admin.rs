@@ -215,6 +215,7 @@ async fn engine(State(st): State<Arc<AppState>>) -> Response {
 }
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    st.refresh_pd_gauges();
     let text = crate::metrics::encode(&st.registry);
     let mut r = Response::new(Body::from(text));
     r.headers_mut().insert(

@@ -42,6 +42,33 @@ impl AbortStrategy {
     }
 }
 
+/// This replica's part in prefill/decode disaggregation (`--pd-role`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PdRole {
+    /// Not disaggregated, or not known: an abort is fanned out to the peers only for a
+    /// request whose body carried `kv_transfer_params`.
+    None,
+    /// Beside a prefill engine.
+    Prefill,
+    /// Beside a decode engine.
+    Decode,
+}
+
+impl PdRole {
+    /// The flag form, `None` for [`PdRole::None`].
+    pub const fn name(self) -> Option<&'static str> {
+        match self {
+            PdRole::None => None,
+            PdRole::Prefill => Some("prefill"),
+            PdRole::Decode => Some("decode"),
+        }
+    }
+}
+
+/// Most prefill hand-offs held for a remote decode ([`crate::pd`]); beyond, the oldest
+/// is forgotten (counted).
+pub const MAX_PD_HANDOFFS: usize = 100_000;
+
 /// Log line format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
@@ -189,6 +216,22 @@ pub struct Args {
     /// is a specific address.
     #[arg(long, env = "KVGUARD_PEER_SELF")]
     pub peer_self: Option<String>,
+    /// Prefill/decode disaggregation: `prefill` beside a prefill engine, `decode` beside a
+    /// decode engine. With `--peers`, every abort reaching a replica with a role is fanned
+    /// out to every peer (each leg of the request is ended); `none` fans out only aborts of
+    /// requests whose body carried `kv_transfer_params`.
+    #[arg(long, env = "KVGUARD_PD_ROLE", value_enum, default_value = "none")]
+    pub pd_role: PdRole,
+    /// Where a prefill replica sends the request that releases a finished prefill's held
+    /// blocks (a decode engine's base URL, or the proxy listener of the kvguard-control
+    /// beside it): the decode engine rejects it and tells the prefill engine to let go.
+    #[arg(long, env = "KVGUARD_PD_DECODE_URL")]
+    pub pd_decode_url: Option<String>,
+    /// How long a finished prefill's blocks stay held for the decode side at most (the
+    /// prefill engine's lease: vLLM NixlConnector `kv_lease_duration`, 30 s); a hand-off
+    /// is remembered this long.
+    #[arg(long, env = "KVGUARD_PD_KV_LEASE", default_value = "30s")]
+    pub pd_kv_lease: String,
     /// File holding the engine's API key (vLLM --api-key), sent as `Authorization: Bearer`
     /// on kvguard-control's own calls to the engine (abort API, metrics, health).
     #[arg(long, env = "KVGUARD_ENGINE_API_KEY_FILE")]
@@ -487,6 +530,14 @@ pub struct Config {
     pub peers: Option<PeerConfig>,
     /// Most signatures the replay memory holds ([`MAX_REPLAY_ENTRIES`]; not a flag).
     pub max_replay_entries: usize,
+    /// `--pd-role`.
+    pub pd_role: PdRole,
+    /// `--pd-decode-url`.
+    pub pd_decode_url: Option<EngineUrl>,
+    /// `--pd-kv-lease`.
+    pub pd_kv_lease: Duration,
+    /// Most hand-offs remembered ([`MAX_PD_HANDOFFS`]; not a flag).
+    pub max_pd_handoffs: usize,
 }
 
 /// One `--peers` entry: a host (IP literal or DNS name) and a port.
@@ -678,6 +729,11 @@ impl Config {
         if lease_ttl < Duration::from_millis(100) {
             return Err(ConfigError::new("--lease-ttl", "at least 100ms"));
         }
+        let pd_decode_url = match &args.pd_decode_url {
+            Some(u) => Some(EngineUrl::try_new("--pd-decode-url", u)?),
+            None => None,
+        };
+        let pd_kv_lease = parse_required_duration("--pd-kv-lease", &args.pd_kv_lease)?;
         tracing_subscriber::EnvFilter::try_new(&args.log)
             .map_err(|e| ConfigError::new("--log", format!("{:?}: {e}", args.log)))?;
         let worker_threads = match args.worker_threads {
@@ -718,6 +774,10 @@ impl Config {
             lease_ttl,
             max_replay_entries: MAX_REPLAY_ENTRIES,
             peers,
+            pd_role: args.pd_role,
+            pd_decode_url,
+            pd_kv_lease,
+            max_pd_handoffs: MAX_PD_HANDOFFS,
             stamp_key,
             secret_file: args.secret_file,
             stamp_key_file: args.stamp_key_file,

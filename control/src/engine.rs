@@ -35,6 +35,17 @@ pub trait Engine: Send + Sync + 'static {
     fn models(&self) -> BoxFut<'_, Result<String, String>> {
         Box::pin(async { Err("no /v1/models".to_owned()) })
     }
+    /// Posts `body` ([`crate::pd::rejection_body`]) to `<base>/v1/completions` of a decode
+    /// engine (or the kvguard-control in front of it) as request `id`; returns the status.
+    fn release_prefill(
+        &self,
+        base: String,
+        id: RequestId,
+        body: Vec<u8>,
+    ) -> BoxFut<'_, Result<u16, String>> {
+        let _ = (base, id, body);
+        Box::pin(async { Err("no HTTP client".to_owned()) })
+    }
 }
 
 /// LoRA adapters in a `GET /v1/models` answer: vLLM lists each loaded adapter as a model
@@ -91,7 +102,21 @@ impl HttpEngine {
         body: Option<Vec<u8>>,
         limit: usize,
     ) -> Result<(u16, Bytes), String> {
+        self.call_as(method, uri, body, limit, None).await
+    }
+
+    async fn call_as(
+        &self,
+        method: Method,
+        uri: Uri,
+        body: Option<Vec<u8>>,
+        limit: usize,
+        request_id: Option<&RequestId>,
+    ) -> Result<(u16, Bytes), String> {
         let mut b = Request::builder().method(method).uri(uri.clone());
+        if let Some(id) = request_id {
+            b = b.header(kvguard_contract::REQUEST_ID_HEADER, id.as_str());
+        }
         if body.is_some() {
             b = b.header(http::header::CONTENT_TYPE, "application/json");
         }
@@ -179,6 +204,23 @@ impl Engine for HttpEngine {
                 return Err(format!("{uri}: status {status}"));
             }
             String::from_utf8(body.to_vec()).map_err(|_| format!("{uri}: not UTF-8"))
+        })
+    }
+
+    fn release_prefill(
+        &self,
+        base: String,
+        id: RequestId,
+        body: Vec<u8>,
+    ) -> BoxFut<'_, Result<u16, String>> {
+        Box::pin(async move {
+            let uri: Uri = format!("{base}/v1/completions")
+                .parse()
+                .map_err(|e| format!("{base}/v1/completions: {e}"))?;
+            let (status, _) = self
+                .call_as(Method::POST, uri, Some(body), 64 * 1024, Some(&id))
+                .await?;
+            Ok(status)
         })
     }
 

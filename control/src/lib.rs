@@ -32,6 +32,7 @@ pub mod gpu;
 pub mod keys;
 pub mod lease;
 pub mod metrics;
+pub mod pd;
 pub mod peers;
 pub mod procfs;
 pub mod proxy;

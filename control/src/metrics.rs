@@ -124,6 +124,8 @@ pub struct Metrics {
     pub lease: LeaseMetrics,
     /// Messages between replicas (`--peers`, [`PeerMetrics`]).
     pub peer: PeerMetrics,
+    /// Prefill/decode disaggregation ([`PdMetrics`]).
+    pub pd: PdMetrics,
 }
 
 impl Metrics {
@@ -367,6 +369,7 @@ impl Metrics {
         }
         m.lease.register(reg);
         m.peer.register(reg);
+        m.pd.register(reg);
         m
     }
 
@@ -782,6 +785,67 @@ impl PeerMetrics {
     pub fn receive(&self, kind: &'static str, result: &'static str) {
         self.received
             .get_or_create(&[("kind", kind), ("result", result)])
+            .inc();
+    }
+}
+
+// ---- Prefill/decode disaggregation ([`crate::pd`]) -----------------------------------
+
+/// Prefill hand-offs held for a remote decode, and the releases of their blocks.
+#[derive(Debug, Clone, Default)]
+pub struct PdMetrics {
+    /// Finished prefills within `--pd-kv-lease` whose blocks the prefill engine may hold
+    /// for a decode side (set when scraped).
+    pub handoffs_held: Gauge,
+    /// Age of the oldest of them, seconds (0 when none; set when scraped).
+    pub handoff_oldest_age: FGauge,
+    /// Hand-offs forgotten early because the table was full.
+    pub handoffs_evicted: Counter,
+    /// Requests sent to a decode engine to release a prefill's held blocks, by `via` =
+    /// `handoff` (an abort of a recorded hand-off, sent to `--pd-decode-url`),
+    /// `tombstoned_decode` (a decode leg arriving for an aborted id, sent to this
+    /// replica's engine), and `result` = `released` (the decode engine rejected it, and so
+    /// told the prefill engine), `failed` (any other answer, or none), `no_route` (no
+    /// `--pd-decode-url`: the blocks are held until the prefill engine's lease).
+    pub releases: Family<L2, Counter>,
+}
+
+impl PdMetrics {
+    fn register(&self, reg: &mut Registry) {
+        reg.register(
+            "kvguard_control_pd_handoffs_held",
+            "Finished prefills within --pd-kv-lease whose blocks the prefill engine may hold for a remote decode",
+            self.handoffs_held.clone(),
+        );
+        reg.register(
+            "kvguard_control_pd_handoff_oldest_age_seconds",
+            "Age of the oldest prefill hand-off held for a remote decode (0 when none)",
+            self.handoff_oldest_age.clone(),
+        );
+        reg.register(
+            "kvguard_control_pd_handoffs_evicted",
+            "Prefill hand-offs forgotten before --pd-kv-lease because the table was full",
+            self.handoffs_evicted.clone(),
+        );
+        reg.register(
+            "kvguard_control_pd_releases",
+            "Requests sent to a decode engine to release a prefill's held blocks, by via and result",
+            self.releases.clone(),
+        );
+        let _ = self
+            .releases
+            .get_or_create(&[("via", "handoff"), ("result", "no_route")]);
+        for via in ["handoff", "tombstoned_decode"] {
+            for r in ["released", "failed"] {
+                let _ = self.releases.get_or_create(&[("via", via), ("result", r)]);
+            }
+        }
+    }
+
+    /// Counts a release attempt.
+    pub fn release(&self, via: &'static str, result: &'static str) {
+        self.releases
+            .get_or_create(&[("via", via), ("result", result)])
             .inc();
     }
 }

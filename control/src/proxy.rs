@@ -4,6 +4,7 @@
 //! sequence when the client connection closes); it is opened on the request's path and
 //! closed after its one response.
 
+use crate::config::AbortStrategy;
 use crate::downstream::Downstream;
 use crate::lease::LeaseMode;
 use crate::scan::{BodyKind, Scanner};
@@ -116,6 +117,18 @@ pub fn error_response(
     request_id: Option<&RequestId>,
     reason: Option<AbortReason>,
 ) -> Response {
+    error_response_with(status, kind, message, request_id, reason, None)
+}
+
+/// [`error_response`] with one more field in `error`.
+fn error_response_with(
+    status: StatusCode,
+    kind: &str,
+    message: String,
+    request_id: Option<&RequestId>,
+    reason: Option<AbortReason>,
+    extra: Option<(&'static str, serde_json::Value)>,
+) -> Response {
     let mut err = serde_json::json!({
         "message": message,
         "type": kind,
@@ -126,6 +139,9 @@ pub fn error_response(
     }
     if let Some(r) = reason {
         err["reason"] = r.as_str().into();
+    }
+    if let Some((k, v)) = extra {
+        err[k] = v;
     }
     let mut resp = (status, axum::Json(serde_json::json!({ "error": err }))).into_response();
     if let Some(id) = request_id {
@@ -274,7 +290,17 @@ async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {
         Err(Refusal::Tombstoned(t)) => {
             st.metrics.request("refused_tombstone");
             tracing::info!(request_id = %id, reason = %t.reason, "refused a request whose id was aborted before it arrived");
-            return error_response(
+            // A decode leg carries a prefill engine's held blocks: this engine rejects
+            // them on its behalf, so that the prefill engine lets them go.
+            let params = match axum::body::to_bytes(body, max_body).await {
+                Ok(b) => crate::pd::remote_prefill_params(&b),
+                Err(_) => None,
+            };
+            let released = match params {
+                Some(p) => Some(st.reject_tombstoned_decode(&id, &p).await),
+                None => None,
+            };
+            return error_response_with(
                 StatusCode::CONFLICT,
                 "kvguard_aborted",
                 "this request id was aborted (it is tombstoned): the abort overtook the request; \
@@ -282,6 +308,7 @@ async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {
                     .to_owned(),
                 Some(&id),
                 Some(t.reason),
+                released.map(|r| ("kv_released", serde_json::Value::Bool(r))),
             );
         }
         Err(Refusal::Full(n)) => {
@@ -336,6 +363,31 @@ async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {
         .path_and_query()
         .map_or("/", |p| p.as_str())
         .to_owned();
+    let body = if st.cfg.abort_strategy == AbortStrategy::Sglang {
+        // SGLang knows a request by its body's `rid` only: abort_request needs it.
+        match axum::body::to_bytes(body, max_body).await {
+            Ok(b) => match crate::pd::inject_rid(&b, &id) {
+                Some(with_rid) => {
+                    headers.remove(header::CONTENT_LENGTH);
+                    Body::from(with_rid)
+                }
+                None => Body::from(b),
+            },
+            Err(_) => {
+                guard.cause = Some("client_gone");
+                st.metrics.request("body_too_large");
+                return error_response(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "kvguard_body_too_large",
+                    format!("request body over {max_body} bytes, or unreadable"),
+                    Some(&id),
+                    None,
+                );
+            }
+        }
+    } else {
+        body
+    };
     let mut ureq = http::Request::new(Body::new(SequenceBody {
         inner: Limited::new(body, max_body),
         kept: Vec::new(),
@@ -458,12 +510,17 @@ async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {
     if let Ok(v) = HeaderValue::from_str(id.as_str()) {
         rparts.headers.insert(REQUEST_ID_HEADER, v);
     }
+    // A finished prefill leg's answer names the blocks its engine now holds for the
+    // decode side: kept for the hand-off table.
+    let handoff = (entry.pd_leg() == Some(crate::pd::PdLeg::Prefill) && rparts.status.is_success())
+        .then(Vec::new);
     let body = TrackedBody {
         inner: Some(rbody),
         scanner: Scanner::new(kind),
         cancelled: Box::pin(cancelled.cancelled_owned()),
         guard,
         done: false,
+        handoff,
     };
     Response::from_parts(rparts, Body::new(body))
 }
@@ -491,6 +548,9 @@ impl<B> SequenceBody<B> {
         if self.len <= SEQUENCE_SCAN_MAX {
             let body = self.kept.concat();
             entry.set_sequences(crate::table::engine_sequences(&body));
+            if let Some(leg) = crate::pd::leg_of(&body) {
+                entry.set_pd_leg(leg);
+            }
         }
         self.kept = Vec::new();
     }
@@ -559,9 +619,26 @@ struct TrackedBody {
     cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
     guard: Guard,
     done: bool,
+    /// A prefill leg's answer, kept (up to [`HANDOFF_ANSWER_MAX`] bytes) for its
+    /// `kv_transfer_params`.
+    handoff: Option<Vec<u8>>,
 }
 
+/// Largest prefill answer read for its `kv_transfer_params` (one token and the block ids).
+pub const HANDOFF_ANSWER_MAX: usize = 1024 * 1024;
+
 impl TrackedBody {
+    /// The response ended cleanly: a prefill leg's hand-off is recorded.
+    fn record_handoff(&mut self) {
+        let Some(answer) = self.handoff.take() else {
+            return;
+        };
+        if let Some(params) = crate::pd::params_of(&answer) {
+            let st = &self.guard.state;
+            st.record_handoff(self.guard.entry.id.clone(), params);
+        }
+    }
+
     fn finish_aborted(&mut self) -> Option<Result<Frame<Bytes>, BoxError>> {
         self.done = true;
         self.inner = None;
@@ -605,6 +682,13 @@ impl HttpBody for TrackedBody {
         match Pin::new(inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
+                    if let Some(kept) = this.handoff.as_mut() {
+                        if kept.len() + data.len() <= HANDOFF_ANSWER_MAX {
+                            kept.extend_from_slice(data);
+                        } else {
+                            this.handoff = None;
+                        }
+                    }
                     if this.scanner.kind() == BodyKind::Other {
                         // Nothing to count in it: any frame is progress.
                         if !data.is_empty() {
@@ -622,6 +706,11 @@ impl HttpBody for TrackedBody {
                         }
                     }
                 }
+                // hyper stops polling a response whose content-length is written, so
+                // the end of the engine's body is seen here, not as `Ready(None)`.
+                if this.inner.as_ref().is_some_and(HttpBody::is_end_stream) {
+                    this.record_handoff();
+                }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
@@ -638,6 +727,7 @@ impl HttpBody for TrackedBody {
                 this.done = true;
                 this.inner = None;
                 this.guard.cause = Some("complete");
+                this.record_handoff();
                 Poll::Ready(None)
             }
             Poll::Pending => Poll::Pending,

@@ -114,6 +114,8 @@ pub struct AppState {
     pub leases: Mutex<crate::lease::Leases>,
     /// The other replicas (`--peers`), if any.
     pub peers: Option<Arc<crate::peers::Peers>>,
+    /// Finished prefills whose blocks the prefill engine may hold for a decode side.
+    pub handoffs: Mutex<crate::pd::Handoffs>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -146,6 +148,7 @@ impl AppState {
             stamp: cfg.stamp_key.clone(),
         };
         let cfg_lease_ttl = cfg.lease_ttl;
+        let handoffs = crate::pd::Handoffs::new(cfg.pd_kv_lease, cfg.max_pd_handoffs);
         let peers = cfg
             .peers
             .clone()
@@ -166,6 +169,7 @@ impl AppState {
             draining: AtomicBool::new(false),
             leases: Mutex::new(crate::lease::Leases::new(cfg_lease_ttl)),
             peers,
+            handoffs: Mutex::new(handoffs),
         })
     }
 

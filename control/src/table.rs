@@ -59,6 +59,7 @@ pub struct Entry {
     downstream: OnceLock<Downstream>,
     client_gone: Mutex<Option<ClientGone>>,
     instance: OnceLock<InstanceId>,
+    pd_leg: OnceLock<crate::pd::PdLeg>,
 }
 
 /// When the client of a request went away, as the abort's sender reported it
@@ -151,7 +152,19 @@ impl Entry {
             downstream: OnceLock::new(),
             client_gone: Mutex::new(None),
             instance: OnceLock::new(),
+            pd_leg: OnceLock::new(),
         }
+    }
+
+    /// Marks the request as a leg of a disaggregated request (its body carried
+    /// `kv_transfer_params`, [`crate::pd::leg_of`]).
+    pub fn set_pd_leg(&self, leg: crate::pd::PdLeg) {
+        let _ = self.pd_leg.set(leg);
+    }
+
+    /// The disaggregation leg its body asked for, if any.
+    pub fn pd_leg(&self) -> Option<crate::pd::PdLeg> {
+        self.pd_leg.get().copied()
     }
 
     /// Sets how many engine sequences the request runs (see [`engine_sequences`]).

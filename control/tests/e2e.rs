@@ -687,6 +687,13 @@ async fn engine_abort_apis_per_strategy_and_dry_run() {
             eprintln!("{api}: abort call → engine abort API called: {took:?}");
             let call = st.abort_calls.iter().find(|c| c.api == api).unwrap();
             assert_eq!(call.ids, ids);
+            if api == "sglang" {
+                // SGLang knows a request by its body's `rid` only: kvguard-control wrote
+                // the id into the body (the simulator takes it as the engine's id).
+                assert_eq!(st.request(id).unwrap().engine_id, id);
+            } else {
+                assert_eq!(st.request(id).unwrap().engine_id, format!("cmpl-{id}"));
+            }
             let ev = s.collect(Duration::from_secs(5)).await.unwrap();
             assert_eq!(final_error(ev.last().unwrap()).as_deref(), Some("operator"));
             ctl.stop().await;

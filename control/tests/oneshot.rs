@@ -1845,3 +1845,357 @@ async fn an_abort_a_peer_answers_is_passed_on_and_tombstoned_here_but_not_in_a_d
         );
     }
 }
+
+/// An engine whose decode side answers the release request with `status` (or not at all),
+/// recording what it was sent.
+struct DecodeSide {
+    status: Option<u16>,
+    sent: std::sync::Mutex<Vec<(String, String, Value)>>,
+}
+
+impl Engine for DecodeSide {
+    fn scrape(&self) -> BoxFut<'_, Result<String, String>> {
+        Box::pin(async { Err("fake".into()) })
+    }
+    fn health(&self) -> BoxFut<'_, Result<(), String>> {
+        Box::pin(async { Err("fake".into()) })
+    }
+    fn abort(&self, _id: RequestId) -> BoxFut<'_, Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn release_prefill(
+        &self,
+        base: String,
+        id: RequestId,
+        body: Vec<u8>,
+    ) -> BoxFut<'_, Result<u16, String>> {
+        self.sent.lock().unwrap().push((
+            base,
+            id.as_str().to_owned(),
+            serde_json::from_slice(&body).unwrap(),
+        ));
+        let s = self.status;
+        Box::pin(async move { s.ok_or_else(|| "refused".to_owned()) })
+    }
+}
+
+fn pd_state(
+    status: Option<u16>,
+    tweak: impl FnOnce(&mut Config),
+) -> (Arc<AppState>, Arc<ManualClock>, Arc<DecodeSide>) {
+    let mut cfg =
+        Config::for_tests("http://127.0.0.1:9", vec![Key::try_new(KEY).unwrap()]).unwrap();
+    cfg.pd_role = kvguard_control::config::PdRole::Prefill;
+    tweak(&mut cfg);
+    let clock = Arc::new(ManualClock::new(NOW));
+    let engine = Arc::new(DecodeSide {
+        status,
+        sent: std::sync::Mutex::new(Vec::new()),
+    });
+    let st = AppState::new(
+        cfg,
+        clock.clone(),
+        engine.clone(),
+        GpuTracker::unavailable("test".into()),
+    );
+    (st, clock, engine)
+}
+
+fn decode_url() -> Option<kvguard_control::config::EngineUrl> {
+    Some(
+        kvguard_control::config::EngineUrl::try_new("--pd-decode-url", "http://10.0.0.9:8001")
+            .unwrap(),
+    )
+}
+
+async fn signed_abort(app: axum::Router, id: &str, t: u64) -> (StatusCode, Value) {
+    let body =
+        format!(r#"{{"request_id":"{id}","reason":"downstream_reset","age_ms":1,"tokens":0}}"#);
+    let key = Key::try_new(KEY).unwrap();
+    let sig = signature::sign(Domain::Abort, &key, t, body.as_bytes());
+    call(app, abort_req(body.as_bytes(), Some(sig))).await
+}
+
+async fn metrics_text(app: axum::Router) -> String {
+    let r = app
+        .oneshot(Request::get("/metrics").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    String::from_utf8(r.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap()
+}
+
+fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{series} not in:\n{text}"))
+}
+
+fn handoff_params() -> Value {
+    json!({"do_remote_prefill": true, "do_remote_decode": false, "remote_request_id": "cmpl-h1-0-ab12cd34", "remote_engine_id": "e1", "remote_host": "10.0.0.3", "remote_port": 5600, "remote_block_ids": [1, 2, 3]})
+}
+
+#[tokio::test]
+async fn an_abort_of_a_held_prefill_releases_it_through_the_decode_side_and_names_the_leg() {
+    let (st, clock, decode) = pd_state(Some(400), |c| c.pd_decode_url = decode_url());
+    let app = admin::app(st.clone());
+    let id = RequestId::try_new(b"h1").unwrap();
+    st.record_handoff(id.clone(), handoff_params());
+    clock.advance(Duration::from_secs(2));
+    let m = metrics_text(app.clone()).await;
+    assert_eq!(sample(&m, "kvguard_control_pd_handoffs_held"), 1.0);
+    assert_eq!(
+        sample(&m, "kvguard_control_pd_handoff_oldest_age_seconds"),
+        2.0
+    );
+    let me = st.replica_name();
+    let (s, v) = signed_abort(app.clone(), "h1", NOW + 2).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        v,
+        json!({"request_id": "h1", "found": true, "aborted": true,
+               "legs": [{"replica": me, "role": "prefill", "result": "released"}]})
+    );
+    // Sent to the decode URL, under a fresh id, a request the decode engine rejects,
+    // carrying the prefill engine's parameters.
+    let sent = decode.sent.lock().unwrap().clone();
+    assert_eq!(sent.len(), 1);
+    let (base, rid, body) = &sent[0];
+    assert_eq!(base, "http://10.0.0.9:8001");
+    assert!(rid.starts_with("kvguard-pd-release-"), "{rid}");
+    assert_eq!(
+        (body["stream"].clone(), body["use_beam_search"].clone()),
+        (json!(true), json!(true))
+    );
+    assert_eq!(body["kv_transfer_params"], handoff_params());
+    let m = metrics_text(app.clone()).await;
+    assert_eq!(sample(&m, "kvguard_control_pd_handoffs_held"), 0.0);
+    assert_eq!(
+        sample(&m, "kvguard_control_pd_handoff_oldest_age_seconds"),
+        0.0
+    );
+    assert_eq!(
+        sample(
+            &m,
+            r#"kvguard_control_pd_releases_total{via="handoff",result="released"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            &m,
+            r#"kvguard_control_abort_api_answers_total{result="aborted"}"#
+        ),
+        1.0
+    );
+    // Again: the tombstone answers; nothing is sent a second time.
+    let (s, v) = signed_abort(app.clone(), "h1", NOW + 3).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        v,
+        json!({"request_id": "h1", "found": true, "already_aborted": true,
+               "legs": [{"replica": me, "role": "prefill", "result": "already_aborted"}]})
+    );
+    assert_eq!(decode.sent.lock().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn a_held_prefill_that_cannot_be_released_is_reported_held_until_the_lease() {
+    // No decode URL: nothing is sent.
+    let (st, _clock, decode) = pd_state(Some(400), |_| {});
+    let app = admin::app(st.clone());
+    st.record_handoff(RequestId::try_new(b"h2").unwrap(), handoff_params());
+    let (s, v) = signed_abort(app.clone(), "h2", NOW).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        v,
+        json!({"request_id": "h2", "found": true,
+               "legs": [{"replica": "127.0.0.1:0", "role": "prefill", "result": "held_until_lease"}]})
+    );
+    assert!(decode.sent.lock().unwrap().is_empty());
+    let m = metrics_text(app.clone()).await;
+    assert_eq!(
+        sample(
+            &m,
+            r#"kvguard_control_pd_releases_total{via="handoff",result="no_route"}"#
+        ),
+        1.0
+    );
+    // The decode side accepts the request (no rejection) or does not answer: failed.
+    for status in [Some(200), None] {
+        let (st, _clock, decode) = pd_state(status, |c| c.pd_decode_url = decode_url());
+        let app = admin::app(st.clone());
+        st.record_handoff(RequestId::try_new(b"h3").unwrap(), handoff_params());
+        let (s, v) = signed_abort(app.clone(), "h3", NOW).await;
+        assert_eq!(s, StatusCode::OK, "{status:?}");
+        assert_eq!(v["legs"][0]["result"], "held_until_lease", "{status:?}");
+        assert_eq!(decode.sent.lock().unwrap().len(), 1);
+        let m = metrics_text(app.clone()).await;
+        assert_eq!(
+            sample(
+                &m,
+                r#"kvguard_control_pd_releases_total{via="handoff",result="failed"}"#
+            ),
+            1.0
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_hand_off_is_forgotten_at_the_lease_and_kept_by_a_dry_run() {
+    let (st, clock, decode) = pd_state(Some(400), |c| c.pd_decode_url = decode_url());
+    let app = admin::app(st.clone());
+    st.record_handoff(RequestId::try_new(b"h4").unwrap(), handoff_params());
+    // vLLM's lease (30 s) ran out: the engine let go by itself; nothing to release.
+    clock.advance(Duration::from_secs(30));
+    let (s, v) = signed_abort(app.clone(), "h4", NOW + 30).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_eq!(v, json!({"request_id": "h4", "found": false}));
+    assert!(decode.sent.lock().unwrap().is_empty());
+    // A dry run reports it and keeps it.
+    let (st, _clock, decode) = pd_state(Some(400), |c| {
+        c.pd_decode_url = decode_url();
+        c.dry_run = true;
+    });
+    let app = admin::app(st.clone());
+    let id = RequestId::try_new(b"h5").unwrap();
+    st.record_handoff(id.clone(), handoff_params());
+    let (s, v) = signed_abort(app.clone(), "h5", NOW).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["legs"][0]["result"], "dry_run", "{v}");
+    assert_eq!(v["aborted"], Value::Null);
+    assert!(decode.sent.lock().unwrap().is_empty());
+    assert!(st.holds_handoff(&id));
+}
+
+#[tokio::test]
+async fn a_tombstoned_decode_leg_has_its_prefill_released_by_this_engine() {
+    let (st, _clock, decode) = pd_state(Some(400), |c| {
+        c.pd_role = kvguard_control::config::PdRole::Decode;
+    });
+    let admin_app = admin::app(st.clone());
+    // Tombstoned by an abort that overtook it.
+    let (s, _) = signed_abort(admin_app.clone(), "d1", NOW).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let body = json!({"prompt": "x", "stream": true, "kv_transfer_params": handoff_params()});
+    let (s, v) = call(
+        proxy::app(st.clone()),
+        Request::post("/v1/completions")
+            .header("x-request-id", "d1")
+            .body(Body::from(serde_json::to_vec(&body).unwrap()))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_eq!(v["error"]["type"], "kvguard_aborted");
+    assert_eq!(v["error"]["kv_released"], true);
+    let sent = decode.sent.lock().unwrap().clone();
+    assert_eq!(sent.len(), 1);
+    assert_eq!(sent[0].0, "http://127.0.0.1:9", "this replica's own engine");
+    assert_eq!(sent[0].2["kv_transfer_params"], handoff_params());
+    // A tombstoned request that is no decode leg is refused as before, nothing sent.
+    let (s, v) = call(
+        proxy::app(st.clone()),
+        Request::post("/v1/completions")
+            .header("x-request-id", "d1")
+            .body(Body::from(r#"{"prompt":"x"}"#))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_eq!(v["error"].get("kv_released"), None);
+    assert_eq!(decode.sent.lock().unwrap().len(), 1);
+    // An engine that does not reject it: said so.
+    let (st2, _clock, _decode) = pd_state(None, |_| {});
+    let (s, _) = signed_abort(admin::app(st2.clone()), "d2", NOW).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, v) = call(
+        proxy::app(st2.clone()),
+        Request::post("/v1/completions")
+            .header("x-request-id", "d2")
+            .body(Body::from(serde_json::to_vec(&body).unwrap()))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_eq!(v["error"]["kv_released"], false);
+    let m = metrics_text(admin_app).await;
+    assert_eq!(
+        sample(
+            &m,
+            r#"kvguard_control_pd_releases_total{via="tombstoned_decode",result="released"}"#
+        ),
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn without_a_role_an_abort_reaches_every_leg_only_for_a_disaggregated_request() {
+    let (st, _clock, decode) = pd_state(Some(400), |c| {
+        c.pd_role = kvguard_control::config::PdRole::None;
+        c.pd_decode_url = decode_url();
+    });
+    let app = admin::app(st.clone());
+    // A request in flight whose body asked for the decode leg: its leg is named.
+    let entry = st
+        .admit(
+            RequestId::try_new(b"l1").unwrap(),
+            "POST".into(),
+            "/v1/completions".into(),
+        )
+        .unwrap();
+    entry.set_pd_leg(kvguard_control::pd::PdLeg::Decode);
+    let (s, v) = signed_abort(app.clone(), "l1", NOW).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        v,
+        json!({"request_id": "l1", "found": true, "aborted": true,
+               "legs": [{"replica": "127.0.0.1:0", "role": "decode", "result": "aborted"}]})
+    );
+    // A held hand-off: released, its leg named.
+    st.record_handoff(RequestId::try_new(b"l2").unwrap(), handoff_params());
+    let (s, v) = signed_abort(app.clone(), "l2", NOW).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["legs"][0]["result"], "released", "{v}");
+    assert_eq!(decode.sent.lock().unwrap().len(), 1);
+    // Any other request: the answer as without disaggregation.
+    let _plain = st
+        .admit(
+            RequestId::try_new(b"l3").unwrap(),
+            "POST".into(),
+            "/v1/completions".into(),
+        )
+        .unwrap();
+    let (s, v) = signed_abort(app.clone(), "l3", NOW).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        v,
+        json!({"request_id": "l3", "found": true, "aborted": true})
+    );
+    let (s, v) = signed_abort(app.clone(), "l4", NOW).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_eq!(v, json!({"request_id": "l4", "found": false}));
+}
+
+#[tokio::test]
+async fn the_hand_off_table_is_bounded_and_its_evictions_counted() {
+    let (st, _clock, _decode) = pd_state(Some(400), |c| c.max_pd_handoffs = 1);
+    let app = admin::app(st.clone());
+    for id in ["e1", "e2", "e3"] {
+        st.record_handoff(RequestId::try_new(id.as_bytes()).unwrap(), handoff_params());
+    }
+    let m = metrics_text(app).await;
+    assert_eq!(sample(&m, "kvguard_control_pd_handoffs_held"), 1.0);
+    assert_eq!(sample(&m, "kvguard_control_pd_handoffs_evicted_total"), 2.0);
+    assert!(st.holds_handoff(&RequestId::try_new(b"e3").unwrap()));
+    assert!(!st.holds_handoff(&RequestId::try_new(b"e1").unwrap()));
+}
+
+#[tokio::test]
+async fn a_replica_names_itself_by_its_advertised_address_else_its_admin_listener() {
+    let (st, _clock, _decode) = pd_state(None, |_| {});
+    assert_eq!(st.replica_name(), "127.0.0.1:0");
+    let (st, _clock, _decode) = pd_state(None, |c| {
+        c.advertise = Some("10.0.0.7:9902".parse().unwrap());
+    });
+    assert_eq!(st.replica_name(), "10.0.0.7:9902");
+}

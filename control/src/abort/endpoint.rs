@@ -19,7 +19,8 @@ use kvguard_contract::abort::MAX_ABORT_BODY;
 use kvguard_contract::peer::MAX_PEER_BODY;
 use kvguard_contract::signature::{self, SignatureError};
 use kvguard_contract::{
-    AbortAnswer, AbortReason, AbortRequest, Domain, Forwarded, RequestId, SIGNATURE_HEADER,
+    AbortAnswer, AbortReason, AbortRequest, Domain, Forwarded, Leg, LegResult, RequestId,
+    SIGNATURE_HEADER,
 };
 use std::sync::Arc;
 
@@ -93,7 +94,64 @@ pub async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
             );
             r
         }
+        Decided::Legs(legs) => legs_answer(&st, &id, reason, legs, "abort call"),
     }
+}
+
+/// The answer to an abort that reached every leg of a disaggregated request (contract §3:
+/// the summary, and `legs`); counted by what this replica did (`aborted` also when it
+/// released a hand-off's blocks), else `forwarded` when a peer ended a leg.
+fn legs_answer(
+    st: &AppState,
+    id: &RequestId,
+    reason: AbortReason,
+    legs: Vec<Leg>,
+    what: &'static str,
+) -> Response {
+    let (found, aborted, already) = super::summary(&legs);
+    let me = st.replica_name();
+    let mine: Vec<&Leg> = legs.iter().filter(|l| l.replica == me).collect();
+    let result = if mine.iter().any(|l| l.result.ended()) {
+        "aborted"
+    } else if aborted {
+        "forwarded"
+    } else if mine.iter().any(|l| l.result == LegResult::DryRun) {
+        "dry_run"
+    } else if already {
+        "already_aborted"
+    } else if found {
+        "forwarded"
+    } else {
+        "not_found"
+    };
+    st.metrics.abort_api(result);
+    let summary = legs
+        .iter()
+        .map(|l| {
+            format!(
+                "{}{}{}={}",
+                l.replica,
+                if l.role.is_some() { "/" } else { "" },
+                l.role.as_deref().unwrap_or(""),
+                l.result.as_str()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(",");
+    tracing::info!(request_id = %id, reason = %reason, legs = %summary, "{what} for a disaggregated request: every leg asked");
+    let status = if found {
+        StatusCode::OK
+    } else {
+        StatusCode::NOT_FOUND
+    };
+    let body = AbortAnswer {
+        request_id: id.as_str().to_owned(),
+        found,
+        aborted,
+        already_aborted: already,
+        legs,
+    };
+    (status, Json(body)).into_response()
 }
 
 /// Why a signed call was refused before its body was read.
@@ -158,6 +216,7 @@ fn answer(id: &RequestId, found: bool, aborted: bool, already: bool) -> Json<Abo
         found,
         aborted,
         already_aborted: already,
+        legs: Vec::new(),
     })
 }
 
@@ -269,6 +328,36 @@ pub async fn peer_abort(State(st): State<Arc<AppState>>, req: Request) -> Respon
     let gone = abort
         .gone_ms
         .map(|ms| (std::time::Duration::from_millis(ms), abort.tokens));
+    let leg = st.leg_in_flight(&id);
+    if st.cfg.pd_role != crate::config::PdRole::None || leg.is_some() || st.holds_handoff(&id) {
+        // A leg of a disaggregated request: this replica's legs, released hand-off included.
+        let found = st.abort_or_tombstone(&id, reason, gone);
+        st.metrics.peer.receive(
+            "abort",
+            match found {
+                AbortFound::Ended => "aborted",
+                AbortFound::Already => "already_aborted",
+                AbortFound::Observed => "dry_run",
+                AbortFound::NotFound => "not_found",
+            },
+        );
+        let legs = st.legs_here(&id, found, leg).await;
+        let (found, aborted, already) = super::summary(&legs);
+        tracing::info!(request_id = %id, reason = %reason, forwarded_by = %env.forwarded_by, legs = legs.len(), aborted, "forwarded abort for a disaggregated request");
+        let status = if found {
+            StatusCode::OK
+        } else {
+            StatusCode::NOT_FOUND
+        };
+        let body = AbortAnswer {
+            request_id: id.as_str().to_owned(),
+            found,
+            aborted,
+            already_aborted: already,
+            legs,
+        };
+        return (status, Json(body)).into_response();
+    }
     match st.abort_or_tombstone(&id, reason, gone) {
         AbortFound::Observed => {
             st.metrics.peer.receive("abort", "dry_run");

@@ -8,7 +8,9 @@
 //!    forwarded to every peer ([`peer`]) and the first that holds it answers; otherwise,
 //!    or when no peer holds it, it is decided here under the table lock
 //!    ([`AppState::abort_or_tombstone`]): ended, already ended, or tombstoned so that the
-//!    request is refused if it arrives later.
+//!    request is refused if it arrives later. A leg of a prefill/decode disaggregated
+//!    request goes to every peer, and a held prefill hand-off is released
+//!    ([`crate::pd`]); the answer lists the legs.
 //! 3. Ending ([`AppState::end_request`], and the abort API's own path) removes the
 //!    [`crate::table`] entry, tombstones the id ([`crate::tombstones`]), cancels the entry
 //!    (the [`crate::proxy`]'s response body sends the final SSE event), closes the engine
@@ -22,10 +24,12 @@
 pub mod endpoint;
 pub mod peer;
 
+use crate::config::PdRole;
 use crate::metrics::outcome;
+use crate::pd::{PdLeg, Release};
 use crate::state::AppState;
 use crate::table::{ClientGone, Entry};
-use kvguard_contract::{AbortReason, RequestId};
+use kvguard_contract::{AbortReason, Leg, LegResult, RequestId};
 use peer::PeerAnswer;
 use std::sync::Arc;
 use std::time::Duration;
@@ -51,16 +55,28 @@ pub enum Decided {
     /// By the peer that held the id (`--peers`): its answer, passed on as it is. This
     /// replica tombstoned the id too (not in a dry run).
     Peer(PeerAnswer),
+    /// A leg of a disaggregated request: every holder's part, this replica's first
+    /// (empty: nobody held it; it is tombstoned here and at every peer that answered).
+    Legs(Vec<Leg>),
 }
 
 /// Decides and carries out a verified abort of `id` for `reason` (`body`: the call's body
 /// as signed, forwarded verbatim to the peers). `gone`: how long ago the sender saw the
 /// client go and how many data events it had passed on (the body's `gone_ms`, `tokens`).
 ///
-/// Without peers, or when no peer holds the id (each answered 404 or failed), the id is
-/// decided here under the table lock: ended if it arrived meanwhile, else tombstoned.
-/// Every replica that got the forward tombstoned the id, and so does this one when a
-/// peer ended it: a request the abort overtook is refused wherever it lands.
+/// **Prefill/decode disaggregation**: the same id is held on a prefill replica and a
+/// decode replica at once (or the prefill engine holds the finished prefill's blocks for
+/// the decode side). When this replica has a `--pd-role`, holds the id as a leg (its body
+/// carried `kv_transfer_params`) or holds its prefill hand-off, the abort goes to every
+/// peer and waits for each ([`crate::peers::Peers::fan_out_abort`]); every holder ends
+/// its leg, and a hand-off's blocks are released through a decode engine
+/// ([`AppState::release_handoff`]). The answer lists the legs.
+///
+/// Otherwise one holder at most: without peers, or when no peer holds the id (each
+/// answered 404 or failed), it is decided here under the table lock: ended if it arrived
+/// meanwhile, else tombstoned. Every replica that got the forward tombstoned the id, and
+/// so does this one when a peer ended it: a request the abort overtook is refused
+/// wherever it lands.
 pub async fn abort(
     st: &Arc<AppState>,
     id: &RequestId,
@@ -68,7 +84,21 @@ pub async fn abort(
     gone: Option<(Duration, u64)>,
     body: &[u8],
 ) -> Decided {
+    let leg_here = st.leg_in_flight(id);
+    let pd = st.cfg.pd_role != PdRole::None || leg_here.is_some() || st.holds_handoff(id);
     if let Some(peers) = st.peers.clone() {
+        if pd {
+            let here = st.abort_if_here(id, reason, gone);
+            let remote = peers.fan_out_abort(st, body).await;
+            let here = match here {
+                // Decided again under the lock: ended if it arrived meanwhile.
+                AbortFound::NotFound => st.abort_or_tombstone(id, reason, gone),
+                found => found,
+            };
+            let mut legs = st.legs_here(id, here, leg_here).await;
+            legs.extend(remote);
+            return Decided::Legs(legs);
+        }
         match st.abort_if_here(id, reason, gone) {
             AbortFound::NotFound => {
                 if let Some(a) = peers.forward_abort(st, body).await {
@@ -81,10 +111,85 @@ pub async fn abort(
             found => return Decided::Here(found),
         }
     }
-    Decided::Here(st.abort_or_tombstone(id, reason, gone))
+    let here = st.abort_or_tombstone(id, reason, gone);
+    if pd {
+        return Decided::Legs(st.legs_here(id, here, leg_here).await);
+    }
+    Decided::Here(here)
+}
+
+/// The answer's summary of `legs`: `(found, aborted, already_aborted)`. Found when any
+/// replica held the id; aborted when this call ended a leg (a request, or held blocks
+/// released); already aborted when found and nothing was ended now but a leg had been.
+pub fn summary(legs: &[Leg]) -> (bool, bool, bool) {
+    let found = !legs.is_empty();
+    let aborted = legs.iter().any(|l| l.result.ended());
+    let already = !aborted && legs.iter().any(|l| l.result == LegResult::AlreadyAborted);
+    (found, aborted, already)
 }
 
 impl AppState {
+    /// The disaggregation leg of the request `id` in flight here, if its body asked for one.
+    pub fn leg_in_flight(&self, id: &RequestId) -> Option<PdLeg> {
+        self.inner().table.get(id).and_then(|e| e.pd_leg())
+    }
+
+    /// This replica's name in an answer's legs: its address among the peers, else its
+    /// `--advertise`, else its admin listener.
+    pub fn replica_name(&self) -> String {
+        self.cfg
+            .peers
+            .as_ref()
+            .map(|p| p.self_addr)
+            .or(self.cfg.advertise)
+            .unwrap_or(self.cfg.admin_listen)
+            .to_string()
+    }
+
+    /// This replica's legs of an abort of `id`: the request it found (`here`, its body's
+    /// leg `leg`), and a held prefill hand-off, released ([`AppState::release_handoff`]).
+    pub async fn legs_here(
+        self: &Arc<Self>,
+        id: &RequestId,
+        here: AbortFound,
+        leg: Option<PdLeg>,
+    ) -> Vec<Leg> {
+        let replica = self.replica_name();
+        let role = |leg: Option<PdLeg>| {
+            self.cfg
+                .pd_role
+                .name()
+                .or(leg.map(PdLeg::as_str))
+                .map(str::to_owned)
+        };
+        let mut legs = Vec::new();
+        let result = match here {
+            AbortFound::Ended => Some(LegResult::Aborted),
+            AbortFound::Already => Some(LegResult::AlreadyAborted),
+            AbortFound::Observed => Some(LegResult::DryRun),
+            AbortFound::NotFound => None,
+        };
+        if let Some(result) = result {
+            legs.push(Leg {
+                replica: replica.clone(),
+                role: role(leg),
+                result,
+            });
+        }
+        if let Some(r) = self.release_handoff(id).await {
+            legs.push(Leg {
+                replica,
+                role: Some(PdLeg::Prefill.as_str().to_owned()),
+                result: match r {
+                    Release::Released => LegResult::Released,
+                    Release::DryRun => LegResult::DryRun,
+                    Release::HeldUntilLease => LegResult::HeldUntilLease,
+                },
+            });
+        }
+        legs
+    }
+
     /// What the abort API does for `id`, decided under one lock: the request is in flight
     /// (it is ended), already ended (tombstoned), or not yet here (it is tombstoned, so it
     /// is refused when it arrives). An abort racing its request's admission therefore

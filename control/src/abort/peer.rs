@@ -1,12 +1,14 @@
 //! Forwarding an abort to the other replicas (`--peers`, contract §4): an abort for an id
 //! not in flight here goes to every peer at once, as a signed envelope on
-//! `POST /v1/peer/abort`; the first peer that holds the id answers for it.
+//! `POST /v1/peer/abort`; the first peer that holds the id answers for it. An abort of a
+//! disaggregated request's leg goes to every peer whatever is held here, and every
+//! answer is collected ([`Peers::fan_out_abort`]).
 
 use crate::peers::Peers;
 use crate::state::AppState;
 use bytes::Bytes;
 use http::StatusCode;
-use kvguard_contract::PEER_ABORT_PATH;
+use kvguard_contract::{AbortAnswer, Leg, LegResult, PEER_ABORT_PATH};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -83,5 +85,115 @@ impl Peers {
             }
         }
         None
+    }
+}
+
+impl Peers {
+    /// Sends an abort body (already verified here) to every peer at once and waits for
+    /// each (each call is bounded, 500 ms): the legs every peer that held the id reports
+    /// (its answer's `legs`; an answer without them, from a peer that is not part of a
+    /// disaggregated pair, is one leg with no role). Peers that did not hold it (404) or
+    /// failed (counted) add nothing.
+    pub async fn fan_out_abort(self: &Arc<Self>, st: &Arc<AppState>, body: &[u8]) -> Vec<Leg> {
+        let peers = self.addrs(st).await;
+        let Some((env, sig)) = self.envelope(st, body) else {
+            return Vec::new();
+        };
+        let mut calls = tokio::task::JoinSet::new();
+        for peer in peers {
+            let (this, st, env, sig) = (self.clone(), st.clone(), env.clone(), sig.clone());
+            calls.spawn(async move {
+                match this.post(peer, PEER_ABORT_PATH, env, sig).await {
+                    Ok((s, b)) if s == StatusCode::OK => {
+                        st.metrics.peer.forward("abort", "ok");
+                        legs_of(peer, &b)
+                    }
+                    Ok((s, _)) if s == StatusCode::NOT_FOUND => {
+                        st.metrics.peer.forward("abort", "not_found");
+                        Vec::new()
+                    }
+                    Ok((s, b)) => {
+                        st.metrics.peer.forward("abort", "failed");
+                        tracing::warn!(%peer, status = s.as_u16(), answer = %String::from_utf8_lossy(&b), "forwarded abort refused by the peer (check that every replica has the same keys and a clock within 30 s)");
+                        Vec::new()
+                    }
+                    Err(e) => {
+                        st.metrics.peer.forward("abort", "failed");
+                        tracing::warn!(%peer, error = %e, "forwarded abort: peer unreachable");
+                        Vec::new()
+                    }
+                }
+            });
+        }
+        let mut legs = Vec::new();
+        while let Some(r) = calls.join_next().await {
+            legs.extend(r.unwrap_or_default());
+        }
+        legs
+    }
+}
+
+/// The legs of a peer's 200 answer: its `legs`, or one leg from its summary.
+pub fn legs_of(peer: SocketAddr, body: &[u8]) -> Vec<Leg> {
+    let Ok(a) = serde_json::from_slice::<AbortAnswer>(body) else {
+        return Vec::new();
+    };
+    if !a.legs.is_empty() {
+        return a.legs;
+    }
+    let result = if a.aborted {
+        LegResult::Aborted
+    } else if a.already_aborted {
+        LegResult::AlreadyAborted
+    } else if a.found {
+        LegResult::DryRun
+    } else {
+        return Vec::new();
+    };
+    vec![Leg {
+        replica: peer.to_string(),
+        role: None,
+        result,
+    }]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peers_legs_are_its_own_or_one_from_its_summary() {
+        let peer: SocketAddr = "10.0.0.2:9902".parse().unwrap();
+        let with = br#"{"request_id":"r","found":true,"aborted":true,"legs":[{"replica":"10.0.0.9:9902","role":"decode","result":"aborted"}]}"#;
+        assert_eq!(
+            legs_of(peer, with),
+            [Leg {
+                replica: "10.0.0.9:9902".into(),
+                role: Some("decode".into()),
+                result: LegResult::Aborted
+            }]
+        );
+        for (body, result) in [
+            (
+                &br#"{"request_id":"r","found":true,"aborted":true}"#[..],
+                LegResult::Aborted,
+            ),
+            (
+                br#"{"request_id":"r","found":true,"already_aborted":true}"#,
+                LegResult::AlreadyAborted,
+            ),
+            (br#"{"request_id":"r","found":true}"#, LegResult::DryRun),
+        ] {
+            assert_eq!(
+                legs_of(peer, body),
+                [Leg {
+                    replica: "10.0.0.2:9902".into(),
+                    role: None,
+                    result
+                }]
+            );
+        }
+        assert!(legs_of(peer, br#"{"request_id":"r","found":false}"#).is_empty());
+        assert!(legs_of(peer, b"not json").is_empty());
     }
 }

@@ -203,6 +203,38 @@ impl Control {
         Ok(m)
     }
 
+    /// Sends it a signed abort of `id` as the filter does (`POST /v1/abort`, contract §3,
+    /// signed with [`SECRET`] now); returns the status and the JSON answer.
+    pub async fn abort(
+        &self,
+        id: &str,
+        reason: kvguard_contract::AbortReason,
+    ) -> Result<(u16, Value)> {
+        let id = kvguard_contract::RequestId::try_new(id.as_bytes())?;
+        let body = kvguard_contract::AbortRequest::new(&id, reason, 0, 0).to_json();
+        let key = kvguard_contract::Key::try_new(SECRET.as_bytes())?;
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs();
+        let sig =
+            kvguard_contract::signature::sign(kvguard_contract::Domain::Abort, &key, t, &body);
+        let r = crate::client::request(
+            self.admin,
+            hyper::Method::POST,
+            kvguard_contract::ABORT_PATH,
+            &[
+                ("content-type", "application/json"),
+                (kvguard_contract::SIGNATURE_HEADER, &sig),
+            ],
+            body,
+            false,
+            Duration::from_secs(10),
+        )
+        .await?;
+        let v = serde_json::from_slice(r.body.as_ref()).unwrap_or(Value::Null);
+        Ok((r.status, v))
+    }
+
     /// Request ids in flight (`GET /v1/requests`).
     pub async fn inflight_ids(&self) -> Result<Vec<String>> {
         let v = crate::client::get_json(self.admin, "/v1/requests").await?;

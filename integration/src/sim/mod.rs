@@ -175,7 +175,8 @@ pub enum EndKind {
 pub struct RequestRecord {
     /// The `x-request-id` received (or the one generated when there was none).
     pub request_id: String,
-    /// vLLM's id: `cmpl-<request_id>` or `chatcmpl-<request_id>`.
+    /// vLLM's id: `cmpl-<request_id>` or `chatcmpl-<request_id>`; SGLang's: the body's
+    /// `rid` when it has one.
     pub engine_id: String,
     /// Request path.
     pub path: String,

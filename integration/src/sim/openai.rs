@@ -457,6 +457,17 @@ async fn completion_inner(
             )
         }
     };
+    // vLLM 0.32 refuses this first thing in `_create_completion`, inside the wrapper
+    // that notifies a prefill engine of a rejected decode request (a decode replica's
+    // refusal here lets the prefill side go: the pull duty is dropped).
+    if stream && v.get("use_beam_search").and_then(Value::as_bool) == Some(true) {
+        return err_reply(
+            400,
+            "Streaming is not currently supported with beam search",
+            "BadRequestError",
+            None,
+        );
+    }
     let include_usage = v
         .pointer("/stream_options/include_usage")
         .and_then(Value::as_bool)
@@ -486,9 +497,11 @@ async fn completion_inner(
         }
         None => None,
     };
-    let engine_id = match kind {
-        Kind::Completion => format!("cmpl-{request_id}"),
-        Kind::Chat => format!("chatcmpl-{request_id}"),
+    // SGLang knows a request by its body's `rid` (never by `x-request-id`).
+    let engine_id = match (v.get("rid").and_then(Value::as_str), kind) {
+        (Some(rid), _) => rid.to_string(),
+        (None, Kind::Completion) => format!("cmpl-{request_id}"),
+        (None, Kind::Chat) => format!("chatcmpl-{request_id}"),
     };
     let hold = cfg.pd_role == PdRole::Prefill && pd::wants_remote_decode(&v);
     let kv_out = hold.then(|| pd::transfer_params(&sim, &engine_id, blocks));
