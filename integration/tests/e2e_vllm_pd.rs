@@ -8,18 +8,26 @@
 //!    P's blocks held, with nothing running anywhere, until P's lease runs out;
 //! 3. a decode request carrying P's `kv_transfer_params` that D rejects frees P at once
 //!    (how kvguard-control frees P, docs/PD-ENGINES.md);
-//! 4. a client that leaves during decode behind a proxy that hides it leaves D generating.
+//! 4. a client that leaves during decode behind a proxy that hides it leaves D generating;
+//! 5. with kvguard-control beside each engine (peers, `--pd-role`), an abort of a request
+//!    whose client left at the hand-off frees P's blocks through D (`released`), long
+//!    before the lease, and the expired-lease counter stays put;
+//! 6. with kvguard, an abort of a request whose client left during decode stops D.
 //!
 //! `KVGUARD_SKIP_VLLM=1` skips it; `KVGUARD_VLLM_PD_URLS=http://P,http://D` uses a running
 //! pair (`scripts/pd-vllm`, e.g. on GPUs).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use kvguard_contract::AbortReason;
 use kvguard_integration::client;
+use kvguard_integration::demo::stack::Control;
+use kvguard_integration::free_addrs;
 use kvguard_integration::pd_proxy::{self, PdProxyConfig, PdProxyHandle};
 use kvguard_integration::vllm::{metric_sum, EngineFigures, Vllm};
 use kvguard_integration::vllm_pd::{VllmPd, LEASE_S};
 use kvguard_integration::wait::{bounded, poll_until_async};
 use serde_json::{json, Value};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
 
@@ -40,10 +48,19 @@ async fn proxy(
     hide: bool,
     hand_off: Option<tokio::sync::watch::Receiver<bool>>,
 ) -> PdProxyHandle {
+    proxy_to(pd.p.addr(), pd.d.addr(), hide, hand_off).await
+}
+
+async fn proxy_to(
+    prefill: SocketAddr,
+    decode: SocketAddr,
+    hide: bool,
+    hand_off: Option<tokio::sync::watch::Receiver<bool>>,
+) -> PdProxyHandle {
     pd_proxy::spawn(PdProxyConfig {
         listen: None,
-        prefill: pd.p.addr(),
-        decode: pd.d.addr(),
+        prefill,
+        decode,
         hide_disconnects: hide,
         hand_off,
     })
@@ -244,8 +261,165 @@ async fn generated(v: &Vllm) -> f64 {
     metric_sum(&r.text(), "vllm:generation_tokens_total").unwrap_or(0.0)
 }
 
+/// kvguard-control beside each engine: peers of each other, `--pd-role`, P's release
+/// through D's kvguard-control (`--pd-decode-url`), the lease as the engines'. Their
+/// reapers are off: what ends a leg here is the abort.
+struct Guarded {
+    pc: Control,
+    dc: Control,
+}
+
+async fn guarded(pd: &VllmPd) -> Guarded {
+    let a = free_addrs(4);
+    let (p_proxy, p_admin, d_proxy, d_admin) = (a[0], a[1], a[2], a[3]);
+    let peers = format!("http://{p_admin},http://{d_admin}");
+    let lease = format!("{LEASE_S}s");
+    let args = |role: &str| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "--idle-timeout",
+            "off",
+            "--max-age",
+            "off",
+            "--peers",
+            &peers,
+            "--pd-role",
+            role,
+            "--pd-kv-lease",
+            &lease,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        if role == "prefill" {
+            v.extend(["--pd-decode-url".to_string(), format!("http://{d_proxy}")]);
+        }
+        v
+    };
+    let pc = Control::start(pd.p.addr(), p_proxy, p_admin, &args("prefill"))
+        .await
+        .unwrap();
+    let dc = Control::start(pd.d.addr(), d_proxy, d_admin, &args("decode"))
+        .await
+        .unwrap();
+    Guarded { pc, dc }
+}
+
+/// The legs an abort's answer lists, as (role, result).
+fn legs(v: &Value) -> Vec<(String, String)> {
+    v["legs"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|l| {
+                    let s = |k: &str| l[k].as_str().unwrap_or_default().to_string();
+                    (s("role"), s("result"))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// With kvguard: a client gone at the hand-off; the abort (to D's replica, which holds
+/// nothing: as the filter's abort reaches whichever replica its stream was stamped by)
+/// frees P's held blocks through D. Returns how long after the abort P let go.
+async fn kvguard_frees_p_at_the_hand_off(pd: &VllmPd, g: &Guarded) -> Duration {
+    let (_open, hold) = tokio::sync::watch::channel(false);
+    let px = proxy_to(g.pc.proxy, g.dc.proxy, true, Some(hold)).await;
+    let (p0, e0) = (finished(&pd.p).await, expired(&pd.p).await);
+    let conn = send_raw(px.addr(), "pd-kv-handoff", &completion(64)).await;
+    poll_until_async(
+        "P finishes the prefill",
+        W,
+        Duration::from_millis(50),
+        || async { (finished(&pd.p).await > p0).then_some(()) },
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let f = pd.p.figures().await.unwrap();
+    assert!(
+        holding_for_d(&f),
+        "P should hold the prefill's blocks for D: {f:?}"
+    );
+    let t0 = Instant::now();
+    let (status, v) =
+        g.dc.abort("pd-kv-handoff", AbortReason::DownstreamReset)
+            .await
+            .unwrap();
+    assert_eq!(status, 200, "{v}");
+    assert!(
+        legs(&v).contains(&("prefill".to_string(), "released".to_string())),
+        "the answer should list P's leg as released: {v}"
+    );
+    pd.p.wait_figures("P lets go after the abort", W, |f| f.kv_usage == 0.0)
+        .await
+        .unwrap();
+    let took = t0.elapsed();
+    assert!(
+        took < LEASE.mul_f64(0.5),
+        "P let go {took:?} after the abort: the lease, not kvguard"
+    );
+    assert_eq!(
+        expired(&pd.p).await,
+        e0,
+        "freed by kvguard, not by the lease"
+    );
+    took
+}
+
+/// With kvguard: a client gone during decode behind the hiding proxy; the abort ends D's
+/// leg. Returns how long after the abort D stopped.
+async fn kvguard_ends_d_during_decode(pd: &VllmPd, g: &Guarded) -> Duration {
+    let px = proxy_to(g.pc.proxy, g.dc.proxy, true, None).await;
+    let a0 = aborted(&pd.d).await;
+    let mut c = client::stream_sse(
+        px.addr(),
+        "/v1/completions",
+        &completion(400),
+        &[("x-request-id", "pd-kv-decode")],
+        false,
+    )
+    .await
+    .unwrap();
+    c.next_event(W).await.unwrap().unwrap();
+    c.disconnect();
+    pd.d.wait_figures("D runs the decode leg", W, |f| f.running == 1.0)
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    let (status, v) =
+        g.pc.abort("pd-kv-decode", AbortReason::DownstreamReset)
+            .await
+            .unwrap();
+    assert_eq!(status, 200, "{v}");
+    pd.d.wait_figures("D stops after the abort", W, |f| {
+        f.running == 0.0 && f.kv_usage == 0.0
+    })
+    .await
+    .unwrap();
+    let took = t0.elapsed();
+    assert_eq!(
+        aborted(&pd.d).await,
+        a0 + 1.0,
+        "D counts the decode leg aborted"
+    );
+    took
+}
+
+/// `vllm:request_success_total{finished_reason="abort"}`.
+async fn aborted(v: &Vllm) -> f64 {
+    let r = client::get(v.addr(), "/metrics").await.unwrap();
+    r.text()
+        .lines()
+        .filter(|l| {
+            l.starts_with("vllm:request_success_total{") && l.contains("finished_reason=\"abort\"")
+        })
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prefill_decode_on_real_vllm_strands_p_at_the_hand_off_and_d_behind_a_hiding_proxy() {
+async fn prefill_decode_on_real_vllm_leaks_without_kvguard_and_every_leg_is_freed_with_it() {
     bounded("P/D on real vLLM", T, async {
         let Some(pd) = VllmPd::shared("e2e_vllm_pd").await.unwrap() else {
             return;
@@ -260,6 +434,12 @@ async fn prefill_decode_on_real_vllm_strands_p_at_the_hand_off_and_d_behind_a_hi
         eprintln!("step 3: D's rejection freed P in {held:?}");
         left_during_decode_behind_a_hiding_proxy(&pd).await;
         eprintln!("step 4: D generated on behind the hiding proxy");
+        both_idle(&pd, W).await;
+        let g = guarded(&pd).await;
+        let took = kvguard_frees_p_at_the_hand_off(&pd, &g).await;
+        eprintln!("step 5: with kvguard, P let go {took:?} after the abort (gone at the hand-off)");
+        let took = kvguard_ends_d_during_decode(&pd, &g).await;
+        eprintln!("step 6: with kvguard, D stopped {took:?} after the abort (gone during decode)");
         both_idle(&pd, W).await;
     })
     .await
