@@ -74,12 +74,12 @@ async fn finished(v: &Vllm) -> f64 {
     metric_sum(&r.text(), "vllm:request_success_total").unwrap_or(0.0)
 }
 
-/// `vllm:nixl_num_kv_expired_reqs`: prefills whose blocks P freed at the end of their
+/// `vllm:nixl_num_kv_expired_reqs_total`: prefills whose blocks P freed at the end of their
 /// lease (what the `KvguardPrefillBlocksStranded` alert reads). Must be exported.
 async fn expired(p: &Vllm) -> f64 {
     let r = client::get(p.addr(), "/metrics").await.unwrap();
-    metric_sum(&r.text(), "vllm:nixl_num_kv_expired_reqs")
-        .expect("P exports no vllm:nixl_num_kv_expired_reqs (the alert's series)")
+    metric_sum(&r.text(), "vllm:nixl_num_kv_expired_reqs_total")
+        .expect("P exports no vllm:nixl_num_kv_expired_reqs_total (the alert's series)")
 }
 
 /// Nothing runs or waits on either side and neither holds blocks.
