@@ -1085,9 +1085,13 @@ async fn with_lease_mode_off_no_lease_loop_runs() {
         period_ms: None,
         via: kvguard_contract::Via::Data,
         fanout: true,
+        vms: None,
     };
     for n in 1..=3 {
-        let r = kvguard_contract::RenewalBody { counter: n, ..body };
+        let r = kvguard_contract::RenewalBody {
+            counter: n,
+            ..body.clone()
+        };
         st.leases.lock().unwrap().renew(&r, clock.now()).unwrap();
     }
     let stop = tokio_util::sync::CancellationToken::new();
