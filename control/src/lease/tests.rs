@@ -470,7 +470,10 @@ fn a_vm_the_renewals_leave_out_for_the_ttl_is_lost_and_only_it() {
     // Lost at the first renewal more than the TTL after its last listing, with VM 3
     // (whose request came a second later) at the same pass or the next.
     assert_eq!(at, t0 + TTL + ms(P));
-    assert!(lost == vec![(A, 2), (A, 3)] || lost == vec![(A, 2)], "{lost:?}");
+    assert!(
+        lost == vec![(A, 2), (A, 3)] || lost == vec![(A, 2)],
+        "{lost:?}"
+    );
     // Judged once: it left the list.
     assert!(!l.judge(at).lost.contains(&(A, 2)));
     // A request tagged with a lost VM brings it back; the listed VM is never lost.
@@ -501,7 +504,8 @@ fn no_vm_is_judged_without_renewals_that_list_them_or_when_the_renewals_stop() {
     // A listing instance that falls silent: its VMs are not judged one by one (the
     // instance's own expiry is the rule there), however long.
     l.renew(&with_vms(B, 1, Via::Data, &[1, 2]), at).unwrap();
-    l.renew(&with_vms(B, 2, Via::Data, &[1]), at + ms(P)).unwrap();
+    l.renew(&with_vms(B, 2, Via::Data, &[1]), at + ms(P))
+        .unwrap();
     let j = l.judge(at + s(600));
     assert!(j.lost.is_empty(), "{j:?}");
     // A stall of kvguard-control moves both ends of the gap alike.
@@ -511,7 +515,8 @@ fn no_vm_is_judged_without_renewals_that_list_them_or_when_the_renewals_stop() {
     l.renew(&with_vms(C, 2, Via::Data, &[1]), t0 + s(100) + ms(P))
         .unwrap();
     assert!(l.judge(t0 + s(100) + ms(P)).lost.is_empty());
-    l.renew(&with_vms(C, 3, Via::Data, &[1]), t0 + s(131)).unwrap();
+    l.renew(&with_vms(C, 3, Via::Data, &[1]), t0 + s(131))
+        .unwrap();
     assert_eq!(l.judge(t0 + s(131)).lost, vec![(C, 2)]);
 }
 

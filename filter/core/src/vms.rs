@@ -127,6 +127,8 @@ pub struct Member {
     id: Option<u32>,
     /// What this VM has handed to the host.
     share: Share,
+    /// Its share as its entry last had it (what a VM that removes the entry takes back).
+    entry: Share,
     /// When this VM's entry was last written.
     written: Option<u64>,
     /// Left the table (stopped): gauge changes no longer go through it.
@@ -163,13 +165,15 @@ impl Member {
         self.id()
     }
 
-    /// Gauge `m` moved by `delta` straight at the host (while this VM is stopping): part
-    /// of its share from now on.
+    /// Gauge `m` moved by `delta` straight at the host (not through
+    /// [`Member::settle`]): part of this VM's share from now on, written to its entry at
+    /// the next settlement.
     pub fn note(&mut self, m: Metric, delta: i64) {
         if let Some(k) = GAUGES.iter().position(|g| *g == m) {
             let mut d = Share::default();
             d[k] = delta;
             self.share = plus(self.share, d, 1);
+            self.written = None;
         }
     }
 
@@ -253,9 +257,9 @@ impl Member {
                 out = plus(out, share, -1);
             } else {
                 if !found && self.id.is_some() {
-                    // Removed while this VM was silent, its share taken back: it is here
-                    // again, with all of it.
-                    out = plus(out, self.share, 1);
+                    // Removed while this VM was silent, its entry's share taken back: it
+                    // is here again, and so is that.
+                    out = plus(out, self.entry, 1);
                 }
                 t.entries.push(Entry {
                     id,
@@ -267,6 +271,7 @@ impl Member {
                 Ok(()) => {
                     self.id = Some(id);
                     self.share = share;
+                    self.entry = share;
                     self.written = Some(now);
                     self.left = leave;
                     return Some(out);
@@ -380,13 +385,24 @@ mod tests {
             apply(a.settle(&mut h, late, Share::default())),
             share(-4, 0, -500)
         );
-        // b's worker resumes: its entry is back, and so is its share in the gauges.
+        // b noted a pending abort straight at the host before it was removed: the entry
+        // never had it, so it was not taken back and is not handed again.
+        b.note(Metric::PendingAborts, 1);
+        // b's worker resumes: its entry is back, and so is what was taken back.
         assert_eq!(
             apply(b.settle(&mut h, late + 1, share(-1, 0, 0))),
             share(3, 0, 500)
         );
         let e = table(&h).entries.into_iter().find(|e| e.id == 2).unwrap();
-        assert_eq!((e.seen, e.share), (late + 1, share(3, 0, 500)));
+        assert_eq!((e.seen, e.share), (late + 1, share(3, 1, 500)));
+        // A note is written at the next settlement, within the half period.
+        b.note(Metric::PendingAborts, -1);
+        assert_eq!(
+            apply(b.settle(&mut h, late + 2, Share::default())),
+            Share::default()
+        );
+        let e = table(&h).entries.into_iter().find(|e| e.id == 2).unwrap();
+        assert_eq!((e.seen, e.share), (late + 2, share(3, 0, 500)));
     }
 
     #[test]

@@ -283,15 +283,17 @@ impl EnvoyHost<'_> {
 
 impl Metrics for EnvoyHost<'_> {
     fn add(&mut self, m: Metric, delta: i64) {
-        // The per-request ones batch, and so do the gauges of this VM's share once it is
-        // in the VM table (they reach the host through it); the rest (aborts, errors:
-        // rare, and read as "now") go to the host at once.
+        // The per-request ones batch, and so does the memory gauge once this VM is in the
+        // VM table (the batched gauges reach the host through it, written there first);
+        // the rest (aborts, pending aborts, errors: rare, and read as "now") go to the
+        // host at once, the pending ones noted in this VM's share (written to the table
+        // at the next tick: a VM that dies within a tick of an abort queue change leaves
+        // that change in the gauge).
         let share = self.member.joined() && vms::GAUGES.contains(&m);
-        let batched = share
-            || matches!(
-                m,
-                Metric::RequestsTracked | Metric::RequestsCompleted | Metric::ActiveRequests
-            );
+        let batched = matches!(
+            m,
+            Metric::RequestsTracked | Metric::RequestsCompleted | Metric::ActiveRequests
+        ) || (share && m == Metric::VmMemoryBytes);
         if batched && self.batch.on {
             if self.batch.deltas.len() < Metric::COUNT {
                 self.batch.deltas.resize(Metric::COUNT, 0);
