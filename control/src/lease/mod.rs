@@ -22,11 +22,13 @@
 //! streams at their next callback) while the others renew. Renewals from filters that
 //! number their VMs list the live ones (`vms`), and each request names its VM
 //! (`x-kvguard-instance: <id>.<vm>`). A VM is **lost** when the instance's renewals have
-//! gone on without it for the TTL: the last renewal's receipt is more than the TTL after
-//! the VM's last evidence (a renewal listing it, or a request tagged with it). Both ends
-//! of that gap are renewals of the instance itself, so neither the network nor
-//! kvguard-control's own stalls can open it: only the instance saying, for a TTL, that
-//! the VM is not among its live ones. Its requests end (`why="vm_lost"`).
+//! gone on without it for the TTL: a renewal listing VMs arrives more than the TTL after
+//! the first renewal that left it out (since its last evidence: a renewal listing it, or
+//! a request tagged with it). Both ends of that gap are renewals of the instance itself,
+//! so neither the network nor kvguard-control's own stalls can open it, and a whole
+//! gateway that stalls and resumes (whose first renewal may come before its other VMs
+//! beat again) loses none: only the instance saying, for a TTL, that the VM is not among
+//! its live ones. Its requests end (`why="vm_lost"`).
 //!
 //! Soft state: nothing is persisted; an instance is judged only after this process has
 //! accepted a renewal from it. A stall of kvguard-control's own loop extends every lease
@@ -128,8 +130,15 @@ struct Lease {
     held: bool,
     /// Receipt of the last renewal that listed the live VMs.
     listed: Option<Instant>,
-    /// Per worker VM, its last evidence: a renewal listing it or a request tagged with it.
-    vms: HashMap<u32, Instant>,
+    /// Per worker VM: its last evidence (a renewal listing it or a request tagged with
+    /// it), and the first renewal since that left it out.
+    vms: HashMap<u32, Vm>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Vm {
+    seen: Instant,
+    absent: Option<Instant>,
 }
 
 impl Lease {
@@ -137,12 +146,37 @@ impl Lease {
     /// [`MAX_VMS`]).
     fn saw_vm(&mut self, vm: u32, at: Instant) {
         if !self.vms.contains_key(&vm) && self.vms.len() >= MAX_VMS {
-            if let Some(old) = self.vms.iter().min_by_key(|(_, t)| **t).map(|(v, _)| *v) {
+            if let Some(old) = self
+                .vms
+                .iter()
+                .min_by_key(|(_, v)| v.seen)
+                .map(|(id, _)| *id)
+            {
                 self.vms.remove(&old);
             }
         }
-        let t = self.vms.entry(vm).or_insert(at);
-        *t = (*t).max(at);
+        let v = self.vms.entry(vm).or_insert(Vm {
+            seen: at,
+            absent: None,
+        });
+        if at >= v.seen {
+            v.seen = at;
+            v.absent = None;
+        }
+    }
+
+    /// A renewal received at `at` listed `live`: every other VM known is absent from
+    /// then on (unless it already was).
+    fn listed(&mut self, live: &[u32], at: Instant) {
+        self.listed = Some(self.listed.map_or(at, |t| t.max(at)));
+        for v in live {
+            self.saw_vm(*v, at);
+        }
+        for (id, v) in &mut self.vms {
+            if v.absent.is_none() && v.seen < at && !live.contains(id) {
+                v.absent = Some(at);
+            }
+        }
     }
 }
 
@@ -278,10 +312,7 @@ impl Leases {
             l.renewed = l.renewed.max(now);
             l.held = false;
             if let Some(vms) = &r.vms {
-                l.listed = Some(l.listed.map_or(now, |t| t.max(now)));
-                for v in vms {
-                    l.saw_vm(*v, now);
-                }
+                l.listed(vms, now);
             }
             if r.host.is_some() {
                 l.host = r.host;
@@ -371,8 +402,9 @@ impl Leases {
             l.data = l.data.map(|t| t + stall);
             l.renewed += stall;
             l.listed = l.listed.map(|t| t + stall);
-            for t in l.vms.values_mut() {
-                *t += stall;
+            for v in l.vms.values_mut() {
+                v.seen += stall;
+                v.absent = v.absent.map(|t| t + stall);
             }
         }
     }
@@ -443,8 +475,10 @@ impl Leases {
             let Some(listed) = l.listed else {
                 continue;
             };
-            l.vms.retain(|vm, seen| {
-                let lost = listed.saturating_duration_since(*seen) > ttl;
+            l.vms.retain(|vm, v| {
+                let lost = v
+                    .absent
+                    .is_some_and(|a| listed.saturating_duration_since(a) > ttl);
                 if lost {
                     j.lost.push((*id, *vm));
                 }
