@@ -441,7 +441,18 @@ mod tests {
         assert_eq!(t.to_string(), format!("{id}.42"));
         assert_eq!(InstanceTag::parse(t.to_string().as_bytes()), Some(t));
         assert_eq!(old.to_string(), id.to_string());
-        for bad in [".1", "0", "", "x", "1.", "-1", "4294967296", "12345678901"] {
+        // Digits only (Rust's parse would take "+1"), at most 10 of them.
+        for bad in [
+            ".1",
+            "0",
+            "",
+            "x",
+            "1.",
+            "-1",
+            "+1",
+            "4294967296",
+            "00000000001",
+        ] {
             let text = format!("{id}.{bad}");
             assert_eq!(InstanceTag::parse(text.as_bytes()), None, "{text}");
         }

@@ -7,15 +7,16 @@
 //! same process, `FAIL_OPEN` runs that worker without the filter), while the process's
 //! other VMs go on renewing its lease. So
 //! - the renewing VM lists the live VMs ([`live`]) in each renewal, and kvguard-control
-//!   ends the streams tagged with a VM the renewals have not listed for its TTL (Envoy
-//!   cuts a trapped VM's streams at their next callback, so none of them is read);
+//!   ends the streams tagged with a VM the renewals have left out for its TTL (Envoy cuts
+//!   a trapped VM's streams at their next callback, so none of them is read);
 //! - the VM that finds an entry silent for [`SILENT_PERIODS`] lease periods removes it
 //!   and takes its share back out of the gauges (exactly once: the removal is a
 //!   compare-and-swap write).
 //!
-//! A VM's entry is written before its gauge deltas reach the host, so the share taken
-//! back is what the VM added. A VM removed while it was merely silent (a stalled worker)
-//! adds itself again, with its whole share, at its next beat.
+//! A VM's entry is written before its batched gauge deltas reach the host, so the share
+//! taken back is what the VM added (pending aborts, which move at once, reach the entry
+//! at the next tick). A VM removed while it was merely silent (a stalled worker) adds
+//! itself again at its next beat, with what was taken back.
 //!
 //! Value (binary: it is read and written every tick): `v1`, the next id (u32), then per VM
 //! its id (u32), when it was last seen (u64, the process's monotonic ms) and its share
@@ -364,13 +365,17 @@ mod tests {
         // Taken back exactly once, by whichever VM removed it.
         assert_eq!(back, share(-3, -1, -900));
         assert!(table(&h).entries.iter().all(|e| e.id != 2));
-        // Within half a period a quiet VM writes nothing.
+        // Within half a period a quiet VM writes nothing; half a period after its last
+        // write it beats.
         let version = h.shared[VMS_KEY].1;
+        let last = a.written.unwrap();
         assert_eq!(
-            apply(a.settle(&mut h, t + 1, Share::default())),
+            apply(a.settle(&mut h, last + P / 2 - 1, Share::default())),
             Share::default()
         );
         assert_eq!(h.shared[VMS_KEY].1, version);
+        a.settle(&mut h, last + P / 2, Share::default());
+        assert_eq!(h.shared[VMS_KEY].1, version + 1);
     }
 
     #[test]
