@@ -570,3 +570,19 @@ fn a_lease_remembers_at_most_max_vms_the_longest_unseen_forgotten_first() {
     lease.saw_vm(5, t0);
     assert_eq!(lease.vms[&5].seen, t0 + ms(4));
 }
+
+#[test]
+fn a_renewal_that_leaves_a_vm_out_at_the_instant_it_was_seen_does_not_count_it_absent() {
+    // The request (or listing) and the renewal carry the same receipt time: which came
+    // first is unknown, so the VM is not absent from that renewal on.
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    l.renew(&with_vms(A, 1, Via::Data, &[1, 2]), t0).unwrap();
+    l.renew(&with_vms(A, 2, Via::Data, &[1]), t0).unwrap();
+    let later = t0 + TTL + ms(1);
+    l.renew(&with_vms(A, 3, Via::Data, &[1]), later).unwrap();
+    assert!(l.judge(later).lost.is_empty(), "absent from `later` only");
+    l.renew(&with_vms(A, 4, Via::Data, &[1]), later + TTL + ms(1))
+        .unwrap();
+    assert_eq!(l.judge(later + TTL + ms(1)).lost, vec![(A, 2)]);
+}
