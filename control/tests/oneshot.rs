@@ -1925,11 +1925,17 @@ async fn a_vm_its_gateways_renewals_leave_out_for_the_ttl_has_its_requests_ended
     enforce::judge(&st);
     assert_eq!(late.ended(), None);
     assert_eq!(lease_metric(&st, &series("expiries")).await, 1.0);
-    // ... and it is listed again: not judged at the next pass either.
+    // ... and it is known again: not judged at the next pass, but judged by the same
+    // rule once the renewals have left it out for the TTL from there.
     clock.advance(Duration::from_secs(1));
     renew(&[1]).await;
     enforce::judge(&st);
     assert_eq!(late.ended(), None);
+    clock.advance(Duration::from_secs(31));
+    renew(&[1]).await;
+    enforce::judge(&st);
+    assert_eq!(late.ended(), Some(AbortReason::GatewayLost));
+    assert_eq!(lease_metric(&st, &series("expiries")).await, 2.0);
 }
 
 #[tokio::test]

@@ -401,9 +401,9 @@ impl Leases {
             l.admin = l.admin.map(|t| t + stall);
             l.data = l.data.map(|t| t + stall);
             l.renewed += stall;
-            l.listed = l.listed.map(|t| t + stall);
+            // A VM left out before the stall: the renewals that might list it again may
+            // not have been read yet.
             for v in l.vms.values_mut() {
-                v.seen += stall;
                 v.absent = v.absent.map(|t| t + stall);
             }
         }

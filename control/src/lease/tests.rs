@@ -520,6 +520,19 @@ fn no_vm_is_judged_without_renewals_that_list_them_or_when_the_renewals_stop() {
     l.renew(&with_vms(C, 4, Via::Data, &[1]), out + TTL + ms(1))
         .unwrap();
     assert_eq!(l.judge(out + TTL + ms(1)).lost, vec![(C, 2)]);
+    // A VM left out just before a stall of kvguard-control: the gap counts from the
+    // stall's end (the renewals listing it again may still be unread).
+    let mut l = Leases::new(TTL);
+    l.renew(&with_vms(C, 1, Via::Data, &[1, 2]), t0).unwrap();
+    l.renew(&with_vms(C, 2, Via::Data, &[1]), t0 + ms(P))
+        .unwrap();
+    l.extend(s(100));
+    let after = t0 + ms(P) + s(100) + ms(1);
+    l.renew(&with_vms(C, 3, Via::Data, &[1]), after).unwrap();
+    assert!(l.judge(after).lost.is_empty());
+    l.renew(&with_vms(C, 4, Via::Data, &[1, 2]), after + ms(P))
+        .unwrap();
+    assert!(l.judge(after + TTL).lost.is_empty());
 }
 
 #[test]
