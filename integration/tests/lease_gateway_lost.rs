@@ -9,6 +9,10 @@
 //!   back to B's 20), and B's streams keep flowing to their end.
 //! - `--lease-mode observe` (the rollout step): a SIGKILLed gateway's lease expires and
 //!   kvguard-control counts the streams enforce mode would have ended, and ends none.
+//! - Two gateways SIGSTOPped at once past the TTL, then resumed: their silence is held,
+//!   and no worker VM is judged lost for renewals sent before the other VMs beat again
+//!   (`why="vm_lost"` counts from the first renewal that leaves a VM out): every stream
+//!   keeps flowing.
 //!
 //! The shipped defaults (enforce, TTL 30 s, renewals every 5 s) are `lease_defaults.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
