@@ -12,9 +12,13 @@ use serde::Deserialize;
 /// The fixed key of [`HostKey::derive`] (domain separation, not a secret).
 const HOST_KEY_DOMAIN: &[u8] = b"kvguard.host-key.v1";
 
-/// The request header naming the gateway process that carries the request. The filter
+/// The request header naming the gateway process that carries the request, and the
+/// worker VM within it: `<32 hex>` or `<32 hex>.<vm>` ([`InstanceTag`]). The filter
 /// overwrites any client copy on every tracked request (and strips it from the others).
 pub const INSTANCE_HEADER: &str = "x-kvguard-instance";
+
+/// Most VM ids one renewal lists (a longer list is unreadable).
+pub const MAX_VMS: usize = 1024;
 
 /// Path of the out-of-band renewal endpoint on kvguard-control's admin listener.
 pub const LEASE_PATH: &str = "/v1/lease";
@@ -25,8 +29,10 @@ pub const LEASE_PATH: &str = "/v1/lease";
 /// the OpenAI prefix pass it.
 pub const DATA_LEASE_PATH: &str = "/v1/kvguard/lease";
 
-/// Largest renewal body kvguard-control reads, in bytes.
-pub const MAX_RENEWAL_BODY: usize = 512;
+/// Largest renewal body kvguard-control reads, in bytes (512 before the `vms` list:
+/// such a control refuses a longer body, which only a gateway with more than about 80
+/// worker VMs sends).
+pub const MAX_RENEWAL_BODY: usize = 2048;
 
 /// The shortest TTL kvguard-control accepts, in renewal periods: a lease survives two
 /// lost renewals in a row.
@@ -51,6 +57,82 @@ impl fmt::Display for InstanceId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&hex::encode(&self.0))
     }
+}
+
+/// The value of [`INSTANCE_HEADER`]: the gateway process and, from filters that number
+/// their worker VMs, the VM that carries the request (`<32 hex>.<vm>`, `vm` decimal,
+/// 1 or more). The VM lets kvguard-control end the streams of one VM the process no
+/// longer lists as live (a trapped VM) while the process renews.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InstanceTag {
+    /// The gateway process.
+    pub instance: InstanceId,
+    /// The worker VM within it (`None` from older filters).
+    pub vm: Option<u32>,
+}
+
+impl InstanceTag {
+    /// Parses `<32 hex>` or `<32 hex>.<vm>` (`None` for anything else, a VM id of 0
+    /// included).
+    pub fn parse(text: &[u8]) -> Option<InstanceTag> {
+        let text = text.trim_ascii();
+        let (id, vm) = match text.iter().position(|b| *b == b'.') {
+            Some(i) => (&text[..i], Some(parse_vm(&text[i + 1..])?)),
+            None => (text, None),
+        };
+        Some(InstanceTag {
+            instance: InstanceId::parse(id)?,
+            vm,
+        })
+    }
+}
+
+impl From<InstanceId> for InstanceTag {
+    fn from(instance: InstanceId) -> InstanceTag {
+        InstanceTag { instance, vm: None }
+    }
+}
+
+impl fmt::Display for InstanceTag {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.vm {
+            Some(vm) => write!(f, "{}.{vm}", self.instance),
+            None => write!(f, "{}", self.instance),
+        }
+    }
+}
+
+/// A VM id: decimal digits only, 1 or more.
+fn parse_vm(text: &[u8]) -> Option<u32> {
+    if text.is_empty() || text.len() > 10 || !text.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    core::str::from_utf8(text)
+        .ok()?
+        .parse()
+        .ok()
+        .filter(|v| *v > 0)
+}
+
+/// The `vms` value of a renewal: the VM ids, comma-separated, in any order.
+pub fn vms_value(vms: &[u32]) -> String {
+    let mut s = String::new();
+    for v in vms {
+        if !s.is_empty() {
+            s.push(',');
+        }
+        s.push_str(&v.to_string());
+    }
+    s
+}
+
+/// Reads a `vms` value (`None`: an id that is not one, or more than [`MAX_VMS`] ids).
+pub fn parse_vms(text: &str) -> Option<Vec<u32>> {
+    if text.is_empty() {
+        return Some(Vec::new());
+    }
+    let ids: Option<Vec<u32>> = text.split(',').map(|v| parse_vm(v.as_bytes())).collect();
+    ids.filter(|v| v.len() <= MAX_VMS)
 }
 
 /// What stays the same when a gateway process is replaced on the same host: a hash of
@@ -116,7 +198,9 @@ const fn yes() -> bool {
 /// it was sent on (signed, so a renewal captured on one path cannot be passed off on the
 /// other; absent = `admin`); `fanout: false` marks a renewal sent to every replica
 /// directly, which the receiver does not forward to its peers (absent = `true`).
-/// `host` and `period_ms` are optional for older senders. Unknown fields are ignored.
+/// `host` and `period_ms` are optional for older senders. `vms` ([`vms_value`]) lists the
+/// worker VMs of the process that are live (absent from older senders: no VM is judged).
+/// Unknown fields are ignored.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct Renewal {
     /// The instance id, 32 hex digits.
@@ -135,6 +219,9 @@ pub struct Renewal {
     /// Whether the receiver forwards it to its peers.
     #[serde(default = "yes")]
     pub fanout: bool,
+    /// The live worker VMs.
+    #[serde(default)]
+    pub vms: Option<String>,
 }
 
 const fn admin() -> Via {
@@ -142,7 +229,7 @@ const fn admin() -> Via {
 }
 
 /// A parsed and validated renewal.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RenewalBody {
     /// The renewing process.
     pub instance: InstanceId,
@@ -156,6 +243,8 @@ pub struct RenewalBody {
     pub via: Via,
     /// Whether the receiver forwards it to its peers.
     pub fanout: bool,
+    /// The live worker VMs (`None` from an older sender).
+    pub vms: Option<Vec<u32>>,
 }
 
 impl Renewal {
@@ -168,7 +257,14 @@ impl Renewal {
             period_ms: None,
             via: Via::Admin,
             fanout: true,
+            vms: None,
         }
+    }
+
+    /// This renewal listing `vms` as the process's live worker VMs.
+    pub fn with_vms(mut self, vms: &[u32]) -> Renewal {
+        self.vms = Some(vms_value(vms));
+        self
     }
 
     /// This renewal with `host` and `period_ms`.
@@ -205,12 +301,15 @@ impl Renewal {
         if !self.fanout {
             s.push_str(r#","fanout":false"#);
         }
+        if let Some(v) = &self.vms {
+            s.push_str(&format!(r#","vms":"{v}""#));
+        }
         s.push('}');
         s.into_bytes()
     }
 
     /// Parses and validates a body (`None`: too long, not JSON, a bad instance or host
-    /// key, a zero period).
+    /// key, a zero period, an unreadable `vms`).
     pub fn parse(body: &[u8]) -> Option<RenewalBody> {
         if body.len() > MAX_RENEWAL_BODY {
             return None;
@@ -223,6 +322,10 @@ impl Renewal {
         if r.period_ms == Some(0) {
             return None;
         }
+        let vms = match &r.vms {
+            Some(v) => Some(parse_vms(v)?),
+            None => None,
+        };
         Some(RenewalBody {
             instance: InstanceId::parse(r.instance.as_bytes())?,
             counter: r.counter,
@@ -230,6 +333,7 @@ impl Renewal {
             period_ms: r.period_ms,
             via: r.via,
             fanout: r.fanout,
+            vms,
         })
     }
 }
@@ -277,6 +381,7 @@ mod tests {
                 period_ms: Some(5000),
                 via: Via::Data,
                 fanout: false,
+                vms: None,
             })
         );
         let bad_host = format!(r#"{{"instance":"{id}","counter":1,"host":"zz"}}"#);
@@ -309,12 +414,81 @@ mod tests {
             body.resize(len, b' ');
             body
         };
-        assert_eq!(MAX_RENEWAL_BODY, 512);
+        assert_eq!(MAX_RENEWAL_BODY, 2048);
         assert_eq!(
             Renewal::parse(&padded(MAX_RENEWAL_BODY)).map(|r| r.counter),
             Some(9)
         );
         assert_eq!(Renewal::parse(&padded(MAX_RENEWAL_BODY + 1)), None);
         assert_eq!(Renewal::parse(&padded(MAX_RENEWAL_BODY + 100)), None);
+    }
+
+    #[test]
+    fn an_instance_tag_names_the_vm_or_not() {
+        let id = InstanceId([0xab; 16]);
+        let old = InstanceTag::parse(id.to_string().as_bytes()).unwrap();
+        assert_eq!(
+            old,
+            InstanceTag {
+                instance: id,
+                vm: None
+            }
+        );
+        let t = InstanceTag {
+            instance: id,
+            vm: Some(42),
+        };
+        assert_eq!(t.to_string(), format!("{id}.42"));
+        assert_eq!(InstanceTag::parse(t.to_string().as_bytes()), Some(t));
+        assert_eq!(old.to_string(), id.to_string());
+        // Digits only (Rust's parse would take "+1"), at most 10 of them.
+        for bad in [
+            ".1",
+            "0",
+            "",
+            "x",
+            "1.",
+            "-1",
+            "+1",
+            "4294967296",
+            "00000000001",
+        ] {
+            let text = format!("{id}.{bad}");
+            assert_eq!(InstanceTag::parse(text.as_bytes()), None, "{text}");
+        }
+        assert_eq!(InstanceTag::parse(b"abc.1"), None);
+        let max = format!("{id}.4294967295");
+        assert_eq!(
+            InstanceTag::parse(max.as_bytes()).unwrap().vm,
+            Some(u32::MAX)
+        );
+    }
+
+    #[test]
+    fn the_vm_list_round_trips_and_is_bounded() {
+        assert_eq!(vms_value(&[]), "");
+        assert_eq!(vms_value(&[3, 1, 12]), "3,1,12");
+        assert_eq!(parse_vms("3,1,12"), Some(vec![3, 1, 12]));
+        assert_eq!(parse_vms(""), Some(vec![]));
+        for bad in ["0", "a", "1,", ",1", "1,,2", "-2", "1-2"] {
+            assert_eq!(parse_vms(bad), None, "{bad}");
+        }
+        let most: Vec<u32> = (1..=MAX_VMS as u32).collect();
+        assert_eq!(parse_vms(&vms_value(&most)).map(|v| v.len()), Some(MAX_VMS));
+        let over: Vec<u32> = (1..=MAX_VMS as u32 + 1).collect();
+        assert_eq!(parse_vms(&vms_value(&over)), None);
+        let id = InstanceId([1; 16]);
+        let body = Renewal::new(id, 3).with_vms(&[2, 1, 4]).to_json();
+        assert!(String::from_utf8(body.clone())
+            .unwrap()
+            .ends_with(r#","vms":"2,1,4"}"#));
+        assert_eq!(Renewal::parse(&body).unwrap().vms, Some(vec![2, 1, 4]));
+        let bad = format!(r#"{{"instance":"{id}","counter":1,"vms":"0"}}"#);
+        assert_eq!(Renewal::parse(bad.as_bytes()), None);
+        // An older sender lists none: no VM is judged.
+        assert_eq!(
+            Renewal::parse(&Renewal::new(id, 3).to_json()).unwrap().vms,
+            None
+        );
     }
 }

@@ -625,7 +625,8 @@ pub struct LeaseMetrics {
     /// (signature), `bad_request` (body).
     pub renewals: Family<L2, Counter>,
     /// Leases expired, by `mode` = `enforce` (its requests were ended) or `observe`, and
-    /// `why` = `silent` | `replaced` | `unproven`.
+    /// `why` = `silent` | `replaced` | `unproven` | `vm_lost` (one worker VM of a live
+    /// gateway).
     pub expiries: Family<L2, Counter>,
     /// Expiries held because no other gateway was heard from since the silent one went silent.
     pub held_expiries: Counter,
@@ -656,7 +657,7 @@ impl LeaseMetrics {
         );
         reg.register(
             "kvguard_control_lease_expiries",
-            "Gateway leases expired by mode (enforce: its requests were ended; observe: counted only) and why (silent, replaced, unproven)",
+            "Gateway leases expired by mode (enforce: its requests were ended; observe: counted only) and why (silent, replaced, unproven, vm_lost: one worker VM of a live gateway)",
             self.expiries.clone(),
         );
         reg.register(
@@ -689,7 +690,7 @@ impl LeaseMetrics {
             }
         }
         for m in ["enforce", "observe"] {
-            for w in ["silent", "replaced", "unproven"] {
+            for w in ["silent", "replaced", "unproven", "vm_lost"] {
                 let _ = self.expiries.get_or_create(&[("mode", m), ("why", w)]);
                 let _ = self
                     .requests_ended

@@ -22,7 +22,7 @@ use http_body_util::Limited;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use kvguard_contract::{
-    sse, stamp, AbortReason, InstanceId, RequestId, CONTROL_HEADER, INSTANCE_HEADER,
+    sse, stamp, AbortReason, InstanceTag, RequestId, CONTROL_HEADER, INSTANCE_HEADER,
     REQUEST_ID_HEADER,
 };
 use std::future::Future;
@@ -218,17 +218,17 @@ fn tag_instance(st: &AppState, entry: &Entry, headers: &axum::http::HeaderMap) {
     if st.cfg.lease_mode == LeaseMode::Off {
         return;
     }
-    let Some(instance) = headers
+    let Some(tag) = headers
         .get(INSTANCE_HEADER)
-        .and_then(|v| InstanceId::parse(v.as_bytes()))
+        .and_then(|v| InstanceTag::parse(v.as_bytes()))
     else {
         return;
     };
-    entry.set_instance(instance);
+    entry.set_instance(tag);
     st.leases
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-        .touch(&instance, st.clock.now());
+        .touch(tag, st.clock.now());
 }
 
 async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {

@@ -3,7 +3,7 @@
 
 use crate::downstream::Downstream;
 use crate::scan::BodyKind;
-use kvguard_contract::{AbortReason, InstanceId, RequestId};
+use kvguard_contract::{AbortReason, InstanceId, InstanceTag, RequestId};
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -58,7 +58,7 @@ pub struct Entry {
     finished: CancellationToken,
     downstream: OnceLock<Downstream>,
     client_gone: Mutex<Option<ClientGone>>,
-    instance: OnceLock<InstanceId>,
+    instance: OnceLock<InstanceTag>,
     pd_leg: OnceLock<crate::pd::PdLeg>,
 }
 
@@ -177,14 +177,20 @@ impl Entry {
         self.sequences.load(Ordering::Acquire)
     }
 
-    /// Records the gateway instance that carries this request (`x-kvguard-instance`).
-    pub fn set_instance(&self, id: InstanceId) {
-        let _ = self.instance.set(id);
+    /// Records the gateway instance (and worker VM) that carries this request
+    /// (`x-kvguard-instance`).
+    pub fn set_instance(&self, tag: impl Into<InstanceTag>) {
+        let _ = self.instance.set(tag.into());
     }
 
     /// The gateway instance that carries this request, if tagged.
     pub fn instance(&self) -> Option<InstanceId> {
-        self.instance.get().copied()
+        self.instance.get().map(|t| t.instance)
+    }
+
+    /// The gateway worker VM that carries this request, if its filter names it.
+    pub fn vm(&self) -> Option<u32> {
+        self.instance.get().and_then(|t| t.vm)
     }
 
     /// The clocks.

@@ -1085,9 +1085,13 @@ async fn with_lease_mode_off_no_lease_loop_runs() {
         period_ms: None,
         via: kvguard_contract::Via::Data,
         fanout: true,
+        vms: None,
     };
     for n in 1..=3 {
-        let r = kvguard_contract::RenewalBody { counter: n, ..body };
+        let r = kvguard_contract::RenewalBody {
+            counter: n,
+            ..body.clone()
+        };
         st.leases.lock().unwrap().renew(&r, clock.now()).unwrap();
     }
     let stop = tokio_util::sync::CancellationToken::new();
@@ -2198,4 +2202,126 @@ async fn a_replica_names_itself_by_its_advertised_address_else_its_admin_listene
         c.advertise = Some("10.0.0.7:9902".parse().unwrap());
     });
     assert_eq!(st.replica_name(), "10.0.0.7:9902");
+}
+
+/// A signed in-band renewal of `instance` listing the live worker VMs `vms`.
+fn renewal_listing(
+    instance: kvguard_contract::InstanceId,
+    counter: u64,
+    vms: &[u32],
+) -> Request<Body> {
+    let body = kvguard_contract::Renewal::new(instance, counter)
+        .sent(kvguard_contract::Via::Data, true)
+        .with_vms(vms)
+        .to_json();
+    let sig = signature::sign(Domain::Renewal, &Key::try_new(KEY).unwrap(), NOW, &body);
+    Request::post(kvguard_contract::DATA_LEASE_PATH)
+        .header(kvguard_contract::SIGNATURE_HEADER, sig)
+        .body(Body::from(body))
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_vm_its_gateways_renewals_leave_out_for_the_ttl_has_its_requests_ended_only_its() {
+    let (st, clock) = state(|c| c.lease_ttl = Duration::from_secs(30));
+    let a = kvguard_contract::InstanceId([5; 16]);
+    let tag = |vm: Option<u32>| kvguard_contract::InstanceTag { instance: a, vm };
+    let id = |s: &str| RequestId::try_new(s.as_bytes()).unwrap();
+    let mut counter = 0;
+    let mut renew = |vms: &'static [u32]| {
+        counter += 1;
+        let st = st.clone();
+        let c = counter;
+        async move {
+            let (s, v) = call(proxy::app(st), renewal_listing(a, c, vms)).await;
+            assert_eq!(s, StatusCode::OK, "{v}");
+        }
+    };
+    // VMs 1, 2 and 4 live (4 with no request here), then VM 2 and 4 left out (trapped).
+    renew(&[1, 2, 4]).await;
+    let on_1 = st.admit(id("on-1"), "POST".into(), "/".into()).unwrap();
+    on_1.set_instance(tag(Some(1)));
+    let on_2 = st.admit(id("on-2"), "POST".into(), "/".into()).unwrap();
+    on_2.set_instance(tag(Some(2)));
+    let no_vm = st.admit(id("no-vm"), "POST".into(), "/".into()).unwrap();
+    no_vm.set_instance(tag(None));
+    clock.advance(Duration::from_secs(5));
+    renew(&[1]).await;
+    clock.advance(Duration::from_secs(30));
+    renew(&[1]).await;
+    enforce::judge(&st);
+    assert_eq!(on_2.ended(), None, "not more than the TTL yet");
+    clock.advance(Duration::from_secs(1));
+    renew(&[1]).await;
+    enforce::judge(&st);
+    assert_eq!(on_2.ended(), Some(AbortReason::GatewayLost));
+    assert_eq!(on_1.ended(), None);
+    assert_eq!(no_vm.ended(), None);
+    let series =
+        |m: &str| format!("kvguard_control_lease_{m}_total{{mode=\"enforce\",why=\"vm_lost\"}}");
+    assert_eq!(lease_metric(&st, &series("requests_ended")).await, 1.0);
+    // VM 4 had no request here: not counted.
+    assert_eq!(lease_metric(&st, &series("expiries")).await, 1.0);
+    assert!(
+        st.leases.lock().unwrap().holds(&a),
+        "the gateway's lease stays"
+    );
+
+    // VM 3, left out for the TTL, has a request admitted as it is judged: alive after
+    // all, nothing of it ended.
+    renew(&[1, 3]).await;
+    clock.advance(Duration::from_secs(1));
+    renew(&[1]).await;
+    clock.advance(Duration::from_secs(31));
+    renew(&[1]).await;
+    let late = st.admit(id("late-3"), "POST".into(), "/".into()).unwrap();
+    late.set_instance(tag(Some(3)));
+    enforce::judge(&st);
+    assert_eq!(late.ended(), None);
+    assert_eq!(lease_metric(&st, &series("expiries")).await, 1.0);
+    // ... and it is known again: not judged at the next pass, but judged by the same
+    // rule once the renewals have left it out for the TTL from there.
+    clock.advance(Duration::from_secs(1));
+    renew(&[1]).await;
+    enforce::judge(&st);
+    assert_eq!(late.ended(), None);
+    clock.advance(Duration::from_secs(31));
+    renew(&[1]).await;
+    enforce::judge(&st);
+    assert_eq!(late.ended(), Some(AbortReason::GatewayLost));
+    assert_eq!(lease_metric(&st, &series("expiries")).await, 2.0);
+}
+
+#[tokio::test]
+async fn observe_mode_counts_a_lost_vms_requests_and_ends_none() {
+    let (st, clock) = state(|c| {
+        c.lease_ttl = Duration::from_secs(30);
+        c.lease_mode = kvguard_control::lease::LeaseMode::Observe;
+    });
+    let a = kvguard_contract::InstanceId([6; 16]);
+    let (s, _) = call(proxy::app(st.clone()), renewal_listing(a, 1, &[1, 2])).await;
+    assert_eq!(s, StatusCode::OK);
+    let e = st
+        .admit(RequestId::try_new(b"r").unwrap(), "POST".into(), "/".into())
+        .unwrap();
+    e.set_instance(kvguard_contract::InstanceTag {
+        instance: a,
+        vm: Some(2),
+    });
+    clock.advance(Duration::from_secs(1));
+    let (s, _) = call(proxy::app(st.clone()), renewal_listing(a, 2, &[1])).await;
+    assert_eq!(s, StatusCode::OK);
+    clock.advance(Duration::from_secs(31));
+    let (s, _) = call(proxy::app(st.clone()), renewal_listing(a, 3, &[1])).await;
+    assert_eq!(s, StatusCode::OK);
+    enforce::judge(&st);
+    assert_eq!(e.ended(), None);
+    assert_eq!(
+        lease_metric(
+            &st,
+            "kvguard_control_lease_requests_ended_total{mode=\"observe\",why=\"vm_lost\"}"
+        )
+        .await,
+        1.0
+    );
 }

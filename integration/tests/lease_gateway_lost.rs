@@ -9,6 +9,10 @@
 //!   back to B's 20), and B's streams keep flowing to their end.
 //! - `--lease-mode observe` (the rollout step): a SIGKILLed gateway's lease expires and
 //!   kvguard-control counts the streams enforce mode would have ended, and ends none.
+//! - Two gateways SIGSTOPped at once past the TTL, then resumed: their silence is held,
+//!   and no worker VM is judged lost for renewals sent before the other VMs beat again
+//!   (`why="vm_lost"` counts from the first renewal that leaves a VM out): every stream
+//!   keeps flowing.
 //!
 //! The shipped defaults (enforce, TTL 30 s, renewals every 5 s) are `lease_defaults.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -195,6 +199,79 @@ async fn observe_mode_counts_a_dead_gateways_streams_and_ends_none() {
             Some(&0.0)
         );
     })
+    .await
+    .unwrap();
+}
+
+/// Two gateways stopped at once (SIGSTOP: a frozen node) for longer than the TTL and 5
+/// renewal periods, then resumed. Nobody was heard from meanwhile, so their silence is held,
+/// not expired; after it, a gateway's first renewal may come from one VM before the others
+/// beat again, and no VM is judged lost for that (`vm_lost` counts from the first renewal
+/// that leaves a VM out). Every stream keeps flowing to its reader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_stopped_past_the_ttl_and_resumed_lose_no_vm_and_no_stream() {
+    bounded(
+        "stopped and resumed gateways",
+        Duration::from_secs(120),
+        async {
+            let engine = sim::spawn(sim_config()).await.unwrap();
+            let any = SocketAddr::from(([127, 0, 0, 1], 0));
+            let control = Control::start(
+                engine.addr(),
+                any,
+                any,
+                &[
+                    "--lease-mode".into(),
+                    "enforce".into(),
+                    "--lease-ttl".into(),
+                    format!("{}ms", TTL.as_millis()),
+                    "--idle-timeout".into(),
+                    "off".into(),
+                ],
+            )
+            .await
+            .unwrap();
+            let hop = lossy::spawn(LossyConfig::to(control.proxy)).await.unwrap();
+            let mut a = gateway(hop.addr(), control.admin).await;
+            let mut b = gateway(hop.addr(), control.admin).await;
+            let mut streams = open(a.listener_addr(), 12, 1000, "5").await;
+            streams.extend(open(b.listener_addr(), 12, 1000, "5").await);
+            wait_enforceable(&control, 2.0).await;
+            for g in [&mut a, &mut b] {
+                g.guard().signal(libc::SIGSTOP).unwrap();
+            }
+            tokio::time::sleep(TTL * 2 + Duration::from_millis(5 * RENEW_MS)).await;
+            for g in [&mut a, &mut b] {
+                g.guard().signal(libc::SIGCONT).unwrap();
+            }
+            poll_until_async("the silence held", W, Duration::from_millis(50), || async {
+                let held =
+                    support::control_metric(&control, "kvguard_control_lease_held_expiries_total")
+                        .await;
+                (held >= 2.0).then_some(())
+            })
+            .await
+            .unwrap();
+            // Quiet for a TTL and more after the resume: long enough for a VM left out by
+            // the renewals to be judged lost.
+            tokio::time::sleep(TTL + Duration::from_millis(3 * RENEW_MS)).await;
+            for s in &mut streams {
+                assert!(s.next_data(W).await.unwrap().is_some(), "a stream stopped");
+            }
+            assert_eq!(engine.state().running.len(), 24);
+            for why in ["vm_lost", "silent"] {
+                let series = format!(
+                    "kvguard_control_lease_requests_ended_total{{mode=\"enforce\",why=\"{why}\"}}"
+                );
+                assert_eq!(
+                    support::control_metric(&control, &series).await,
+                    0.0,
+                    "{why}"
+                );
+            }
+            drop((a, b));
+        },
+    )
     .await
     .unwrap();
 }

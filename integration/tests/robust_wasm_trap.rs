@@ -27,22 +27,33 @@
 //! - a trap in the request headers answers that request 503 and nothing reaches the
 //!   engine; FAIL_OPEN then runs both workers without the filter, FAIL_RELOAD reloads that
 //!   VM again (after its backoff);
-//! - the shared gauge `kvguard_filter_active_requests` keeps the trapped VM's tracked
-//!   streams for good (the VM that would take them out is gone); Envoy never crashes.
+//! - the shared gauges come back down: a live VM of the process finds the trapped VM's
+//!   entry in the VM table silent for 3 lease periods and takes its share of
+//!   `active_requests` (and `pending_aborts`, `vm_memory_bytes`) back; with both VMs
+//!   trapped (FAIL_OPEN) nobody is left to, and the gauge keeps what the second one had;
+//!   Envoy never crashes.
+//!
+//! Behind a hop that hides disconnects, with kvguard-control (`vm_lost`, below): the
+//! trapped VM's streams, cut downstream by Envoy, would run on at the engine; each
+//! renewal of the process lists its live VMs, and kvguard-control ends the streams of the
+//! VM the renewals leave out for its TTL. The healthy VM's streams are untouched.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 #[path = "filter_support.rs"]
 mod support;
 
 use kvguard_integration::client::{self, SseStream};
-use kvguard_integration::envoy::Envoy;
+use kvguard_integration::demo::stack::{self, Control};
+use kvguard_integration::envoy::{Envoy, EnvoyOptions};
+use kvguard_integration::lossy::{self, LossyConfig};
 use kvguard_integration::paths;
 use kvguard_integration::receiver::{self, Receiver, ReceiverConfig};
 use kvguard_integration::sim::{self, EndKind, SimConfig, SimHandle};
-use kvguard_integration::wait::bounded;
+use kvguard_integration::wait::{bounded, poll_until_async};
 use serde_json::json;
 use std::collections::BTreeSet;
-use std::time::Duration;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
 use support::{access_line, chat, stat, T, W};
 
 const VM_HEADER: &str = "x-kvguard-test-vm";
@@ -53,6 +64,9 @@ const LIVE: usize = 16;
 /// Bound on requests sent while looking for a worker (2 workers, connections spread by the
 /// kernel: the chance of missing one 64 times is 2^-64).
 const TRIES: usize = 64;
+/// The filter's lease period here: a trapped VM's gauge share is taken back within
+/// `vms::SILENT_PERIODS` (3) of them after its last beat.
+const RENEW_MS: u64 = 1000;
 
 struct Rig {
     sim: SimHandle,
@@ -65,7 +79,7 @@ async fn rig(policy: &str) -> Rig {
     let recv = receiver::spawn(ReceiverConfig::new(vec![support::key()]))
         .await
         .unwrap();
-    let mut o = support::options(sim.addr(), recv.addr(), json!({}));
+    let mut o = support::options(sim.addr(), recv.addr(), json!({"lease_renew_ms": RENEW_MS}));
     o.wasm_path = Some(paths::trap_wasm_path().unwrap());
     o.concurrency = 2;
     o.failure_policy = policy.into();
@@ -90,8 +104,19 @@ async fn open(
     max_tokens: u32,
     http2: bool,
 ) -> Result<(SseStream, String, Option<String>), u16> {
+    open_on(&rig.envoy, &rig.sim, tag, max_tokens, http2).await
+}
+
+/// [`open`] on `envoy`, the simulator `sim` behind it.
+async fn open_on(
+    envoy: &Envoy,
+    sim: &SimHandle,
+    tag: &str,
+    max_tokens: u32,
+    http2: bool,
+) -> Result<(SseStream, String, Option<String>), u16> {
     let mut s = client::stream_sse(
-        rig.envoy.listener_addr(),
+        envoy.listener_addr(),
         "/v1/chat/completions",
         &chat(max_tokens),
         &[(TAG, tag), ("x-sim-rate", "10")],
@@ -103,7 +128,7 @@ async fn open(
         return Err(s.status);
     }
     s.next_data(W).await.unwrap().unwrap();
-    let (id, vm) = seen(&rig.sim, tag).unwrap();
+    let (id, vm) = seen(sim, tag).unwrap();
     Ok((s, id, vm))
 }
 
@@ -388,6 +413,10 @@ async fn trap_under_fail_open() {
         assert_eq!(w["wasm.kvguard.vm_reload_success"], 0.0, "{w:?}");
         assert_eq!(w["wasm.kvguard.vm_reload_backoff"], 0.0, "{w:?}");
 
+        // The healthy VM found the trapped VM's entry silent and took its share back:
+        // nothing is tracked now.
+        wait_gauge(&rig.envoy, 0.0).await;
+
         // A trap in the request headers of the remaining VM answers that request 503 and
         // nothing reaches the engine. On the dead worker the header does nothing (no
         // filter runs there): try again.
@@ -511,23 +540,193 @@ async fn trap_under_fail_reload() {
     .unwrap();
 }
 
-/// Envoy alive and ready; the shared gauge of tracked requests keeps the trapped VM's
-/// streams (the VM that would take them out is gone).
+/// Waits for the shared gauge of tracked requests to read `v`.
+async fn wait_gauge(envoy: &Envoy, v: f64) {
+    envoy
+        .wait_stat("wasmcustom.kvguard_filter_active_requests", W, |x| x == v)
+        .await
+        .unwrap();
+}
+
+/// Envoy alive and ready; the shared gauges at rest: nothing tracked (the trapped VMs'
+/// shares taken back by a live VM), nothing pending.
 async fn finish(rig: &Rig, t: &Trapped) {
     let envoy = &rig.envoy;
     let ready = client::get(envoy.admin_addr(), "/ready").await.unwrap();
     assert_eq!(ready.status, 200);
-    let stranded = t.stranded as f64;
-    envoy
-        .wait_stat("wasmcustom.kvguard_filter_active_requests", W, |v| {
-            v == stranded
-        })
-        .await
-        .unwrap();
+    wait_gauge(envoy, 0.0).await;
+    assert_eq!(stat(envoy, "kvguard_filter_pending_aborts").await, 0.0);
     eprintln!(
-        "active_requests at rest: {stranded} (the trapped VM's streams); vm_memory_bytes {}; wasm stats {:?}",
+        "active_requests at rest: 0 ({} stranded on the trapped VM, taken back); vm_memory_bytes {}; wasm stats {:?}",
+        t.stranded,
         stat(envoy, "kvguard_filter_vm_memory_bytes").await,
         wasm_stats(envoy).await
     );
     assert!(!envoy.log().contains("kvguard: panic"));
+}
+
+/// The kvguard-control TTL and the filter's lease period of [`trapped_vm_behind_a_hop`].
+const VM_TTL: Duration = Duration::from_secs(2);
+const VM_RENEW_MS: u64 = 400;
+
+/// Envoy (2 workers, the trap build, FAIL_RELOAD, renewing every 400 ms) → the lossy hop,
+/// which hides every disconnect → kvguard-control (`--lease-ttl 2s`, no idle reaper) →
+/// the simulator. Streams run on both VMs; one VM traps. Envoy cuts that VM's streams
+/// downstream; behind the hop the engine would generate them to `max_tokens`. Asserted:
+/// kvguard-control ends every one of them (`gateway_lost`, `why="vm_lost"`) within
+/// 5 periods (the VM table's silence, then renewals without it) + the TTL + a lease pass
+/// (TTL/8) + 2 s of slack after the trap,
+/// while the healthy VM's streams keep flowing to their readers; the gauges come back
+/// down to the healthy VM's share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trapped_vm_behind_a_hop() {
+    bounded("trapped VM behind a hop", T, async {
+        let sim = sim::spawn(SimConfig {
+            max_running: 4096,
+            kv_blocks: 131_072,
+            ..SimConfig::default()
+        })
+        .await
+        .unwrap();
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        let control = Control::start(
+            sim.addr(),
+            any,
+            any,
+            &[
+                "--lease-mode".into(),
+                "enforce".into(),
+                "--lease-ttl".into(),
+                format!("{}ms", VM_TTL.as_millis()),
+                "--idle-timeout".into(),
+                "off".into(),
+            ],
+        )
+        .await
+        .unwrap();
+        let hop = lossy::spawn(LossyConfig::to(control.proxy)).await.unwrap();
+        let mut cfg = stack::filter_config(0, 0);
+        cfg["lease_renew_ms"] = VM_RENEW_MS.into();
+        let mut o = EnvoyOptions::with_filter(hop.addr(), control.admin, cfg)
+            .vm_env("KVGUARD_SECRET", stack::SECRET);
+        o.wasm_path = Some(paths::trap_wasm_path().unwrap());
+        o.concurrency = 2;
+        o.failure_policy = "FAIL_RELOAD".into();
+        o.component_log_level = Some("wasm:info".into());
+        let envoy = Envoy::start(o).await.unwrap();
+
+        // Long streams (1,000 tokens at 5/s) on both VMs, at least 3 on each.
+        let mut live = Vec::new();
+        let mut vms = std::collections::BTreeMap::<String, usize>::new();
+        while live.len() < 12 || vms.len() < 2 || vms.values().any(|n| *n < 3) {
+            assert!(live.len() < 12 + TRIES, "one worker got no stream: {vms:?}");
+            let i = live.len();
+            let (s, id, vm) = open_on(&envoy, &sim, &format!("hop-{i}"), 1000, i % 2 == 1)
+                .await
+                .unwrap();
+            let vm = vm.expect("the filter ran");
+            *vms.entry(vm.clone()).or_default() += 1;
+            live.push((s, id, vm));
+        }
+        poll_until_async("the lease enforceable", W, Duration::from_millis(50), || async {
+            (support::control_metric(&control, "kvguard_control_leases_enforceable").await >= 1.0)
+                .then_some(())
+        })
+        .await
+        .unwrap();
+        wait_gauge(&envoy, live.len() as f64).await;
+        let memory0 = stat(&envoy, "kvguard_filter_vm_memory_bytes").await;
+
+        // The trap: on the first body chunk of a new stream, on whichever VM takes it
+        // (timed from before the request: the bound is an upper one).
+        let trapped_at = Instant::now();
+        let mut trap = client::stream_sse(
+            envoy.listener_addr(),
+            "/v1/chat/completions",
+            &chat(1000),
+            &[
+                (TAG, "trap"),
+                (TRAP_HEADER, "response-body"),
+                ("x-sim-rate", "5"),
+            ],
+            false,
+        )
+        .await
+        .unwrap();
+        assert_eq!(trap.status, 200);
+        trap.wait_end(W).await.unwrap();
+        let (trap_id, trap_vm) = seen(&sim, "trap").unwrap();
+        let trapped = trap_vm.unwrap();
+        let (mut on_trapped, mut on_healthy): (Vec<_>, Vec<_>) =
+            live.into_iter().partition(|(_, _, vm)| *vm == trapped);
+        assert!(!on_trapped.is_empty() && !on_healthy.is_empty());
+        // Envoy cuts the trapped VM's streams downstream at their next chunk.
+        for (s, id, _) in &mut on_trapped {
+            let r = s.wait_end(W).await.unwrap();
+            assert!(!r.saw_done(), "{id} on the trapped VM completed");
+        }
+        // Behind the hop the engine never learns; kvguard-control ends them.
+        let mut gone: Vec<String> = on_trapped.iter().map(|(_, id, _)| id.clone()).collect();
+        gone.push(trap_id);
+        let ids = gone.clone();
+        sim.wait_state("the trapped VM's streams ended at the engine", W, move |s| {
+            ids.iter()
+                .all(|id| s.request(id).is_some_and(|r| r.ended.is_some()))
+        })
+        .await
+        .unwrap();
+        let took = trapped_at.elapsed();
+        // Listed for 3 periods after its last beat, left out by the next renewal, lost
+        // at the first renewal a TTL after that, ended at the next lease pass (TTL/8).
+        let bound = Duration::from_millis(5 * VM_RENEW_MS) + VM_TTL + VM_TTL / 8
+            + Duration::from_secs(2);
+        eprintln!(
+            "the trapped VM's {} streams ended at the engine {took:?} after the trap (bound {bound:?})",
+            gone.len()
+        );
+        assert!(took <= bound, "took {took:?}, over {bound:?}");
+        let ended = gone.len() as f64;
+        assert_eq!(
+            support::control_metric(
+                &control,
+                "kvguard_control_lease_requests_ended_total{mode=\"enforce\",why=\"vm_lost\"}"
+            )
+            .await,
+            ended
+        );
+        assert_eq!(
+            support::control_metric(
+                &control,
+                "kvguard_control_lease_expiries_total{mode=\"enforce\",why=\"vm_lost\"}"
+            )
+            .await,
+            1.0
+        );
+        let by_reason = control.aborts_by_reason().await.unwrap();
+        assert_eq!(by_reason.get("gateway_lost"), Some(&ended), "{by_reason:?}");
+
+        // The gauges: the trapped VM's share taken back by the healthy VM.
+        wait_gauge(&envoy, on_healthy.len() as f64).await;
+        let memory1 = stat(&envoy, "kvguard_filter_vm_memory_bytes").await;
+        assert!(
+            memory1 > 0.0 && memory1 < memory0,
+            "vm_memory_bytes {memory0} -> {memory1}"
+        );
+        assert_eq!(stat(&envoy, "kvguard_filter_pending_aborts").await, 0.0);
+
+        // The healthy VM's streams: still running at the engine and read by their
+        // clients a TTL later.
+        tokio::time::sleep(VM_TTL).await;
+        let st = sim.state();
+        for (s, id, _) in &mut on_healthy {
+            assert!(
+                st.request(id).is_some_and(|r| r.ended.is_none()),
+                "{id} on the healthy VM ended"
+            );
+            assert!(s.next_data(W).await.unwrap().is_some(), "{id} stopped");
+        }
+        assert!(!envoy.log().contains("kvguard: panic"));
+    })
+    .await
+    .unwrap();
 }

@@ -61,10 +61,13 @@ pub fn judge(st: &Arc<AppState>) {
         st.metrics.lease.held_expiries.inc_by(j.held as u64);
         tracing::warn!(held = j.held, "gateways went silent and no other gateway was heard from since: expiries held (suspect the network or kvguard-control)");
     }
-    if j.expired.is_empty() {
+    if j.expired.is_empty() && j.lost.is_empty() {
         return;
     }
     let entries = st.entries();
+    for (instance, vm) in j.lost {
+        end_vm(st, &entries, now, instance, vm);
+    }
     for (instance, why) in j.expired {
         let mine: Vec<_> = entries
             .iter()
@@ -104,8 +107,55 @@ pub fn judge(st: &Arc<AppState>) {
             Expiry::Unproven => {
                 tracing::warn!(%instance, requests = ended, ttl_ms, "gateway lease expired without renewals on its data path (a hop that does not carry /v1/kvguard/lease): its requests are counted, not ended")
             }
+            // Judged per VM ([`end_vm`]), never for a whole instance.
+            Expiry::VmLost => {}
         }
     }
+}
+
+/// Ends (`enforce`) or counts the requests of worker VM `vm` of a live `instance`, lost:
+/// its instance's renewals left it out for the TTL (it trapped; Envoy cut its streams).
+/// A VM with no request here is dropped silently (a VM stopped by a config push).
+fn end_vm(
+    st: &Arc<AppState>,
+    entries: &[Arc<crate::table::Entry>],
+    now: std::time::Instant,
+    instance: kvguard_contract::InstanceId,
+    vm: u32,
+) {
+    let mine: Vec<_> = entries
+        .iter()
+        .filter(|e| e.instance() == Some(instance) && e.vm() == Some(vm))
+        .collect();
+    if mine.is_empty() {
+        tracing::debug!(%instance, vm, "gateway VM no longer listed, no request of it here");
+        return;
+    }
+    if let Some(late) = mine
+        .iter()
+        .map(|e| e.times().started)
+        .filter(|t| *t >= now)
+        .max()
+    {
+        st.leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .revive_vm(instance, vm, late);
+        return;
+    }
+    let why = Expiry::VmLost;
+    let enforce = st.cfg.lease_mode == LeaseMode::Enforce;
+    let mode = if enforce { "enforce" } else { "observe" };
+    st.metrics.lease.expired(mode, why);
+    let mut ended = 0u64;
+    for e in &mine {
+        if !enforce || st.end_request(e, AbortReason::GatewayLost, "lease") {
+            ended += 1;
+        }
+    }
+    st.metrics.lease.ended(mode, why, ended);
+    let ttl_ms = st.cfg.lease_ttl.as_millis() as u64;
+    tracing::warn!(%instance, vm, mode, requests = ended, ttl_ms, "gateway VM lost: its gateway's renewals have left it out for the TTL (a worker VM that trapped or was replaced)");
 }
 
 #[cfg(test)]

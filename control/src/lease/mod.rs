@@ -18,6 +18,18 @@
 //!   nobody holds: the network or kvguard-control is the suspect, whatever the phases
 //!   of the renewals).
 //!
+//! Within a live instance, one **worker VM** can be gone (it trapped; Envoy cut its
+//! streams at their next callback) while the others renew. Renewals from filters that
+//! number their VMs list the live ones (`vms`), and each request names its VM
+//! (`x-kvguard-instance: <id>.<vm>`). A VM is **lost** when the instance's renewals have
+//! gone on without it for the TTL: a renewal listing VMs arrives more than the TTL after
+//! the first renewal that left it out (since its last evidence: a renewal listing it, or
+//! a request tagged with it). Both ends of that gap are renewals of the instance itself,
+//! so neither the network nor kvguard-control's own stalls can open it, and a whole
+//! gateway that stalls and resumes (whose first renewal may come before its other VMs
+//! beat again) loses none: only the instance saying, for a TTL, that the VM is not among
+//! its live ones. Its requests end (`why="vm_lost"`).
+//!
 //! Soft state: nothing is persisted; an instance is judged only after this process has
 //! accepted a renewal from it. A stall of kvguard-control's own loop extends every lease
 //! by the stall before anything is judged. An expired instance's counters are kept
@@ -27,7 +39,8 @@ pub mod endpoints;
 pub mod enforce;
 
 use kvguard_contract::lease::DATA_RENEWALS_TO_ENFORCE;
-use kvguard_contract::{HostKey, InstanceId, RenewalBody, Via};
+use kvguard_contract::lease::MAX_VMS;
+use kvguard_contract::{HostKey, InstanceId, InstanceTag, RenewalBody, Via};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -83,6 +96,8 @@ pub enum Expiry {
     /// Silent for the TTL, but its data path never carried a renewal: its requests are
     /// counted, never ended.
     Unproven,
+    /// One worker VM of a live instance: its renewals left it out for the TTL.
+    VmLost,
 }
 
 impl Expiry {
@@ -92,11 +107,12 @@ impl Expiry {
             Expiry::Silent => "silent",
             Expiry::Replaced => "replaced",
             Expiry::Unproven => "unproven",
+            Expiry::VmLost => "vm_lost",
         }
     }
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Lease {
     host: Option<HostKey>,
     period: Duration,
@@ -112,6 +128,56 @@ struct Lease {
     data_renewals: u32,
     /// Held in the current silent spell (counted once).
     held: bool,
+    /// Receipt of the last renewal that listed the live VMs.
+    listed: Option<Instant>,
+    /// Per worker VM: its last evidence (a renewal listing it or a request tagged with
+    /// it), and the first renewal since that left it out.
+    vms: HashMap<u32, Vm>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Vm {
+    seen: Instant,
+    absent: Option<Instant>,
+}
+
+impl Lease {
+    /// `vm` was seen alive at `at` (the least recently seen is forgotten beyond
+    /// [`MAX_VMS`]).
+    fn saw_vm(&mut self, vm: u32, at: Instant) {
+        if !self.vms.contains_key(&vm) && self.vms.len() >= MAX_VMS {
+            if let Some(old) = self
+                .vms
+                .iter()
+                .min_by_key(|(_, v)| v.seen)
+                .map(|(id, _)| *id)
+            {
+                self.vms.remove(&old);
+            }
+        }
+        let v = self.vms.entry(vm).or_insert(Vm {
+            seen: at,
+            absent: None,
+        });
+        if at >= v.seen {
+            v.seen = at;
+            v.absent = None;
+        }
+    }
+
+    /// A renewal received at `at` listed `live`: every other VM known is absent from
+    /// then on (unless it already was).
+    fn listed(&mut self, live: &[u32], at: Instant) {
+        self.listed = Some(self.listed.map_or(at, |t| t.max(at)));
+        for v in live {
+            self.saw_vm(*v, at);
+        }
+        for (id, v) in &mut self.vms {
+            if v.absent.is_none() && v.seen < at && !live.contains(id) {
+                v.absent = Some(at);
+            }
+        }
+    }
 }
 
 impl Lease {
@@ -138,6 +204,8 @@ pub struct Judgement {
     /// Expiries held now because nobody else was heard from since (counted once per
     /// silent spell).
     pub held: usize,
+    /// Worker VMs of live instances lost now (they leave the instance's VM list).
+    pub lost: Vec<(InstanceId, u32)>,
 }
 
 /// What a replica knows of the instances it judges, for `/metrics`.
@@ -243,6 +311,9 @@ impl Leases {
             }
             l.renewed = l.renewed.max(now);
             l.held = false;
+            if let Some(vms) = &r.vms {
+                l.listed(vms, now);
+            }
             if r.host.is_some() {
                 l.host = r.host;
             }
@@ -277,18 +348,25 @@ impl Leases {
             renewed: now,
             data_renewals: 0,
             held: false,
+            listed: None,
+            vms: HashMap::new(),
         };
         fresh(&mut l);
         self.table.insert(r.instance, l);
         Ok(true)
     }
 
-    /// A request tagged with `id` arrived at `now`: data-path evidence of life for a
-    /// held lease (an instance never seen renewing gets none: it is never judged).
-    pub fn touch(&mut self, id: &InstanceId, now: Instant) {
-        if let Some(l) = self.table.get_mut(id) {
+    /// A request tagged with `tag` arrived at `now`: data-path evidence of life for a
+    /// held lease, and of its VM (an instance never seen renewing gets none: it is
+    /// never judged).
+    pub fn touch(&mut self, tag: impl Into<InstanceTag>, now: Instant) {
+        let tag = tag.into();
+        if let Some(l) = self.table.get_mut(&tag.instance) {
             l.data = Some(l.data.map_or(now, |t| t.max(now)));
             l.held = false;
+            if let Some(vm) = tag.vm {
+                l.saw_vm(vm, now);
+            }
         }
     }
 
@@ -310,6 +388,8 @@ impl Leases {
                 renewed: at,
                 data_renewals: 0,
                 held: false,
+                listed: None,
+                vms: HashMap::new(),
             },
         );
     }
@@ -321,6 +401,11 @@ impl Leases {
             l.admin = l.admin.map(|t| t + stall);
             l.data = l.data.map(|t| t + stall);
             l.renewed += stall;
+            // A VM left out before the stall: the renewals that might list it again may
+            // not have been read yet.
+            for v in l.vms.values_mut() {
+                v.absent = v.absent.map(|t| t + stall);
+            }
         }
     }
 
@@ -384,7 +469,32 @@ impl Leases {
             }
         }
         j.expired.sort_by_key(|(id, _)| *id);
+        // Worker VMs the live instances' renewals have left out for the TTL.
+        let ttl = self.ttl;
+        for (id, l) in &mut self.table {
+            let Some(listed) = l.listed else {
+                continue;
+            };
+            l.vms.retain(|vm, v| {
+                let lost = v
+                    .absent
+                    .is_some_and(|a| listed.saturating_duration_since(a) > ttl);
+                if lost {
+                    j.lost.push((*id, *vm));
+                }
+                !lost
+            });
+        }
+        j.lost.sort_unstable();
         j
+    }
+
+    /// A request of VM `vm` of `id`, judged lost, was admitted at `at`, after the
+    /// judgement: the VM is alive after all.
+    pub fn revive_vm(&mut self, id: InstanceId, vm: u32, at: Instant) {
+        if let Some(l) = self.table.get_mut(&id) {
+            l.saw_vm(vm, at);
+        }
     }
 
     fn keep_gone(&mut self, id: InstanceId, counter: [u64; 2], now: Instant) {

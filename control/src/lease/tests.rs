@@ -22,6 +22,7 @@ fn body(id: InstanceId, counter: u64, via: Via) -> RenewalBody {
         period_ms: Some(P),
         via,
         fanout: true,
+        vms: None,
     }
 }
 
@@ -54,8 +55,14 @@ fn the_mode_names_its_flag_value_and_the_table_says_what_it_holds() {
         ["off", "observe", "enforce"]
     );
     assert_eq!(
-        [Expiry::Silent, Expiry::Replaced, Expiry::Unproven].map(Expiry::as_str),
-        ["silent", "replaced", "unproven"]
+        [
+            Expiry::Silent,
+            Expiry::Replaced,
+            Expiry::Unproven,
+            Expiry::VmLost
+        ]
+        .map(Expiry::as_str),
+        ["silent", "replaced", "unproven", "vm_lost"]
     );
     let mut l = Leases::new(TTL);
     assert_eq!(l.ttl(), TTL);
@@ -69,7 +76,7 @@ fn the_mode_names_its_flag_value_and_the_table_says_what_it_holds() {
 fn a_lone_gateway_whose_data_path_renewed_expires_after_the_ttl_of_silence_on_both_paths() {
     let t0 = Instant::now();
     let mut l = Leases::new(TTL);
-    l.touch(&A, t0); // never renewed: no lease, never judged
+    l.touch(A, t0); // never renewed: no lease, never judged
     assert!(l.is_empty());
     let last = renew_both(&mut l, A, 3, t0);
     assert_eq!(
@@ -80,7 +87,7 @@ fn a_lone_gateway_whose_data_path_renewed_expires_after_the_ttl_of_silence_on_bo
         }
     );
     assert!(expired(&mut l, last + TTL).is_empty());
-    l.touch(&A, last + s(20)); // a tagged request is data-path evidence
+    l.touch(A, last + s(20)); // a tagged request is data-path evidence
     assert!(expired(&mut l, last + s(45)).is_empty());
     assert_eq!(expired(&mut l, last + s(51)), vec![(A, Expiry::Silent)]);
     assert!(l.is_empty() && !l.holds(&A));
@@ -178,9 +185,9 @@ fn a_silent_gateway_expires_once_another_is_heard_after_its_silence() {
     let mut l = Leases::new(TTL);
     renew_both(&mut l, A, 3, t0);
     renew_both(&mut l, C, 3, t0);
-    l.touch(&C, last_a + ms(P * 3 / 2));
+    l.touch(C, last_a + ms(P * 3 / 2));
     assert!(expired(&mut l, last_a + TTL + s(1)).is_empty());
-    l.touch(&C, last_a + ms(P * 3 / 2 + 1));
+    l.touch(C, last_a + ms(P * 3 / 2 + 1));
     assert_eq!(
         expired(&mut l, last_a + TTL + s(1)),
         vec![(A, Expiry::Silent)]
@@ -361,7 +368,7 @@ fn a_stall_extends_each_kind_of_evidence_and_the_host_key_rule() {
     // The data path is.
     let mut l = Leases::new(TTL);
     let last = renew_both(&mut l, A, 3, t0);
-    l.touch(&A, last + s(10));
+    l.touch(A, last + s(10));
     l.extend(s(20));
     assert!(expired(&mut l, last + s(59)).is_empty());
     assert_eq!(expired(&mut l, last + s(61)), vec![(A, Expiry::Silent)]);
@@ -424,4 +431,171 @@ fn a_stall_of_our_own_extends_every_lease() {
     assert_eq!(stall(ms(150), p), Duration::ZERO);
     assert_eq!(stall(ms(200), p), Duration::ZERO);
     assert_eq!(stall(ms(1100), p), ms(1000));
+}
+
+fn with_vms(id: InstanceId, counter: u64, via: Via, vms: &[u32]) -> RenewalBody {
+    RenewalBody {
+        vms: Some(vms.to_vec()),
+        ..body(id, counter, via)
+    }
+}
+
+fn tagged(id: InstanceId, vm: u32) -> InstanceTag {
+    InstanceTag {
+        instance: id,
+        vm: Some(vm),
+    }
+}
+
+#[test]
+fn a_vm_the_renewals_leave_out_for_the_ttl_is_lost_and_only_it() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    // VMs 1 and 2 listed; VM 3 known from a request only.
+    l.renew(&with_vms(A, 1, Via::Data, &[1, 2]), t0).unwrap();
+    l.touch(tagged(A, 3), t0 + s(1));
+    // From t0 + 5 s, every period's renewal lists VM 1 only (VM 2 trapped at t0).
+    let mut c = 1;
+    let mut at = t0;
+    let mut lost = Vec::new();
+    while lost.is_empty() {
+        c += 1;
+        at += ms(P);
+        l.renew(&with_vms(A, c, Via::Data, &[1]), at).unwrap();
+        let j = l.judge(at);
+        assert!(j.expired.is_empty());
+        lost = j.lost;
+        assert!(at < t0 + s(60), "never lost");
+    }
+    // Lost at the first renewal more than the TTL after the first that left it out (one
+    // period after its last listing), with VM 3 (whose request came a second later),
+    // left out by that same renewal.
+    assert_eq!(at, t0 + TTL + ms(2 * P));
+    assert_eq!(lost, vec![(A, 2), (A, 3)]);
+    // Judged once: it left the list.
+    assert!(!l.judge(at).lost.contains(&(A, 2)));
+    // A request tagged with a lost VM brings it back; the listed VM is never lost.
+    l.revive_vm(A, 2, at);
+    for _ in 0..3 {
+        c += 1;
+        at += ms(P);
+        l.renew(&with_vms(A, c, Via::Data, &[1, 2]), at).unwrap();
+        assert!(l.judge(at).lost.is_empty());
+    }
+}
+
+#[test]
+fn no_vm_is_judged_without_renewals_that_list_them_or_when_the_renewals_stop() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    // An older filter: no list; its requests name no VM, or one, nothing is judged.
+    let last = renew_both(&mut l, A, 3, t0);
+    l.touch(tagged(A, 7), last);
+    let mut c = 3;
+    let mut at = last;
+    for _ in 0..12 {
+        c += 1;
+        at += ms(P);
+        l.renew(&body(A, c, Via::Data), at).unwrap();
+        assert!(l.judge(at).lost.is_empty());
+    }
+    // A listing instance that falls silent: its VMs are not judged one by one (the
+    // instance's own expiry is the rule there), however long.
+    l.renew(&with_vms(B, 1, Via::Data, &[1, 2]), at).unwrap();
+    l.renew(&with_vms(B, 2, Via::Data, &[1]), at + ms(P))
+        .unwrap();
+    let j = l.judge(at + s(600));
+    assert!(j.lost.is_empty(), "{j:?}");
+    // A stall of kvguard-control: the gap runs from the first renewal that left the VM
+    // out, after it.
+    let mut l = Leases::new(TTL);
+    l.renew(&with_vms(C, 1, Via::Data, &[1, 2]), t0).unwrap();
+    l.extend(s(100));
+    let out = t0 + s(100) + ms(P);
+    l.renew(&with_vms(C, 2, Via::Data, &[1]), out).unwrap();
+    assert!(l.judge(out).lost.is_empty());
+    l.renew(&with_vms(C, 3, Via::Data, &[1]), out + TTL)
+        .unwrap();
+    assert!(l.judge(out + TTL).lost.is_empty());
+    l.renew(&with_vms(C, 4, Via::Data, &[1]), out + TTL + ms(1))
+        .unwrap();
+    assert_eq!(l.judge(out + TTL + ms(1)).lost, vec![(C, 2)]);
+    // A VM left out just before a stall of kvguard-control: the gap counts from the
+    // stall's end (the renewals listing it again may still be unread).
+    let mut l = Leases::new(TTL);
+    l.renew(&with_vms(C, 1, Via::Data, &[1, 2]), t0).unwrap();
+    l.renew(&with_vms(C, 2, Via::Data, &[1]), t0 + ms(P))
+        .unwrap();
+    l.extend(s(100));
+    let after = t0 + ms(P) + s(100) + ms(1);
+    l.renew(&with_vms(C, 3, Via::Data, &[1]), after).unwrap();
+    assert!(l.judge(after).lost.is_empty());
+    l.renew(&with_vms(C, 4, Via::Data, &[1, 2]), after + ms(P))
+        .unwrap();
+    assert!(l.judge(after + TTL).lost.is_empty());
+}
+
+#[test]
+fn a_gateway_that_stalls_and_resumes_loses_no_vm() {
+    // The whole Envoy stops for a minute; its first renewal after comes from the VM
+    // whose tick fired first, before the others beat: it lists that VM only. The next
+    // lists them all again.
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    l.renew(&with_vms(A, 1, Via::Data, &[1, 2, 3]), t0).unwrap();
+    l.touch(tagged(A, 2), t0 + ms(10));
+    let back = t0 + s(60);
+    l.renew(&with_vms(A, 2, Via::Data, &[3]), back).unwrap();
+    assert!(l.judge(back).lost.is_empty());
+    l.renew(&with_vms(A, 3, Via::Data, &[1, 2, 3]), back + ms(P))
+        .unwrap();
+    for k in 2..20 {
+        let at = back + ms(k * P);
+        l.renew(&with_vms(A, 2 + k, Via::Data, &[1, 2, 3]), at)
+            .unwrap();
+        assert!(l.judge(at).lost.is_empty());
+    }
+    // A request of a VM after the renewals left it out brings it back too.
+    l.renew(&with_vms(A, 100, Via::Data, &[1, 3]), back + s(200))
+        .unwrap();
+    l.touch(tagged(A, 2), back + s(201));
+    l.renew(&with_vms(A, 101, Via::Data, &[1, 3]), back + s(231))
+        .unwrap();
+    assert!(l.judge(back + s(231)).lost.is_empty());
+    l.renew(&with_vms(A, 102, Via::Data, &[1, 3]), back + s(262))
+        .unwrap();
+    assert_eq!(l.judge(back + s(262)).lost, vec![(A, 2)]);
+}
+
+#[test]
+fn a_lease_remembers_at_most_max_vms_the_longest_unseen_forgotten_first() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    l.renew(&body(A, 1, Via::Data), t0).unwrap();
+    for v in 0..=MAX_VMS as u32 {
+        l.touch(tagged(A, v + 1), t0 + ms(u64::from(v)));
+    }
+    let lease = &l.table[&A];
+    assert_eq!(lease.vms.len(), MAX_VMS);
+    assert!(!lease.vms.contains_key(&1), "the longest unseen went");
+    // Seen again: kept at the later time, never moved back.
+    let mut lease = lease.clone();
+    lease.saw_vm(5, t0);
+    assert_eq!(lease.vms[&5].seen, t0 + ms(4));
+}
+
+#[test]
+fn a_renewal_that_leaves_a_vm_out_at_the_instant_it_was_seen_does_not_count_it_absent() {
+    // The request (or listing) and the renewal carry the same receipt time: which came
+    // first is unknown, so the VM is not absent from that renewal on.
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    l.renew(&with_vms(A, 1, Via::Data, &[1, 2]), t0).unwrap();
+    l.renew(&with_vms(A, 2, Via::Data, &[1]), t0).unwrap();
+    let later = t0 + TTL + ms(1);
+    l.renew(&with_vms(A, 3, Via::Data, &[1]), later).unwrap();
+    assert!(l.judge(later).lost.is_empty(), "absent from `later` only");
+    l.renew(&with_vms(A, 4, Via::Data, &[1]), later + TTL + ms(1))
+        .unwrap();
+    assert_eq!(l.judge(later + TTL + ms(1)).lost, vec![(A, 2)]);
 }

@@ -16,6 +16,7 @@ use crate::aborts::ORIGINAL_DST_HEADER;
 use crate::config::Config;
 use crate::host::{Call, Level, Platform, SharedData, SharedError};
 use crate::metrics::{LeaseResult, Metric};
+use crate::vms::{self, VMS_KEY};
 use core::net::SocketAddr;
 use kvguard_contract::{signature, Domain, HostKey, InstanceId, Renewal, Via, DATA_LEASE_PATH};
 
@@ -280,17 +281,21 @@ impl Dest {
     }
 }
 
-/// Sends renewal `counter` of `instance` to `dest`; returns its token. Renewals do not go
-/// through the abort queue: an abort storm never delays them.
+/// Sends renewal `counter` of `instance`, listing the live worker VMs `vms` (none: the
+/// VM table is unreadable), to `dest`; returns its token. Renewals do not go through the
+/// abort queue: an abort storm never delays them.
 pub fn send<P: Platform + ?Sized>(
     cfg: &Config,
     p: &mut P,
-    instance: InstanceId,
+    (instance, vms): (InstanceId, Option<&[u32]>),
     host: Option<HostKey>,
     counter: u64,
     dest: &Dest,
 ) -> Option<u32> {
     let mut renewal = Renewal::new(instance, counter);
+    if let Some(v) = vms {
+        renewal = renewal.with_vms(v);
+    }
     if let Some(h) = host {
         renewal = renewal.from_host(h, cfg.lease_renew_ms);
     } else {
@@ -608,6 +613,12 @@ impl Renewer {
             Ok(v) => live_upstreams(v.as_ref().map(|(v, _)| v.as_slice()), now, period),
             Err(_) => Vec::new(),
         };
+        // The live worker VMs (kvguard-control ends the streams of one left out for its
+        // TTL); none listed when the table is missing or unreadable.
+        let vms = match h.shared_get(VMS_KEY) {
+            Ok(Some((v, _))) => vms::live(&v, now, period),
+            _ => None,
+        };
         let dests = core::iter::once(Dest::Admin(None))
             .chain(
                 replicas
@@ -617,7 +628,14 @@ impl Renewer {
             )
             .chain(upstreams.into_iter().map(Dest::Data));
         for dest in dests {
-            if let Some(t) = send(cfg, h, instance, self.host, slot.counter, &dest) {
+            if let Some(t) = send(
+                cfg,
+                h,
+                (instance, vms.as_deref()),
+                self.host,
+                slot.counter,
+                &dest,
+            ) {
                 if self.tokens.len() >= MAX_TOKENS {
                     self.tokens.remove(0);
                 }
@@ -890,7 +908,7 @@ mod tests {
         assert!(send(
             &cfg,
             &mut h,
-            InstanceId([1; 16]),
+            (InstanceId([1; 16]), None),
             None,
             2,
             &Dest::Admin(Some("10.0.0.1:1".parse().unwrap()))
@@ -1044,7 +1062,7 @@ mod tests {
             send(
                 &cfg,
                 &mut h,
-                InstanceId([1; 16]),
+                (InstanceId([1; 16]), None),
                 None,
                 4,
                 &Dest::Admin(None)
@@ -1055,7 +1073,7 @@ mod tests {
             send(
                 &cfg,
                 &mut h,
-                InstanceId([1; 16]),
+                (InstanceId([1; 16]), None),
                 None,
                 4,
                 &Dest::Data(up("llm"))
@@ -1226,5 +1244,35 @@ mod tests {
         assert_eq!(remember_upstream(None, &bad, 0, P), None);
         assert!(parse_upstreams(b"v1\n1\ta\nx\ta\tb\n").is_empty());
         assert!(parse_upstreams(b"v2\n1\ta\tb\n").is_empty());
+    }
+
+    #[test]
+    fn each_renewal_lists_the_live_vms_and_leaves_a_silent_one_out() {
+        let cfg = lease_config("");
+        let mut h = MockHost::default();
+        // Without a VM table: no list (kvguard-control judges no VM).
+        let mut r = Renewer::new(None);
+        let first = renew_once(&mut r, &cfg, &mut h, &[]);
+        assert_eq!(Renewal::parse(&first[0].3).unwrap().vms, None);
+        let (mut a, mut b) = (vms::Member::default(), vms::Member::default());
+        a.join(&mut h, P);
+        b.join(&mut h, P);
+        let listed = |h: &mut MockHost, r: &mut Renewer| {
+            h.now += P;
+            let c = renew_once(r, &cfg, h, &[]);
+            let mut v = Renewal::parse(&c[0].3).unwrap().vms.unwrap();
+            v.sort();
+            v
+        };
+        assert_eq!(listed(&mut h, &mut r), vec![1, 2]);
+        // b (seen at 0) falls silent; a beats every period.
+        while h.now + P <= vms::SILENT_PERIODS * P {
+            let now = h.now;
+            a.settle(&mut h, now, [0; 3]);
+            assert_eq!(listed(&mut h, &mut r), vec![1, 2]);
+        }
+        let now = h.now;
+        a.settle(&mut h, now, [0; 3]);
+        assert_eq!(listed(&mut h, &mut r), vec![1]);
     }
 }

@@ -18,11 +18,12 @@ mod trap;
 
 use core::cell::RefCell;
 use kvguard_contract::signature::SIGNATURE_HEADER;
-use kvguard_contract::{InstanceId, INSTANCE_HEADER};
+use kvguard_contract::{InstanceId, InstanceTag, INSTANCE_HEADER};
 use kvguard_contract::{CONTROL_HEADER, REQUEST_ID_HEADER};
 use kvguard_filter_core::engine::{self, Engine, Streams, Verdict};
 use kvguard_filter_core::host::{Call, Clock, DispatchError, Host, Level, SharedData, SharedError};
 use kvguard_filter_core::metrics::{Kind, Metric, Metrics};
+use kvguard_filter_core::vms::{self, Share};
 use kvguard_filter_core::{config, lease, Config, Mode, OutcomeTag};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
@@ -54,6 +55,8 @@ struct Shared {
     mode_key: Option<String>,
     /// This VM's side of the liveness lease (instance id, renewals in flight).
     renewer: lease::Renewer,
+    /// This VM's entry in the process's VM table (its id, its share of the gauges).
+    member: vms::Member,
     /// Since when (monotonic ms) the host has been stopping this VM (`on_done`) while
     /// aborts were pending.
     stopping_since: Option<u64>,
@@ -77,6 +80,32 @@ struct Batch {
 struct EnvoyHost<'a> {
     metric_ids: &'a mut Vec<Option<u32>>,
     batch: &'a mut Batch,
+    member: &'a mut vms::Member,
+}
+
+/// Shared data and the clock, without the rest of the host (for the VM table, whose
+/// member lives in [`EnvoyHost`]).
+struct Abi;
+
+impl Clock for Abi {
+    fn now_ms(&self) -> u64 {
+        abi::monotonic_ms().unwrap_or_else(|last| last)
+    }
+    fn unix_secs(&self) -> u64 {
+        abi::now_nanos() / 1_000_000_000
+    }
+}
+
+impl SharedData for Abi {
+    fn shared_get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, SharedError> {
+        abi::get_shared_data_cas(key).map_err(|_| SharedError::Other)
+    }
+    fn shared_set(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), SharedError> {
+        abi::set_shared_data_cas(key, value, cas).map_err(|e| match e {
+            abi::Status(abi::CAS_MISMATCH) => SharedError::CasMismatch,
+            _ => SharedError::Other,
+        })
+    }
 }
 
 fn core_level(level: Level) -> abi::LogLevel {
@@ -109,13 +138,10 @@ impl Clock for EnvoyHost<'_> {
 
 impl SharedData for EnvoyHost<'_> {
     fn shared_get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, SharedError> {
-        abi::get_shared_data_cas(key).map_err(|_| SharedError::Other)
+        Abi.shared_get(key)
     }
     fn shared_set(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), SharedError> {
-        abi::set_shared_data_cas(key, value, cas).map_err(|e| match e {
-            abi::Status(abi::CAS_MISMATCH) => SharedError::CasMismatch,
-            _ => SharedError::Other,
-        })
+        Abi.shared_set(key, value, cas)
     }
 }
 
@@ -192,34 +218,83 @@ impl EnvoyHost<'_> {
 
 impl EnvoyHost<'_> {
     /// Hands every batched delta to the host (one `increment_metric` per metric that
-    /// moved).
+    /// moved). The gauges of this VM's share go through the VM table first (written
+    /// before the host sees them, with the shares of VMs found gone taken back); when
+    /// the table cannot be written they stay batched for the next flush.
     fn flush(&mut self) {
-        if !self.batch.dirty {
-            return;
+        let mut mine = Share::default();
+        for (s, m) in mine.iter_mut().zip(vms::GAUGES) {
+            if let Some(d) = self.batch.deltas.get_mut(m.index()) {
+                *s = core::mem::take(d);
+            }
         }
-        self.batch.dirty = false;
-        let deltas = core::mem::take(&mut self.batch.deltas);
-        for (m, d) in Metric::all().into_iter().zip(&deltas) {
-            if *d != 0 {
+        let now = if self.member.joined() {
+            self.now_ms()
+        } else {
+            0
+        };
+        let kept = match self.member.settle(&mut Abi, now, mine) {
+            Some(out) => {
+                self.hand(out);
+                Share::default()
+            }
+            None => mine,
+        };
+        if self.batch.dirty {
+            self.batch.dirty = false;
+            let deltas = core::mem::take(&mut self.batch.deltas);
+            for (m, d) in Metric::all().into_iter().zip(&deltas) {
+                if *d != 0 {
+                    if let Some(id) = self.metric_id(m) {
+                        let _ = abi::increment_metric(id, *d);
+                    }
+                }
+            }
+            self.batch.deltas = deltas;
+            self.batch.deltas.iter_mut().for_each(|d| *d = 0);
+        }
+        for (k, m) in kept.into_iter().zip(vms::GAUGES) {
+            if let Some(d) = self.batch.deltas.get_mut(m.index()) {
+                *d = k;
+                self.batch.dirty |= k != 0;
+            }
+        }
+    }
+
+    /// Hands gauge deltas of a VM share to the host.
+    fn hand(&mut self, share: Share) {
+        for (d, m) in share.into_iter().zip(vms::GAUGES) {
+            if d != 0 {
                 if let Some(id) = self.metric_id(m) {
-                    let _ = abi::increment_metric(id, *d);
+                    let _ = abi::increment_metric(id, d);
                 }
             }
         }
-        self.batch.deltas = deltas;
-        self.batch.deltas.iter_mut().for_each(|d| *d = 0);
+    }
+
+    /// This VM stops: its entry leaves the VM table and its share leaves the gauges.
+    fn leave(&mut self) {
+        let now = self.now_ms();
+        if let Some(back) = self.member.leave(&mut Abi, now) {
+            self.hand(back);
+        }
     }
 }
 
 impl Metrics for EnvoyHost<'_> {
     fn add(&mut self, m: Metric, delta: i64) {
-        // The per-request ones batch; the rest (aborts, pending, errors: rare, and read as
-        // "now") go to the host at once.
-        let per_request = matches!(
+        // The per-request ones batch, and so does the memory gauge once this VM is in the
+        // VM table (the batched gauges reach the host through it, written there first);
+        // the rest (aborts, pending aborts, errors: rare, and read as "now") go to the
+        // host at once, the pending ones noted in this VM's share (written to the table
+        // at the next tick: a VM that dies within a tick of an abort queue change leaves
+        // that change in the gauge).
+        let share = self.member.joined() && vms::GAUGES.contains(&m);
+        let batched = matches!(
             m,
             Metric::RequestsTracked | Metric::RequestsCompleted | Metric::ActiveRequests
-        );
-        if per_request && self.batch.on {
+        ) || (share && m == Metric::VmMemoryBytes);
+        if batched && self.batch.on {
             if self.batch.deltas.len() < Metric::COUNT {
                 self.batch.deltas.resize(Metric::COUNT, 0);
             }
@@ -228,6 +303,9 @@ impl Metrics for EnvoyHost<'_> {
                 self.batch.dirty = true;
                 return;
             }
+        }
+        if share {
+            self.member.note(m, delta);
         }
         if let Some(id) = self.metric_id(m) {
             let _ = abi::increment_metric(id, delta);
@@ -268,6 +346,7 @@ fn with_lease<R>(
     let mut p = EnvoyHost {
         metric_ids: &mut s.metric_ids,
         batch: &mut s.batch,
+        member: &mut s.member,
     };
     Some(f(engine, &mut s.renewer, &mut p))
 }
@@ -477,6 +556,7 @@ fn init() {
                 queue_id: None,
                 mode_key: None,
                 renewer: lease::Renewer::default(),
+                member: vms::Member::default(),
                 stopping_since: None,
             })),
         })
@@ -526,6 +606,7 @@ impl Root {
                     p.log(Level::Info, "stopping VM: every pending abort delivered");
                 }
                 e.report_memory(p, 0);
+                p.leave();
                 true
             } else {
                 false
@@ -620,7 +701,10 @@ impl Context for Root {
             }
             _ => {
                 // The VM is going away: take its memory out of the shared gauge.
-                let _ = with_engine(&self.shared, |e, p| e.report_memory(p, 0));
+                let _ = with_engine(&self.shared, |e, p| {
+                    e.report_memory(p, 0);
+                    p.leave();
+                });
                 true
             }
         }
@@ -687,6 +771,7 @@ impl RootContext for Root {
                     let mut p = EnvoyHost {
                         metric_ids: &mut s.metric_ids,
                         batch: &mut s.batch,
+                        member: &mut s.member,
                     };
                     e.reconfigure(&mut p, cfg);
                 }
@@ -736,10 +821,15 @@ impl RootContext for Root {
                 let _ = p.metric_id(m);
             }
         });
-        let renew = with_engine(&self.shared, |e, _| {
-            let on = e.cfg.lease_renew_ms > 0;
-            e.keep_ticking(on);
-            on
+        // With the lease on, this VM joins the process's VM table: renewals list it while
+        // it beats, and its share of the gauges is taken back once it is gone.
+        let renew = with_engine(&self.shared, |e, p| {
+            let period = e.cfg.lease_renew_ms;
+            e.keep_ticking(period > 0);
+            if period > 0 && p.member.join(&mut Abi, period).is_none() {
+                p.add(Metric::HostErrors, 1);
+            }
+            period > 0
         })
         .unwrap_or(false);
         if renew {
@@ -863,11 +953,13 @@ impl HttpContext for Stream {
         let instance = match verdict {
             Some(Verdict::Tracked) => {
                 self.tracked = true;
-                // The gateway process that carries it (contract §8).
-                self.shared
-                    .try_borrow()
-                    .ok()
-                    .and_then(|s| s.renewer.instance())
+                // The gateway process and worker VM that carry it (contract §8).
+                self.shared.try_borrow().ok().and_then(|s| {
+                    Some(InstanceTag {
+                        instance: s.renewer.instance()?,
+                        vm: s.member.id(),
+                    })
+                })
             }
             // Untracked: no filter state is written (contract §7: an access log shows
             // `-`), which saves a host call on every request the filter does not track.
