@@ -45,6 +45,25 @@ impl ChildGuard {
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(log2))
             .process_group(0);
+        // Dies with the process that spawned it: a test killed for its time (nextest's
+        // slow-timeout, a SIGKILL) runs no Drop, and a child in a process group of its
+        // own outlives it (two vLLM servers were found running 78 min after such a kill).
+        // The signal follows the spawning *thread*: callers spawn from async tasks, whose
+        // runtime threads live as long as the runtime.
+        let parent = std::process::id();
+        // SAFETY: between fork and exec only async-signal-safe calls (prctl, getppid).
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The parent died before prctl: no signal will come.
+                if libc::getppid() as u32 != parent {
+                    return Err(std::io::Error::other("the spawning process has exited"));
+                }
+                Ok(())
+            });
+        }
         let child = cmd
             .spawn()
             .with_context(|| format!("spawning {name}: {cmd:?}"))?;
@@ -341,4 +360,47 @@ fn sanitize(name: &str) -> String {
             }
         })
         .collect()
+}
+
+/// Kills a whole process group when this process dies, however it dies: for a child that
+/// forks workers of its own (vLLM's API server, EngineCore and workers share its group),
+/// which the death signal [`ChildGuard::spawn`] sets does not reach. A `sh` in a group of
+/// its own (a test killed for its time has its group killed; this must outlive it) waits
+/// on a pipe whose only writer is this process: the end of this process closes it, and the
+/// `sh` kills the group. Dropped normally, it is killed first and does nothing.
+#[derive(Debug)]
+pub struct GroupWatchdog {
+    child: Child,
+    _writer: std::io::PipeWriter,
+}
+
+impl GroupWatchdog {
+    /// Watches process group `pgid` (a [`ChildGuard`]'s pid).
+    pub fn start(pgid: u32) -> Result<Self> {
+        use std::os::unix::process::CommandExt;
+        // Both ends close on exec: only the `sh` (its stdin) and this process hold them.
+        let (reader, writer) = std::io::pipe().context("creating the watchdog's pipe")?;
+        let child = Command::new("sh")
+            .arg("-c")
+            .arg(r#"read -r _ || kill -9 "-$1""#)
+            .arg("kvguard-watchdog")
+            .arg(pgid.to_string())
+            .stdin(Stdio::from(reader))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .context("spawning the process-group watchdog (sh)")?;
+        Ok(GroupWatchdog {
+            child,
+            _writer: writer,
+        })
+    }
+}
+
+impl Drop for GroupWatchdog {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

@@ -237,6 +237,8 @@ pub fn nice_value(given: Option<u8>) -> Result<u8> {
 /// A vLLM server: started here (killed on drop, with its EngineCore) or reached by URL.
 pub struct Vllm {
     addr: SocketAddr,
+    /// Kills vLLM's whole tree if this process dies without dropping the guard.
+    _watchdog: Option<crate::proc::GroupWatchdog>,
     guard: Option<ChildGuard>,
     log_file: Option<PathBuf>,
 }
@@ -274,6 +276,7 @@ impl Vllm {
             .envs(opts.env.iter().map(|(k, v)| (k, v)));
         let started = Instant::now();
         let mut guard = ChildGuard::spawn("vllm", cmd)?;
+        let watchdog = crate::proc::GroupWatchdog::start(guard.pid())?;
         match Self::await_ready(&mut guard, opts.ready_timeout).await {
             Ok(addr) => {
                 eprintln!(
@@ -284,6 +287,7 @@ impl Vllm {
                 );
                 Ok(Vllm {
                     addr,
+                    _watchdog: Some(watchdog),
                     guard: Some(guard),
                     log_file: None,
                 })
@@ -332,6 +336,7 @@ impl Vllm {
         }
         Ok(Vllm {
             addr,
+            _watchdog: None,
             guard: None,
             log_file: std::env::var_os(LOG_ENV).map(PathBuf::from),
         })

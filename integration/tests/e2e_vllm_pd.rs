@@ -204,15 +204,17 @@ async fn rejected_by_d_frees_p(pd: &VllmPd) -> Duration {
         .await
         .unwrap();
     assert_eq!(r.status, 404, "{}", r.text());
-    pd.p.wait_figures("D's rejection frees P", W, |f| f.kv_usage == 0.0)
+    pd.p.wait_figures("D's rejection frees P", LEASE + W, |f| f.kv_usage == 0.0)
         .await
         .unwrap();
     let held = sent.elapsed();
-    assert!(
-        held < LEASE.mul_f64(0.5),
-        "P let go only after {held:?}: the lease, not D"
+    // The expiry counter tells D's release from the lease's (on a loaded machine an idle
+    // D at nice 19 took 16 s to step once; alone it takes 0.1 s).
+    assert_eq!(
+        expired(&pd.p).await,
+        e0,
+        "P let go at its lease ({held:?}), not at D's rejection"
     );
-    assert_eq!(expired(&pd.p).await, e0, "a release by D is not an expiry");
     held
 }
 
@@ -351,18 +353,16 @@ async fn kvguard_frees_p_at_the_hand_off(pd: &VllmPd, g: &Guarded) -> Duration {
         legs(&v).contains(&("prefill".to_string(), "released".to_string())),
         "the answer should list P's leg as released: {v}"
     );
-    pd.p.wait_figures("P lets go after the abort", W, |f| f.kv_usage == 0.0)
-        .await
-        .unwrap();
+    pd.p.wait_figures("P lets go after the abort", LEASE + W, |f| {
+        f.kv_usage == 0.0
+    })
+    .await
+    .unwrap();
     let took = t0.elapsed();
-    assert!(
-        took < LEASE.mul_f64(0.5),
-        "P let go {took:?} after the abort: the lease, not kvguard"
-    );
     assert_eq!(
         expired(&pd.p).await,
         e0,
-        "freed by kvguard, not by the lease"
+        "P let go at its lease ({took:?} after the abort), not at kvguard's release"
     );
     took
 }

@@ -4,7 +4,7 @@
 
 use kvguard_integration::demo::stack::Control;
 use kvguard_integration::paths;
-use kvguard_integration::proc::ChildGuard;
+use kvguard_integration::proc::{ChildGuard, GroupWatchdog};
 use kvguard_integration::stall::{self, StallMark};
 use kvguard_integration::vllm::metric_sum;
 use kvguard_integration::wait::{bounded, poll_until, poll_until_async, poll_until_blocking};
@@ -153,6 +153,87 @@ fn panic_prints_the_log_tail_and_still_kills() {
         (!alive(pid)).then_some(())
     })
     .unwrap();
+}
+
+/// Not a test: the child that `children_die_with_a_test_killed_for_its_time` runs (with
+/// `--ignored`): a guarded child, and a guarded child with a worker of its own under a
+/// [`GroupWatchdog`] (vLLM's shape); it names the three pids and waits to be killed.
+#[test]
+#[ignore = "a probe: only children_die_with_a_test_killed_for_its_time runs it"]
+fn kill_probe() {
+    let Some(pidfile) = std::env::var_os("KVGUARD_KILL_PROBE") else {
+        panic!("kill_probe runs only as the child of children_die_with_a_test_killed_for_its_time");
+    };
+    let mut cmd = Command::new("sleep");
+    cmd.arg("300");
+    let single = ChildGuard::spawn("sleeper", cmd).unwrap();
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c").arg("sleep 300 & echo $!; wait");
+    let tree = ChildGuard::spawn("tree", cmd).unwrap();
+    let _watchdog = GroupWatchdog::start(tree.pid()).unwrap();
+    let worker: u32 =
+        poll_until_blocking("the tree's worker", T, Duration::from_millis(10), || {
+            tree.log().lines().next()?.trim().parse().ok()
+        })
+        .unwrap();
+    let pids = format!("{} {} {worker}", single.pid(), tree.pid());
+    std::fs::write(pidfile, pids).unwrap();
+    std::thread::sleep(Duration::from_secs(300));
+}
+
+/// A test killed for its time (nextest's slow-timeout, SIGKILL) runs no Drop; its guarded
+/// children, each in a process group of its own, must die with it all the same, and so
+/// must the workers of a child under a [`GroupWatchdog`].
+#[test]
+fn children_die_with_a_test_killed_for_its_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let pidfile = dir.path().join("pid");
+    let mut runner = Command::new(std::env::current_exe().unwrap());
+    runner
+        .args([
+            "--exact",
+            "kill_probe",
+            "--ignored",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("KVGUARD_KILL_PROBE", &pidfile);
+    let mut g = ChildGuard::spawn("kill-probe-runner", runner).unwrap();
+    let pids: Vec<u32> = poll_until_blocking(
+        "the probe names its children",
+        T,
+        Duration::from_millis(10),
+        || {
+            let text = std::fs::read_to_string(&pidfile).ok()?;
+            let p: Vec<u32> = text
+                .split_whitespace()
+                .filter_map(|t| t.parse().ok())
+                .collect();
+            (p.len() == 3).then_some(p)
+        },
+    )
+    .unwrap();
+    assert!(pids.iter().all(|&p| alive(p)), "{pids:?}");
+    // SIGKILL the runner alone (not its group): as a timeout kills the test process.
+    assert_eq!(unsafe { libc::kill(g.pid() as i32, libc::SIGKILL) }, 0);
+    g.wait_exit(T).unwrap();
+    for (what, pid) in [
+        "the guarded child",
+        "the tree's leader",
+        "the tree's worker",
+    ]
+    .iter()
+    .zip(&pids)
+    {
+        poll_until_blocking(
+            &format!("{what} dies with the test"),
+            T,
+            Duration::from_millis(10),
+            || (!alive(*pid)).then_some(()),
+        )
+        .unwrap();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
