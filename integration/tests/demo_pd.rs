@@ -11,7 +11,7 @@ use std::process::ExitStatus;
 use std::time::Duration;
 
 /// Two runs of 8 s of arrivals and 6 s of drain plus the stacks' start and stop: measured
-/// about 35 s on a loaded 2-CPU machine; the bound is a few times that.
+/// 38 s on the shared 2-CPU machine (both tests at once); the bound is a few times that.
 const BOUND: Duration = Duration::from_secs(180);
 
 /// Runs `kvguard-demo --pd` short with `extra` flags; its exit status, log and results.
