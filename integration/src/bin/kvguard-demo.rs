@@ -57,6 +57,14 @@ struct Args {
     /// no abort). The demo must then fail.
     #[arg(long)]
     filter_observe: bool,
+    /// The prefill/decode leak instead: Envoy → the P/D proxy → kvguard-control beside a
+    /// prefill and a decode simulator; clients leave during prefill or during decode
+    /// (docs/DEMO.md). Takes --seed, --rate, --arrival-s, --drain-s, --filter-observe.
+    #[arg(long)]
+    pd: bool,
+    /// With --pd: the prefill engine's lease on blocks held for the decode side (ms).
+    #[arg(long)]
+    pd_lease_ms: Option<u64>,
     /// Output directory (results.json, table.txt).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -84,7 +92,57 @@ async fn serve_vllm(url_file: PathBuf) -> Result<()> {
     Ok(())
 }
 
+async fn demo_pd(a: Args) -> Result<()> {
+    let mut cfg = demo::pd::PdConfig::default();
+    for (field, v) in [
+        (&mut cfg.arrival_s, a.arrival_s),
+        (&mut cfg.drain_s, a.drain_s),
+        (&mut cfg.rate, a.rate),
+    ] {
+        if let Some(v) = v {
+            *field = v;
+        }
+    }
+    if let Some(x) = a.seed {
+        cfg.seed = x;
+    }
+    if let Some(x) = a.pd_lease_ms {
+        cfg.lease_ms = x;
+    }
+    cfg.filter_observe = a.filter_observe;
+    let out = match a.out {
+        Some(o) => o,
+        None => demo::stack::default_out_dir()?.join("pd"),
+    };
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let progress = |s: String| eprintln!("{s}");
+    let res = demo::pd::run(&cfg, &progress).await?;
+    let text = demo::pd::table(&res);
+    println!("\n{text}");
+    std::fs::write(out.join("table.txt"), &text)?;
+    std::fs::write(
+        out.join("results.json"),
+        serde_json::to_string_pretty(&res)?,
+    )?;
+    println!("results: {}", out.join("results.json").display());
+    if let Err(e) = demo::pd::verdict(&res) {
+        bail!("demo verdict: FAIL\n{e:#}");
+    }
+    println!(
+        "demo verdict: PASS (with kvguard: prefill-side held block-seconds {:.2} and decode-side orphan-seconds {:.2}, each at most {:.0} % of the run without it ({:.2}, {:.2}); no false abort)",
+        res.kvguard.p_held_block_seconds,
+        res.kvguard.d_orphan_seconds,
+        demo::pd::PD_SHARE * 100.0,
+        res.leak.p_held_block_seconds,
+        res.leak.d_orphan_seconds
+    );
+    Ok(())
+}
+
 async fn demo(a: Args) -> Result<()> {
+    if a.pd {
+        return demo_pd(a).await;
+    }
     let engine = match a.engine.as_str() {
         "sim" => EngineKind::Sim,
         "vllm" => EngineKind::Vllm,

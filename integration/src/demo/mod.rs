@@ -21,6 +21,7 @@
 //! read to the end and did not get `[DONE]`).
 
 pub mod observe;
+pub mod pd;
 pub mod stack;
 mod workload;
 
