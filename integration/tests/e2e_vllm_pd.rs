@@ -371,7 +371,7 @@ async fn kvguard_frees_p_at_the_hand_off(pd: &VllmPd, g: &Guarded) -> Duration {
 /// leg. Returns how long after the abort D stopped.
 async fn kvguard_ends_d_during_decode(pd: &VllmPd, g: &Guarded) -> Duration {
     let px = proxy_to(g.pc.proxy, g.dc.proxy, true, None).await;
-    let a0 = aborted(&pd.d).await;
+    let g0 = generated(&pd.d).await;
     let mut c = client::stream_sse(
         px.addr(),
         "/v1/completions",
@@ -398,24 +398,14 @@ async fn kvguard_ends_d_during_decode(pd: &VllmPd, g: &Guarded) -> Duration {
     .await
     .unwrap();
     let took = t0.elapsed();
-    assert_eq!(
-        aborted(&pd.d).await,
-        a0 + 1.0,
-        "D counts the decode leg aborted"
+    // Ended, not run out: D generated fewer than the request's 400 tokens (a client's
+    // abort is not counted in vLLM's request_success_total).
+    let made = generated(&pd.d).await - g0;
+    assert!(
+        made < 400.0,
+        "D generated {made} tokens: the request ran to max_tokens"
     );
     took
-}
-
-/// `vllm:request_success_total{finished_reason="abort"}`.
-async fn aborted(v: &Vllm) -> f64 {
-    let r = client::get(v.addr(), "/metrics").await.unwrap();
-    r.text()
-        .lines()
-        .filter(|l| {
-            l.starts_with("vllm:request_success_total{") && l.contains("finished_reason=\"abort\"")
-        })
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
