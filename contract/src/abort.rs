@@ -39,6 +39,13 @@ pub struct AbortRequest {
     /// answered as a fresh call (200 `already_aborted`), never taken for a replay.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempt: Option<u32>,
+    /// Present: the sender keeps the stream open until this answer and understands a
+    /// deferral (`stalled` only); if deferred, it asks again after this long, in ms (its
+    /// idle window). The receiver may then answer 200 `deferred` when the stream is not
+    /// stalled at the engine, only slow to drain downstream ([`AbortAnswer::deferred`]).
+    /// Absent from older senders, which never get a deferral.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recheck_ms: Option<u64>,
 }
 
 /// Why an abort body was refused (answer 400).
@@ -77,7 +84,15 @@ impl AbortRequest {
             idle_ms: None,
             gone_ms: None,
             attempt: None,
+            recheck_ms: None,
         }
+    }
+
+    /// The same body allowing a deferred answer, asked again after `recheck_ms`
+    /// ([`AbortRequest::recheck_ms`]).
+    pub fn with_recheck(mut self, recheck_ms: Option<u64>) -> Self {
+        self.recheck_ms = recheck_ms;
+        self
     }
 
     /// The same body marked as attempt `n` (1 = the first call).
@@ -124,6 +139,11 @@ pub struct AbortAnswer {
     /// It had ended earlier.
     #[serde(default, skip_serializing_if = "core::ops::Not::not")]
     pub already_aborted: bool,
+    /// Not ended: a `stalled` abort that allowed it ([`AbortRequest::recheck_ms`]) found the
+    /// stream producing at the engine and its reader still draining; the sender keeps the
+    /// stream and asks again after another idle window.
+    #[serde(default, skip_serializing_if = "core::ops::Not::not")]
+    pub deferred: bool,
 }
 
 /// What the sender does with an answer status.
@@ -252,6 +272,7 @@ mod tests {
             found: true,
             aborted: true,
             already_aborted: false,
+            deferred: false,
         };
         assert_eq!(
             serde_json::to_string(&a).unwrap(),
@@ -262,6 +283,7 @@ mod tests {
             found: false,
             aborted: false,
             already_aborted: false,
+            deferred: false,
         };
         assert_eq!(
             serde_json::to_string(&n).unwrap(),

@@ -3,7 +3,7 @@
 
 use crate::config::Limits;
 use crate::state::AppState;
-use crate::table::Times;
+use crate::table::{Flow, Times};
 use kvguard_contract::AbortReason;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -81,29 +81,75 @@ pub fn reap_once(st: &Arc<AppState>) {
 
 /// Whether a request is due to be ended at `now`, and why. Checked in order: max age
 /// (from the start), first-token timeout (from the start, until the first data event),
-/// idle (from the last data event, only after the first one).
+/// then, after the first data event, `stalled` for whichever side the response waits on
+/// ([`Flow`]): the engine's silence against the idle timeout (from the later of the last
+/// data event and the gateway's last ask for a frame), the reader's against the reader
+/// timeout (from the last frame the gateway's side took). A client that reads slower
+/// than the engine writes is therefore judged by the drain's progress, never by the idle
+/// timeout. With no reader timeout, idle counts from the last data event, whoever is slow.
 pub fn verdict(t: &Times, now: Instant, limits: &Limits) -> Option<AbortReason> {
     let age = now.saturating_duration_since(t.started);
     if limits.max_age.is_some_and(|m| age >= m) {
         return Some(AbortReason::MaxAge);
     }
-    match t.last_data {
-        None => {
+    let since = |t: Instant| now.saturating_duration_since(t);
+    match (t.last_data, t.flow, limits.reader_timeout) {
+        (None, _, _) => {
             let waited = age.saturating_sub(t.stalled);
             if limits.first_token_timeout.is_some_and(|f| waited >= f) {
                 return Some(AbortReason::FirstTokenTimeout);
             }
         }
-        Some(last) => {
-            if limits
-                .idle_timeout
-                .is_some_and(|i| now.saturating_duration_since(last) >= i)
-            {
+        (Some(_), Some(Flow::Reader(taken)), Some(reader)) => {
+            if since(taken) >= reader {
+                return Some(AbortReason::Stalled);
+            }
+        }
+        (Some(last), flow, reader) => {
+            let from = match flow {
+                Some(Flow::Engine(asked)) if reader.is_some() => last.max(asked),
+                _ => last,
+            };
+            if limits.idle_timeout.is_some_and(|i| since(from) >= i) {
                 return Some(AbortReason::Stalled);
             }
         }
     }
     None
+}
+
+/// Whether a gateway's `stalled` abort that allows a deferral (contract §3, `recheck_ms`)
+/// is deferred at `now` rather than carried out: the stream is not stalled at the engine,
+/// only slow to drain downstream. `sender_idle`: how long the sender saw no data
+/// (`idle_ms`). The gateway sees data only when its client has drained its buffer, so its
+/// silence is the drain's evidence, and kvguard-control's own is the engine's:
+///
+/// - The sender saw nothing for the reader timeout or longer: not deferred (its reader
+///   took nothing through the gateway for that long).
+/// - It waits on its reader here ([`Flow::Reader`]): deferred while the gateway's side
+///   took a frame within the reader timeout.
+/// - It waits on the engine ([`Flow::Engine`]): deferred while the engine has been silent
+///   for less than half of what the sender saw. An engine that stopped is silent here at
+///   least as long as at the sender (the sender sees its last bytes later); a silence the
+///   sender saw while the engine kept producing was the drain's (the bytes wait in the
+///   buffers between, which on Linux absorb megabytes), and the engine is silent here for
+///   at most the gap between two of its frames.
+///
+/// Never deferred: no reader timeout (`off`), no data event yet (a first-token wait is
+/// not the drain's), a sender that did not say how long it saw no data.
+pub fn defers(t: &Times, now: Instant, limits: &Limits, sender_idle: Option<Duration>) -> bool {
+    let (Some(reader), Some(last), Some(flow), Some(idle)) =
+        (limits.reader_timeout, t.last_data, t.flow, sender_idle)
+    else {
+        return false;
+    };
+    if idle >= reader {
+        return false;
+    }
+    match flow {
+        Flow::Reader(taken) => now.saturating_duration_since(taken) < reader,
+        Flow::Engine(asked) => now.saturating_duration_since(last.max(asked)) < idle / 2,
+    }
 }
 
 /// How often the reaper looks: a quarter of the smallest limit, between 10 ms and 1 s.
@@ -112,6 +158,7 @@ pub fn tick(limits: &Limits) -> Duration {
         limits.max_age,
         limits.idle_timeout,
         limits.first_token_timeout,
+        limits.reader_timeout,
     ]
     .into_iter()
     .flatten()

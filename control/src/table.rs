@@ -23,6 +23,24 @@ pub struct Times {
     /// Stalls of kvguard-control itself while it waited for its first data event
     /// ([`Entry::credit_stall`]): not counted against the first-token timeout.
     pub stalled: Duration,
+    /// Who the response body waits on now, once the gateway first asked for it.
+    pub flow: Option<Flow>,
+}
+
+/// Who a response body on its way to the gateway waits on, as kvguard-control sees it:
+/// the gateway's connection asks for the next frame ([`Entry::record_demand`]) only once
+/// it has room for it, and the engine's frames are read only when asked for. So a silent
+/// engine and a client (or hop) that does not read are told apart here, where the
+/// engine's side is seen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    /// The gateway asked for a frame at this time and the engine has not sent one since:
+    /// the engine's silence counts from here.
+    Engine(Instant),
+    /// A frame was handed to the gateway's connection at this time and it has not asked
+    /// for the next one since (its buffers are full: downstream of here, nobody drained
+    /// them): the drain's silence counts from here.
+    Reader(Instant),
 }
 
 #[derive(Debug)]
@@ -30,6 +48,7 @@ struct Progress {
     first_data: Option<Instant>,
     last_data: Option<Instant>,
     stalled: Duration,
+    flow: Option<Flow>,
     events: u64,
     kind: Option<BodyKind>,
     status: Option<u16>,
@@ -111,6 +130,12 @@ pub struct EntryView {
     pub status: Option<u16>,
     /// The reason it is being ended, if it is.
     pub ending: Option<AbortReason>,
+    /// Who its response waits on now ([`Flow`]): `engine` (asked for its next frame) or
+    /// `reader` (the gateway's side has not taken the last one); null before the gateway
+    /// first asked.
+    pub waiting_on: Option<&'static str>,
+    /// For how long, ms.
+    pub waiting_ms: Option<u64>,
 }
 
 fn ms(d: Duration) -> u64 {
@@ -138,6 +163,7 @@ impl Entry {
                 first_data: None,
                 last_data: None,
                 stalled: Duration::ZERO,
+                flow: None,
                 events: 0,
                 kind: None,
                 status: None,
@@ -177,28 +203,53 @@ impl Entry {
     /// The clocks.
     pub fn times(&self) -> Times {
         let p = self.progress.lock();
-        let (first_data, last_data, stalled) = p
-            .map(|p| (p.first_data, p.last_data, p.stalled))
+        let (first_data, last_data, stalled, flow) = p
+            .map(|p| (p.first_data, p.last_data, p.stalled, p.flow))
             .unwrap_or_default();
         Times {
             started: self.started,
             first_data,
             last_data,
             stalled,
+            flow,
+        }
+    }
+
+    /// The gateway's connection asked for the next response frame at `now`: if a frame
+    /// was the last thing handed over, the drain progressed and the engine is asked from
+    /// now ([`Flow::Engine`]); if the engine was already being asked, nothing changes.
+    pub fn record_demand(&self, now: Instant) {
+        if let Ok(mut p) = self.progress.lock() {
+            if !matches!(p.flow, Some(Flow::Engine(_))) {
+                p.flow = Some(Flow::Engine(now));
+            }
+        }
+    }
+
+    /// A response frame was handed to the gateway's connection at `now`: until it asks
+    /// for the next one, the stream waits on its reader ([`Flow::Reader`]).
+    pub fn record_handed(&self, now: Instant) {
+        if let Ok(mut p) = self.progress.lock() {
+            p.flow = Some(Flow::Reader(now));
         }
     }
 
     /// kvguard-control did not run for `stall`, which ended by `now` (the process was
     /// stopped or starved): what the engine sent meanwhile waits in socket buffers, not
     /// yet recorded. The idle clock (last data event) moves on by the stall, at most to
-    /// `now`, and so does the first-token clock: a silence that may have been ours ends
-    /// nothing. Max age is not moved.
+    /// `now`, and so do the first-token clock and the engine's or the drain's
+    /// ([`Flow`]): a silence that may have been ours ends nothing. Max age is not moved.
     pub fn credit_stall(&self, stall: Duration, now: Instant) {
         if let Ok(mut p) = self.progress.lock() {
             match p.last_data.as_mut() {
                 Some(last) => *last = (*last + stall).min(now),
                 None => p.stalled += stall,
             }
+            // The drain and the engine were not watched either.
+            p.flow = p.flow.map(|f| match f {
+                Flow::Engine(t) => Flow::Engine((t + stall).min(now)),
+                Flow::Reader(t) => Flow::Reader((t + stall).min(now)),
+            });
         }
     }
 
@@ -343,11 +394,25 @@ impl Entry {
 
     /// The JSON view at `now`.
     pub fn view(&self, now: Instant) -> EntryView {
-        let (first, last, events, kind, status) = self
+        let (first, last, events, kind, status, flow) = self
             .progress
             .lock()
-            .map(|p| (p.first_data, p.last_data, p.events, p.kind, p.status))
-            .unwrap_or((None, None, 0, None, None));
+            .map(|p| {
+                (
+                    p.first_data,
+                    p.last_data,
+                    p.events,
+                    p.kind,
+                    p.status,
+                    p.flow,
+                )
+            })
+            .unwrap_or((None, None, 0, None, None, None));
+        let (waiting_on, since) = match flow {
+            Some(Flow::Engine(t)) => (Some("engine"), Some(t)),
+            Some(Flow::Reader(t)) => (Some("reader"), Some(t)),
+            None => (None, None),
+        };
         EntryView {
             request_id: self.id.as_str().to_owned(),
             method: self.method.clone(),
@@ -364,6 +429,8 @@ impl Entry {
             }),
             status,
             ending: self.ended(),
+            waiting_on,
+            waiting_ms: since.map(|t| ms(now.saturating_duration_since(t))),
         }
     }
 }

@@ -474,6 +474,7 @@ fn verify_and_answer(
             found: true,
             aborted: false,
             already_aborted: true,
+            deferred: false,
         })
     } else if g.in_flight.remove(&id)
         || (shared.ids == IdPolicy::AllInFlight && !g.tombstones.contains(&id))
@@ -484,6 +485,7 @@ fn verify_and_answer(
             found: true,
             aborted: true,
             already_aborted: false,
+            deferred: false,
         })
     } else {
         g.tombstones.insert(id.clone());
@@ -498,6 +500,7 @@ fn verify_and_answer(
                 found: false,
                 aborted: false,
                 already_aborted: false,
+                deferred: false,
             })
             .unwrap_or_default(),
         ),

@@ -77,6 +77,11 @@ pub async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
         }
     };
     let reason = abort.reason;
+    if st.defers(&id, &abort) {
+        st.metrics.abort_api("deferred");
+        tracing::debug!(request_id = %id, sender_idle_ms = abort.idle_ms, "stalled abort deferred: the engine produces, the reader drains");
+        return deferred(&id);
+    }
     let gone = abort
         .gone_ms
         .map(|ms| (std::time::Duration::from_millis(ms), abort.tokens));
@@ -158,7 +163,20 @@ fn answer(id: &RequestId, found: bool, aborted: bool, already: bool) -> Json<Abo
         found,
         aborted,
         already_aborted: already,
+        deferred: false,
     })
+}
+
+/// 200 `{"request_id","found":true,"deferred":true}`: in flight, not ended (contract §3).
+fn deferred(id: &RequestId) -> Response {
+    let a = AbortAnswer {
+        request_id: id.as_str().to_owned(),
+        found: true,
+        aborted: false,
+        already_aborted: false,
+        deferred: true,
+    };
+    (StatusCode::OK, Json(a)).into_response()
 }
 
 /// The answer to an abort call decided here (contract §3's table).
@@ -266,6 +284,10 @@ pub async fn peer_abort(State(st): State<Arc<AppState>>, req: Request) -> Respon
         }
     };
     let reason = abort.reason;
+    if st.defers(&id, &abort) {
+        st.metrics.peer.receive("abort", "deferred");
+        return deferred(&id);
+    }
     let gone = abort
         .gone_ms
         .map(|ms| (std::time::Duration::from_millis(ms), abort.tokens));

@@ -184,9 +184,33 @@ pub struct Engine {
     last_host_tick: Option<u64>,
 }
 
-/// Decides `reason` for `req` at `now_ms` and queues its abort (enforce mode);
-/// `client_gone` says the stream already ended (decided in `on_log`), so the abort's
-/// `gone_ms` counts from `now_ms`.
+/// The tracked request of stream `ctx` in `table`, to change: one copy of the table's
+/// lookup for the calls off the per-chunk path (the module is size-bound).
+#[inline(never)]
+fn request_mut(
+    table: &mut hashbrown::HashMap<u32, Box<Request>>,
+    ctx: u32,
+) -> Option<&mut Request> {
+    table.get_mut(&ctx).map(|r| &mut **r)
+}
+
+/// How a decision came.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Via {
+    /// A clock fired at a tick.
+    Tick,
+    /// The stream already ended (`on_log`): the abort's `gone_ms` counts from the decision.
+    ClientGone,
+    /// A stall of this stream put to kvguard-control first ([`crate::cut`], enforce mode).
+    Ask(u32),
+    /// kvguard-control answered that stall with no deferral: its abort is sent already.
+    Answered,
+}
+
+/// Decides `reason` for `req` at `now_ms` and queues its abort (enforce mode). Asked
+/// ([`Via::Ask`]): nothing is decided yet; the abort allows a deferral and the stream
+/// stays open until its first answer ([`Engine::report_finished`]): `None`, unless the
+/// queue has no room (then it is cut now, as without kvguard-control).
 #[allow(clippy::too_many_arguments)]
 fn decide<P: Platform + ?Sized>(
     mode: Mode,
@@ -195,11 +219,17 @@ fn decide<P: Platform + ?Sized>(
     req: &mut Request,
     reason: AbortReason,
     now_ms: u64,
-    client_gone: bool,
+    via: Via,
     finished: &mut Vec<Finished>,
 ) -> Option<OutcomeTag> {
     let observe = mode == Mode::Observe;
-    if !req.decide(reason, observe) {
+    let ask = match via {
+        Via::Ask(ctx) => Some((ctx, req.idle_window())),
+        _ => None,
+    };
+    if ask.is_some() {
+        req.ask();
+    } else if !req.decide(reason, observe) {
         return None;
     }
     // Progress counted since the last tick gets its time (no earlier than the truth).
@@ -218,9 +248,14 @@ fn decide<P: Platform + ?Sized>(
         );
         return Some(OutcomeTag::Observed(reason));
     }
+    if via == Via::Answered {
+        return Some(OutcomeTag::Aborted(reason));
+    }
     let target = req.target.as_deref().copied();
-    let job = Job::new(req.id.clone(), reason, age, req.events(), target, now_ms)
-        .with_times(req.last_event_ms(), client_gone.then_some(now_ms));
+    let gone = (via == Via::ClientGone).then_some(now_ms);
+    let mut job = Job::new(req.id.clone(), reason, age, req.events(), target, now_ms)
+        .with_times(req.last_event_ms(), gone);
+    job.ask = ask;
     if let Err(job) = queue.push(job, p) {
         p.add(Metric::Aborts(reason, Outcome::Dropped), 1);
         finished.push(Finished {
@@ -228,8 +263,13 @@ fn decide<P: Platform + ?Sized>(
             outcome: Outcome::Dropped,
             status: None,
         });
+        if ask.is_some() {
+            req.answered(false, now_ms);
+            req.decide(reason, false);
+            return Some(OutcomeTag::Aborted(reason));
+        }
     }
-    Some(OutcomeTag::Aborted(reason))
+    ask.is_none().then_some(OutcomeTag::Aborted(reason))
 }
 
 impl Engine {
@@ -384,7 +424,7 @@ impl Engine {
         end_of_stream: bool,
     ) -> BodyNeed {
         let max_event_bytes = self.cfg.max_event_bytes;
-        let Some(req) = self.table.get_mut(&ctx) else {
+        let Some(req) = request_mut(&mut self.table, ctx) else {
             return BodyNeed::Nothing;
         };
         let (framing, compressed) = Framing::of(content_type, content_encoding);
@@ -508,7 +548,7 @@ impl Engine {
     /// The request body ended (its last chunk or its trailers): the first-token clock
     /// counts from now. Reads the clock only when that clock is on for the request.
     pub fn on_request_end<P: Platform + ?Sized>(&mut self, p: &mut P, ctx: u32) {
-        if let Some(req) = self.table.get_mut(&ctx) {
+        if let Some(req) = request_mut(&mut self.table, ctx) {
             if req.waits_for_upload() {
                 req.on_request_end(p.now_exact());
             }
@@ -517,7 +557,7 @@ impl Engine {
 
     /// The response trailers passed: the upstream ended the response.
     pub fn on_response_trailers(&mut self, ctx: u32) {
-        if let Some(req) = self.table.get_mut(&ctx) {
+        if let Some(req) = request_mut(&mut self.table, ctx) {
             req.on_trailers();
         }
     }
@@ -604,7 +644,7 @@ impl Engine {
                     req,
                     reason,
                     now,
-                    true,
+                    Via::ClientGone,
                     &mut self.finished,
                 );
                 self.report_finished(p);
@@ -684,8 +724,16 @@ impl Engine {
         }
         let mut actions = Vec::with_capacity(due.len());
         for (ctx, reason) in due {
-            let Some(req) = self.table.get_mut(&ctx) else {
+            let Some(req) = request_mut(&mut self.table, ctx) else {
                 continue;
+            };
+            // A stall is put to kvguard-control first ([`crate::cut`]).
+            let via = if req.undeferred() {
+                Via::Answered
+            } else if reason == AbortReason::Stalled && self.mode == Mode::Enforce {
+                Via::Ask(ctx)
+            } else {
+                Via::Tick
             };
             if let Some(tag) = decide(
                 self.mode,
@@ -694,7 +742,7 @@ impl Engine {
                 req,
                 reason,
                 now,
-                false,
+                via,
                 &mut self.finished,
             ) {
                 actions.push(match tag {
@@ -730,7 +778,8 @@ impl Engine {
         self.queue.has_ready(now_ms)
     }
 
-    /// An abort call's answer (`status` `None` on timeout / reset).
+    /// An abort call's answer (`status` `None` on timeout / reset). A stall it does not
+    /// defer is closed at the next tick ([`crate::cut`]).
     pub fn on_abort_answer<P: Platform + ?Sized>(
         &mut self,
         p: &mut P,
@@ -749,6 +798,13 @@ impl Engine {
 
     fn report_finished<P: Platform + ?Sized>(&mut self, p: &mut P) {
         let now = p.now_ms();
+        for (ctx, deferred) in self.queue.take_asks() {
+            let Some(req) = request_mut(&mut self.table, ctx).filter(|r| r.asking()) else {
+                continue;
+            };
+            // (Each answer is logged with its outcome below.)
+            req.answered(deferred, now);
+        }
         for f in self.finished.drain(..) {
             p.record(
                 Metric::AbortRoundTripMs(f.outcome),
@@ -909,8 +965,35 @@ mod tests {
             "idle cut at its first tick: {armed:?}"
         );
         let mut all = armed;
-        all.extend(e.tick(h));
+        all.extend(ended(e, h));
         all
+    }
+
+    /// A tick whose stalls kvguard-control ends at once (as it does for a silent engine),
+    /// and the next tick, at the same time, that closes them: what both close.
+    fn ended(e: &mut Engine, h: &mut MockHost) -> Vec<Action> {
+        let mut all = e.tick(h);
+        all.extend(answer_asks(e, h, 200, r#"{"found":true,"aborted":true}"#));
+        all
+    }
+
+    /// Answers every abort call that asked (`recheck_ms`) with `status` and `answer`
+    /// (calls already answered are ignored by the queue); returns what the answers close
+    /// (at a tick at the same time, when one asked).
+    fn answer_asks(e: &mut Engine, h: &mut MockHost, status: u16, answer: &str) -> Vec<Action> {
+        let tokens: Vec<u32> = h
+            .calls
+            .iter()
+            .filter(|c| memchr::memmem::find(&c.3, br#""recheck_ms":"#).is_some())
+            .map(|c| c.0)
+            .collect();
+        for t in &tokens {
+            e.on_abort_answer(h, *t, Some(status), answer.as_bytes());
+        }
+        if tokens.is_empty() {
+            return Vec::new();
+        }
+        e.tick(h)
     }
 
     fn body(h: &MockHost, i: usize) -> String {
@@ -1232,6 +1315,7 @@ mod tests {
         e.on_response_body(&mut h, 3, b"data: {}\n\n", 0, false);
         h.now += 50;
         let mut closed = e.on_host_tick(&mut h);
+        closed.extend(answer_asks(&mut e, &mut h, 200, r#"{"aborted":true}"#));
         closed.sort_by_key(|a| match a {
             Action::Close { ctx, .. } | Action::Mark { ctx, .. } => *ctx,
         });
@@ -1265,7 +1349,8 @@ mod tests {
         for _ in 0..20 {
             h.now += 750;
             e.on_response_body(&mut h, 2, b"data: {}\n\n", 0, false);
-            let a = e.on_host_tick(&mut h);
+            let mut a = e.on_host_tick(&mut h);
+            a.extend(answer_asks(&mut e, &mut h, 200, r#"{"aborted":true}"#));
             if !a.is_empty() {
                 cut = Some((a, h.now));
                 break;
@@ -1334,7 +1419,7 @@ mod tests {
         assert!(body(&h, 0).contains(r#""reason":"stalled""#));
         // Idle since its last data event (110 ms); the client was still connected.
         assert!(
-            body(&h, 0).ends_with(r#""idle_ms":110,"attempt":1}"#),
+            body(&h, 0).ends_with(r#""idle_ms":110,"attempt":1,"recheck_ms":100}"#),
             "{}",
             body(&h, 0)
         );
@@ -1959,7 +2044,7 @@ mod tests {
         assert!(e.tick(&mut h).is_empty());
         assert_eq!(warns(&h), 1, "logged once");
         h.now += 1;
-        let late = e.tick(&mut h);
+        let late = ended(&mut e, &mut h);
         let mut late_ctx: Vec<u32> = late
             .iter()
             .map(|a| match a {
@@ -2129,7 +2214,7 @@ mod tests {
             for ctx in 11..=50 {
                 e.on_response_body(&mut h, ctx, b"data: {}\n\n", 0, false);
             }
-            for act in e.tick(&mut h) {
+            for act in ended(&mut e, &mut h) {
                 if let Action::Close { ctx, tag } = act {
                     assert_eq!(tag, OutcomeTag::Aborted(AbortReason::Stalled));
                     assert!(ctx <= 10, "a healthy stream was closed");
@@ -2605,7 +2690,7 @@ mod tests {
                 0,
                 false,
             );
-            cut.extend(e.tick(&mut h));
+            cut.extend(ended(&mut e, &mut h));
         }
         assert_eq!(
             cut,
