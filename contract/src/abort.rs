@@ -266,6 +266,31 @@ mod tests {
     }
 
     #[test]
+    fn a_body_may_allow_a_deferral_and_an_answer_defer() {
+        let id = RequestId::try_new(b"r1").unwrap();
+        let req = AbortRequest::new(&id, AbortReason::Stalled, 5, 6).with_recheck(Some(3000));
+        assert_eq!(
+            req.to_json(),
+            br#"{"request_id":"r1","reason":"stalled","age_ms":5,"tokens":6,"recheck_ms":3000}"#
+        );
+        assert_eq!(AbortRequest::parse(&req.to_json()).unwrap().0, req);
+        // Older senders: absent.
+        let (old, _) = AbortRequest::parse(br#"{"request_id":"r1","reason":"stalled"}"#).unwrap();
+        assert_eq!(old.recheck_ms, None);
+        let d = AbortAnswer {
+            request_id: "r".into(),
+            found: true,
+            aborted: false,
+            already_aborted: false,
+            deferred: true,
+        };
+        assert_eq!(
+            serde_json::to_string(&d).unwrap(),
+            r#"{"request_id":"r","found":true,"deferred":true}"#
+        );
+    }
+
+    #[test]
     fn answers_serialise_per_contract() {
         let a = AbortAnswer {
             request_id: "r".into(),

@@ -25,6 +25,32 @@ pub struct Times {
     pub stalled: Duration,
     /// Who the response body waits on now, once the gateway first asked for it.
     pub flow: Option<Flow>,
+    /// How long the response waited on its reader since the last data event (waits that
+    /// ended; the current one is in `flow`): none of it is the engine's silence.
+    pub drained: Duration,
+}
+
+impl Times {
+    /// How long the engine has been silent at `now`: since the last data event, less
+    /// the time the response waited on its reader meanwhile (the engine's frames were
+    /// not asked for then). Frames that are no data event (keep-alives) do not end it.
+    pub fn engine_silence(&self, now: Instant) -> Option<Duration> {
+        let last = self.last_data?;
+        let current = self.reader_wait(now).unwrap_or_default();
+        Some(
+            now.saturating_duration_since(last)
+                .saturating_sub(self.drained)
+                .saturating_sub(current),
+        )
+    }
+
+    /// How long the response has been waiting on its reader at `now`, if it is.
+    pub fn reader_wait(&self, now: Instant) -> Option<Duration> {
+        match self.flow {
+            Some(Flow::Reader(t)) => Some(now.saturating_duration_since(t)),
+            _ => None,
+        }
+    }
 }
 
 /// Who a response body on its way to the gateway waits on, as kvguard-control sees it:
@@ -49,6 +75,7 @@ struct Progress {
     last_data: Option<Instant>,
     stalled: Duration,
     flow: Option<Flow>,
+    drained: Duration,
     events: u64,
     kind: Option<BodyKind>,
     status: Option<u16>,
@@ -164,6 +191,7 @@ impl Entry {
                 last_data: None,
                 stalled: Duration::ZERO,
                 flow: None,
+                drained: Duration::ZERO,
                 events: 0,
                 kind: None,
                 status: None,
@@ -203,8 +231,8 @@ impl Entry {
     /// The clocks.
     pub fn times(&self) -> Times {
         let p = self.progress.lock();
-        let (first_data, last_data, stalled, flow) = p
-            .map(|p| (p.first_data, p.last_data, p.stalled, p.flow))
+        let (first_data, last_data, stalled, flow, drained) = p
+            .map(|p| (p.first_data, p.last_data, p.stalled, p.flow, p.drained))
             .unwrap_or_default();
         Times {
             started: self.started,
@@ -212,16 +240,23 @@ impl Entry {
             last_data,
             stalled,
             flow,
+            drained,
         }
     }
 
     /// The gateway's connection asked for the next response frame at `now`: if a frame
-    /// was the last thing handed over, the drain progressed and the engine is asked from
-    /// now ([`Flow::Engine`]); if the engine was already being asked, nothing changes.
+    /// was the last thing handed over, the drain progressed (its wait is added to
+    /// [`Times::drained`]) and the engine is asked from now ([`Flow::Engine`]); if the
+    /// engine was already being asked, nothing changes.
     pub fn record_demand(&self, now: Instant) {
         if let Ok(mut p) = self.progress.lock() {
-            if !matches!(p.flow, Some(Flow::Engine(_))) {
-                p.flow = Some(Flow::Engine(now));
+            match p.flow {
+                Some(Flow::Engine(_)) => {}
+                Some(Flow::Reader(t)) => {
+                    p.drained += now.saturating_duration_since(t);
+                    p.flow = Some(Flow::Engine(now));
+                }
+                None => p.flow = Some(Flow::Engine(now)),
             }
         }
     }
@@ -267,6 +302,7 @@ impl Entry {
             p.events += n;
             p.first_data.get_or_insert(now);
             p.last_data = Some(now);
+            p.drained = Duration::ZERO;
         }
     }
 
@@ -276,6 +312,7 @@ impl Entry {
         if let Ok(mut p) = self.progress.lock() {
             p.first_data.get_or_insert(now);
             p.last_data = Some(now);
+            p.drained = Duration::ZERO;
         }
     }
 
@@ -552,6 +589,41 @@ mod tests {
         assert_eq!(e.times().last_data, Some(t0 + Duration::from_secs(31)));
         e.credit_stall(Duration::from_secs(100), t0 + Duration::from_secs(32));
         assert_eq!(e.times().last_data, Some(t0 + Duration::from_secs(32)));
+    }
+
+    #[test]
+    fn the_flow_says_who_the_response_waits_on_and_a_stall_moves_it() {
+        let t0 = Instant::now();
+        let e = completion(t0);
+        let s = Duration::from_secs;
+        assert_eq!(e.times().flow, None);
+        assert_eq!(e.view(t0).waiting_on, None);
+        e.record_demand(t0);
+        // Asked again before a frame came: the engine's wait goes on from the first ask.
+        e.record_demand(t0 + s(1));
+        assert_eq!(e.times().flow, Some(Flow::Engine(t0)));
+        let v = e.view(t0 + s(2));
+        assert_eq!((v.waiting_on, v.waiting_ms), (Some("engine"), Some(2000)));
+        e.record_handed(t0 + s(3));
+        assert_eq!(e.times().flow, Some(Flow::Reader(t0 + s(3))));
+        assert_eq!(e.view(t0 + s(4)).waiting_on, Some("reader"));
+        e.record_demand(t0 + s(5));
+        assert_eq!(e.times().flow, Some(Flow::Engine(t0 + s(5))));
+        assert_eq!(e.times().drained, s(2), "the reader's wait, 3 s to 5 s");
+        // A stall of kvguard-control moves it on, at most to now.
+        e.credit_stall(s(2), t0 + s(10));
+        assert_eq!(e.times().flow, Some(Flow::Engine(t0 + s(7))));
+        e.record_handed(t0 + s(10));
+        e.credit_stall(s(5), t0 + s(12));
+        assert_eq!(e.times().flow, Some(Flow::Reader(t0 + s(12))));
+        // A data event: the reader's past waits no longer count.
+        e.record_events(1, t0 + s(13));
+        assert_eq!(e.times().drained, Duration::ZERO);
+        e.record_handed(t0 + s(13));
+        e.record_demand(t0 + s(14));
+        assert_eq!(e.times().drained, s(1));
+        e.record_progress(t0 + s(15));
+        assert_eq!(e.times().drained, Duration::ZERO);
     }
 
     #[test]
