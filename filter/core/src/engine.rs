@@ -1960,6 +1960,156 @@ mod tests {
         e.on_response_body(h, ctx, b"data: {}\n\n", 0, false);
     }
 
+    const DEFERRED: &[u8] = br#"{"request_id":"m1","found":true,"deferred":true}"#;
+
+    /// A stall of stream 1 (idle 100 ms) armed and asked: the tick that asks closes
+    /// nothing; returns the ask's token.
+    fn stall_asked(e: &mut Engine, h: &mut MockHost) -> u32 {
+        h.now += 100;
+        assert!(e.tick(h).is_empty(), "armed");
+        let calls = h.calls.len();
+        assert!(e.tick(h).is_empty(), "asked, not cut");
+        assert_eq!(h.calls.len(), calls + 1);
+        let b = body(h, calls);
+        assert!(
+            b.contains(r#""reason":"stalled""#) && b.ends_with(r#","recheck_ms":100}"#),
+            "{b}"
+        );
+        h.calls[calls].0
+    }
+
+    #[test]
+    fn a_stall_kvguard_control_defers_keeps_the_stream_and_is_asked_again() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        let t = stall_asked(&mut e, &mut h);
+        // While the answer is awaited nothing is cut or asked again.
+        for _ in 0..5 {
+            h.now += 100;
+            assert!(e.tick(&mut h).is_empty());
+        }
+        assert_eq!(h.calls.len(), 1);
+        e.on_abort_answer(&mut h, t, Some(200), DEFERRED);
+        assert_eq!(
+            h.metric(Metric::Aborts(AbortReason::Stalled, Outcome::Deferred)),
+            1
+        );
+        assert!(h.logs.iter().any(|(_, m)| m.contains("outcome=deferred")));
+        // Kept for one idle window from the answer, then asked again (still silent).
+        h.now += 99;
+        assert!(e.tick(&mut h).is_empty());
+        assert_eq!(h.calls.len(), 1);
+        h.now += 1;
+        assert!(e.tick(&mut h).is_empty(), "armed");
+        assert_eq!(h.calls.len(), 1);
+        h.now += 10;
+        assert!(e.tick(&mut h).is_empty());
+        assert_eq!(h.calls.len(), 2, "asked again");
+        assert!(body(&h, 1).contains(r#""idle_ms":710"#), "{}", body(&h, 1));
+        // kvguard-control ends it this time: cut at the next tick, with no second abort.
+        let t = h.calls[1].0;
+        e.on_abort_answer(&mut h, t, Some(200), br#"{"found":true,"aborted":true}"#);
+        h.now += 10;
+        assert_eq!(
+            e.tick(&mut h),
+            vec![Action::Close {
+                ctx: 1,
+                tag: OutcomeTag::Aborted(AbortReason::Stalled)
+            }]
+        );
+        assert_eq!(
+            e.on_log(&mut h, 1, b"wasm_fail_stream", flags::LR),
+            Some(OutcomeTag::Aborted(AbortReason::Stalled))
+        );
+        e.pump(&mut h);
+        assert_eq!(h.calls.len(), 2);
+        assert_eq!(e.pending_aborts(), 0);
+    }
+
+    #[test]
+    fn progress_while_deferred_restarts_the_idle_clock() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        let t = stall_asked(&mut e, &mut h);
+        e.on_abort_answer(&mut h, t, Some(200), DEFERRED);
+        // The client drained: a chunk passes 50 ms later.
+        h.now += 50;
+        e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
+        h.now += 60;
+        assert!(e.tick(&mut h).is_empty());
+        assert_eq!(h.calls.len(), 1, "idle 60 ms since the chunk: not due");
+        h.now += 40;
+        assert!(e.tick(&mut h).is_empty(), "due: armed");
+        assert!(e.tick(&mut h).is_empty(), "asked");
+        assert_eq!(h.calls.len(), 2);
+        assert!(body(&h, 1).contains(r#""idle_ms":100"#), "{}", body(&h, 1));
+    }
+
+    #[test]
+    fn a_stall_kvguard_control_does_not_defer_is_cut_at_the_next_tick() {
+        // Not found (kvguard-control is not on its path), a transient error, a timeout,
+        // a call the host refuses: cut as without kvguard-control; retries go on.
+        for (status, answer) in [
+            (Some(404), &b""[..]),
+            (Some(503), b""),
+            (None, b""),
+            (Some(200), b"{}"),
+        ] {
+            let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+            stream(&mut e, &mut h, 1);
+            let t = stall_asked(&mut e, &mut h);
+            e.on_abort_answer(&mut h, t, status, answer);
+            assert_eq!(
+                e.tick(&mut h),
+                vec![Action::Close {
+                    ctx: 1,
+                    tag: OutcomeTag::Aborted(AbortReason::Stalled)
+                }],
+                "{status:?}"
+            );
+            // A retry no longer allows a deferral.
+            h.now += BACKOFF_MAX_MS;
+            e.pump(&mut h);
+            if let Some(c) = h.calls.get(1).cloned() {
+                let b = String::from_utf8(c.3).unwrap();
+                assert!(!b.contains("recheck_ms"), "{b}");
+                e.on_abort_answer(&mut h, c.0, Some(200), DEFERRED);
+                assert_eq!(
+                    h.metric(Metric::Aborts(AbortReason::Stalled, Outcome::Aborted)),
+                    1
+                );
+            }
+        }
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        h.now += 100;
+        e.tick(&mut h);
+        h.refuse = Some(crate::host::DispatchError::BadArgument);
+        assert_eq!(e.tick(&mut h).len(), 0, "asked: the call is refused");
+        assert_eq!(e.tick(&mut h).len(), 1, "cut at the next tick");
+    }
+
+    #[test]
+    fn a_stall_the_queue_has_no_room_to_ask_about_is_cut_at_once() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100,"max_pending_aborts":1"#);
+        track(&mut e, &mut h, 9, "gone");
+        e.on_log(&mut h, 9, b"downstream_remote_disconnect", flags::DC);
+        stream(&mut e, &mut h, 1);
+        h.now += 100;
+        e.tick(&mut h);
+        assert_eq!(
+            e.tick(&mut h),
+            vec![Action::Close {
+                ctx: 1,
+                tag: OutcomeTag::Aborted(AbortReason::Stalled)
+            }]
+        );
+        assert_eq!(
+            h.metric(Metric::Aborts(AbortReason::Stalled, Outcome::Dropped)),
+            1
+        );
+    }
+
     #[test]
     fn kill_switch_reaches_streams_in_flight_and_enforce_restarts_clocks() {
         let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
