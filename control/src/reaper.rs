@@ -143,7 +143,7 @@ pub fn defers(t: &Times, now: Instant, limits: &Limits, sender_idle: Option<Dura
     ) else {
         return false;
     };
-    idle < reader && !t.reader_wait(now).is_some_and(|w| w >= reader) && silence < idle / 2
+    idle < reader && t.reader_wait(now).is_none_or(|w| w < reader) && silence < idle / 2
 }
 
 /// How often the reaper looks: a quarter of the smallest limit, between 10 ms and 1 s.
