@@ -23,15 +23,14 @@
 //!    cannot stall (queued without a first-token clock, finished, observed) do not raise
 //!    it. Observe mode counts nothing (it cuts nothing).
 //!
-//! 3. **A stall is put to kvguard-control first** (enforce mode): the
-//!    filter's idle clock runs where the engine's bytes pass Envoy, and Envoy stops
-//!    reading the upstream while its client has not drained the connection's buffer, so a
-//!    client that reads slower than the engine writes looks idle here although its engine
-//!    produces and its client reads. For a stall this function allows, the tick sends the
-//!    `stalled` abort allowing a deferral (contract §3, `recheck_ms`) and keeps the
-//!    stream open ([`Hold::Asking`]);
-//!    kvguard-control, which sees the engine's side and the drain, ends the stream or
-//!    answers `deferred`. Deferred: the stream is kept and asked about again one idle
+//! 3. **A stall is put to kvguard-control first** (enforce mode): the filter's idle clock
+//!    runs where the engine's bytes pass Envoy, and Envoy stops reading the upstream while
+//!    its client has not drained the connection's buffer, so a client that reads slower
+//!    than the engine writes looks idle here although its engine produces and its client
+//!    reads. For a stall this function allows, the tick sends the `stalled` abort allowing
+//!    a deferral (contract §3, `recheck_ms`) and keeps the stream open ([`Hold::Asking`]);
+//!    kvguard-control, which sees the engine's side, ends the stream or answers
+//!    `deferred`. Deferred: the stream is kept and asked about again one idle
 //!    window later (new progress ends that wait). Any other answer — ended, not found
 //!    (kvguard-control is not on its path, or no longer holds it), an error, a timeout,
 //!    no call possible — cuts it at the next tick, as without kvguard-control: the ask

@@ -592,7 +592,7 @@ impl Request {
         if self.observed.take().is_some() {
             self.clocks_from = self.rel(now_ms);
             self.held_until = 0;
-            self.flags &= !ARMED;
+            self.flags &= !(ARMED | UNDEFERRED);
         }
     }
 
