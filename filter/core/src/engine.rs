@@ -2090,6 +2090,45 @@ mod tests {
     }
 
     #[test]
+    fn progress_after_the_arming_tick_disarms_it() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        h.now += 100;
+        assert!(e.tick(&mut h).is_empty(), "armed");
+        h.now += 50;
+        e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
+        assert!(e.tick(&mut h).is_empty());
+        // Due again 100 ms after that chunk: armed afresh, not asked.
+        h.now += 100;
+        assert!(e.tick(&mut h).is_empty());
+        assert!(h.calls.is_empty(), "asked at the tick that found it due");
+        h.now += 10;
+        e.tick(&mut h);
+        assert_eq!(h.calls.len(), 1);
+    }
+
+    #[test]
+    fn an_answered_stall_is_asked_again_after_observe_mode_not_cut() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        let t = stall_asked(&mut e, &mut h);
+        e.set_mode(&mut h, Mode::Observe);
+        e.on_abort_answer(&mut h, t, Some(404), b"");
+        assert_eq!(
+            e.tick(&mut h),
+            vec![Action::Mark {
+                ctx: 1,
+                tag: OutcomeTag::Observed(AbortReason::Stalled)
+            }]
+        );
+        e.set_mode(&mut h, Mode::Enforce);
+        // Its clocks start afresh: nothing is due, nothing is cut.
+        assert!(e.tick(&mut h).is_empty());
+        h.now += 50;
+        assert!(e.tick(&mut h).is_empty());
+    }
+
+    #[test]
     fn a_stall_the_queue_has_no_room_to_ask_about_is_cut_at_once() {
         let (mut e, mut h) = engine(r#","idle_timeout_ms":100,"max_pending_aborts":1"#);
         track(&mut e, &mut h, 9, "gone");
