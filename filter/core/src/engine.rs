@@ -2105,6 +2105,20 @@ mod tests {
         h.now += 10;
         e.tick(&mut h);
         assert_eq!(h.calls.len(), 1);
+        // The same when the chunk came while the clock could not be read (the tick
+        // stamps it).
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        h.now += 100;
+        assert!(e.tick(&mut h).is_empty(), "armed");
+        h.stale = Some(h.now);
+        e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
+        h.stale = None;
+        h.now += 50;
+        assert!(e.tick(&mut h).is_empty());
+        h.now += 100;
+        assert!(e.tick(&mut h).is_empty());
+        assert!(h.calls.is_empty(), "asked at the tick that found it due");
     }
 
     #[test]
