@@ -1902,6 +1902,7 @@ async fn stalled_aborts_are_deferred_only_while_the_engine_produces() {
     // Silent here for 5 s of the sender's 10 s: the engine's stall.
     let (_, v) = answer(ask("silent", "stalled", 10_000, true)).await;
     assert_eq!(v["aborted"], true, "{v}");
+    assert_eq!(silent.ended(), Some(AbortReason::Stalled));
     // The sender saw nothing for the reader timeout.
     let (_, v) = answer(ask("tired", "stalled", 90_000, true)).await;
     assert_eq!(v["aborted"], true, "{v}");
