@@ -21,7 +21,6 @@
 use kvguard_contract::AbortReason;
 use kvguard_integration::client;
 use kvguard_integration::demo::stack::Control;
-use kvguard_integration::free_addrs;
 use kvguard_integration::pd_proxy::{self, PdProxyConfig, PdProxyHandle};
 use kvguard_integration::vllm::{metric_sum, EngineFigures, Vllm};
 use kvguard_integration::vllm_pd::{VllmPd, LEASE_S};
@@ -272,37 +271,14 @@ struct Guarded {
 }
 
 async fn guarded(pd: &VllmPd) -> Guarded {
-    let a = free_addrs(4);
-    let (p_proxy, p_admin, d_proxy, d_admin) = (a[0], a[1], a[2], a[3]);
-    let peers = format!("http://{p_admin},http://{d_admin}");
-    let lease = format!("{LEASE_S}s");
-    let args = |role: &str| -> Vec<String> {
-        let mut v: Vec<String> = [
-            "--idle-timeout",
-            "off",
-            "--max-age",
-            "off",
-            "--peers",
-            &peers,
-            "--pd-role",
-            role,
-            "--pd-kv-lease",
-            &lease,
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        if role == "prefill" {
-            v.extend(["--pd-decode-url".to_string(), format!("http://{d_proxy}")]);
-        }
-        v
-    };
-    let pc = Control::start(pd.p.addr(), p_proxy, p_admin, &args("prefill"))
-        .await
-        .unwrap();
-    let dc = Control::start(pd.d.addr(), d_proxy, d_admin, &args("decode"))
-        .await
-        .unwrap();
+    let (pc, dc) = Control::start_pd_pair(
+        pd.p.addr(),
+        pd.d.addr(),
+        LEASE,
+        &["--idle-timeout", "off", "--max-age", "off"],
+    )
+    .await
+    .unwrap();
     Guarded { pc, dc }
 }
 

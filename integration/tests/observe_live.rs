@@ -50,7 +50,7 @@ const ENGINE_PANELS: [&str; 2] = [
 ];
 
 /// Names the rules and dashboard use that no process of this stack exports.
-const NOT_SCRAPED_HERE: [(&str, &str); 6] = [
+const NOT_SCRAPED_HERE: [(&str, &str); 7] = [
     (
         "kube_pod_container_resource_requests",
         "kube-state-metrics (Kubernetes only)",
@@ -74,6 +74,10 @@ const NOT_SCRAPED_HERE: [(&str, &str); 6] = [
     (
         "kvguard_control_gpu_memory_total_bytes",
         "NVML only (--no-nvml here)",
+    ),
+    (
+        "vllm:nixl_num_kv_expired_reqs_total",
+        "vLLM with NixlConnector, prefill side (asserted live in e2e_vllm_pd.rs)",
     ),
 ];
 

@@ -27,7 +27,6 @@ use kvguard_contract::AbortReason;
 use kvguard_integration::client;
 use kvguard_integration::demo::stack::{self, Control};
 use kvguard_integration::envoy::{Envoy, EnvoyOptions};
-use kvguard_integration::free_addrs;
 use kvguard_integration::pd_proxy::{self, PdProxyConfig, PdProxyHandle};
 use kvguard_integration::sim::{self, EndKind, KvRelease, PdRole, SimConfig, SimHandle};
 use kvguard_integration::wait::bounded;
@@ -81,33 +80,14 @@ async fn pd_held(pull_ms: u64, hand_off: Option<tokio::sync::watch::Receiver<boo
     })
     .await
     .unwrap();
-    let a = free_addrs(4);
-    let (p_proxy, p_admin, d_proxy, d_admin) = (a[0], a[1], a[2], a[3]);
-    let peers = format!("http://{p_admin},http://{d_admin}");
-    let lease = format!("{LEASE_MS}ms");
-    let common = |role: &str| -> Vec<String> {
-        [
-            "--idle-timeout",
-            "off",
-            "--peers",
-            &peers,
-            "--pd-role",
-            role,
-            "--pd-kv-lease",
-            &lease,
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
-    };
-    let mut p_args = common("prefill");
-    p_args.extend(["--pd-decode-url".to_string(), format!("http://{d_proxy}")]);
-    let pc = Control::start(p.addr(), p_proxy, p_admin, &p_args)
-        .await
-        .unwrap();
-    let dc = Control::start(d.addr(), d_proxy, d_admin, &common("decode"))
-        .await
-        .unwrap();
+    let (pc, dc) = Control::start_pd_pair(
+        p.addr(),
+        d.addr(),
+        Duration::from_millis(LEASE_MS),
+        &["--idle-timeout", "off"],
+    )
+    .await
+    .unwrap();
     let proxy = pd_proxy::spawn(PdProxyConfig {
         listen: None,
         prefill: pc.proxy,

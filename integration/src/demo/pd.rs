@@ -236,41 +236,20 @@ async fn start(cfg: &PdConfig, mode: Mode) -> Result<PdStack> {
     };
     let p = sim::spawn(sim_cfg(PdRole::Prefill)).await?;
     let d = sim::spawn(sim_cfg(PdRole::Decode)).await?;
-    let a = crate::free_addrs(4);
-    let (p_proxy, p_admin, d_proxy, d_admin) = (a[0], a[1], a[2], a[3]);
-    let (p_args, d_args) = match mode {
+    let (pc, dc) = match mode {
         Mode::Leak => {
-            let off: Vec<String> = ["--idle-timeout", "off", "--max-age", "off"]
-                .iter()
-                .map(|s| s.to_string())
-                .collect();
-            (off.clone(), off)
+            let any = SocketAddr::from(([127, 0, 0, 1], 0));
+            let off = ["--idle-timeout", "off", "--max-age", "off"].map(String::from);
+            (
+                Control::start(p.addr(), any, any, &off).await?,
+                Control::start(d.addr(), any, any, &off).await?,
+            )
         }
         Mode::Kvguard => {
-            let peers = format!("http://{p_admin},http://{d_admin}");
-            let lease = format!("{}ms", cfg.lease_ms);
-            let common = |role: &str| -> Vec<String> {
-                [
-                    "--idle-timeout",
-                    "off",
-                    "--peers",
-                    &peers,
-                    "--pd-role",
-                    role,
-                    "--pd-kv-lease",
-                    &lease,
-                ]
-                .iter()
-                .map(|s| s.to_string())
-                .collect()
-            };
-            let mut p_args = common("prefill");
-            p_args.extend(["--pd-decode-url".to_string(), format!("http://{d_proxy}")]);
-            (p_args, common("decode"))
+            let lease = Duration::from_millis(cfg.lease_ms);
+            Control::start_pd_pair(p.addr(), d.addr(), lease, &["--idle-timeout", "off"]).await?
         }
     };
-    let pc = Control::start(p.addr(), p_proxy, p_admin, &p_args).await?;
-    let dc = Control::start(d.addr(), d_proxy, d_admin, &d_args).await?;
     let proxy = pd_proxy::spawn(PdProxyConfig {
         listen: None,
         prefill: pc.proxy,

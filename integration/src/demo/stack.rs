@@ -178,6 +178,38 @@ impl Control {
         Ok(controls)
     }
 
+    /// A prefill/decode pair's kvguard-controls: one in front of `prefill`, one in front
+    /// of `decode`, peers of each other, with `--pd-role`, `--pd-kv-lease lease` (the
+    /// engines' KV lease) and, beside P, `--pd-decode-url` naming D's proxy listener (the
+    /// route that releases P's held blocks); `extra` flags on both.
+    pub async fn start_pd_pair(
+        prefill: SocketAddr,
+        decode: SocketAddr,
+        lease: Duration,
+        extra: &[&str],
+    ) -> Result<(Control, Control)> {
+        let a = crate::free_addrs(4);
+        let (p_proxy, p_admin, d_proxy, d_admin) = (a[0], a[1], a[2], a[3]);
+        let args = |role: &str| -> Vec<String> {
+            let mut v: Vec<String> = vec![
+                "--peers".into(),
+                format!("http://{p_admin},http://{d_admin}"),
+                "--pd-role".into(),
+                role.into(),
+                "--pd-kv-lease".into(),
+                format!("{}ms", lease.as_millis()),
+            ];
+            if role == "prefill" {
+                v.extend(["--pd-decode-url".into(), format!("http://{d_proxy}")]);
+            }
+            v.extend(extra.iter().map(|s| s.to_string()));
+            v
+        };
+        let pc = Control::start(prefill, p_proxy, p_admin, &args("prefill")).await?;
+        let dc = Control::start(decode, d_proxy, d_admin, &args("decode")).await?;
+        Ok((pc, dc))
+    }
+
     /// Its log so far.
     pub fn log(&self) -> String {
         self.guard.log()
