@@ -463,9 +463,8 @@ impl Metrics {
 }
 
 /// The abort API's `result` label values.
-pub const ABORT_API_RESULTS: [&str; 9] = [
+pub const ABORT_API_RESULTS: [&str; 8] = [
     "dry_run",
-    "deferred",
     "forwarded",
     "aborted",
     "already_aborted",

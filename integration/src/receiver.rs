@@ -475,7 +475,6 @@ fn verify_and_answer(
             aborted: false,
             already_aborted: true,
             legs: Vec::new(),
-            deferred: false,
         })
     } else if g.in_flight.remove(&id)
         || (shared.ids == IdPolicy::AllInFlight && !g.tombstones.contains(&id))
@@ -487,7 +486,6 @@ fn verify_and_answer(
             aborted: true,
             already_aborted: false,
             legs: Vec::new(),
-            deferred: false,
         })
     } else {
         g.tombstones.insert(id.clone());
@@ -503,7 +501,6 @@ fn verify_and_answer(
                 aborted: false,
                 already_aborted: false,
                 legs: Vec::new(),
-                deferred: false,
             })
             .unwrap_or_default(),
         ),
