@@ -457,7 +457,8 @@ async fn normal_streams_complete_untouched_chat_and_completions_h1_and_h2() {
         let Some((v, _turn)) = vllm("normal_streams").await else {
             return;
         };
-        // Each stream lasts several idle timeouts (600 tokens: ~10 s at ~60 tokens/s, longer
+        // Each stream lasts several idle timeouts (1200 tokens: ~12 s at 100 tokens/s, seen
+        // on a quiet 2-core machine; 600 once took 5.9 s, under two timeouts; longer
         // under load), so a filter whose idle clock did not follow the tokens would cut it.
         // Normal token gaps stay far below the timeout (tens of ms; pauses of a second or
         // two happen on a loaded 2-core machine).
@@ -465,7 +466,7 @@ async fn normal_streams_complete_untouched_chat_and_completions_h1_and_h2() {
         let st = Stack::start(filter_opts(v.addr(), idle.as_millis() as u64))
             .await
             .unwrap();
-        let n = 600u32;
+        let n = 1200u32;
         // Not a credit (a cut stream cannot be made whole): it says, on failure, whether
         // kvguard-control or this process was starved meanwhile.
         let mark = stall_mark(&st);
