@@ -39,6 +39,11 @@ const HEALTHY: u32 = 600;
 const HEALTHY_STREAMS: Duration = Duration::from_secs(300);
 /// Bound of a whole normal stream of several hundred tokens.
 const LONG_STREAM: Duration = Duration::from_secs(120);
+/// Tokens of a stream that must outlast a lease's expiry: the wait for an enforceable lease
+/// plus the TTL (30 s). 1500 tokens ended on their own 20 s after a SIGKILL on a quiet CI
+/// machine (~60 tok/s each); 4000 last ~65 s at that rate, and four of them fit the suite's
+/// KV pool (512 blocks of 32: 504 used).
+const OUTLAST_LEASE: u32 = 4000;
 
 /// Serialises the tests of this binary when they share a process (`cargo test` without
 /// nextest): they all watch the one vLLM's running count.
@@ -1303,9 +1308,9 @@ async fn a_sigkilled_gateways_streams_are_freed_on_vllm_by_the_lease() {
         let mut streams = Vec::new();
         for i in 0..STREAMS {
             let body = if i % 2 == 0 {
-                completion(LONG)
+                completion(OUTLAST_LEASE)
             } else {
-                chat(LONG)
+                chat(OUTLAST_LEASE)
             };
             let path = if i % 2 == 0 {
                 "/v1/completions"
@@ -1359,7 +1364,11 @@ async fn a_sigkilled_gateways_streams_are_freed_on_vllm_by_the_lease() {
             "vLLM's {STREAMS} sequences freed {:?} after the SIGKILL (TTL {TTL:?})",
             killed.elapsed()
         );
-        assert_eq!(control_aborts(&st, "gateway_lost").await, STREAMS as f64);
+        assert_eq!(
+            control_aborts(&st, "gateway_lost").await,
+            STREAMS as f64,
+            "every stream ends by the lease (none on its own: they are {OUTLAST_LEASE} tokens)"
+        );
         v.wait_idle(W).await.unwrap();
     })
     .await
