@@ -867,8 +867,15 @@ async fn enforce_is_the_default_and_an_expired_lease_ends_only_its_instances_req
         lease_metric(&st, "kvguard_control_lease_held_expiries_total").await,
         2.0
     );
-    // B renews; A stays silent: A alone expires, its request alone ends.
+    // B renews (the paths are back); A's own renewal may be due up to a period later, so
+    // nothing ends at B's. A still silent a period and a half (7.5 s) after: A alone
+    // expires, its request alone ends.
     let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, b, 4)).await;
+    assert_eq!(s, StatusCode::OK);
+    enforce::judge(&st);
+    assert_eq!(on_a.ended(), None, "the first gateway back ends nobody");
+    clock.advance(Duration::from_millis(7_500));
+    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, b, 5)).await;
     assert_eq!(s, StatusCode::OK);
     enforce::judge(&st);
     assert_eq!(on_a.ended(), Some(AbortReason::GatewayLost));
@@ -1146,6 +1153,9 @@ async fn held_expiries_and_each_kind_of_expiry_are_logged_as_such() {
     let mass = logs_of(|| enforce::judge(&st));
     assert!(mass.contains(held), "both silent: {mass}");
     let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, b, 4)).await;
+    assert_eq!(s, StatusCode::OK);
+    clock.advance(Duration::from_millis(7_500));
+    let (s, _) = call(admin::app(st.clone()), renewal(KEY, NOW, b, 5)).await;
     assert_eq!(s, StatusCode::OK);
     let lone = logs_of(|| enforce::judge(&st));
     assert!(lone.contains("no renewal on either path"), "{lone}");

@@ -1,8 +1,10 @@
 //! A TCP relay that can be shut like a gate: open, it copies bytes both ways; shut, it
-//! drops every connection it carries and every new one at once; forbidding, it answers
-//! every HTTP/1.1 request itself with 403 (an AuthorizationPolicy's answer). Tests put it
-//! on one path only (e.g. the gateway's lease renewals to kvguard-control) to cut that
-//! path while the others keep flowing.
+//! drops every connection it carries and every new one at once; refusing new ones, it
+//! keeps carrying the connections it has and drops every new one (a hop forwarding each
+//! request on a fresh connection then passes the streams already running and fails every
+//! new request); forbidding, it answers every HTTP/1.1 request itself with 403 (an
+//! AuthorizationPolicy's answer). Tests put it on one path only (e.g. the gateway's lease
+//! renewals to kvguard-control) to cut that path while the others keep flowing.
 
 use anyhow::{Context, Result};
 use std::net::SocketAddr;
@@ -16,6 +18,7 @@ use tokio::sync::watch;
 enum Mode {
     Open,
     Shut,
+    RefuseNew,
     Forbid,
 }
 
@@ -71,7 +74,7 @@ impl Gate {
                 let mode = *rx.borrow();
                 let mut rx = rx.clone();
                 match mode {
-                    Mode::Shut => drop(down),
+                    Mode::Shut | Mode::RefuseNew => drop(down),
                     Mode::Forbid => {
                         tokio::spawn(async move {
                             tokio::select! {
@@ -88,7 +91,7 @@ impl Gate {
                             let (mut down, mut up) = (down, up);
                             tokio::select! {
                                 _ = tokio::io::copy_bidirectional(&mut down, &mut up) => {}
-                                _ = rx.wait_for(|m| *m != Mode::Open) => {}
+                                _ = rx.wait_for(|m| !matches!(m, Mode::Open | Mode::RefuseNew)) => {}
                             }
                         });
                     }
@@ -111,6 +114,12 @@ impl Gate {
     pub fn set_open(&self, open: bool) {
         self.open
             .send_replace(if open { Mode::Open } else { Mode::Shut });
+    }
+
+    /// Drops every new connection from now on and keeps carrying the ones it has, until
+    /// [`Gate::set_open`].
+    pub fn refuse_new(&self) {
+        self.open.send_replace(Mode::RefuseNew);
     }
 
     /// Answers every request with 403 from now on (connections it relays are dropped),

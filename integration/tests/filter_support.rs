@@ -419,6 +419,22 @@ pub async fn open_streams_with_first(
     out
 }
 
+/// The sum of the filter's `<name>{result="<result>"}` counter on `envoy`.
+pub async fn filter_counter(
+    envoy: &kvguard_integration::envoy::Envoy,
+    name: &str,
+    result: &str,
+) -> f64 {
+    envoy
+        .stats_matching(name)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|(k, _)| k.contains(&format!("result=.={result};")))
+        .map(|(_, v)| v)
+        .sum()
+}
+
 /// The value of one series of kvguard-control's `/metrics` (`name{labels}` as written
 /// there); panics naming it when it is missing (a series that does not exist is not 0).
 pub async fn control_metric(

@@ -88,18 +88,6 @@ async fn wait_enforceable(control: &Control, n: f64) {
     .unwrap_or_else(|e| panic!("{e:#}\n{}", control.log()));
 }
 
-/// The sum of the filter's `<name>{result="<result>"}` counter on `envoy`.
-async fn filter_counter(envoy: &Envoy, name: &str, result: &str) -> f64 {
-    envoy
-        .stats_matching(name)
-        .await
-        .unwrap()
-        .into_iter()
-        .filter(|(k, _)| k.contains(&format!("result=.={result};")))
-        .map(|(_, v)| v)
-        .sum()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn default_flags_a_sigkilled_gateways_streams_end_within_the_ttl_a_restarted_ones_sooner() {
     bounded("dead gateways", Duration::from_secs(150), async {
@@ -200,7 +188,7 @@ async fn default_flags_the_admin_path_refused_or_forbidden_for_three_ttls_cuts_n
                 reads.spawn(async move { s.wait_end(TTL * 5).await.map(|e| e.saw_done()) });
             }
             wait_enforceable(&p.control, 1.0).await;
-            let data0 = filter_counter(&gw, "lease_data_renewals_total", "accepted").await;
+            let data0 = support::filter_counter(&gw, "lease_data_renewals_total", "accepted").await;
             if forbid {
                 gate.forbid();
             } else {
@@ -218,8 +206,8 @@ async fn default_flags_the_admin_path_refused_or_forbidden_for_three_ttls_cuts_n
             .sum();
             assert_eq!(expiries, 0.0, "{what}: a lease expired\n{}", p.control.log());
             assert_eq!(p.engine.state().running.len(), 8, "{what}");
-            let admin_failed = filter_counter(&gw, "lease_renewals_total", "failed").await;
-            let data = filter_counter(&gw, "lease_data_renewals_total", "accepted").await - data0;
+            let admin_failed = support::filter_counter(&gw, "lease_renewals_total", "failed").await;
+            let data = support::filter_counter(&gw, "lease_data_renewals_total", "accepted").await - data0;
             eprintln!(
                 "{what}: {:?} with the admin path cut: {admin_failed} out-of-band renewals failed, {data} in-band accepted",
                 cut.elapsed()

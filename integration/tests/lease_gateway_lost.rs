@@ -13,6 +13,10 @@
 //!   and no worker VM is judged lost for renewals sent before the other VMs beat again
 //!   (`why="vm_lost"` counts from the first renewal that leaves a VM out): every stream
 //!   keeps flowing.
+//! - Two gateways renewing out of phase, both renewal paths of both cut (out of band
+//!   refused, the hop's new connections to kvguard-control refused: every in-band renewal
+//!   fails) for three TTLs while their streams flow to readers: kvguard-control hears from
+//!   nobody, holds both silences, and cuts no stream.
 //!
 //! The shipped defaults (enforce, TTL 30 s, renewals every 5 s) are `lease_defaults.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -22,6 +26,7 @@ mod support;
 
 use kvguard_integration::demo::stack::{self, Control};
 use kvguard_integration::envoy::{Envoy, EnvoyOptions};
+use kvguard_integration::gate::Gate;
 use kvguard_integration::lossy::{self, LossyConfig};
 use kvguard_integration::sim::{self, SimConfig};
 use kvguard_integration::wait::{bounded, poll_until_async};
@@ -272,6 +277,108 @@ async fn gateways_stopped_past_the_ttl_and_resumed_lose_no_vm_and_no_stream() {
             drop((a, b));
         },
     )
+    .await
+    .unwrap();
+}
+
+/// The gateway's failed renewals: (out of band, in band).
+async fn renewals_failed(g: &Envoy) -> (f64, f64) {
+    (
+        support::filter_counter(g, "lease_renewals_total", "failed").await,
+        support::filter_counter(g, "lease_data_renewals_total", "failed").await,
+    )
+}
+
+/// Two gateways whose renewals arrive out of phase (B started half a period after A), both
+/// renewal paths of both cut for three TTLs while every stream flows to its reader: the
+/// out-of-band renewals are refused, and the hop's new connections to kvguard-control too,
+/// so every in-band renewal fails while the streams already running pass. Nobody is heard
+/// from after either silence begins, whatever the phases, so both are held: no lease
+/// expires and every stream reaches `[DONE]`. (Expiring one on the other's renewal in the
+/// half period after its own last one, the rule this replaced, ends all 24.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_out_of_phase_with_both_renewal_paths_cut_lose_no_stream() {
+    bounded("both renewal paths cut", Duration::from_secs(120), async {
+        let engine = sim::spawn(sim_config()).await.unwrap();
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        let control = Control::start(
+            engine.addr(),
+            any,
+            any,
+            &[
+                "--lease-mode".into(),
+                "enforce".into(),
+                "--lease-ttl".into(),
+                format!("{}ms", TTL.as_millis()),
+                "--idle-timeout".into(),
+                "off".into(),
+            ],
+        )
+        .await
+        .unwrap();
+        let data_gate = Gate::spawn(control.proxy).await.unwrap();
+        let admin_gate = Gate::spawn(control.admin).await.unwrap();
+        let hop = lossy::spawn(LossyConfig::to(data_gate.addr()))
+            .await
+            .unwrap();
+        let a = gateway(hop.addr(), admin_gate.addr()).await;
+        tokio::time::sleep(Duration::from_millis(RENEW_MS / 2)).await;
+        let b = gateway(hop.addr(), admin_gate.addr()).await;
+        // 200 tokens at 10/s: ~20 s, past the cut's three TTLs.
+        let mut streams = open(a.listener_addr(), 12, 200, "10").await;
+        streams.extend(open(b.listener_addr(), 12, 200, "10").await);
+        let mut reads = tokio::task::JoinSet::new();
+        for mut s in streams {
+            reads.spawn(async move { s.wait_end(W * 2).await.map(|e| e.saw_done()) });
+        }
+        wait_enforceable(&control, 2.0).await;
+        let before = [renewals_failed(&a).await, renewals_failed(&b).await];
+        admin_gate.set_open(false);
+        data_gate.refuse_new();
+        tokio::time::sleep(TTL * 3).await;
+        // Both paths of both gateways failed throughout; nothing expired, nothing ended.
+        for (g, (admin0, data0)) in [&a, &b].into_iter().zip(before) {
+            let (admin, data) = renewals_failed(g).await;
+            assert!(
+                admin - admin0 >= 5.0,
+                "out-of-band renewals failed: {}",
+                admin - admin0
+            );
+            assert!(
+                data - data0 >= 5.0,
+                "in-band renewals failed: {}",
+                data - data0
+            );
+        }
+        let text = control.metrics_text().await.unwrap();
+        let expiries: f64 = stack::labelled(&text, "kvguard_control_lease_expiries_total", "mode")
+            .values()
+            .sum();
+        assert_eq!(expiries, 0.0, "a lease expired\n{}", control.log());
+        assert_eq!(engine.state().running.len(), 24);
+        assert!(
+            support::control_metric(&control, "kvguard_control_lease_held_expiries_total").await
+                >= 2.0,
+            "both silences held"
+        );
+        admin_gate.set_open(true);
+        data_gate.set_open(true);
+        while let Some(r) = reads.join_next().await {
+            assert!(
+                r.unwrap().unwrap(),
+                "a stream someone reads did not complete"
+            );
+        }
+        assert_eq!(
+            control
+                .aborts_by_reason()
+                .await
+                .unwrap()
+                .get("gateway_lost"),
+            Some(&0.0)
+        );
+        drop((a, b));
+    })
     .await
     .unwrap();
 }

@@ -14,9 +14,11 @@
 //! - **silent**: both kinds of evidence are older than the TTL, its data path has carried
 //!   [`DATA_RENEWALS_TO_ENFORCE`] renewals (else the path cannot carry one and silence
 //!   proves nothing: it stays observe-only), and — when other instances hold leases —
-//!   one of them has been heard from since this one went silent (one that hears from
-//!   nobody holds: the network or kvguard-control is the suspect, whatever the phases
-//!   of the renewals).
+//!   another was heard from after this one went silent, at least a period and a half
+//!   ago (one that hears from nobody holds: the network or kvguard-control is the
+//!   suspect, whatever the phases of the renewals; and when the paths come back, every
+//!   live gateway's renewal is due within that time of the first one heard, so the
+//!   first back does not end the others).
 //!
 //! Within a live instance, one **worker VM** can be gone (it trapped; Envoy cut its
 //! streams at their next callback) while the others renew. Renewals from filters that
@@ -128,6 +130,9 @@ struct Lease {
     data_renewals: u32,
     /// Held in the current silent spell (counted once).
     held: bool,
+    /// The first evidence from another instance after this one's silence began (a period
+    /// and a half after its last evidence); cleared by its own evidence.
+    others_heard: Option<Instant>,
     /// Receipt of the last renewal that listed the live VMs.
     listed: Option<Instant>,
     /// Per worker VM: its last evidence (a renewal listing it or a request tagged with
@@ -186,6 +191,12 @@ impl Lease {
             (Some(a), Some(d)) => a.max(d),
             (a, d) => a.or(d).unwrap_or(self.renewed),
         }
+    }
+
+    /// When this instance's silence begins: its next renewal was due, with room for
+    /// jitter and tick lateness.
+    fn silent_from(&self) -> Instant {
+        self.last() + self.period * 3 / 2
     }
 }
 
@@ -311,6 +322,7 @@ impl Leases {
             }
             l.renewed = l.renewed.max(now);
             l.held = false;
+            l.others_heard = None;
             if let Some(vms) = &r.vms {
                 l.listed(vms, now);
             }
@@ -328,6 +340,7 @@ impl Leases {
             }
             l.counter[i] = r.counter;
             fresh(l);
+            self.heard(r.instance, now);
             return Ok(false);
         }
         let mut counter = [0; 2];
@@ -348,12 +361,24 @@ impl Leases {
             renewed: now,
             data_renewals: 0,
             held: false,
+            others_heard: None,
             listed: None,
             vms: HashMap::new(),
         };
         fresh(&mut l);
         self.table.insert(r.instance, l);
+        self.heard(r.instance, now);
         Ok(true)
+    }
+
+    /// Evidence from `from` accepted at `now`: for every other instance silent by then,
+    /// the first evidence from another since its silence began.
+    fn heard(&mut self, from: InstanceId, now: Instant) {
+        for (id, l) in &mut self.table {
+            if *id != from && l.others_heard.is_none() && l.silent_from() < now {
+                l.others_heard = Some(now);
+            }
+        }
     }
 
     /// A request tagged with `tag` arrived at `now`: data-path evidence of life for a
@@ -364,9 +389,11 @@ impl Leases {
         if let Some(l) = self.table.get_mut(&tag.instance) {
             l.data = Some(l.data.map_or(now, |t| t.max(now)));
             l.held = false;
+            l.others_heard = None;
             if let Some(vm) = tag.vm {
                 l.saw_vm(vm, now);
             }
+            self.heard(tag.instance, now);
         }
     }
 
@@ -388,6 +415,7 @@ impl Leases {
                 renewed: at,
                 data_renewals: 0,
                 held: false,
+                others_heard: None,
                 listed: None,
                 vms: HashMap::new(),
             },
@@ -401,6 +429,7 @@ impl Leases {
             l.admin = l.admin.map(|t| t + stall);
             l.data = l.data.map(|t| t + stall);
             l.renewed += stall;
+            l.others_heard = l.others_heard.map(|t| t + stall);
             // A VM left out before the stall: the renewals that might list it again may
             // not have been read yet.
             for v in l.vms.values_mut() {
@@ -434,14 +463,12 @@ impl Leases {
             if silent_for <= self.ttl {
                 continue;
             }
-            // Silent since its next renewal was due (with room for jitter and tick
-            // lateness); has anyone else been heard from since?
-            let silent_from = last + l.period * 3 / 2;
+            // Has anyone else been heard from since its silence began, long enough ago
+            // for its own renewal to have arrived had its path come back with theirs?
             let others = self.table.len() > 1;
-            let heard = self
-                .table
-                .iter()
-                .any(|(o, ol)| *o != id && ol.last() > silent_from);
+            let heard = l
+                .others_heard
+                .is_some_and(|t| now.saturating_duration_since(t) >= l.period * 3 / 2);
             if others && !heard {
                 verdicts.push((id, None));
             } else if l.data_renewals >= DATA_RENEWALS_TO_ENFORCE {

@@ -168,7 +168,7 @@ fn two_gateways_renewing_out_of_phase_and_both_cut_hold_whatever_the_phase() {
 }
 
 #[test]
-fn a_silent_gateway_expires_once_another_is_heard_after_its_silence() {
+fn a_silent_gateway_expires_a_period_and_a_half_after_another_is_heard_after_its_silence() {
     let t0 = Instant::now();
     let mut l = Leases::new(TTL);
     renew_both(&mut l, A, 3, t0);
@@ -176,11 +176,27 @@ fn a_silent_gateway_expires_once_another_is_heard_after_its_silence() {
     let last_a = t0 + ms(2 * P);
     // Both silent: held.
     assert_eq!(l.judge(last_a + TTL + ms(1)).held, 1);
-    // B comes back (a renewal after A went silent): A expires; B does not.
-    l.renew(&body(B, 4, Via::Admin), last_b + s(29)).unwrap();
-    assert_eq!(expired(&mut l, last_b + s(29)), vec![(A, Expiry::Silent)]);
+    // B comes back (the paths are back): A's own renewal may be due up to a period
+    // later, so A is not ended at B's; still silent a period and a half after, it is.
+    let back = last_b + s(29);
+    l.renew(&body(B, 4, Via::Admin), back).unwrap();
+    assert!(expired(&mut l, back).is_empty());
+    assert!(expired(&mut l, back + ms(P * 3 / 2 - 1)).is_empty());
+    assert_eq!(
+        expired(&mut l, back + ms(P * 3 / 2)),
+        vec![(A, Expiry::Silent)]
+    );
     assert!(l.holds(&B));
-    // B's evidence must come after A's silence began (a period and a half after its
+    // A renewing within that time keeps its lease.
+    let mut l = Leases::new(TTL);
+    renew_both(&mut l, A, 3, t0);
+    let last_b = renew_both(&mut l, B, 3, t0 + ms(2_500));
+    let back = last_b + s(29);
+    l.renew(&body(B, 4, Via::Admin), back).unwrap();
+    l.renew(&body(A, 4, Via::Data), back + ms(P)).unwrap();
+    assert!(expired(&mut l, back + ms(3 * P)).is_empty());
+    assert!(l.holds(&A) && l.holds(&B));
+    // The evidence must come after A's silence began (a period and a half after its
     // last renewal): evidence from before does not count.
     let mut l = Leases::new(TTL);
     renew_both(&mut l, A, 3, t0);
