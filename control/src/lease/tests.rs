@@ -405,6 +405,21 @@ fn a_stall_extends_each_kind_of_evidence_and_the_host_key_rule() {
 }
 
 #[test]
+fn a_stall_moves_when_another_was_heard_too() {
+    // A silent past the TTL, B heard at `h` (after A's silence began): A expires 1.5
+    // periods after `h`; a 2 s stall of our own after `h` moves that by 2 s.
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    let last = renew_both(&mut l, A, 3, t0);
+    let h = last + TTL + s(1);
+    l.renew(&body(B, 1, Via::Admin), h).unwrap();
+    l.extend(s(2));
+    let due = h + ms(P * 3 / 2) + s(2);
+    assert!(expired(&mut l, due - ms(1)).is_empty());
+    assert_eq!(expired(&mut l, due), vec![(A, Expiry::Silent)]);
+}
+
+#[test]
 fn a_sender_that_does_not_say_its_period_is_held_on_the_default_period() {
     // No period_ms: a sixth of the TTL (5 s), so B heard 7.5 s after A's last evidence
     // is not yet "since A went silent"; 7.6 s is.
