@@ -128,13 +128,11 @@ async fn healthy(pd: &VllmPd) {
     both_idle(pd, W).await;
 }
 
-/// Returns how long P held the blocks after the client left.
-async fn left_at_hand_off(pd: &VllmPd) -> Duration {
-    let (_open, hold) = tokio::sync::watch::channel(false);
-    let px = proxy(pd, true, Some(hold)).await;
-    let (p0, d0) = (finished(&pd.p).await, finished(&pd.d).await);
-    let e0 = expired(&pd.p).await;
-    let conn = send_raw(px.addr(), "pd-handoff", &completion(64)).await;
+/// Sends a short completion through the P/D proxy at `px` as `id`, waits for P to finish
+/// its prefill (the proxy holds the hand-off to D), and leaves; P holds the blocks for D.
+async fn leave_at_hand_off(pd: &VllmPd, px: std::net::SocketAddr, id: &str) {
+    let p0 = finished(&pd.p).await;
+    let conn = send_raw(px, id, &completion(64)).await;
     poll_until_async(
         "P finishes the prefill",
         W,
@@ -144,12 +142,36 @@ async fn left_at_hand_off(pd: &VllmPd) -> Duration {
     .await
     .unwrap();
     drop(conn);
-    let left = Instant::now();
     let f = pd.p.figures().await.unwrap();
     assert!(
         holding_for_d(&f),
         "P should hold the prefill's blocks for D: {f:?}"
     );
+}
+
+/// Streams a 400-token completion through the P/D proxy at `px` as `id`, reads its first
+/// event (D decodes), and leaves.
+async fn leave_during_decode(px: std::net::SocketAddr, id: &str) {
+    let mut c = client::stream_sse(
+        px,
+        "/v1/completions",
+        &completion(400),
+        &[("x-request-id", id)],
+        false,
+    )
+    .await
+    .unwrap();
+    c.next_event(W).await.unwrap().unwrap();
+    c.disconnect();
+}
+
+/// Returns how long P held the blocks after the client left.
+async fn left_at_hand_off(pd: &VllmPd) -> Duration {
+    let (_open, hold) = tokio::sync::watch::channel(false);
+    let px = proxy(pd, true, Some(hold)).await;
+    let (d0, e0) = (finished(&pd.d).await, expired(&pd.p).await);
+    leave_at_hand_off(pd, px.addr(), "pd-handoff").await;
+    let left = Instant::now();
     // Held for the lease with nothing running anywhere; D never saw it.
     pd.p.wait_figures("P's lease frees the blocks", LEASE + W, |f| {
         f.kv_usage == 0.0
@@ -220,17 +242,7 @@ async fn rejected_by_d_frees_p(pd: &VllmPd) -> Duration {
 async fn left_during_decode_behind_a_hiding_proxy(pd: &VllmPd) {
     let px = proxy(pd, true, None).await;
     let d0 = finished(&pd.d).await;
-    let mut c = client::stream_sse(
-        px.addr(),
-        "/v1/completions",
-        &completion(400),
-        &[("x-request-id", "pd-decode")],
-        false,
-    )
-    .await
-    .unwrap();
-    c.next_event(W).await.unwrap().unwrap();
-    c.disconnect();
+    leave_during_decode(px.addr(), "pd-decode").await;
     // D generates on for nobody (its generation counter keeps rising, the request runs).
     let g0 = generated(&pd.d).await;
     poll_until_async(
@@ -303,22 +315,8 @@ fn legs(v: &Value) -> Vec<(String, String)> {
 async fn kvguard_frees_p_at_the_hand_off(pd: &VllmPd, g: &Guarded) -> Duration {
     let (_open, hold) = tokio::sync::watch::channel(false);
     let px = proxy_to(g.pc.proxy, g.dc.proxy, true, Some(hold)).await;
-    let (p0, e0) = (finished(&pd.p).await, expired(&pd.p).await);
-    let conn = send_raw(px.addr(), "pd-kv-handoff", &completion(64)).await;
-    poll_until_async(
-        "P finishes the prefill",
-        W,
-        Duration::from_millis(50),
-        || async { (finished(&pd.p).await > p0).then_some(()) },
-    )
-    .await
-    .unwrap();
-    drop(conn);
-    let f = pd.p.figures().await.unwrap();
-    assert!(
-        holding_for_d(&f),
-        "P should hold the prefill's blocks for D: {f:?}"
-    );
+    let e0 = expired(&pd.p).await;
+    leave_at_hand_off(pd, px.addr(), "pd-kv-handoff").await;
     let t0 = Instant::now();
     let (status, v) =
         g.dc.abort("pd-kv-handoff", AbortReason::DownstreamReset)
@@ -348,17 +346,7 @@ async fn kvguard_frees_p_at_the_hand_off(pd: &VllmPd, g: &Guarded) -> Duration {
 async fn kvguard_ends_d_during_decode(pd: &VllmPd, g: &Guarded) -> Duration {
     let px = proxy_to(g.pc.proxy, g.dc.proxy, true, None).await;
     let g0 = generated(&pd.d).await;
-    let mut c = client::stream_sse(
-        px.addr(),
-        "/v1/completions",
-        &completion(400),
-        &[("x-request-id", "pd-kv-decode")],
-        false,
-    )
-    .await
-    .unwrap();
-    c.next_event(W).await.unwrap().unwrap();
-    c.disconnect();
+    leave_during_decode(px.addr(), "pd-kv-decode").await;
     pd.d.wait_figures("D runs the decode leg", W, |f| f.running == 1.0)
         .await
         .unwrap();
