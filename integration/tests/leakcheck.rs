@@ -15,7 +15,7 @@ use kvguard_integration::hops::{Hop, HopKind, LiteLlmOptions};
 use kvguard_integration::lossy::{self, LossyConfig};
 use kvguard_integration::pd_proxy::{self, PdProxyConfig, PdProxyHandle};
 use kvguard_integration::proc::ChildGuard;
-use kvguard_integration::sim::{self, KvRelease, PdRole, SimConfig, SimHandle};
+use kvguard_integration::sim::{self, KvRelease, SimConfig, SimHandle};
 use kvguard_integration::wait::bounded;
 use serde_json::Value;
 use std::net::SocketAddr;
@@ -437,14 +437,8 @@ struct PdPair {
 }
 
 async fn pd_pair(hide_disconnects: bool) -> PdPair {
-    let role = |pd_role| SimConfig {
-        pd_role,
-        kv_lease_ms: LEASE_MS,
-        token_rate: 50.0,
-        ..SimConfig::default()
-    };
-    let p = sim::spawn(role(PdRole::Prefill)).await.unwrap();
-    let d = sim::spawn(role(PdRole::Decode)).await.unwrap();
+    let pull_ms = SimConfig::default().kv_pull_ms;
+    let (p, d) = sim::spawn_pd(LEASE_MS, pull_ms, 50.0).await.unwrap();
     let proxy = pd_proxy::spawn(PdProxyConfig {
         listen: None,
         prefill: p.addr(),

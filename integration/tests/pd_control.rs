@@ -28,7 +28,7 @@ use kvguard_integration::client;
 use kvguard_integration::demo::stack::{self, Control};
 use kvguard_integration::envoy::{Envoy, EnvoyOptions};
 use kvguard_integration::pd_proxy::{self, PdProxyConfig, PdProxyHandle};
-use kvguard_integration::sim::{self, EndKind, KvRelease, PdRole, SimConfig, SimHandle};
+use kvguard_integration::sim::{self, EndKind, KvRelease, SimHandle};
 use kvguard_integration::wait::bounded;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -63,23 +63,7 @@ async fn pd(pull_ms: u64) -> Pd {
 
 /// [`pd`], the proxy holding each request between its legs until `hand_off` reads `true`.
 async fn pd_held(pull_ms: u64, hand_off: Option<tokio::sync::watch::Receiver<bool>>) -> Pd {
-    let p = sim::spawn(SimConfig {
-        pd_role: PdRole::Prefill,
-        kv_lease_ms: LEASE_MS,
-        token_rate: 20.0,
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap();
-    let d = sim::spawn(SimConfig {
-        pd_role: PdRole::Decode,
-        kv_lease_ms: LEASE_MS,
-        kv_pull_ms: pull_ms,
-        token_rate: 20.0,
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap();
+    let (p, d) = sim::spawn_pd(LEASE_MS, pull_ms, 20.0).await.unwrap();
     let (pc, dc) = Control::start_pd_pair(
         p.addr(),
         d.addr(),

@@ -9,7 +9,7 @@
 
 use kvguard_integration::client;
 use kvguard_integration::pd_proxy::{self, PdProxyConfig, PdProxyHandle};
-use kvguard_integration::sim::{self, EndKind, KvRelease, PdRole, SimConfig, SimHandle};
+use kvguard_integration::sim::{self, EndKind, KvRelease, SimHandle};
 use kvguard_integration::wait::{bounded, poll_until};
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -33,23 +33,7 @@ struct Pd {
 }
 
 async fn pd(hide_disconnects: bool, pull_ms: u64) -> Pd {
-    let p = sim::spawn(SimConfig {
-        pd_role: PdRole::Prefill,
-        kv_lease_ms: LEASE_MS,
-        token_rate: 20.0,
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap();
-    let d = sim::spawn(SimConfig {
-        pd_role: PdRole::Decode,
-        kv_lease_ms: LEASE_MS,
-        kv_pull_ms: pull_ms,
-        token_rate: 20.0,
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap();
+    let (p, d) = sim::spawn_pd(LEASE_MS, pull_ms, 20.0).await.unwrap();
     let proxy = pd_proxy::spawn(PdProxyConfig {
         listen: None,
         prefill: p.addr(),

@@ -21,7 +21,7 @@ use crate::client;
 use crate::envoy::{Envoy, EnvoyOptions};
 use crate::load::{Percentiles, Rng};
 use crate::pd_proxy::{self, PdProxyConfig};
-use crate::sim::{self, KvRelease, PdRole, SimConfig, SimHandle};
+use crate::sim::{self, KvRelease, SimConfig, SimHandle};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -228,14 +228,8 @@ struct PdStack {
 }
 
 async fn start(cfg: &PdConfig, mode: Mode) -> Result<PdStack> {
-    let sim_cfg = |role| SimConfig {
-        pd_role: role,
-        kv_lease_ms: cfg.lease_ms,
-        token_rate: cfg.token_rate,
-        ..SimConfig::default()
-    };
-    let p = sim::spawn(sim_cfg(PdRole::Prefill)).await?;
-    let d = sim::spawn(sim_cfg(PdRole::Decode)).await?;
+    let pull_ms = SimConfig::default().kv_pull_ms;
+    let (p, d) = sim::spawn_pd(cfg.lease_ms, pull_ms, cfg.token_rate).await?;
     let (pc, dc) = match mode {
         Mode::Leak => {
             let any = SocketAddr::from(([127, 0, 0, 1], 0));

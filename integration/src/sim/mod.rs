@@ -380,6 +380,27 @@ fn short_state(s: &SimState) -> String {
     )
 }
 
+/// A prefill and a decode simulator on the current tokio runtime, shaped like vLLM's
+/// NixlConnector pair: P holds a prefill's blocks for D for `lease_ms` (or until D's
+/// read), D reads them `pull_ms` after it admits the decode leg; both at `token_rate`.
+pub async fn spawn_pd(
+    lease_ms: u64,
+    pull_ms: u64,
+    token_rate: f64,
+) -> Result<(SimHandle, SimHandle)> {
+    let role = |pd_role| SimConfig {
+        pd_role,
+        kv_lease_ms: lease_ms,
+        kv_pull_ms: pull_ms,
+        token_rate,
+        ..SimConfig::default()
+    };
+    Ok((
+        spawn(role(PdRole::Prefill)).await?,
+        spawn(role(PdRole::Decode)).await?,
+    ))
+}
+
 /// Starts a simulator on the current tokio runtime.
 pub async fn spawn(config: SimConfig) -> Result<SimHandle> {
     let listener = crate::http::bind(config.listen)
