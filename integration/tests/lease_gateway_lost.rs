@@ -68,6 +68,33 @@ async fn wait_enforceable(control: &Control, n: f64) {
     .unwrap();
 }
 
+/// kvguard-control in front of `engine`, `--lease-mode mode` with the TTL above, no idle
+/// reaper (the lease alone ends streams here).
+async fn control(engine: &sim::SimHandle, mode: &str) -> Control {
+    let any = SocketAddr::from(([127, 0, 0, 1], 0));
+    let args = [
+        "--lease-mode".into(),
+        mode.into(),
+        "--lease-ttl".into(),
+        format!("{}ms", TTL.as_millis()),
+        "--idle-timeout".into(),
+        "off".into(),
+    ];
+    Control::start(engine.addr(), any, any, &args)
+        .await
+        .unwrap()
+}
+
+/// kvguard-control's `gateway_lost` abort count.
+async fn gateway_lost(control: &Control) -> Option<f64> {
+    control
+        .aborts_by_reason()
+        .await
+        .unwrap()
+        .get("gateway_lost")
+        .copied()
+}
+
 fn sim_config() -> SimConfig {
     SimConfig {
         max_running: 4096,
@@ -80,22 +107,7 @@ fn sim_config() -> SimConfig {
 async fn a_sigkilled_gateways_streams_end_within_the_ttl_and_only_its_own() {
     bounded("SIGKILLed gateway", Duration::from_secs(120), async {
         let engine = sim::spawn(sim_config()).await.unwrap();
-        let any = SocketAddr::from(([127, 0, 0, 1], 0));
-        let control = Control::start(
-            engine.addr(),
-            any,
-            any,
-            &[
-                "--lease-mode".into(),
-                "enforce".into(),
-                "--lease-ttl".into(),
-                format!("{}ms", TTL.as_millis()),
-                "--idle-timeout".into(),
-                "off".into(),
-            ],
-        )
-        .await
-        .unwrap();
+        let control = control(&engine, "enforce").await;
         let hop = lossy::spawn(LossyConfig::to(control.proxy)).await.unwrap();
         let mut a = gateway(hop.addr(), control.admin).await;
         let b = gateway(hop.addr(), control.admin).await;
@@ -145,14 +157,7 @@ async fn a_sigkilled_gateways_streams_end_within_the_ttl_and_only_its_own() {
             .wait_state("the engine idle", W, |s| s.running.is_empty())
             .await
             .unwrap();
-        assert_eq!(
-            control
-                .aborts_by_reason()
-                .await
-                .unwrap()
-                .get("gateway_lost"),
-            Some(&200.0)
-        );
+        assert_eq!(gateway_lost(&control).await, Some(200.0));
         drop(b);
     })
     .await
@@ -163,20 +168,7 @@ async fn a_sigkilled_gateways_streams_end_within_the_ttl_and_only_its_own() {
 async fn observe_mode_counts_a_dead_gateways_streams_and_ends_none() {
     bounded("observe mode", Duration::from_secs(60), async {
         let engine = sim::spawn(sim_config()).await.unwrap();
-        let any = SocketAddr::from(([127, 0, 0, 1], 0));
-        let control = Control::start(
-            engine.addr(),
-            any,
-            any,
-            &[
-                "--lease-mode".into(),
-                "observe".into(),
-                "--lease-ttl".into(),
-                format!("{}ms", TTL.as_millis()),
-            ],
-        )
-        .await
-        .unwrap();
+        let control = control(&engine, "observe").await;
         let hop = lossy::spawn(LossyConfig::to(control.proxy)).await.unwrap();
         let mut gw = gateway(hop.addr(), control.admin).await;
         let streams = open(gw.listener_addr(), 10, 1000, "5").await;
@@ -195,14 +187,7 @@ async fn observe_mode_counts_a_dead_gateways_streams_and_ends_none() {
         .unwrap();
         // Counted, not ended: the hop keeps reading, the engine keeps generating.
         assert_eq!(engine.state().running.len(), 10);
-        assert_eq!(
-            control
-                .aborts_by_reason()
-                .await
-                .unwrap()
-                .get("gateway_lost"),
-            Some(&0.0)
-        );
+        assert_eq!(gateway_lost(&control).await, Some(0.0));
     })
     .await
     .unwrap();
@@ -220,22 +205,7 @@ async fn gateways_stopped_past_the_ttl_and_resumed_lose_no_vm_and_no_stream() {
         Duration::from_secs(120),
         async {
             let engine = sim::spawn(sim_config()).await.unwrap();
-            let any = SocketAddr::from(([127, 0, 0, 1], 0));
-            let control = Control::start(
-                engine.addr(),
-                any,
-                any,
-                &[
-                    "--lease-mode".into(),
-                    "enforce".into(),
-                    "--lease-ttl".into(),
-                    format!("{}ms", TTL.as_millis()),
-                    "--idle-timeout".into(),
-                    "off".into(),
-                ],
-            )
-            .await
-            .unwrap();
+            let control = control(&engine, "enforce").await;
             let hop = lossy::spawn(LossyConfig::to(control.proxy)).await.unwrap();
             let mut a = gateway(hop.addr(), control.admin).await;
             let mut b = gateway(hop.addr(), control.admin).await;
@@ -300,22 +270,7 @@ async fn renewals_failed(g: &Envoy) -> (f64, f64) {
 async fn two_gateways_out_of_phase_with_both_renewal_paths_cut_lose_no_stream() {
     bounded("both renewal paths cut", Duration::from_secs(120), async {
         let engine = sim::spawn(sim_config()).await.unwrap();
-        let any = SocketAddr::from(([127, 0, 0, 1], 0));
-        let control = Control::start(
-            engine.addr(),
-            any,
-            any,
-            &[
-                "--lease-mode".into(),
-                "enforce".into(),
-                "--lease-ttl".into(),
-                format!("{}ms", TTL.as_millis()),
-                "--idle-timeout".into(),
-                "off".into(),
-            ],
-        )
-        .await
-        .unwrap();
+        let control = control(&engine, "enforce").await;
         let data_gate = Gate::spawn(control.proxy).await.unwrap();
         let admin_gate = Gate::spawn(control.admin).await.unwrap();
         let hop = lossy::spawn(LossyConfig::to(data_gate.addr()))
@@ -369,14 +324,7 @@ async fn two_gateways_out_of_phase_with_both_renewal_paths_cut_lose_no_stream() 
                 "a stream someone reads did not complete"
             );
         }
-        assert_eq!(
-            control
-                .aborts_by_reason()
-                .await
-                .unwrap()
-                .get("gateway_lost"),
-            Some(&0.0)
-        );
+        assert_eq!(gateway_lost(&control).await, Some(0.0));
         drop((a, b));
     })
     .await
