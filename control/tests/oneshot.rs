@@ -2325,3 +2325,72 @@ async fn observe_mode_counts_a_lost_vms_requests_and_ends_none() {
         1.0
     );
 }
+
+/// A `stalled` abort with `recheck_ms` of a stream whose engine produced just now is
+/// answered `deferred` and changes nothing; one whose engine has been silent for half the
+/// sender's silence, one from a sender that saw nothing for the reader timeout, one
+/// without `recheck_ms` (an older sender) and one of another reason are carried out.
+#[tokio::test]
+async fn stalled_aborts_are_deferred_only_while_the_engine_produces() {
+    let (st, clock) = state(|c| c.limits.reader_timeout = Some(Duration::from_secs(90)));
+    let app = admin::app(st.clone());
+    let key = Key::try_new(KEY).unwrap();
+    let admit = |id: &str| {
+        let e = st
+            .admit(
+                RequestId::try_new(id.as_bytes()).unwrap(),
+                "POST".into(),
+                "/".into(),
+            )
+            .unwrap();
+        e.record_events(1, clock.now());
+        // The gateway took that frame and asked for the next one.
+        e.record_handed(clock.now());
+        e.record_demand(clock.now());
+        e
+    };
+    let (flowing, silent, tired, old, gone) = (
+        admit("flowing"),
+        admit("silent"),
+        admit("tired"),
+        admit("old"),
+        admit("gone"),
+    );
+    clock.advance(Duration::from_secs(5));
+    for e in [&flowing, &tired, &old, &gone] {
+        e.record_events(1, clock.now());
+    }
+    let ask = |id: &str, reason: &str, idle_ms: u64, recheck: bool| {
+        let mut b = json!({"request_id": id, "reason": reason, "age_ms": 9, "idle_ms": idle_ms});
+        if recheck {
+            b["recheck_ms"] = 3000.into();
+        }
+        let b = serde_json::to_vec(&b).unwrap();
+        let sig = signature::sign(Domain::Abort, &key, NOW + 5, &b);
+        (app.clone(), abort_req(&b, Some(sig)))
+    };
+    let answer = |(app, req): (axum::Router, Request<Body>)| call(app, req);
+    let (s, v) = answer(ask("flowing", "stalled", 10_000, true)).await;
+    assert_eq!(
+        (s, v),
+        (
+            StatusCode::OK,
+            json!({"request_id": "flowing", "found": true, "deferred": true})
+        )
+    );
+    assert_eq!(flowing.ended(), None);
+    // Silent here for 5 s of the sender's 10 s: the engine's stall.
+    let (_, v) = answer(ask("silent", "stalled", 10_000, true)).await;
+    assert_eq!(v["aborted"], true, "{v}");
+    assert_eq!(silent.ended(), Some(AbortReason::Stalled));
+    // The sender saw nothing for the reader timeout.
+    let (_, v) = answer(ask("tired", "stalled", 90_000, true)).await;
+    assert_eq!(v["aborted"], true, "{v}");
+    let (_, v) = answer(ask("old", "stalled", 10_000, false)).await;
+    assert_eq!(v["aborted"], true, "{v}");
+    let (_, v) = answer(ask("gone", "downstream_reset", 10_000, true)).await;
+    assert_eq!(v["aborted"], true, "{v}");
+    // Not in flight: 404 as ever.
+    let (s, _) = answer(ask("never", "stalled", 10_000, true)).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+}

@@ -3,7 +3,9 @@
 //!
 //! 1. [`endpoint`] reads the call: the body (at most 4096 bytes), the signature (an
 //!    abort's, any configured key, `t` within ±30 s), the replay memory
-//!    ([`crate::replay`], its own lock), then the body's fields.
+//!    ([`crate::replay`], its own lock), then the body's fields. A `stalled` abort for a
+//!    stream here that is only slow to drain is answered `deferred` and changes nothing
+//!    ([`AppState::defers`]).
 //! 2. [`abort`] decides and carries it out. With `--peers`, an id not in flight here is
 //!    forwarded to every peer ([`peer`]) and the first that holds it answers; otherwise,
 //!    or when no peer holds it, it is decided here under the table lock
@@ -29,7 +31,7 @@ use crate::metrics::outcome;
 use crate::pd::{PdLeg, Release};
 use crate::state::AppState;
 use crate::table::{ClientGone, Entry};
-use kvguard_contract::{AbortReason, Leg, LegResult, RequestId};
+use kvguard_contract::{AbortReason, AbortRequest, Leg, LegResult, RequestId};
 use peer::PeerAnswer;
 use std::sync::Arc;
 use std::time::Duration;
@@ -188,6 +190,25 @@ impl AppState {
             });
         }
         legs
+    }
+
+    /// Whether a gateway's abort of `id` (in flight here) is deferred rather than carried
+    /// out: a `stalled` abort whose sender allows it (`recheck_ms`), for a stream that is
+    /// not stalled at the engine, only slow to drain downstream
+    /// ([`crate::reaper::defers`]). Nothing is changed: a deferral is only an answer.
+    pub fn defers(&self, id: &RequestId, abort: &AbortRequest) -> bool {
+        if abort.reason != AbortReason::Stalled || abort.recheck_ms.is_none() {
+            return false;
+        }
+        let Some(entry) = self.inner().table.get(id).cloned() else {
+            return false;
+        };
+        crate::reaper::defers(
+            &entry.times(),
+            self.clock.now(),
+            &self.cfg.limits,
+            abort.idle_ms.map(Duration::from_millis),
+        )
     }
 
     /// What the abort API does for `id`, decided under one lock: the request is in flight
