@@ -189,15 +189,15 @@ struct Guard {
 
 impl Drop for Guard {
     fn drop(&mut self) {
-        self.state.remove(&self.entry);
-        self.entry.close_engine_conn();
-        self.state.count_orphan_cost(&self.entry);
-        self.entry.finish();
         let cause = if self.entry.ended().is_some() && self.cause != Some("complete") {
             "aborted"
         } else {
             self.cause.unwrap_or("client_gone")
         };
+        self.state.remove_ended(&self.entry, cause == "complete");
+        self.entry.close_engine_conn();
+        self.state.count_orphan_cost(&self.entry);
+        self.entry.finish();
         let v = self.entry.view(self.state.clock.now());
         tracing::debug!(
             request_id = %self.entry.id,

@@ -5,6 +5,10 @@
 //!   `deferred` while the engine produces, and carried out once the gateway's silence
 //!   reaches the reader timeout, or when the engine is the one that is silent; an abort
 //!   without `recheck_ms` (an older gateway) is carried out at once.
+//! - A request that completed (the engine finished) while its gateway drains the last
+//!   bytes to a slow reader: its `stalled` abort with `recheck_ms` is deferred while the
+//!   gateway's silence is under the reader timeout, and for a reader timeout after the
+//!   completion or the last deferral; 404 otherwise, and for ids never seen.
 //! - Its own reaper: a client that reads nothing fills the buffers, kvguard-control stops
 //!   taking the engine's frames, and the idle timeout (which counts only the engine's
 //!   silence) does not fire; the reader timeout ends it.
@@ -23,8 +27,14 @@ use std::time::{Duration, Instant};
 const LIMIT: Duration = Duration::from_secs(60);
 
 /// A signed `stalled` abort of `id` whose sender saw no data for `idle_ms`; with
-/// `recheck_ms` it allows a deferral. Each call's body differs (`age_ms`).
-async fn stalled(admin: SocketAddr, id: &str, idle_ms: u64, recheck_ms: Option<u64>) -> Value {
+/// `recheck_ms` it allows a deferral. Each call's body differs (`age_ms`). Its status and
+/// answer.
+async fn stall_call(
+    admin: SocketAddr,
+    id: &str,
+    idle_ms: u64,
+    recheck_ms: Option<u64>,
+) -> (u16, Value) {
     static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut body = json!({"request_id": id, "reason": "stalled", "age_ms": n, "tokens": 2, "idle_ms": idle_ms});
@@ -32,6 +42,12 @@ async fn stalled(admin: SocketAddr, id: &str, idle_ms: u64, recheck_ms: Option<u
         body["recheck_ms"] = r.into();
     }
     let (status, v, _) = abort_signed(admin, &body, Some(&key()), now_unix()).await;
+    (status, v)
+}
+
+/// [`stall_call`], answered 200.
+async fn stalled(admin: SocketAddr, id: &str, idle_ms: u64, recheck_ms: Option<u64>) -> Value {
+    let (status, v) = stall_call(admin, id, idle_ms, recheck_ms).await;
     assert_eq!(status, 200, "{v}");
     v
 }
@@ -235,6 +251,88 @@ async fn the_reaper_waits_the_reader_timeout_for_a_client_that_does_not_drain() 
             Some(1.0)
         );
         drop(silent);
+        ctl.stop().await;
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn a_stall_abort_of_a_completed_request_is_deferred_within_the_reader_timeout() {
+    bounded("test", LIMIT, async {
+        let sim = sim(SimConfig::default()).await;
+        let reader = Duration::from_secs(2);
+        let ctl = control(&sim.url(), |c| {
+            c.limits.idle_timeout = None;
+            c.limits.reader_timeout = Some(reader);
+        })
+        .await;
+        let (proxy, admin) = (ctl.proxy_addr, ctl.admin_addr);
+        for id in ["done", "done-2", "done-3"] {
+            let mut s = client::stream_sse(
+                proxy,
+                "/v1/completions",
+                &completion(5),
+                &[("x-request-id", id)],
+                false,
+            )
+            .await
+            .unwrap();
+            assert!(s
+                .wait_end(Duration::from_secs(10))
+                .await
+                .unwrap()
+                .saw_done());
+        }
+        poll_until_async(
+            "all completed here",
+            Duration::from_secs(5),
+            Duration::from_millis(20),
+            || async {
+                let v = client::get_json(admin, "/v1/requests").await.unwrap();
+                (v["inflight"] == 0).then_some(())
+            },
+        )
+        .await
+        .unwrap();
+        let t0 = Instant::now();
+        // Its gateway saw no data for 1.5 s (a slow reader drains the tail): deferred.
+        let deferred = json!({"request_id": "done", "found": true, "deferred": true});
+        assert_eq!(stalled(admin, "done", 1_500, Some(500)).await, deferred);
+        // Not when its gateway's silence reached the reader timeout, nor for a sender that
+        // does not allow a deferral, nor for an id never seen: 404 (and a tombstone).
+        for (id, idle, recheck) in [
+            ("done-2", reader.as_millis() as u64, Some(500)),
+            ("done-3", 10, None),
+            ("never-seen", 10, Some(500)),
+        ] {
+            let (status, v) = stall_call(admin, id, idle, recheck).await;
+            assert_eq!(
+                (status, &v["found"]),
+                (404, &json!(false)),
+                "{id} {idle} {recheck:?}: {v}"
+            );
+        }
+        // A deferral keeps the completion one more reader timeout; without one it goes.
+        tokio::time::sleep_until((t0 + reader * 3 / 4).into()).await;
+        assert_eq!(stalled(admin, "done", 1_500, Some(500)).await, deferred);
+        tokio::time::sleep_until((t0 + reader * 3 / 2).into()).await;
+        assert_eq!(
+            stalled(admin, "done", 1_500, Some(500)).await,
+            deferred,
+            "kept by the last deferral"
+        );
+        tokio::time::sleep(reader + Duration::from_millis(100)).await;
+        let (status, v) = stall_call(admin, "done", 1_500, Some(500)).await;
+        assert_eq!(status, 404, "a reader timeout after the last deferral: {v}");
+        assert_eq!(
+            metric(
+                admin,
+                "kvguard_control_abort_api_answers_total{result=\"deferred\"}"
+            )
+            .await,
+            Some(3.0)
+        );
         ctl.stop().await;
     })
     .await

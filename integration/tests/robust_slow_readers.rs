@@ -13,11 +13,17 @@
 //!   kvguard-control deferred the filter's `stalled` aborts (it saw its engine produce)
 //!   and its own reaper did not count the drain's silence as the engine's.
 //! - Every silent client's stream is ended within the documented bound, and not before
-//!   the reader timeout: the filter's silence reaches it, kvguard-control ends it.
+//!   the reader timeout: the filter's silence reaches it, kvguard-control ends it; and its
+//!   connection is closed (kvguard-control's end of the stream does not stand in for the
+//!   filter's cut).
+//! - Readers of a short generation (2 KB/s): the engine finishes within seconds and the
+//!   rest of the response waits in the buffers while they drain it; the filter's stall
+//!   aborts then find it completed at kvguard-control, which defers them: they read to
+//!   the end, never cut.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use kvguard_integration::client::{self, SilentClient};
-use kvguard_integration::demo::stack::{self, Control, FILTER_TICK_MS};
+use kvguard_integration::demo::stack::{self, Control, Stack, StackOptions, FILTER_TICK_MS};
 use kvguard_integration::envoy::{Envoy, EnvoyOptions};
 use kvguard_integration::sim::{self, EndKind, SimConfig};
 use kvguard_integration::wait::bounded;
@@ -40,9 +46,12 @@ const READER: Duration = Duration::from_secs(60);
 const IDLE: Duration = Duration::from_secs(3);
 /// How long the slow readers read: past the reader timeout.
 const RUN: Duration = Duration::from_secs(75);
+/// The tail readers' generation.
+const TAIL_TOKENS: u32 = 400;
 
-/// Reads `chunk` bytes every 100 ms until `until`; returns the client (still connected)
-/// and the bytes read, or why it stopped early (closed, an abort event).
+/// Reads `chunk` bytes every 100 ms until `until` or the end of the response (`[DONE]`);
+/// returns the client (still connected) and the bytes read, or why it stopped early
+/// (closed, an abort event).
 async fn read_slowly(
     mut c: SilentClient,
     chunk: usize,
@@ -58,6 +67,9 @@ async fn read_slowly(
         }
         if c.bytes_read().windows(15).any(|w| w == b"kvguard_aborted") {
             return Err(format!("abort event after {} bytes", c.bytes_read().len()));
+        }
+        if c.bytes_read().windows(6).any(|w| w == b"[DONE]") {
+            break;
         }
         tokio::time::sleep_until(next.into()).await;
     }
@@ -146,9 +158,9 @@ async fn slow_readers_are_never_cut_and_silent_ones_are_reaped() {
         opts.downstream_sndbuf = Some(KERNEL_BUFFER);
         let envoy = Envoy::start(opts).await.unwrap();
         let at = envoy.listener_addr();
-        let body = json!({"model": "tiny", "prompt": "x", "stream": true, "max_tokens": 30_000});
-        let open = || async {
-            let c = client::silent_client(at, "/v1/completions", &body, &[], KERNEL_BUFFER, true)
+        let body = |max_tokens: u32| json!({"model": "tiny", "prompt": "x", "stream": true, "max_tokens": max_tokens});
+        let open = |max_tokens: u32| async move {
+            let c = client::silent_client(at, "/v1/completions", &body(max_tokens), &[], KERNEL_BUFFER, true)
                 .await
                 .unwrap();
             assert_eq!(c.status(), Some(200), "{:?}", c.head());
@@ -160,14 +172,23 @@ async fn slow_readers_are_never_cut_and_silent_ones_are_reaped() {
         let mut readers = tokio::task::JoinSet::new();
         let mut names = BTreeMap::new();
         for chunk in rates {
-            let c = open().await;
+            let c = open(30_000).await;
             let id = request_id(&c);
             names.insert(id.clone(), format!("{} B/s", chunk * 10));
             readers.spawn(async move { (id, read_slowly(c, chunk, until).await) });
         }
+        // The tail: 400 tokens (~100 KB, ~4 s at the engine), read at 2 KB/s (~50 s).
+        let mut tails = Vec::new();
+        for _ in 0..2 {
+            let c = open(TAIL_TOKENS).await;
+            let id = request_id(&c);
+            names.insert(id.clone(), "tail, 2000 B/s".to_owned());
+            tails.push(id.clone());
+            readers.spawn(async move { (id, read_slowly(c, 200, until).await) });
+        }
         let mut silent = Vec::new();
         for _ in 0..2 {
-            let c = open().await;
+            let c = open(30_000).await;
             names.insert(request_id(&c), "silent".to_owned());
             silent.push(c);
         }
@@ -200,10 +221,24 @@ async fn slow_readers_are_never_cut_and_silent_ones_are_reaped() {
                 rec.ended_ms.map(|e| e - rec.arrived_ms),
             );
         }
+        let log = ctl.guard().log();
         for (id, r) in &read {
             let name = &names[id];
-            let (_, n) = r.as_ref().unwrap_or_else(|e| panic!("the {name} reader was cut: {e}"));
+            let (c, n) = r.as_ref().unwrap_or_else(|e| panic!("the {name} reader was cut: {e}"));
             let rec = st.request(id).unwrap();
+            if tails.contains(id) {
+                assert_eq!(rec.ended, Some(EndKind::Length), "the {name} reader's engine did not finish");
+                assert!(
+                    c.bytes_read().windows(6).any(|w| w == b"[DONE]"),
+                    "the {name} reader did not reach the end in {RUN:?} ({n} bytes)"
+                );
+                // The case was reached: a stall abort came after the engine finished.
+                assert!(
+                    log.lines().any(|l| l.contains(id.as_str()) && l.contains("drains its tail")),
+                    "no stall of the {name} reader was deferred after its engine finished"
+                );
+                continue;
+            }
             assert_eq!(rec.ended, None, "the {name} reader's engine sequence was ended (read {n} bytes)");
             // Its idle timeout passed many times over: only the deferrals kept it.
             let silence = silences.get(id).copied().unwrap_or(0);
@@ -217,7 +252,7 @@ async fn slow_readers_are_never_cut_and_silent_ones_are_reaped() {
         // this rate); the filter's next abort after the reader timeout ends it: within one
         // idle window (its re-ask) and two ticks after that, plus a round trip.
         let fill = Duration::from_secs(5);
-        for c in &silent {
+        for c in &mut silent {
             let id = request_id(c);
             let rec = st.request(&id).unwrap();
             assert_eq!(rec.ended, Some(EndKind::Disconnected), "silent {id} not ended");
@@ -227,6 +262,11 @@ async fn slow_readers_are_never_cut_and_silent_ones_are_reaped() {
                 after <= fill + READER + IDLE + 2 * tick + Duration::from_secs(2),
                 "silent {id} ended {after:?} after it arrived"
             );
+            // Its connection was closed: it reads what is left and then the close.
+            let n = c.read_to_close(Duration::from_secs(10)).await.unwrap_or_else(|e| {
+                panic!("silent {id}: its connection was not closed: {e:#}")
+            });
+            eprintln!("silent {id}: closed after {n} bytes");
         }
         let m = client::get(ctl.admin, "/metrics").await.unwrap().text();
         assert!(
@@ -235,6 +275,69 @@ async fn slow_readers_are_never_cut_and_silent_ones_are_reaped() {
         );
         drop(silent);
     })
+    .await
+    .unwrap();
+}
+
+/// The stack `e2e_vllm`'s silent client runs in (the lossy hop before kvguard-control,
+/// 16 KiB buffers), with the simulator: a client that reads nothing after its request;
+/// kvguard-control carries out the filter's first stall abort (its reader timeout is the
+/// idle timeout) and ends the stream with its final event. The engine sequence ends, and
+/// the client's connection is closed too: the end that kvguard-control wrote must not
+/// complete the response at Envoy in place of the filter's cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_client_s_connection_is_closed_when_kvguard_control_ends_it_first() {
+    bounded(
+        "silent client, ended first",
+        Duration::from_secs(60),
+        async {
+            let sim = sim::spawn(SimConfig {
+                token_rate: 100.0,
+                kv_blocks: 16_384,
+                max_model_len: 32_768,
+                ..SimConfig::default()
+            })
+            .await
+            .unwrap();
+            let mut o = StackOptions::new(
+                sim.addr(),
+                Some(stack::filter_config(IDLE.as_millis() as u64, 0)),
+            );
+            o.control_args = [
+                "--idle-timeout",
+                "off",
+                "--max-age",
+                "off",
+                "--reader-timeout",
+            ]
+            .map(String::from)
+            .to_vec();
+            o.control_args.push(format!("{}s", IDLE.as_secs()));
+            let st = Stack::start(o).await.unwrap();
+            let body =
+                json!({"model": "tiny", "prompt": "x", "stream": true, "max_tokens": 30_000});
+            let mut c =
+                client::silent_client(st.entry(), "/v1/completions", &body, &[], 4096, false)
+                    .await
+                    .unwrap();
+            let ended = sim
+                .wait_state("the engine sequence ended", Duration::from_secs(30), |s| {
+                    s.requests.first().is_some_and(|r| r.ended.is_some())
+                })
+                .await
+                .unwrap();
+            assert_eq!(ended.requests[0].ended, Some(EndKind::Disconnected));
+            let n = c
+                .read_to_close(Duration::from_secs(10))
+                .await
+                .unwrap_or_else(|e| {
+                    panic!("its connection was not closed: {e:#}\n{}", st.logs(40))
+                });
+            let read = String::from_utf8_lossy(c.bytes_read()).into_owned();
+            assert!(!read.contains("[DONE]"), "{read}");
+            eprintln!("closed after {n} bytes");
+        },
+    )
     .await
     .unwrap();
 }

@@ -78,9 +78,9 @@ pub async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
         }
     };
     let reason = abort.reason;
-    if st.defers(&id, &abort) {
+    if let Some(why) = st.defers(&id, &abort) {
         st.metrics.abort_api("deferred");
-        tracing::debug!(request_id = %id, sender_idle_ms = abort.idle_ms, "stalled abort deferred: the engine produces, the reader drains");
+        tracing::debug!(request_id = %id, sender_idle_ms = abort.idle_ms, "stalled abort deferred: {why}");
         return deferred(&id);
     }
     let gone = abort
@@ -345,7 +345,7 @@ pub async fn peer_abort(State(st): State<Arc<AppState>>, req: Request) -> Respon
         }
     };
     let reason = abort.reason;
-    if st.defers(&id, &abort) {
+    if st.defers(&id, &abort).is_some() {
         st.metrics.peer.receive("abort", "deferred");
         return deferred(&id);
     }

@@ -192,23 +192,33 @@ impl AppState {
         legs
     }
 
-    /// Whether a gateway's abort of `id` (in flight here) is deferred rather than carried
-    /// out: a `stalled` abort whose sender allows it (`recheck_ms`), for a stream that is
-    /// not stalled at the engine, only slow to drain downstream
-    /// ([`crate::reaper::defers`]). Nothing is changed: a deferral is only an answer.
-    pub fn defers(&self, id: &RequestId, abort: &AbortRequest) -> bool {
+    /// Whether a gateway's abort of `id` is deferred rather than carried out, and why (for
+    /// the log): a `stalled` abort whose sender allows it (`recheck_ms`), for a stream
+    /// that is not stalled at the engine, only slow to drain downstream — in flight here
+    /// ([`crate::reaper::defers`]), or completed within the reader timeout
+    /// ([`crate::tombstones::Completions`]) while its sender saw no data for less than
+    /// the reader timeout: its gateway still holds the last bytes for a slow reader, and
+    /// nothing is left to free at the engine. Nothing is changed (a completion is kept
+    /// one more reader timeout): a deferral is only an answer.
+    pub fn defers(&self, id: &RequestId, abort: &AbortRequest) -> Option<&'static str> {
         if abort.reason != AbortReason::Stalled || abort.recheck_ms.is_none() {
-            return false;
+            return None;
         }
-        let Some(entry) = self.inner().table.get(id).cloned() else {
-            return false;
+        let reader = self.cfg.limits.reader_timeout?;
+        let sender_idle = abort.idle_ms.map(Duration::from_millis);
+        let now = self.clock.now();
+        let mut inner = self.inner();
+        let Some(entry) = inner.table.get(id).cloned() else {
+            let tail =
+                sender_idle.is_some_and(|i| i < reader) && inner.completions.get(id, now).is_some();
+            if tail {
+                inner.completions.insert(id.clone(), (), now);
+            }
+            return tail.then_some("the engine finished, the reader drains its tail");
         };
-        crate::reaper::defers(
-            &entry.times(),
-            self.clock.now(),
-            &self.cfg.limits,
-            abort.idle_ms.map(Duration::from_millis),
-        )
+        drop(inner);
+        crate::reaper::defers(&entry.times(), now, &self.cfg.limits, sender_idle)
+            .then_some("the engine produces, the reader drains")
     }
 
     /// What the abort API does for `id`, decided under one lock: the request is in flight

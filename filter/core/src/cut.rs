@@ -35,7 +35,10 @@
 //!    (kvguard-control is not on its path, or no longer holds it), an error, a timeout,
 //!    no call possible — cuts it at the next tick, as without kvguard-control: the ask
 //!    costs one round trip (at most `abort_timeout_ms`, plus the watchdog's slack if the
-//!    host loses the answer) and a tick.
+//!    host loses the answer) and a tick. An upstream end that passes while the answer is
+//!    awaited, or after one that did not defer, is held and the stream cut at the next
+//!    tick ([`crate::request::Request::end_held`]): kvguard-control's end of a stream it
+//!    ends must not complete it at Envoy for a client that reads nothing.
 //!
 //! What is not a hold but keeps a clock from being due: observe mode already flagged the
 //! stream (its clocks are off until enforce mode returns and restarts them), the stream is

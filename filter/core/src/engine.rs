@@ -194,6 +194,15 @@ fn request_mut(
     table.get_mut(&ctx).map(|r| &mut **r)
 }
 
+/// At the upstream's end of stream (enforce mode): whether it is held for the next tick
+/// to cut the stream ([`Request::end_held`]), as `Aborted(stalled)`. Without this,
+/// kvguard-control's end of a stream it does not defer would reach a client that reads
+/// nothing, and Envoy would keep its connection with the end undrained.
+#[inline(never)]
+fn end_held(mode: Mode, req: &mut Request) -> Option<OutcomeTag> {
+    (mode == Mode::Enforce && req.end_held()).then_some(OutcomeTag::Aborted(AbortReason::Stalled))
+}
+
 /// How a decision came.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Via {
@@ -491,7 +500,10 @@ impl Engine {
     /// unreadable chunk (progress and a host error, never a stall). No clock is read
     /// unless the request asks for one (its first progress, or the first after a quiet
     /// tick; see [`Request`]). Returns `Completed` when the body completed the response
-    /// just now. The one body path: the glue and the tests both come through here.
+    /// just now; `Aborted(stalled)` when the glue must hold this last chunk (not pass the
+    /// end on): a stall of the stream was put to kvguard-control and not deferred, and
+    /// the next tick cuts it ([`Engine::end_held`]). The one body path: the glue and the
+    /// tests both come through here.
     pub fn on_chunk<P: Platform + ?Sized>(
         &mut self,
         p: &mut P,
@@ -509,7 +521,7 @@ impl Engine {
                     if req.on_unreadable_body(end_of_stream) {
                         Self::mark(p, req);
                     }
-                    return None;
+                    return end_held(self.mode, req);
                 }
             },
             _ => Vec::new(),
@@ -530,11 +542,11 @@ impl Engine {
                 i64::from(fed.malformed),
             );
         }
-        if !fed.completed || req.observed.is_some() {
-            // Observe mode: the outcome stays `observed:<reason>`.
-            return None;
+        if !fed.completed {
+            return end_held(self.mode, req);
         }
-        Some(OutcomeTag::Completed)
+        // Observe mode: the outcome stays `observed:<reason>`.
+        req.observed.is_none().then_some(OutcomeTag::Completed)
     }
 
     /// The exact time of the progress just counted; when the clock cannot be read, the
@@ -555,11 +567,13 @@ impl Engine {
         }
     }
 
-    /// The response trailers passed: the upstream ended the response.
-    pub fn on_response_trailers(&mut self, ctx: u32) {
-        if let Some(req) = request_mut(&mut self.table, ctx) {
+    /// The response trailers passed: the upstream ended the response. Returns whether
+    /// the glue must hold them ([`Engine::on_chunk`]'s `Aborted`).
+    pub fn on_response_trailers(&mut self, ctx: u32) -> bool {
+        request_mut(&mut self.table, ctx).is_some_and(|req| {
             req.on_trailers();
-        }
+            end_held(self.mode, req).is_some()
+        })
     }
 
     /// Whether [`Engine::on_log`] needs Envoy's `response.code_details` and
@@ -677,7 +691,7 @@ impl Engine {
                 p.log(
                     Level::Warn,
                     &format!(
-                        "this worker did not run for {stall} ms (a tick {gap} ms after the last, period {} ms); an idle stream is cut only if a second tick finds nothing arrived, so what its engine sent meanwhile is read first (kvguard_filter_worker_stalls_total counts these)",
+                        "this worker did not run for {stall} ms (a tick {gap} ms after the last, period {} ms); idle streams are cut only when a second tick confirms them (kvguard_filter_worker_stalls_total)",
                         self.cfg.tick_ms
                     ),
                 );
@@ -2140,6 +2154,87 @@ mod tests {
         assert!(e.tick(&mut h).is_empty());
         h.now += 50;
         assert!(e.tick(&mut h).is_empty());
+    }
+
+    const STALL_CUT: Action = Action::Close {
+        ctx: 1,
+        tag: OutcomeTag::Aborted(AbortReason::Stalled),
+    };
+
+    /// kvguard-control's end of a stream it ends: its final event, then the end.
+    const ENDED_HERE: &[u8] = b"event: error\ndata: {\"error\":{\"type\":\"kvguard_aborted\"}}\n\n";
+
+    #[test]
+    fn an_end_that_passes_before_the_answer_is_held_and_the_stream_cut() {
+        // kvguard-control ends the stream (its final event and the end) before its answer
+        // arrives: the end is held, the next tick cuts the stream, with no second abort.
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        let t = stall_asked(&mut e, &mut h);
+        assert_eq!(
+            e.on_response_body(&mut h, 1, ENDED_HERE, 0, true),
+            Some(OutcomeTag::Aborted(AbortReason::Stalled)),
+            "held"
+        );
+        assert_eq!(e.tick(&mut h), vec![STALL_CUT]);
+        e.on_abort_answer(&mut h, t, Some(200), br#"{"found":true,"aborted":true}"#);
+        assert_eq!(
+            e.on_log(&mut h, 1, b"wasm_fail_stream", flags::LR),
+            Some(OutcomeTag::Aborted(AbortReason::Stalled))
+        );
+        assert_eq!(h.calls.len(), 1);
+        assert_eq!(
+            h.metric(Metric::Aborts(AbortReason::Stalled, Outcome::Aborted)),
+            1
+        );
+        // The same when the answer (no deferral) came first and the end before the tick;
+        // and for trailers, or a chunk the host could not hand over.
+        for end in 0..3 {
+            let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+            stream(&mut e, &mut h, 1);
+            let t = stall_asked(&mut e, &mut h);
+            e.on_abort_answer(&mut h, t, Some(404), b"");
+            let held = match end {
+                0 => e.on_response_body(&mut h, 1, ENDED_HERE, 0, true).is_some(),
+                1 => e.on_response_trailers(1),
+                _ => e.on_chunk(&mut h, 1, 5, true, || None).is_some(),
+            };
+            assert!(held, "end {end}");
+            assert_eq!(e.tick(&mut h), vec![STALL_CUT], "end {end}");
+        }
+    }
+
+    #[test]
+    fn an_end_is_not_held_once_deferred_nor_when_the_body_completed_nor_unasked() {
+        // Deferred: the reader drains; the end reaches it.
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        let t = stall_asked(&mut e, &mut h);
+        e.on_abort_answer(&mut h, t, Some(200), DEFERRED);
+        assert_eq!(
+            e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, true),
+            None
+        );
+        assert!(e.tick(&mut h).is_empty());
+        // The engine finished (the body completed) while the answer was awaited.
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        stall_asked(&mut e, &mut h);
+        assert_eq!(
+            e.on_response_body(&mut h, 1, b"data: [DONE]\n\n", 0, true),
+            Some(OutcomeTag::Completed)
+        );
+        assert!(e.tick(&mut h).is_empty());
+        // Never asked; or observe mode.
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        assert_eq!(e.on_response_body(&mut h, 1, ENDED_HERE, 0, true), None);
+        assert!(!e.on_response_trailers(1));
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        stall_asked(&mut e, &mut h);
+        e.set_mode(&mut h, Mode::Observe);
+        assert_eq!(e.on_response_body(&mut h, 1, ENDED_HERE, 0, true), None);
     }
 
     #[test]

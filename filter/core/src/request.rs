@@ -556,9 +556,23 @@ impl Request {
     }
 
     /// Whether kvguard-control answered its stall with no deferral and it is still open
-    /// to cut.
+    /// to cut (its end held, [`Request::end_held`], included).
     pub fn undeferred(&self) -> bool {
-        self.flags & UNDEFERRED != 0 && matches!(self.phase, Phase::Requested | Phase::Streaming(_))
+        self.flags & UNDEFERRED != 0 && !matches!(self.phase, Phase::Complete | Phase::Aborted(_))
+    }
+
+    /// The upstream's end passed (`→ Ended`, not complete) while a stall of this stream
+    /// was put to kvguard-control and not deferred (its answer awaited, or no deferral):
+    /// kvguard-control ends a stream it does not defer with a final event, which may pass
+    /// before its answer or the next tick. Returns whether the end is held: it then
+    /// counts as answered with no deferral, and the next tick cuts the stream. A body
+    /// that completed (the engine finished) is never held.
+    pub fn end_held(&mut self) -> bool {
+        let held = self.flags & (ASKING | UNDEFERRED) != 0 && matches!(self.phase, Phase::Ended);
+        if held {
+            self.flags = (self.flags & !ASKING) | UNDEFERRED;
+        }
+        held
     }
 
     /// Its idle window, ms (0 = off).
