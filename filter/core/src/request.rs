@@ -108,6 +108,8 @@ const ASKING: u8 = 4;
 /// [`Request`]'s flag: kvguard-control answered the stall with no deferral: the next tick
 /// cuts it, its abort already sent ([`Request::answered`]).
 const UNDEFERRED: u8 = 8;
+/// The flags of a stall put to kvguard-control and not deferred.
+const STALL_PUT: u8 = ASKING | UNDEFERRED;
 /// The flags progress clears (the others wait for an answer or a cut).
 const IDLE_FLAGS: u8 = QUIET | ARMED;
 
@@ -568,9 +570,9 @@ impl Request {
     /// counts as answered with no deferral, and the next tick cuts the stream. A body
     /// that completed (the engine finished) is never held.
     pub fn end_held(&mut self) -> bool {
-        let held = self.flags & (ASKING | UNDEFERRED) != 0 && matches!(self.phase, Phase::Ended);
+        let held = self.flags & STALL_PUT != 0 && matches!(self.phase, Phase::Ended);
         if held {
-            self.flags = (self.flags & !ASKING) | UNDEFERRED;
+            self.flags |= UNDEFERRED;
         }
         held
     }
