@@ -502,7 +502,7 @@ impl Engine {
     /// tick; see [`Request`]). Returns `Completed` when the body completed the response
     /// just now; `Aborted(stalled)` when the glue must hold this last chunk (not pass the
     /// end on): a stall of the stream was put to kvguard-control and not deferred, and
-    /// the next tick cuts it ([`Engine::end_held`]). The one body path: the glue and the
+    /// the next tick cuts it ([`end_held`]). The one body path: the glue and the
     /// tests both come through here.
     pub fn on_chunk<P: Platform + ?Sized>(
         &mut self,
