@@ -39,6 +39,13 @@ pub struct AbortRequest {
     /// answered as a fresh call (200 `already_aborted`), never taken for a replay.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempt: Option<u32>,
+    /// Present: the sender keeps the stream open until this answer and understands a
+    /// deferral (`stalled` only); if deferred, it asks again after this long, in ms (its
+    /// idle window). The receiver may then answer 200 `deferred` when the stream is not
+    /// stalled at the engine, only slow to drain downstream ([`AbortAnswer::deferred`]).
+    /// Absent from older senders, which never get a deferral.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recheck_ms: Option<u64>,
 }
 
 /// Why an abort body was refused (answer 400).
@@ -77,7 +84,15 @@ impl AbortRequest {
             idle_ms: None,
             gone_ms: None,
             attempt: None,
+            recheck_ms: None,
         }
+    }
+
+    /// The same body allowing a deferred answer, asked again after `recheck_ms`
+    /// ([`AbortRequest::recheck_ms`]).
+    pub fn with_recheck(mut self, recheck_ms: Option<u64>) -> Self {
+        self.recheck_ms = recheck_ms;
+        self
     }
 
     /// The same body marked as attempt `n` (1 = the first call).
@@ -128,6 +143,11 @@ pub struct AbortAnswer {
     /// and what it did. Absent when the abort was not fanned out (one holder at most).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub legs: Vec<Leg>,
+    /// Not ended: a `stalled` abort that allowed it ([`AbortRequest::recheck_ms`]) found the
+    /// stream producing at the engine and its reader still draining; the sender keeps the
+    /// stream and asks again after another idle window.
+    #[serde(default, skip_serializing_if = "core::ops::Not::not")]
+    pub deferred: bool,
 }
 
 /// One replica's part of a fanned-out abort (prefill/decode disaggregation, §4).
@@ -301,6 +321,32 @@ mod tests {
     }
 
     #[test]
+    fn a_body_may_allow_a_deferral_and_an_answer_defer() {
+        let id = RequestId::try_new(b"r1").unwrap();
+        let req = AbortRequest::new(&id, AbortReason::Stalled, 5, 6).with_recheck(Some(3000));
+        assert_eq!(
+            req.to_json(),
+            br#"{"request_id":"r1","reason":"stalled","age_ms":5,"tokens":6,"recheck_ms":3000}"#
+        );
+        assert_eq!(AbortRequest::parse(&req.to_json()).unwrap().0, req);
+        // Older senders: absent.
+        let (old, _) = AbortRequest::parse(br#"{"request_id":"r1","reason":"stalled"}"#).unwrap();
+        assert_eq!(old.recheck_ms, None);
+        let d = AbortAnswer {
+            request_id: "r".into(),
+            found: true,
+            aborted: false,
+            already_aborted: false,
+            legs: Vec::new(),
+            deferred: true,
+        };
+        assert_eq!(
+            serde_json::to_string(&d).unwrap(),
+            r#"{"request_id":"r","found":true,"deferred":true}"#
+        );
+    }
+
+    #[test]
     fn answers_serialise_per_contract() {
         let a = AbortAnswer {
             request_id: "r".into(),
@@ -308,6 +354,7 @@ mod tests {
             aborted: true,
             already_aborted: false,
             legs: Vec::new(),
+            deferred: false,
         };
         assert_eq!(
             serde_json::to_string(&a).unwrap(),
@@ -319,6 +366,7 @@ mod tests {
             aborted: false,
             already_aborted: false,
             legs: Vec::new(),
+            deferred: false,
         };
         assert_eq!(
             serde_json::to_string(&n).unwrap(),
@@ -345,6 +393,7 @@ mod tests {
                     result: LegResult::HeldUntilLease,
                 },
             ],
+            deferred: false,
         };
         let json = serde_json::to_string(&a).unwrap();
         assert_eq!(

@@ -131,6 +131,13 @@ pub struct Args {
     /// Abort a request with no data event this long after it started.
     #[arg(long, env = "KVGUARD_FIRST_TOKEN_TIMEOUT", default_value = "off")]
     pub first_token_timeout: String,
+    /// End a stream whose gateway side has taken none of its response for this long (its
+    /// client, or a hop, does not read): the idle timeout then counts only the engine's
+    /// own silence, and a gateway's `stalled` abort is deferred while the drain
+    /// progresses (`off`: the idle timeout counts from the last data event, whoever is
+    /// slow, and every abort is carried out).
+    #[arg(long, env = "KVGUARD_READER_TIMEOUT", default_value = "90s")]
+    pub reader_timeout: String,
     /// Observe only: log and count what would be aborted, abort nothing.
     #[arg(long, env = "KVGUARD_DRY_RUN", default_value_t = false)]
     pub dry_run: bool,
@@ -457,6 +464,10 @@ pub struct Limits {
     pub idle_timeout: Option<Duration>,
     /// From the request's start until the first data event.
     pub first_token_timeout: Option<Duration>,
+    /// From the last response frame the gateway's side took, while it takes no other
+    /// ([`crate::table::Flow::Reader`]); `None`: no reader clock, the idle one counts
+    /// from the last data event.
+    pub reader_timeout: Option<Duration>,
 }
 
 /// The validated configuration.
@@ -666,6 +677,7 @@ impl Config {
                 "--first-token-timeout",
                 &args.first_token_timeout,
             )?,
+            reader_timeout: parse_optional_duration("--reader-timeout", &args.reader_timeout)?,
         };
         let sample_interval = parse_required_duration("--sample-interval", &args.sample_interval)?;
         if sample_interval < Duration::from_millis(10) {
@@ -835,6 +847,7 @@ mod tests {
         );
         assert_eq!(c.limits.idle_timeout, Some(Duration::from_secs(120)));
         assert_eq!(c.limits.first_token_timeout, None);
+        assert_eq!(c.limits.reader_timeout, Some(Duration::from_secs(90)));
         assert_eq!(c.sample_interval, Duration::from_secs(5));
         assert_eq!(c.tombstone_ttl, Duration::from_secs(60));
         assert_eq!(c.drain_timeout, Duration::from_secs(30));

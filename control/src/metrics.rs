@@ -463,8 +463,9 @@ impl Metrics {
 }
 
 /// The abort API's `result` label values.
-pub const ABORT_API_RESULTS: [&str; 8] = [
+pub const ABORT_API_RESULTS: [&str; 9] = [
     "dry_run",
+    "deferred",
     "forwarded",
     "aborted",
     "already_aborted",

@@ -189,15 +189,15 @@ struct Guard {
 
 impl Drop for Guard {
     fn drop(&mut self) {
-        self.state.remove(&self.entry);
-        self.entry.close_engine_conn();
-        self.state.count_orphan_cost(&self.entry);
-        self.entry.finish();
         let cause = if self.entry.ended().is_some() && self.cause != Some("complete") {
             "aborted"
         } else {
             self.cause.unwrap_or("client_gone")
         };
+        self.state.remove_ended(&self.entry, cause == "complete");
+        self.entry.close_engine_conn();
+        self.state.count_orphan_cost(&self.entry);
+        self.entry.finish();
         let v = self.entry.view(self.state.clock.now());
         tracing::debug!(
             request_id = %self.entry.id,
@@ -679,8 +679,13 @@ impl HttpBody for TrackedBody {
             this.done = true;
             return Poll::Ready(None);
         };
+        // The gateway's connection asks for a frame only once it has room for one: the
+        // drain's progress, and from here a silence is the engine's ([`crate::table::Flow`]).
+        let entry = &this.guard.entry;
+        entry.record_demand(this.guard.state.clock.now());
         match Pin::new(inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
+                entry.record_handed(this.guard.state.clock.now());
                 if let Some(data) = frame.data_ref() {
                     if let Some(kept) = this.handoff.as_mut() {
                         if kept.len() + data.len() <= HANDOFF_ANSWER_MAX {

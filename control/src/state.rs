@@ -10,7 +10,7 @@ use crate::gpu::GpuTracker;
 use crate::metrics::Metrics;
 use crate::replay::ReplayMemory;
 use crate::table::Entry;
-use crate::tombstones::{Tombstone, Tombstones};
+use crate::tombstones::{Completions, Tombstone, Tombstones};
 use kvguard_contract::{AbortReason, Key, RequestId};
 use prometheus_client::registry::Registry;
 use std::collections::HashMap;
@@ -28,6 +28,8 @@ pub struct Inner {
     pub table: HashMap<RequestId, Arc<Entry>>,
     /// Refused ids.
     pub tombstones: Tombstones,
+    /// Requests that completed recently (`--reader-timeout` on; [`AppState::defers`]).
+    pub completions: Completions,
     /// `--dry-run` only: attempts a retry with the same id replaced in `table`, still
     /// running (a dry run ends nothing and forgets nothing), by their sequence number.
     pub superseded: HashMap<u64, Arc<Entry>>,
@@ -141,6 +143,10 @@ impl AppState {
             table: HashMap::new(),
             superseded: HashMap::new(),
             tombstones: Tombstones::new(cfg.tombstone_ttl, cfg.max_tombstones),
+            completions: Tombstones::new(
+                cfg.limits.reader_timeout.unwrap_or_default(),
+                cfg.max_tombstones,
+            ),
         };
         let replay = Mutex::new(ReplayMemory::new(cfg.max_replay_entries));
         let keys = KeySet {
@@ -291,6 +297,19 @@ impl AppState {
     pub fn remove(&self, entry: &Entry) {
         let mut inner = self.inner();
         self.remove_locked(&mut inner, entry);
+    }
+
+    /// Removes an entry whose response ended here; one that `completed` (the engine's
+    /// end passed on) is remembered for the reader timeout, under the same lock: its
+    /// gateway may still be draining it to a slow reader ([`AppState::defers`]).
+    pub fn remove_ended(&self, entry: &Entry, completed: bool) {
+        let mut inner = self.inner();
+        self.remove_locked(&mut inner, entry);
+        if completed && self.cfg.limits.reader_timeout.is_some() {
+            inner
+                .completions
+                .insert(entry.id.clone(), (), self.clock.now());
+        }
     }
 
     pub(crate) fn remove_locked(&self, inner: &mut Inner, entry: &Entry) {

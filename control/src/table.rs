@@ -23,6 +23,50 @@ pub struct Times {
     /// Stalls of kvguard-control itself while it waited for its first data event
     /// ([`Entry::credit_stall`]): not counted against the first-token timeout.
     pub stalled: Duration,
+    /// Who the response body waits on now, once the gateway first asked for it.
+    pub flow: Option<Flow>,
+    /// How long the response waited on its reader since the last data event (waits that
+    /// ended; the current one is in `flow`): none of it is the engine's silence.
+    pub drained: Duration,
+}
+
+impl Times {
+    /// How long the engine has been silent at `now`: since the last data event, less
+    /// the time the response waited on its reader meanwhile (the engine's frames were
+    /// not asked for then). Frames that are no data event (keep-alives) do not end it.
+    pub fn engine_silence(&self, now: Instant) -> Option<Duration> {
+        let last = self.last_data?;
+        let current = self.reader_wait(now).unwrap_or_default();
+        Some(
+            now.saturating_duration_since(last)
+                .saturating_sub(self.drained)
+                .saturating_sub(current),
+        )
+    }
+
+    /// How long the response has been waiting on its reader at `now`, if it is.
+    pub fn reader_wait(&self, now: Instant) -> Option<Duration> {
+        match self.flow {
+            Some(Flow::Reader(t)) => Some(now.saturating_duration_since(t)),
+            _ => None,
+        }
+    }
+}
+
+/// Who a response body on its way to the gateway waits on, as kvguard-control sees it:
+/// the gateway's connection asks for the next frame ([`Entry::record_demand`]) only once
+/// it has room for it, and the engine's frames are read only when asked for. So a silent
+/// engine and a client (or hop) that does not read are told apart here, where the
+/// engine's side is seen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    /// The gateway asked for a frame at this time and the engine has not sent one since:
+    /// the engine's silence counts from here.
+    Engine(Instant),
+    /// A frame was handed to the gateway's connection at this time and it has not asked
+    /// for the next one since (its buffers are full: downstream of here, nobody drained
+    /// them): the drain's silence counts from here.
+    Reader(Instant),
 }
 
 #[derive(Debug)]
@@ -30,6 +74,8 @@ struct Progress {
     first_data: Option<Instant>,
     last_data: Option<Instant>,
     stalled: Duration,
+    flow: Option<Flow>,
+    drained: Duration,
     events: u64,
     kind: Option<BodyKind>,
     status: Option<u16>,
@@ -112,6 +158,12 @@ pub struct EntryView {
     pub status: Option<u16>,
     /// The reason it is being ended, if it is.
     pub ending: Option<AbortReason>,
+    /// Who its response waits on now ([`Flow`]): `engine` (asked for its next frame) or
+    /// `reader` (the gateway's side has not taken the last one); null before the gateway
+    /// first asked.
+    pub waiting_on: Option<&'static str>,
+    /// For how long, ms.
+    pub waiting_ms: Option<u64>,
 }
 
 fn ms(d: Duration) -> u64 {
@@ -139,6 +191,8 @@ impl Entry {
                 first_data: None,
                 last_data: None,
                 stalled: Duration::ZERO,
+                flow: None,
+                drained: Duration::ZERO,
                 events: 0,
                 kind: None,
                 status: None,
@@ -196,28 +250,60 @@ impl Entry {
     /// The clocks.
     pub fn times(&self) -> Times {
         let p = self.progress.lock();
-        let (first_data, last_data, stalled) = p
-            .map(|p| (p.first_data, p.last_data, p.stalled))
+        let (first_data, last_data, stalled, flow, drained) = p
+            .map(|p| (p.first_data, p.last_data, p.stalled, p.flow, p.drained))
             .unwrap_or_default();
         Times {
             started: self.started,
             first_data,
             last_data,
             stalled,
+            flow,
+            drained,
+        }
+    }
+
+    /// The gateway's connection asked for the next response frame at `now`: if a frame
+    /// was the last thing handed over, the drain progressed (its wait is added to
+    /// [`Times::drained`]) and the engine is asked from now ([`Flow::Engine`]); if the
+    /// engine was already being asked, nothing changes.
+    pub fn record_demand(&self, now: Instant) {
+        if let Ok(mut p) = self.progress.lock() {
+            match p.flow {
+                Some(Flow::Engine(_)) => {}
+                Some(Flow::Reader(t)) => {
+                    p.drained += now.saturating_duration_since(t);
+                    p.flow = Some(Flow::Engine(now));
+                }
+                None => p.flow = Some(Flow::Engine(now)),
+            }
+        }
+    }
+
+    /// A response frame was handed to the gateway's connection at `now`: until it asks
+    /// for the next one, the stream waits on its reader ([`Flow::Reader`]).
+    pub fn record_handed(&self, now: Instant) {
+        if let Ok(mut p) = self.progress.lock() {
+            p.flow = Some(Flow::Reader(now));
         }
     }
 
     /// kvguard-control did not run for `stall`, which ended by `now` (the process was
     /// stopped or starved): what the engine sent meanwhile waits in socket buffers, not
     /// yet recorded. The idle clock (last data event) moves on by the stall, at most to
-    /// `now`, and so does the first-token clock: a silence that may have been ours ends
-    /// nothing. Max age is not moved.
+    /// `now`, and so do the first-token clock and the engine's or the drain's
+    /// ([`Flow`]): a silence that may have been ours ends nothing. Max age is not moved.
     pub fn credit_stall(&self, stall: Duration, now: Instant) {
         if let Ok(mut p) = self.progress.lock() {
             match p.last_data.as_mut() {
                 Some(last) => *last = (*last + stall).min(now),
                 None => p.stalled += stall,
             }
+            // The drain and the engine were not watched either.
+            p.flow = p.flow.map(|f| match f {
+                Flow::Engine(t) => Flow::Engine((t + stall).min(now)),
+                Flow::Reader(t) => Flow::Reader((t + stall).min(now)),
+            });
         }
     }
 
@@ -235,6 +321,7 @@ impl Entry {
             p.events += n;
             p.first_data.get_or_insert(now);
             p.last_data = Some(now);
+            p.drained = Duration::ZERO;
         }
     }
 
@@ -244,6 +331,7 @@ impl Entry {
         if let Ok(mut p) = self.progress.lock() {
             p.first_data.get_or_insert(now);
             p.last_data = Some(now);
+            p.drained = Duration::ZERO;
         }
     }
 
@@ -362,11 +450,25 @@ impl Entry {
 
     /// The JSON view at `now`.
     pub fn view(&self, now: Instant) -> EntryView {
-        let (first, last, events, kind, status) = self
+        let (first, last, events, kind, status, flow) = self
             .progress
             .lock()
-            .map(|p| (p.first_data, p.last_data, p.events, p.kind, p.status))
-            .unwrap_or((None, None, 0, None, None));
+            .map(|p| {
+                (
+                    p.first_data,
+                    p.last_data,
+                    p.events,
+                    p.kind,
+                    p.status,
+                    p.flow,
+                )
+            })
+            .unwrap_or((None, None, 0, None, None, None));
+        let (waiting_on, since) = match flow {
+            Some(Flow::Engine(t)) => (Some("engine"), Some(t)),
+            Some(Flow::Reader(t)) => (Some("reader"), Some(t)),
+            None => (None, None),
+        };
         EntryView {
             request_id: self.id.as_str().to_owned(),
             method: self.method.clone(),
@@ -383,6 +485,8 @@ impl Entry {
             }),
             status,
             ending: self.ended(),
+            waiting_on,
+            waiting_ms: since.map(|t| ms(now.saturating_duration_since(t))),
         }
     }
 }
@@ -504,6 +608,41 @@ mod tests {
         assert_eq!(e.times().last_data, Some(t0 + Duration::from_secs(31)));
         e.credit_stall(Duration::from_secs(100), t0 + Duration::from_secs(32));
         assert_eq!(e.times().last_data, Some(t0 + Duration::from_secs(32)));
+    }
+
+    #[test]
+    fn the_flow_says_who_the_response_waits_on_and_a_stall_moves_it() {
+        let t0 = Instant::now();
+        let e = completion(t0);
+        let s = Duration::from_secs;
+        assert_eq!(e.times().flow, None);
+        assert_eq!(e.view(t0).waiting_on, None);
+        e.record_demand(t0);
+        // Asked again before a frame came: the engine's wait goes on from the first ask.
+        e.record_demand(t0 + s(1));
+        assert_eq!(e.times().flow, Some(Flow::Engine(t0)));
+        let v = e.view(t0 + s(2));
+        assert_eq!((v.waiting_on, v.waiting_ms), (Some("engine"), Some(2000)));
+        e.record_handed(t0 + s(3));
+        assert_eq!(e.times().flow, Some(Flow::Reader(t0 + s(3))));
+        assert_eq!(e.view(t0 + s(4)).waiting_on, Some("reader"));
+        e.record_demand(t0 + s(5));
+        assert_eq!(e.times().flow, Some(Flow::Engine(t0 + s(5))));
+        assert_eq!(e.times().drained, s(2), "the reader's wait, 3 s to 5 s");
+        // A stall of kvguard-control moves it on, at most to now.
+        e.credit_stall(s(2), t0 + s(10));
+        assert_eq!(e.times().flow, Some(Flow::Engine(t0 + s(7))));
+        e.record_handed(t0 + s(10));
+        e.credit_stall(s(5), t0 + s(12));
+        assert_eq!(e.times().flow, Some(Flow::Reader(t0 + s(12))));
+        // A data event: the reader's past waits no longer count.
+        e.record_events(1, t0 + s(13));
+        assert_eq!(e.times().drained, Duration::ZERO);
+        e.record_handed(t0 + s(13));
+        e.record_demand(t0 + s(14));
+        assert_eq!(e.times().drained, s(1));
+        e.record_progress(t0 + s(15));
+        assert_eq!(e.times().drained, Duration::ZERO);
     }
 
     #[test]

@@ -1,15 +1,16 @@
 //! Tombstones: ids that were aborted (or whose abort arrived before the request), refused
-//! if they arrive later. Bounded in number, each kept for a TTL.
+//! if they arrive later. Bounded in number, each kept for a TTL. The same set, with no
+//! value, remembers recent completions ([`Completions`]).
 
 use kvguard_contract::{AbortReason, RequestId};
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-/// Why an id is tombstoned.
+/// Why an id is tombstoned (`V`: the abort's reason).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Tombstone {
+pub struct Tombstone<V = AbortReason> {
     /// The abort's reason.
-    pub reason: AbortReason,
+    pub reason: V,
     /// When it stops refusing.
     pub expires: Instant,
 }
@@ -17,15 +18,20 @@ pub struct Tombstone {
 /// A bounded TTL set of request ids. The TTL is the same for every entry, so insertion
 /// order is expiry order: the queue front is always the next to expire (or to evict).
 #[derive(Debug)]
-pub struct Tombstones {
+pub struct Tombstones<V = AbortReason> {
     ttl: Duration,
     cap: usize,
-    map: HashMap<RequestId, Tombstone>,
+    map: HashMap<RequestId, Tombstone<V>>,
     order: VecDeque<(RequestId, Instant)>,
     evicted: u64,
 }
 
-impl Tombstones {
+/// Requests that completed recently (the engine's end passed kvguard-control), each
+/// kept for the reader timeout since it completed or was last asked about: a gateway may
+/// still be draining its last bytes to a slow reader ([`crate::state::AppState::defers`]).
+pub type Completions = Tombstones<()>;
+
+impl<V: Copy> Tombstones<V> {
     /// An empty set.
     pub fn new(ttl: Duration, cap: usize) -> Self {
         Tombstones {
@@ -52,7 +58,7 @@ impl Tombstones {
     }
 
     /// Tombstones `id` until `now + ttl`; the oldest entry is evicted when full.
-    pub fn insert(&mut self, id: RequestId, reason: AbortReason, now: Instant) {
+    pub fn insert(&mut self, id: RequestId, reason: V, now: Instant) {
         self.purge(now);
         if !self.map.contains_key(&id) {
             while self.map.len() >= self.cap {
@@ -85,7 +91,7 @@ impl Tombstones {
     }
 
     /// The tombstone for `id`, if it is live at `now`.
-    pub fn get(&self, id: &RequestId, now: Instant) -> Option<Tombstone> {
+    pub fn get(&self, id: &RequestId, now: Instant) -> Option<Tombstone<V>> {
         self.map.get(id).filter(|t| t.expires > now).copied()
     }
 

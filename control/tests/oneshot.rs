@@ -2335,3 +2335,134 @@ async fn observe_mode_counts_a_lost_vms_requests_and_ends_none() {
         1.0
     );
 }
+
+/// A `stalled` abort with `recheck_ms` of a stream whose engine produced just now is
+/// answered `deferred` and changes nothing; one whose engine has been silent for half the
+/// sender's silence, one from a sender that saw nothing for the reader timeout, one
+/// without `recheck_ms` (an older sender) and one of another reason are carried out.
+#[tokio::test]
+async fn stalled_aborts_are_deferred_only_while_the_engine_produces() {
+    let (st, clock) = state(|c| c.limits.reader_timeout = Some(Duration::from_secs(90)));
+    let app = admin::app(st.clone());
+    let key = Key::try_new(KEY).unwrap();
+    let admit = |id: &str| {
+        let e = st
+            .admit(
+                RequestId::try_new(id.as_bytes()).unwrap(),
+                "POST".into(),
+                "/".into(),
+            )
+            .unwrap();
+        e.record_events(1, clock.now());
+        // The gateway took that frame and asked for the next one.
+        e.record_handed(clock.now());
+        e.record_demand(clock.now());
+        e
+    };
+    let (flowing, silent, tired, old, gone) = (
+        admit("flowing"),
+        admit("silent"),
+        admit("tired"),
+        admit("old"),
+        admit("gone"),
+    );
+    clock.advance(Duration::from_secs(5));
+    for e in [&flowing, &tired, &old, &gone] {
+        e.record_events(1, clock.now());
+    }
+    let ask = |id: &str, reason: &str, idle_ms: u64, recheck: bool| {
+        let mut b = json!({"request_id": id, "reason": reason, "age_ms": 9, "idle_ms": idle_ms});
+        if recheck {
+            b["recheck_ms"] = 3000.into();
+        }
+        let b = serde_json::to_vec(&b).unwrap();
+        let sig = signature::sign(Domain::Abort, &key, NOW + 5, &b);
+        (app.clone(), abort_req(&b, Some(sig)))
+    };
+    let answer = |(app, req): (axum::Router, Request<Body>)| call(app, req);
+    let (s, v) = answer(ask("flowing", "stalled", 10_000, true)).await;
+    assert_eq!(
+        (s, v),
+        (
+            StatusCode::OK,
+            json!({"request_id": "flowing", "found": true, "deferred": true})
+        )
+    );
+    assert_eq!(flowing.ended(), None);
+    // Silent here for 5 s of the sender's 10 s: the engine's stall.
+    let (_, v) = answer(ask("silent", "stalled", 10_000, true)).await;
+    assert_eq!(v["aborted"], true, "{v}");
+    assert_eq!(silent.ended(), Some(AbortReason::Stalled));
+    // The sender saw nothing for the reader timeout.
+    let (_, v) = answer(ask("tired", "stalled", 90_000, true)).await;
+    assert_eq!(v["aborted"], true, "{v}");
+    let (_, v) = answer(ask("old", "stalled", 10_000, false)).await;
+    assert_eq!(v["aborted"], true, "{v}");
+    let (_, v) = answer(ask("gone", "downstream_reset", 10_000, true)).await;
+    assert_eq!(v["aborted"], true, "{v}");
+    // Not in flight: 404 as ever.
+    let (s, _) = answer(ask("never", "stalled", 10_000, true)).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+}
+
+/// A request that completed here is remembered for the reader timeout since its
+/// completion or its last deferral: a `stalled` abort with `recheck_ms` whose sender saw
+/// no data for less than the reader timeout is answered `deferred` (its gateway may still
+/// drain the tail to a slow reader); 404 for one whose sender's silence reached it, one
+/// without `recheck_ms`, a request that ended otherwise, an id never seen, and once the
+/// reader timeout passed.
+#[tokio::test]
+async fn stalled_aborts_of_a_request_completed_recently_are_deferred() {
+    let reader = Duration::from_secs(90);
+    let (st, clock) = state(|c| c.limits.reader_timeout = Some(reader));
+    let app = admin::app(st.clone());
+    let key = Key::try_new(KEY).unwrap();
+    let ended = |id: &str, completed: bool| {
+        let e = st
+            .admit(
+                RequestId::try_new(id.as_bytes()).unwrap(),
+                "POST".into(),
+                "/".into(),
+            )
+            .unwrap();
+        e.record_events(1, clock.now());
+        st.remove_ended(&e, completed);
+    };
+    for id in ["done", "done-2", "done-3"] {
+        ended(id, true);
+    }
+    ended("cut", false);
+    assert_eq!(st.inflight(), 0);
+    let ask = |id: &str, idle_ms: u64, recheck: bool| {
+        let mut b = json!({"request_id": id, "reason": "stalled", "age_ms": 9, "idle_ms": idle_ms});
+        if recheck {
+            b["recheck_ms"] = 3000.into();
+        }
+        let b = serde_json::to_vec(&b).unwrap();
+        let sig = signature::sign(Domain::Abort, &key, clock.unix_secs(), &b);
+        call(app.clone(), abort_req(&b, Some(sig)))
+    };
+    let deferred = |id: &str| {
+        (
+            StatusCode::OK,
+            json!({"request_id": id, "found": true, "deferred": true}),
+        )
+    };
+    clock.advance(reader - Duration::from_millis(1));
+    assert_eq!(ask("done", 89_999, true).await, deferred("done"));
+    for (id, idle, recheck) in [
+        ("done-2", 90_000, true),
+        ("done-3", 10_000, false),
+        ("cut", 10_000, true),
+        ("never", 10_000, true),
+    ] {
+        let (s, v) = ask(id, idle, recheck).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "{id}: {v}");
+    }
+    // Kept by its last deferral; gone a reader timeout after it.
+    clock.advance(reader - Duration::from_millis(1));
+    assert_eq!(ask("done", 10_000, true).await, deferred("done"));
+    clock.advance(reader);
+    let (s, _) = ask("done", 10_000, true).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+}

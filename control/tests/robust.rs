@@ -122,6 +122,7 @@ async fn a_client_that_stops_reading_leaves_the_table_and_its_connection_is_clos
         let engine = script::spawn().await;
         let ctl = control(&engine.url(), |c| {
             c.limits.idle_timeout = Some(Duration::from_millis(300));
+            c.limits.reader_timeout = Some(Duration::from_millis(300));
             c.abort_flush_timeout = Duration::from_secs(2);
         })
         .await;
@@ -138,7 +139,8 @@ async fn a_client_that_stops_reading_leaves_the_table_and_its_connection_is_clos
         .await
         .unwrap();
         assert_eq!(silent.status(), Some(200));
-        // Buffers fill, progress stops, the reaper ends it as stalled...
+        // Buffers fill, the gateway side takes no more, the reader timeout ends it as
+        // stalled...
         wait_metric(
             admin,
             "kvguard_control_aborts_total{reason=\"stalled\",outcome=\"aborted\"}",
@@ -195,6 +197,7 @@ async fn on_h2_only_the_stalled_stream_is_reset_and_the_connection_carries_on() 
         let engine = script::spawn().await;
         let ctl = control(&engine.url(), |c| {
             c.limits.idle_timeout = Some(Duration::from_millis(300));
+            c.limits.reader_timeout = Some(Duration::from_millis(300));
             c.abort_flush_timeout = Duration::from_secs(2);
         })
         .await;
@@ -209,7 +212,8 @@ async fn on_h2_only_the_stalled_stream_is_reset_and_the_connection_carries_on() 
                 .await
                 .unwrap();
         let conn_task = tokio::spawn(conn);
-        // Stream A: its body is never read, so its window closes and kvguard stalls.
+        // Stream A: its body is never read, so its window closes and the reader timeout
+        // ends it.
         let a = tx
             .send_request(h2_req(ctl.proxy_addr, "/flood", "h2-stalled"))
             .await

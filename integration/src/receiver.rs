@@ -475,6 +475,7 @@ fn verify_and_answer(
             aborted: false,
             already_aborted: true,
             legs: Vec::new(),
+            deferred: false,
         })
     } else if g.in_flight.remove(&id)
         || (shared.ids == IdPolicy::AllInFlight && !g.tombstones.contains(&id))
@@ -486,6 +487,7 @@ fn verify_and_answer(
             aborted: true,
             already_aborted: false,
             legs: Vec::new(),
+            deferred: false,
         })
     } else {
         g.tombstones.insert(id.clone());
@@ -501,6 +503,7 @@ fn verify_and_answer(
                 aborted: false,
                 already_aborted: false,
                 legs: Vec::new(),
+                deferred: false,
             })
             .unwrap_or_default(),
         ),

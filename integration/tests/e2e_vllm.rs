@@ -277,6 +277,11 @@ async fn silent_client_is_reaped_as_stalled_and_vllm_frees_it_within_2s() {
         let idle = Duration::from_secs(5);
         let tick = Duration::from_millis(stack::FILTER_TICK_MS);
         let mut o = filter_opts(v.addr(), idle.as_millis() as u64);
+        // A reader timeout no longer than the idle timeout: the filter's first stalled
+        // abort (its silence is the idle timeout) is carried out, not deferred
+        // (robust_slow_readers.rs has the deferrals).
+        o.control_args
+            .extend(["--reader-timeout", "5s"].map(String::from));
         // The filter's abort calls pass through a recording tap to kvguard-control.
         o.abort_tap = true;
         let mut st = Stack::start(o).await.unwrap();

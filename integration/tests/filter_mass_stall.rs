@@ -107,6 +107,12 @@ async fn a_mass_stall_is_late_not_every_stream_reset() {
         assert!(calls
             .iter()
             .all(|c| c.abort.as_ref().unwrap().reason.as_str() == "stalled"));
+        // Each stall is put to the abort endpoint first; the 8 answered close at the next
+        // tick.
+        envoy
+            .wait_stat("kvguard_filter_streams_closed_total", W, |v| v == 8.0)
+            .await
+            .unwrap();
         // The pause ends inside the hold (which runs to about 2 s after the last event):
         // the held streams go on to [DONE].
         gate_tx.send(2).unwrap();

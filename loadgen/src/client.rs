@@ -712,8 +712,15 @@ impl SilentClient {
 
     /// Reads once (up to 4 KiB) within `timeout`; 0 means the server closed.
     pub async fn read_some(&mut self, timeout: Duration) -> Result<usize> {
+        self.read_up_to(4096, timeout).await
+    }
+
+    /// Reads once, at most `max` bytes (at most 4 KiB), within `timeout`: a slow reader
+    /// takes a little at a time. 0 means the server closed.
+    pub async fn read_up_to(&mut self, max: usize, timeout: Duration) -> Result<usize> {
         let mut buf = [0u8; 4096];
-        let n = tokio::time::timeout(timeout, self.stream.read(&mut buf))
+        let max = max.clamp(1, buf.len());
+        let n = tokio::time::timeout(timeout, self.stream.read(&mut buf[..max]))
             .await
             .map_err(|_| anyhow!("nothing to read within {timeout:?}"))?
             .context("reading")?;

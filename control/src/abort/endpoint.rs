@@ -78,6 +78,11 @@ pub async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
         }
     };
     let reason = abort.reason;
+    if let Some(why) = st.defers(&id, &abort) {
+        st.metrics.abort_api("deferred");
+        tracing::debug!(request_id = %id, sender_idle_ms = abort.idle_ms, "stalled abort deferred: {why}");
+        return deferred(&id);
+    }
     let gone = abort
         .gone_ms
         .map(|ms| (std::time::Duration::from_millis(ms), abort.tokens));
@@ -150,6 +155,7 @@ fn legs_answer(
         aborted,
         already_aborted: already,
         legs,
+        deferred: false,
     };
     (status, Json(body)).into_response()
 }
@@ -217,7 +223,21 @@ fn answer(id: &RequestId, found: bool, aborted: bool, already: bool) -> Json<Abo
         aborted,
         already_aborted: already,
         legs: Vec::new(),
+        deferred: false,
     })
+}
+
+/// 200 `{"request_id","found":true,"deferred":true}`: in flight, not ended (contract §3).
+fn deferred(id: &RequestId) -> Response {
+    let a = AbortAnswer {
+        request_id: id.as_str().to_owned(),
+        found: true,
+        aborted: false,
+        already_aborted: false,
+        legs: Vec::new(),
+        deferred: true,
+    };
+    (StatusCode::OK, Json(a)).into_response()
 }
 
 /// The answer to an abort call decided here (contract §3's table).
@@ -325,6 +345,10 @@ pub async fn peer_abort(State(st): State<Arc<AppState>>, req: Request) -> Respon
         }
     };
     let reason = abort.reason;
+    if st.defers(&id, &abort).is_some() {
+        st.metrics.peer.receive("abort", "deferred");
+        return deferred(&id);
+    }
     let gone = abort
         .gone_ms
         .map(|ms| (std::time::Duration::from_millis(ms), abort.tokens));
@@ -355,6 +379,7 @@ pub async fn peer_abort(State(st): State<Arc<AppState>>, req: Request) -> Respon
             aborted,
             already_aborted: already,
             legs,
+            deferred: false,
         };
         return (status, Json(body)).into_response();
     }

@@ -3,7 +3,9 @@
 //!
 //! 1. [`endpoint`] reads the call: the body (at most 4096 bytes), the signature (an
 //!    abort's, any configured key, `t` within ±30 s), the replay memory
-//!    ([`crate::replay`], its own lock), then the body's fields.
+//!    ([`crate::replay`], its own lock), then the body's fields. A `stalled` abort for a
+//!    stream here that is only slow to drain is answered `deferred` and changes nothing
+//!    ([`AppState::defers`]).
 //! 2. [`abort`] decides and carries it out. With `--peers`, an id not in flight here is
 //!    forwarded to every peer ([`peer`]) and the first that holds it answers; otherwise,
 //!    or when no peer holds it, it is decided here under the table lock
@@ -29,7 +31,7 @@ use crate::metrics::outcome;
 use crate::pd::{PdLeg, Release};
 use crate::state::AppState;
 use crate::table::{ClientGone, Entry};
-use kvguard_contract::{AbortReason, Leg, LegResult, RequestId};
+use kvguard_contract::{AbortReason, AbortRequest, Leg, LegResult, RequestId};
 use peer::PeerAnswer;
 use std::sync::Arc;
 use std::time::Duration;
@@ -188,6 +190,35 @@ impl AppState {
             });
         }
         legs
+    }
+
+    /// Whether a gateway's abort of `id` is deferred rather than carried out, and why (for
+    /// the log): a `stalled` abort whose sender allows it (`recheck_ms`), for a stream
+    /// that is not stalled at the engine, only slow to drain downstream — in flight here
+    /// ([`crate::reaper::defers`]), or completed within the reader timeout
+    /// ([`crate::tombstones::Completions`]) while its sender saw no data for less than
+    /// the reader timeout: its gateway still holds the last bytes for a slow reader, and
+    /// nothing is left to free at the engine. Nothing is changed (a completion is kept
+    /// one more reader timeout): a deferral is only an answer.
+    pub fn defers(&self, id: &RequestId, abort: &AbortRequest) -> Option<&'static str> {
+        if abort.reason != AbortReason::Stalled || abort.recheck_ms.is_none() {
+            return None;
+        }
+        let reader = self.cfg.limits.reader_timeout?;
+        let sender_idle = abort.idle_ms.map(Duration::from_millis);
+        let now = self.clock.now();
+        let mut inner = self.inner();
+        let Some(entry) = inner.table.get(id).cloned() else {
+            let tail =
+                sender_idle.is_some_and(|i| i < reader) && inner.completions.get(id, now).is_some();
+            if tail {
+                inner.completions.insert(id.clone(), (), now);
+            }
+            return tail.then_some("the engine finished, the reader drains its tail");
+        };
+        drop(inner);
+        crate::reaper::defers(&entry.times(), now, &self.cfg.limits, sender_idle)
+            .then_some("the engine produces, the reader drains")
     }
 
     /// What the abort API does for `id`, decided under one lock: the request is in flight

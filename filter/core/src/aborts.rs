@@ -44,6 +44,11 @@ pub struct Job {
     /// When the client went away (the stream ended before the response did), ms; `None`
     /// while the client was connected when the abort was decided (a clock fired).
     pub gone_at_ms: Option<u64>,
+    /// The stream (context id) kept open until this abort's first answer, and its idle
+    /// window: the call allows a deferral (`recheck_ms`, contract §3) and its first
+    /// outcome is reported back ([`AbortQueue::take_asks`]). `None` once reported, so
+    /// retries never allow one.
+    pub ask: Option<(u32, u32)>,
     queued_ms: u64,
     next_ms: u64,
     /// When its current call was dispatched (for the watchdog).
@@ -74,6 +79,7 @@ impl Job {
             attempts: 0,
             last_event_ms: None,
             gone_at_ms: None,
+            ask: None,
             queued_ms: now_ms,
             next_ms: now_ms,
             sent_ms: now_ms,
@@ -99,6 +105,17 @@ pub struct Finished {
     pub status: Option<u16>,
 }
 
+/// Whether `hay` contains `needle` (short answers: a plain scan keeps the module small).
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// The first answer to an abort that asked ([`Job::ask`]): the stream kept open for it
+/// (Envoy never reuses a context id), and whether kvguard-control deferred it (200
+/// `deferred`); anything else (ended, not found, an error, a timeout, no call possible)
+/// is no deferral.
+pub type Asked = (u32, bool);
+
 /// The per-VM abort queue.
 #[derive(Debug)]
 pub struct AbortQueue {
@@ -107,6 +124,7 @@ pub struct AbortQueue {
     in_flight: hashbrown::HashMap<u32, Job>,
     max_pending: usize,
     rng: u64,
+    asks: Vec<Asked>,
 }
 
 impl AbortQueue {
@@ -118,6 +136,19 @@ impl AbortQueue {
             in_flight: hashbrown::HashMap::new(),
             max_pending,
             rng: seed | 1,
+            asks: Vec::new(),
+        }
+    }
+
+    /// The first answers of the aborts that asked, since the last call.
+    pub fn take_asks(&mut self) -> Vec<Asked> {
+        core::mem::take(&mut self.asks)
+    }
+
+    /// Reports the job's first outcome if it asked (once).
+    fn settle(&mut self, job: &mut Job, deferred: bool) {
+        if let Some((ctx, _)) = job.ask.take() {
+            self.asks.push((ctx, deferred));
         }
     }
 
@@ -178,6 +209,7 @@ impl AbortQueue {
         let body = AbortRequest::new(&job.id, job.reason, job.age_ms, job.events)
             .with_durations(since(job.last_event_ms), since(job.gone_at_ms))
             .with_attempt(job.attempts.saturating_add(1))
+            .with_recheck(job.ask.map(|(_, window)| u64::from(window)))
             .to_json();
         let sig = signature::sign(Domain::Abort, &cfg.key, unix_secs, &body);
         let mut headers: Vec<(&'static str, String)> = vec![
@@ -290,6 +322,8 @@ impl AbortQueue {
         metrics: &mut M,
         finished: &mut Vec<Finished>,
     ) {
+        // An asking stream waits for no retry: it is cut, and the retries end it.
+        self.settle(&mut job, false);
         if job.attempts > cfg.abort_retries {
             self.finish(job, Outcome::Failed, status, metrics, finished);
             return;
@@ -311,12 +345,13 @@ impl AbortQueue {
 
     fn finish<M: Metrics + ?Sized>(
         &mut self,
-        job: Job,
+        mut job: Job,
         outcome: Outcome,
         status: Option<u16>,
         metrics: &mut M,
         finished: &mut Vec<Finished>,
     ) {
+        self.settle(&mut job, outcome == Outcome::Deferred);
         metrics.add(Metric::PendingAborts, -1);
         metrics.add(Metric::Aborts(job.reason, outcome), 1);
         finished.push(Finished {
@@ -350,6 +385,8 @@ impl AbortQueue {
             Disposition::Done => {
                 if memchr::memmem::find(body, b"\"already_aborted\":true").is_some() {
                     Outcome::AlreadyAborted
+                } else if job.ask.is_some() && contains(body, b"\"deferred\":true") {
+                    Outcome::Deferred
                 } else {
                     Outcome::Aborted
                 }

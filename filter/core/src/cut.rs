@@ -23,6 +23,23 @@
 //!    cannot stall (queued without a first-token clock, finished, observed) do not raise
 //!    it. Observe mode counts nothing (it cuts nothing).
 //!
+//! 3. **A stall is put to kvguard-control first** (enforce mode): the filter's idle clock
+//!    runs where the engine's bytes pass Envoy, and Envoy stops reading the upstream while
+//!    its client has not drained the connection's buffer, so a client that reads slower
+//!    than the engine writes looks idle here although its engine produces and its client
+//!    reads. For a stall this function allows, the tick sends the `stalled` abort allowing
+//!    a deferral (contract §3, `recheck_ms`) and keeps the stream open ([`Hold::Asking`]);
+//!    kvguard-control, which sees the engine's side, ends the stream or answers
+//!    `deferred`. Deferred: the stream is kept and asked about again one idle
+//!    window later (new progress ends that wait). Any other answer — ended, not found
+//!    (kvguard-control is not on its path, or no longer holds it), an error, a timeout,
+//!    no call possible — cuts it at the next tick, as without kvguard-control: the ask
+//!    costs one round trip (at most `abort_timeout_ms`, plus the watchdog's slack if the
+//!    host loses the answer) and a tick. An upstream end that passes while the answer is
+//!    awaited, or after one that did not defer, is held and the stream cut at the next
+//!    tick ([`crate::request::Request::end_held`]): kvguard-control's end of a stream it
+//!    ends must not complete it at Envoy for a client that reads nothing.
+//!
 //! What is not a hold but keeps a clock from being due: observe mode already flagged the
 //! stream (its clocks are off until enforce mode returns and restarts them), the stream is
 //! final (complete, ended, aborted), the first-token clock waits for the end of the
@@ -52,6 +69,8 @@ pub enum Hold {
     Unconfirmed,
     /// The mass-stall valve holds it one more window.
     MassStall,
+    /// kvguard-control's answer to its stall is awaited.
+    Asking,
 }
 
 /// The mass-stall valve's state (per VM).
@@ -134,8 +153,14 @@ impl Valve {
 
 /// May `req` be cut at `now` (a tick, its progress stamped)? `Ok(reason)`: yes, for
 /// that reason; `Err(hold)`: no, and why. Arms and holds as it answers (one call per
-/// stream per tick).
+/// stream per tick). A stall allowed here is put to kvguard-control first (3. above).
 pub fn cut_allowed(req: &mut Request, now: u64, valve: &mut Valve) -> Result<AbortReason, Hold> {
+    if req.undeferred() {
+        return Ok(AbortReason::Stalled);
+    }
+    if req.asking() {
+        return Err(Hold::Asking);
+    }
     let reason = req.due(now).ok_or(Hold::NotDue)?;
     if !matches!(
         reason,

@@ -184,9 +184,42 @@ pub struct Engine {
     last_host_tick: Option<u64>,
 }
 
-/// Decides `reason` for `req` at `now_ms` and queues its abort (enforce mode);
-/// `client_gone` says the stream already ended (decided in `on_log`), so the abort's
-/// `gone_ms` counts from `now_ms`.
+/// The tracked request of stream `ctx` in `table`, to change: one copy of the table's
+/// lookup for the calls off the per-chunk path (the module is size-bound).
+#[inline(never)]
+fn request_mut(
+    table: &mut hashbrown::HashMap<u32, Box<Request>>,
+    ctx: u32,
+) -> Option<&mut Request> {
+    table.get_mut(&ctx).map(|r| &mut **r)
+}
+
+/// At the upstream's end of stream (enforce mode): whether it is held for the next tick
+/// to cut the stream ([`Request::end_held`]), as `Aborted(stalled)`. Without this,
+/// kvguard-control's end of a stream it does not defer would reach a client that reads
+/// nothing, and Envoy would keep its connection with the end undrained.
+#[inline(never)]
+fn end_held(mode: Mode, req: &mut Request) -> Option<OutcomeTag> {
+    (mode == Mode::Enforce && req.end_held()).then_some(OutcomeTag::Aborted(AbortReason::Stalled))
+}
+
+/// How a decision came.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Via {
+    /// A clock fired at a tick.
+    Tick,
+    /// The stream already ended (`on_log`): the abort's `gone_ms` counts from the decision.
+    ClientGone,
+    /// A stall of this stream put to kvguard-control first ([`crate::cut`], enforce mode).
+    Ask(u32),
+    /// kvguard-control answered that stall with no deferral: its abort is sent already.
+    Answered,
+}
+
+/// Decides `reason` for `req` at `now_ms` and queues its abort (enforce mode). Asked
+/// ([`Via::Ask`]): nothing is decided yet; the abort allows a deferral and the stream
+/// stays open until its first answer ([`Engine::report_finished`]): `None`, unless the
+/// queue has no room (then it is cut now, as without kvguard-control).
 #[allow(clippy::too_many_arguments)]
 fn decide<P: Platform + ?Sized>(
     mode: Mode,
@@ -195,11 +228,17 @@ fn decide<P: Platform + ?Sized>(
     req: &mut Request,
     reason: AbortReason,
     now_ms: u64,
-    client_gone: bool,
+    via: Via,
     finished: &mut Vec<Finished>,
 ) -> Option<OutcomeTag> {
     let observe = mode == Mode::Observe;
-    if !req.decide(reason, observe) {
+    let ask = match via {
+        Via::Ask(ctx) => Some((ctx, req.idle_window())),
+        _ => None,
+    };
+    if ask.is_some() {
+        req.ask();
+    } else if !req.decide(reason, observe) {
         return None;
     }
     // Progress counted since the last tick gets its time (no earlier than the truth).
@@ -218,9 +257,14 @@ fn decide<P: Platform + ?Sized>(
         );
         return Some(OutcomeTag::Observed(reason));
     }
+    if via == Via::Answered {
+        return Some(OutcomeTag::Aborted(reason));
+    }
     let target = req.target.as_deref().copied();
-    let job = Job::new(req.id.clone(), reason, age, req.events(), target, now_ms)
-        .with_times(req.last_event_ms(), client_gone.then_some(now_ms));
+    let gone = (via == Via::ClientGone).then_some(now_ms);
+    let mut job = Job::new(req.id.clone(), reason, age, req.events(), target, now_ms)
+        .with_times(req.last_event_ms(), gone);
+    job.ask = ask;
     if let Err(job) = queue.push(job, p) {
         p.add(Metric::Aborts(reason, Outcome::Dropped), 1);
         finished.push(Finished {
@@ -228,8 +272,13 @@ fn decide<P: Platform + ?Sized>(
             outcome: Outcome::Dropped,
             status: None,
         });
+        if ask.is_some() {
+            req.answered(false, now_ms);
+            req.decide(reason, false);
+            return Some(OutcomeTag::Aborted(reason));
+        }
     }
-    Some(OutcomeTag::Aborted(reason))
+    ask.is_none().then_some(OutcomeTag::Aborted(reason))
 }
 
 impl Engine {
@@ -384,7 +433,7 @@ impl Engine {
         end_of_stream: bool,
     ) -> BodyNeed {
         let max_event_bytes = self.cfg.max_event_bytes;
-        let Some(req) = self.table.get_mut(&ctx) else {
+        let Some(req) = request_mut(&mut self.table, ctx) else {
             return BodyNeed::Nothing;
         };
         let (framing, compressed) = Framing::of(content_type, content_encoding);
@@ -451,7 +500,10 @@ impl Engine {
     /// unreadable chunk (progress and a host error, never a stall). No clock is read
     /// unless the request asks for one (its first progress, or the first after a quiet
     /// tick; see [`Request`]). Returns `Completed` when the body completed the response
-    /// just now. The one body path: the glue and the tests both come through here.
+    /// just now; `Aborted(stalled)` when the glue must hold this last chunk (not pass the
+    /// end on): a stall of the stream was put to kvguard-control and not deferred, and
+    /// the next tick cuts it ([`end_held`]). The one body path: the glue and the
+    /// tests both come through here.
     pub fn on_chunk<P: Platform + ?Sized>(
         &mut self,
         p: &mut P,
@@ -469,7 +521,7 @@ impl Engine {
                     if req.on_unreadable_body(end_of_stream) {
                         Self::mark(p, req);
                     }
-                    return None;
+                    return end_held(self.mode, req);
                 }
             },
             _ => Vec::new(),
@@ -490,11 +542,11 @@ impl Engine {
                 i64::from(fed.malformed),
             );
         }
-        if !fed.completed || req.observed.is_some() {
-            // Observe mode: the outcome stays `observed:<reason>`.
-            return None;
+        if !fed.completed {
+            return end_held(self.mode, req);
         }
-        Some(OutcomeTag::Completed)
+        // Observe mode: the outcome stays `observed:<reason>`.
+        req.observed.is_none().then_some(OutcomeTag::Completed)
     }
 
     /// The exact time of the progress just counted; when the clock cannot be read, the
@@ -508,18 +560,20 @@ impl Engine {
     /// The request body ended (its last chunk or its trailers): the first-token clock
     /// counts from now. Reads the clock only when that clock is on for the request.
     pub fn on_request_end<P: Platform + ?Sized>(&mut self, p: &mut P, ctx: u32) {
-        if let Some(req) = self.table.get_mut(&ctx) {
+        if let Some(req) = request_mut(&mut self.table, ctx) {
             if req.waits_for_upload() {
                 req.on_request_end(p.now_exact());
             }
         }
     }
 
-    /// The response trailers passed: the upstream ended the response.
-    pub fn on_response_trailers(&mut self, ctx: u32) {
-        if let Some(req) = self.table.get_mut(&ctx) {
+    /// The response trailers passed: the upstream ended the response. Returns whether
+    /// the glue must hold them ([`Engine::on_chunk`]'s `Aborted`).
+    pub fn on_response_trailers(&mut self, ctx: u32) -> bool {
+        request_mut(&mut self.table, ctx).is_some_and(|req| {
             req.on_trailers();
-        }
+            end_held(self.mode, req).is_some()
+        })
     }
 
     /// Whether [`Engine::on_log`] needs Envoy's `response.code_details` and
@@ -604,7 +658,7 @@ impl Engine {
                     req,
                     reason,
                     now,
-                    true,
+                    Via::ClientGone,
                     &mut self.finished,
                 );
                 self.report_finished(p);
@@ -637,7 +691,7 @@ impl Engine {
                 p.log(
                     Level::Warn,
                     &format!(
-                        "this worker did not run for {stall} ms (a tick {gap} ms after the last, period {} ms); an idle stream is cut only if a second tick finds nothing arrived, so what its engine sent meanwhile is read first (kvguard_filter_worker_stalls_total counts these)",
+                        "this worker did not run for {stall} ms (a tick {gap} ms after the last, period {} ms); idle streams are cut only when a second tick confirms them (kvguard_filter_worker_stalls_total)",
                         self.cfg.tick_ms
                     ),
                 );
@@ -684,8 +738,16 @@ impl Engine {
         }
         let mut actions = Vec::with_capacity(due.len());
         for (ctx, reason) in due {
-            let Some(req) = self.table.get_mut(&ctx) else {
+            let Some(req) = request_mut(&mut self.table, ctx) else {
                 continue;
+            };
+            // A stall is put to kvguard-control first ([`crate::cut`]).
+            let via = if req.undeferred() {
+                Via::Answered
+            } else if reason == AbortReason::Stalled && self.mode == Mode::Enforce {
+                Via::Ask(ctx)
+            } else {
+                Via::Tick
             };
             if let Some(tag) = decide(
                 self.mode,
@@ -694,7 +756,7 @@ impl Engine {
                 req,
                 reason,
                 now,
-                false,
+                via,
                 &mut self.finished,
             ) {
                 actions.push(match tag {
@@ -730,7 +792,8 @@ impl Engine {
         self.queue.has_ready(now_ms)
     }
 
-    /// An abort call's answer (`status` `None` on timeout / reset).
+    /// An abort call's answer (`status` `None` on timeout / reset). A stall it does not
+    /// defer is closed at the next tick ([`crate::cut`]).
     pub fn on_abort_answer<P: Platform + ?Sized>(
         &mut self,
         p: &mut P,
@@ -749,6 +812,13 @@ impl Engine {
 
     fn report_finished<P: Platform + ?Sized>(&mut self, p: &mut P) {
         let now = p.now_ms();
+        for (ctx, deferred) in self.queue.take_asks() {
+            let Some(req) = request_mut(&mut self.table, ctx).filter(|r| r.asking()) else {
+                continue;
+            };
+            // (Each answer is logged with its outcome below.)
+            req.answered(deferred, now);
+        }
         for f in self.finished.drain(..) {
             p.record(
                 Metric::AbortRoundTripMs(f.outcome),
@@ -909,8 +979,35 @@ mod tests {
             "idle cut at its first tick: {armed:?}"
         );
         let mut all = armed;
-        all.extend(e.tick(h));
+        all.extend(ended(e, h));
         all
+    }
+
+    /// A tick whose stalls kvguard-control ends at once (as it does for a silent engine),
+    /// and the next tick, at the same time, that closes them: what both close.
+    fn ended(e: &mut Engine, h: &mut MockHost) -> Vec<Action> {
+        let mut all = e.tick(h);
+        all.extend(answer_asks(e, h, 200, r#"{"found":true,"aborted":true}"#));
+        all
+    }
+
+    /// Answers every abort call that asked (`recheck_ms`) with `status` and `answer`
+    /// (calls already answered are ignored by the queue); returns what the answers close
+    /// (at a tick at the same time, when one asked).
+    fn answer_asks(e: &mut Engine, h: &mut MockHost, status: u16, answer: &str) -> Vec<Action> {
+        let tokens: Vec<u32> = h
+            .calls
+            .iter()
+            .filter(|c| memchr::memmem::find(&c.3, br#""recheck_ms":"#).is_some())
+            .map(|c| c.0)
+            .collect();
+        for t in &tokens {
+            e.on_abort_answer(h, *t, Some(status), answer.as_bytes());
+        }
+        if tokens.is_empty() {
+            return Vec::new();
+        }
+        e.tick(h)
     }
 
     fn body(h: &MockHost, i: usize) -> String {
@@ -1232,6 +1329,7 @@ mod tests {
         e.on_response_body(&mut h, 3, b"data: {}\n\n", 0, false);
         h.now += 50;
         let mut closed = e.on_host_tick(&mut h);
+        closed.extend(answer_asks(&mut e, &mut h, 200, r#"{"aborted":true}"#));
         closed.sort_by_key(|a| match a {
             Action::Close { ctx, .. } | Action::Mark { ctx, .. } => *ctx,
         });
@@ -1265,7 +1363,8 @@ mod tests {
         for _ in 0..20 {
             h.now += 750;
             e.on_response_body(&mut h, 2, b"data: {}\n\n", 0, false);
-            let a = e.on_host_tick(&mut h);
+            let mut a = e.on_host_tick(&mut h);
+            a.extend(answer_asks(&mut e, &mut h, 200, r#"{"aborted":true}"#));
             if !a.is_empty() {
                 cut = Some((a, h.now));
                 break;
@@ -1334,7 +1433,7 @@ mod tests {
         assert!(body(&h, 0).contains(r#""reason":"stalled""#));
         // Idle since its last data event (110 ms); the client was still connected.
         assert!(
-            body(&h, 0).ends_with(r#""idle_ms":110,"attempt":1}"#),
+            body(&h, 0).ends_with(r#""idle_ms":110,"attempt":1,"recheck_ms":100}"#),
             "{}",
             body(&h, 0)
         );
@@ -1875,6 +1974,290 @@ mod tests {
         e.on_response_body(h, ctx, b"data: {}\n\n", 0, false);
     }
 
+    const DEFERRED: &[u8] = br#"{"request_id":"m1","found":true,"deferred":true}"#;
+
+    /// A stall of stream 1 (idle 100 ms) armed and asked: the tick that asks closes
+    /// nothing; returns the ask's token.
+    fn stall_asked(e: &mut Engine, h: &mut MockHost) -> u32 {
+        h.now += 100;
+        assert!(e.tick(h).is_empty(), "armed");
+        let calls = h.calls.len();
+        assert!(e.tick(h).is_empty(), "asked, not cut");
+        assert_eq!(h.calls.len(), calls + 1);
+        let b = body(h, calls);
+        assert!(
+            b.contains(r#""reason":"stalled""#) && b.ends_with(r#","recheck_ms":100}"#),
+            "{b}"
+        );
+        h.calls[calls].0
+    }
+
+    #[test]
+    fn a_stall_kvguard_control_defers_keeps_the_stream_and_is_asked_again() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        let t = stall_asked(&mut e, &mut h);
+        // While the answer is awaited nothing is cut or asked again.
+        for _ in 0..5 {
+            h.now += 100;
+            assert!(e.tick(&mut h).is_empty());
+        }
+        assert_eq!(h.calls.len(), 1);
+        e.on_abort_answer(&mut h, t, Some(200), DEFERRED);
+        assert_eq!(
+            h.metric(Metric::Aborts(AbortReason::Stalled, Outcome::Deferred)),
+            1
+        );
+        assert!(h.logs.iter().any(|(_, m)| m.contains("outcome=deferred")));
+        // Kept for one idle window from the answer, then asked again (still silent).
+        h.now += 99;
+        assert!(e.tick(&mut h).is_empty());
+        assert_eq!(h.calls.len(), 1);
+        h.now += 1;
+        assert!(e.tick(&mut h).is_empty(), "armed");
+        assert_eq!(h.calls.len(), 1);
+        h.now += 10;
+        assert!(e.tick(&mut h).is_empty());
+        assert_eq!(h.calls.len(), 2, "asked again");
+        assert!(body(&h, 1).contains(r#""idle_ms":710"#), "{}", body(&h, 1));
+        // kvguard-control ends it this time: cut at the next tick, with no second abort.
+        let t = h.calls[1].0;
+        e.on_abort_answer(&mut h, t, Some(200), br#"{"found":true,"aborted":true}"#);
+        h.now += 10;
+        assert_eq!(
+            e.tick(&mut h),
+            vec![Action::Close {
+                ctx: 1,
+                tag: OutcomeTag::Aborted(AbortReason::Stalled)
+            }]
+        );
+        assert_eq!(
+            e.on_log(&mut h, 1, b"wasm_fail_stream", flags::LR),
+            Some(OutcomeTag::Aborted(AbortReason::Stalled))
+        );
+        e.pump(&mut h);
+        assert_eq!(h.calls.len(), 2);
+        assert_eq!(e.pending_aborts(), 0);
+    }
+
+    #[test]
+    fn progress_while_deferred_restarts_the_idle_clock() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        let t = stall_asked(&mut e, &mut h);
+        e.on_abort_answer(&mut h, t, Some(200), DEFERRED);
+        // The client drained: a chunk passes 50 ms later.
+        h.now += 50;
+        e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
+        h.now += 60;
+        assert!(e.tick(&mut h).is_empty());
+        assert_eq!(h.calls.len(), 1, "idle 60 ms since the chunk: not due");
+        h.now += 40;
+        assert!(e.tick(&mut h).is_empty(), "due: armed");
+        assert!(e.tick(&mut h).is_empty(), "asked");
+        assert_eq!(h.calls.len(), 2);
+        assert!(body(&h, 1).contains(r#""idle_ms":100"#), "{}", body(&h, 1));
+    }
+
+    #[test]
+    fn a_stall_kvguard_control_does_not_defer_is_cut_at_the_next_tick() {
+        // Not found (kvguard-control is not on its path), a transient error, a timeout,
+        // a call the host refuses: cut as without kvguard-control; retries go on.
+        for (status, answer) in [
+            (Some(404), &b""[..]),
+            (Some(503), b""),
+            (None, b""),
+            (Some(200), b"{}"),
+        ] {
+            let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+            stream(&mut e, &mut h, 1);
+            let t = stall_asked(&mut e, &mut h);
+            e.on_abort_answer(&mut h, t, status, answer);
+            assert_eq!(
+                e.tick(&mut h),
+                vec![Action::Close {
+                    ctx: 1,
+                    tag: OutcomeTag::Aborted(AbortReason::Stalled)
+                }],
+                "{status:?}"
+            );
+            // A retry no longer allows a deferral.
+            h.now += BACKOFF_MAX_MS;
+            e.pump(&mut h);
+            if let Some(c) = h.calls.get(1).cloned() {
+                let b = String::from_utf8(c.3).unwrap();
+                assert!(!b.contains("recheck_ms"), "{b}");
+                e.on_abort_answer(&mut h, c.0, Some(200), DEFERRED);
+                assert_eq!(
+                    h.metric(Metric::Aborts(AbortReason::Stalled, Outcome::Aborted)),
+                    1
+                );
+            }
+        }
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        h.now += 100;
+        e.tick(&mut h);
+        h.refuse = Some(crate::host::DispatchError::BadArgument);
+        assert_eq!(e.tick(&mut h).len(), 0, "asked: the call is refused");
+        assert_eq!(e.tick(&mut h).len(), 1, "cut at the next tick");
+    }
+
+    #[test]
+    fn progress_after_the_arming_tick_disarms_it() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        h.now += 100;
+        assert!(e.tick(&mut h).is_empty(), "armed");
+        h.now += 50;
+        e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
+        assert!(e.tick(&mut h).is_empty());
+        // Due again 100 ms after that chunk: armed afresh, not asked.
+        h.now += 100;
+        assert!(e.tick(&mut h).is_empty());
+        assert!(h.calls.is_empty(), "asked at the tick that found it due");
+        h.now += 10;
+        e.tick(&mut h);
+        assert_eq!(h.calls.len(), 1);
+        // The same when the chunk came while the clock could not be read (the tick
+        // stamps it).
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        h.now += 100;
+        assert!(e.tick(&mut h).is_empty(), "armed");
+        h.stale = Some(h.now);
+        e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, false);
+        h.stale = None;
+        h.now += 50;
+        assert!(e.tick(&mut h).is_empty());
+        h.now += 100;
+        assert!(e.tick(&mut h).is_empty());
+        assert!(h.calls.is_empty(), "asked at the tick that found it due");
+    }
+
+    #[test]
+    fn an_answered_stall_is_asked_again_after_observe_mode_not_cut() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        let t = stall_asked(&mut e, &mut h);
+        e.set_mode(&mut h, Mode::Observe);
+        e.on_abort_answer(&mut h, t, Some(404), b"");
+        assert_eq!(
+            e.tick(&mut h),
+            vec![Action::Mark {
+                ctx: 1,
+                tag: OutcomeTag::Observed(AbortReason::Stalled)
+            }]
+        );
+        e.set_mode(&mut h, Mode::Enforce);
+        // Its clocks start afresh: nothing is due, nothing is cut.
+        assert!(e.tick(&mut h).is_empty());
+        h.now += 50;
+        assert!(e.tick(&mut h).is_empty());
+    }
+
+    const STALL_CUT: Action = Action::Close {
+        ctx: 1,
+        tag: OutcomeTag::Aborted(AbortReason::Stalled),
+    };
+
+    /// kvguard-control's end of a stream it ends: its final event, then the end.
+    const ENDED_HERE: &[u8] = b"event: error\ndata: {\"error\":{\"type\":\"kvguard_aborted\"}}\n\n";
+
+    #[test]
+    fn an_end_that_passes_before_the_answer_is_held_and_the_stream_cut() {
+        // kvguard-control ends the stream (its final event and the end) before its answer
+        // arrives: the end is held, the next tick cuts the stream, with no second abort.
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        let t = stall_asked(&mut e, &mut h);
+        assert_eq!(
+            e.on_response_body(&mut h, 1, ENDED_HERE, 0, true),
+            Some(OutcomeTag::Aborted(AbortReason::Stalled)),
+            "held"
+        );
+        assert_eq!(e.tick(&mut h), vec![STALL_CUT]);
+        e.on_abort_answer(&mut h, t, Some(200), br#"{"found":true,"aborted":true}"#);
+        assert_eq!(
+            e.on_log(&mut h, 1, b"wasm_fail_stream", flags::LR),
+            Some(OutcomeTag::Aborted(AbortReason::Stalled))
+        );
+        assert_eq!(h.calls.len(), 1);
+        assert_eq!(
+            h.metric(Metric::Aborts(AbortReason::Stalled, Outcome::Aborted)),
+            1
+        );
+        // The same when the answer (no deferral) came first and the end before the tick;
+        // and for trailers, or a chunk the host could not hand over.
+        for end in 0..3 {
+            let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+            stream(&mut e, &mut h, 1);
+            let t = stall_asked(&mut e, &mut h);
+            e.on_abort_answer(&mut h, t, Some(404), b"");
+            let held = match end {
+                0 => e.on_response_body(&mut h, 1, ENDED_HERE, 0, true).is_some(),
+                1 => e.on_response_trailers(1),
+                _ => e.on_chunk(&mut h, 1, 5, true, || None).is_some(),
+            };
+            assert!(held, "end {end}");
+            assert_eq!(e.tick(&mut h), vec![STALL_CUT], "end {end}");
+        }
+    }
+
+    #[test]
+    fn an_end_is_not_held_once_deferred_nor_when_the_body_completed_nor_unasked() {
+        // Deferred: the reader drains; the end reaches it.
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        let t = stall_asked(&mut e, &mut h);
+        e.on_abort_answer(&mut h, t, Some(200), DEFERRED);
+        assert_eq!(
+            e.on_response_body(&mut h, 1, b"data: {}\n\n", 0, true),
+            None
+        );
+        assert!(e.tick(&mut h).is_empty());
+        // The engine finished (the body completed) while the answer was awaited.
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        stall_asked(&mut e, &mut h);
+        assert_eq!(
+            e.on_response_body(&mut h, 1, b"data: [DONE]\n\n", 0, true),
+            Some(OutcomeTag::Completed)
+        );
+        assert!(e.tick(&mut h).is_empty());
+        // Never asked; or observe mode.
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        assert_eq!(e.on_response_body(&mut h, 1, ENDED_HERE, 0, true), None);
+        assert!(!e.on_response_trailers(1));
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+        stream(&mut e, &mut h, 1);
+        stall_asked(&mut e, &mut h);
+        e.set_mode(&mut h, Mode::Observe);
+        assert_eq!(e.on_response_body(&mut h, 1, ENDED_HERE, 0, true), None);
+    }
+
+    #[test]
+    fn a_stall_the_queue_has_no_room_to_ask_about_is_cut_at_once() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100,"max_pending_aborts":1"#);
+        track(&mut e, &mut h, 9, "gone");
+        e.on_log(&mut h, 9, b"downstream_remote_disconnect", flags::DC);
+        stream(&mut e, &mut h, 1);
+        h.now += 100;
+        e.tick(&mut h);
+        assert_eq!(
+            e.tick(&mut h),
+            vec![Action::Close {
+                ctx: 1,
+                tag: OutcomeTag::Aborted(AbortReason::Stalled)
+            }]
+        );
+        assert_eq!(
+            h.metric(Metric::Aborts(AbortReason::Stalled, Outcome::Dropped)),
+            1
+        );
+    }
+
     #[test]
     fn kill_switch_reaches_streams_in_flight_and_enforce_restarts_clocks() {
         let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
@@ -1959,7 +2342,7 @@ mod tests {
         assert!(e.tick(&mut h).is_empty());
         assert_eq!(warns(&h), 1, "logged once");
         h.now += 1;
-        let late = e.tick(&mut h);
+        let late = ended(&mut e, &mut h);
         let mut late_ctx: Vec<u32> = late
             .iter()
             .map(|a| match a {
@@ -2129,7 +2512,7 @@ mod tests {
             for ctx in 11..=50 {
                 e.on_response_body(&mut h, ctx, b"data: {}\n\n", 0, false);
             }
-            for act in e.tick(&mut h) {
+            for act in ended(&mut e, &mut h) {
                 if let Action::Close { ctx, tag } = act {
                     assert_eq!(tag, OutcomeTag::Aborted(AbortReason::Stalled));
                     assert!(ctx <= 10, "a healthy stream was closed");
@@ -2605,7 +2988,7 @@ mod tests {
                 0,
                 false,
             );
-            cut.extend(e.tick(&mut h));
+            cut.extend(ended(&mut e, &mut h));
         }
         assert_eq!(
             cut,

@@ -61,11 +61,14 @@ pub enum Outcome {
     Dropped,
     /// The host refused the call (e.g. unknown cluster).
     DispatchError,
+    /// 200 `deferred`: kvguard-control found the stalled stream producing at the engine
+    /// and its reader draining; the stream is kept and asked about again.
+    Deferred,
 }
 
 impl Outcome {
     /// Every outcome.
-    pub const ALL: [Outcome; 10] = [
+    pub const ALL: [Outcome; 11] = [
         Outcome::Aborted,
         Outcome::AlreadyAborted,
         Outcome::NotFound,
@@ -76,6 +79,7 @@ impl Outcome {
         Outcome::Failed,
         Outcome::Dropped,
         Outcome::DispatchError,
+        Outcome::Deferred,
     ];
     /// Label value.
     pub const fn as_str(self) -> &'static str {
@@ -90,6 +94,7 @@ impl Outcome {
             Outcome::Failed => "failed",
             Outcome::Dropped => "dropped",
             Outcome::DispatchError => "dispatch_error",
+            Outcome::Deferred => "deferred",
         }
     }
     const fn index(self) -> usize {

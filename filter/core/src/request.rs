@@ -102,6 +102,16 @@ const UPLOAD_ENDED: u32 = u32::MAX - 1;
 const QUIET: u8 = 1;
 /// [`Request`]'s flag: an idle clock was due at the previous tick.
 const ARMED: u8 = 2;
+/// [`Request`]'s flag: a stall was put to kvguard-control, whose first answer is awaited
+/// ([`Request::ask`]); no clock fires meanwhile.
+const ASKING: u8 = 4;
+/// [`Request`]'s flag: kvguard-control answered the stall with no deferral: the next tick
+/// cuts it, its abort already sent ([`Request::answered`]).
+const UNDEFERRED: u8 = 8;
+/// The flags of a stall put to kvguard-control and not deferred.
+const STALL_PUT: u8 = ASKING | UNDEFERRED;
+/// The flags progress clears (the others wait for an answer or a cut).
+const IDLE_FLAGS: u8 = QUIET | ARMED;
 
 /// A tracked request.
 ///
@@ -152,6 +162,7 @@ pub struct Request {
     /// [`QUIET`]: a tick found no progress since the last stamp, so the next chunk reads
     /// the clock. [`ARMED`]: a tick found an idle clock (stall or first token) due and
     /// nothing has arrived since, so the next tick may cut it ([`crate::cut`]).
+    /// [`ASKING`], [`UNDEFERRED`]: a stall put to kvguard-control first.
     flags: u8,
     /// Observe mode: what it would have been aborted for (its clocks are then off).
     pub observed: Option<AbortReason>,
@@ -403,7 +414,7 @@ impl Request {
         }
         self.last_event = self.last_event.max(t);
         self.stamped = self.events;
-        self.flags = 0;
+        self.flags &= !IDLE_FLAGS;
         self.held_until = 0;
     }
 
@@ -423,7 +434,7 @@ impl Request {
             }
             self.last_event = self.last_event.max(self.rel(now_ms));
             self.stamped = self.events;
-            self.flags = 0;
+            self.flags &= !IDLE_FLAGS;
             self.held_until = 0;
         } else if self.events > 0 {
             self.flags |= QUIET;
@@ -521,6 +532,56 @@ impl Request {
         armed
     }
 
+    /// A stall is put to kvguard-control before the stream is cut: until its first answer
+    /// ([`Request::answered`]) no clock fires.
+    pub fn ask(&mut self) {
+        self.flags |= ASKING;
+    }
+
+    /// Whether kvguard-control's answer to a stall is awaited.
+    pub fn asking(&self) -> bool {
+        self.flags & ASKING != 0
+    }
+
+    /// kvguard-control answered the stall at `now_ms`. Deferred (its engine produces, its
+    /// reader drains): the stream is kept, and its idle clock may fire again one idle
+    /// window later (the stall is asked about again then, unless progress came first).
+    /// Anything else: the next tick cuts it ([`Request::undeferred`]).
+    pub fn answered(&mut self, deferred: bool, now_ms: u64) {
+        self.flags &= !(ASKING | ARMED);
+        if deferred {
+            self.held_until = 0;
+            self.hold(now_ms);
+        } else {
+            self.flags |= UNDEFERRED;
+        }
+    }
+
+    /// Whether kvguard-control answered its stall with no deferral and it is still open
+    /// to cut (its end held, [`Request::end_held`], included).
+    pub fn undeferred(&self) -> bool {
+        self.flags & UNDEFERRED != 0 && !matches!(self.phase, Phase::Complete | Phase::Aborted(_))
+    }
+
+    /// The upstream's end passed (`→ Ended`, not complete) while a stall of this stream
+    /// was put to kvguard-control and not deferred (its answer awaited, or no deferral):
+    /// kvguard-control ends a stream it does not defer with a final event, which may pass
+    /// before its answer or the next tick. Returns whether the end is held: it then
+    /// counts as answered with no deferral, and the next tick cuts the stream. A body
+    /// that completed (the engine finished) is never held.
+    pub fn end_held(&mut self) -> bool {
+        let held = self.flags & STALL_PUT != 0 && matches!(self.phase, Phase::Ended);
+        if held {
+            self.flags |= UNDEFERRED;
+        }
+        held
+    }
+
+    /// Its idle window, ms (0 = off).
+    pub fn idle_window(&self) -> u32 {
+        self.clocks.idle
+    }
+
     /// Enforce mode: records the abort (`→ Aborted`) unless one exists or the request
     /// completed. Observe mode: notes it once, the phase is unchanged. Returns whether
     /// it was recorded (one decision per request, first reason wins, completed never).
@@ -547,7 +608,7 @@ impl Request {
         if self.observed.take().is_some() {
             self.clocks_from = self.rel(now_ms);
             self.held_until = 0;
-            self.flags &= !ARMED;
+            self.flags &= !(ARMED | UNDEFERRED);
         }
     }
 

@@ -1067,16 +1067,22 @@ impl HttpContext for Stream {
             })
         })
         .flatten();
-        if let Some(tag) = tag {
-            set_outcome(tag);
+        match tag {
+            Some(OutcomeTag::Completed) => set_outcome(OutcomeTag::Completed),
+            // The end is held: the next tick cuts the stream (closing it here could run
+            // its on_log inside this call).
+            Some(_) => return Action::Pause,
+            None => {}
         }
         Action::Continue
     }
 
     fn on_http_response_trailers(&mut self, _: usize) -> Action {
-        if self.tracked {
-            let id = self.id;
-            let _ = with_engine(&self.shared, |e, _| e.on_response_trailers(id));
+        let id = self.id;
+        if self.tracked
+            && with_engine(&self.shared, |e, _| e.on_response_trailers(id)).unwrap_or(false)
+        {
+            return Action::Pause;
         }
         Action::Continue
     }

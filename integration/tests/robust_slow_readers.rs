@@ -1,0 +1,343 @@
+//! A client that reads slower than its engine writes is not a stall (issue 27, point 5).
+//!
+//! Real processes at the shipped sizes: the engine simulator writing ~26 KB/s per stream →
+//! kvguard-control (`--idle-timeout 3s`, `--reader-timeout 60s`) → a real Envoy
+//! with the filter (`idle_timeout_ms` 3000) and the shipped 32 KiB connection buffers →
+//! raw TCP clients. Side by side: clients that read a little every 100 ms (2 KB/s, and
+//! 0.5 KB/s, the documented floor's bound), and clients that read nothing after the
+//! response head. Envoy pauses reading the upstream while a client's buffer is full, so
+//! no byte of a slow reader's stream passes the filter for many idle timeouts at a time.
+//!
+//! - Every slow reader is still streaming at the end, longer than the reader timeout:
+//!   never cut (no abort event, no close, its engine sequence still running), because
+//!   kvguard-control deferred the filter's `stalled` aborts (it saw its engine produce)
+//!   and its own reaper did not count the drain's silence as the engine's.
+//! - Every silent client's stream is ended within the documented bound, and not before
+//!   the reader timeout: the filter's silence reaches it, kvguard-control ends it; and its
+//!   connection is closed (kvguard-control's end of the stream does not stand in for the
+//!   filter's cut).
+//! - Readers of a short generation (2 KB/s): the engine finishes within seconds and the
+//!   rest of the response waits in the buffers while they drain it; the filter's stall
+//!   aborts then find it completed at kvguard-control, which defers them: they read to
+//!   the end, never cut.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use kvguard_integration::client::{self, SilentClient};
+use kvguard_integration::demo::stack::{self, Control, Stack, StackOptions, FILTER_TICK_MS};
+use kvguard_integration::envoy::{Envoy, EnvoyOptions};
+use kvguard_integration::sim::{self, EndKind, SimConfig};
+use kvguard_integration::wait::bounded;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+/// The shipped `per_connection_buffer_limit_bytes` (envoy-config/envoy/*.yaml).
+const SHIPPED_BUFFER: u32 = 32 * 1024;
+/// `SO_SNDBUF` of Envoy's sockets toward the clients, and the clients' `SO_RCVBUF`: small
+/// (no autotuning) as across a network, where Envoy's buffer is what fills. On loopback
+/// Linux grows a send buffer past a megabyte at once, which would hide a slow reader from
+/// Envoy (and from the filter) for minutes.
+const KERNEL_BUFFER: u32 = 4 * 1024;
+/// kvguard-control's `--reader-timeout` here (below its default, to keep the test short:
+/// the 0.5 KB/s readers are silent at the filter for up to ~45 s at a time).
+const READER: Duration = Duration::from_secs(60);
+/// The idle timeout of both the filter and kvguard-control.
+const IDLE: Duration = Duration::from_secs(3);
+/// How long the slow readers read: past the reader timeout.
+const RUN: Duration = Duration::from_secs(75);
+/// The tail readers' generation.
+const TAIL_TOKENS: u32 = 400;
+
+/// Reads `chunk` bytes every 100 ms until `until` or the end of the response (`[DONE]`);
+/// returns the client (still connected) and the bytes read, or why it stopped early
+/// (closed, an abort event).
+async fn read_slowly(
+    mut c: SilentClient,
+    chunk: usize,
+    until: Instant,
+) -> Result<(SilentClient, usize), String> {
+    let mut next = Instant::now();
+    while Instant::now() < until {
+        next += Duration::from_millis(100);
+        match c.read_up_to(chunk, Duration::from_secs(30)).await {
+            Ok(0) => return Err(format!("closed after {} bytes", c.bytes_read().len())),
+            Ok(_) => {}
+            Err(e) => return Err(format!("{e:#} after {} bytes", c.bytes_read().len())),
+        }
+        if c.bytes_read().windows(15).any(|w| w == b"kvguard_aborted") {
+            return Err(format!("abort event after {} bytes", c.bytes_read().len()));
+        }
+        if c.bytes_read().windows(6).any(|w| w == b"[DONE]") {
+            break;
+        }
+        tokio::time::sleep_until(next.into()).await;
+    }
+    let n = c.bytes_read().len();
+    Ok((c, n))
+}
+
+/// The request id of a client's response (kvguard-control sets it).
+fn request_id(c: &SilentClient) -> String {
+    c.head()
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.eq_ignore_ascii_case("x-request-id")
+                .then(|| v.trim().to_owned())
+        })
+        .unwrap()
+}
+
+/// kvguard-control's view of each request in flight.
+async fn inflight(admin: SocketAddr) -> BTreeMap<String, Value> {
+    let v = client::get_json(admin, "/v1/requests").await.unwrap();
+    v["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["request_id"].as_str().unwrap().to_owned(), r.clone()))
+        .collect()
+}
+
+/// The longest silence the filter reported in a deferred abort, per request id (from
+/// kvguard-control's debug lines).
+fn deferred_silences(log: &str) -> BTreeMap<String, u64> {
+    let mut m = BTreeMap::new();
+    for l in log.lines().filter(|l| l.contains("stalled abort deferred")) {
+        let field = |k: &str| {
+            let i = l.find(&format!("{k}="))? + k.len() + 1;
+            Some(
+                l[i..]
+                    .split([' ', ','])
+                    .next()?
+                    .trim_matches('"')
+                    .to_owned(),
+            )
+        };
+        if let (Some(id), Some(ms)) = (field("request_id"), field("sender_idle_ms")) {
+            let e = m.entry(id).or_insert(0);
+            *e = (*e).max(ms.parse().unwrap_or(0));
+        }
+    }
+    m
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_readers_are_never_cut_and_silent_ones_are_reaped() {
+    bounded("slow readers", RUN + Duration::from_secs(60), async {
+        let sim = sim::spawn(SimConfig {
+            token_rate: 100.0,
+            kv_blocks: 16_384,
+            max_model_len: 32_768,
+            ..SimConfig::default()
+        })
+        .await
+        .unwrap();
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        let mut ctl = Control::start(
+            sim.addr(),
+            any,
+            any,
+            &[
+                "--idle-timeout".into(),
+                format!("{}s", IDLE.as_secs()),
+                "--reader-timeout".into(),
+                format!("{}s", READER.as_secs()),
+                "--log".into(),
+                "info,kvguard_control::abort=debug".into(),
+            ],
+        )
+        .await
+        .unwrap();
+        let cfg = stack::filter_config(IDLE.as_millis() as u64, 0);
+        let mut opts = EnvoyOptions::with_filter(ctl.proxy, ctl.admin, cfg)
+            .vm_env("KVGUARD_SECRET", stack::SECRET);
+        opts.per_connection_buffer_limit_bytes = Some(SHIPPED_BUFFER);
+        opts.downstream_sndbuf = Some(KERNEL_BUFFER);
+        let envoy = Envoy::start(opts).await.unwrap();
+        let at = envoy.listener_addr();
+        let body = |max_tokens: u32| json!({"model": "tiny", "prompt": "x", "stream": true, "max_tokens": max_tokens});
+        let open = |max_tokens: u32| async move {
+            let c = client::silent_client(at, "/v1/completions", &body(max_tokens), &[], KERNEL_BUFFER, true)
+                .await
+                .unwrap();
+            assert_eq!(c.status(), Some(200), "{:?}", c.head());
+            c
+        };
+        let until = Instant::now() + RUN;
+        // Bytes per 100 ms: 2 KB/s (the issue's clients) and 0.5 KB/s.
+        let rates = [200usize, 200, 50, 50];
+        let mut readers = tokio::task::JoinSet::new();
+        let mut names = BTreeMap::new();
+        for chunk in rates {
+            let c = open(30_000).await;
+            let id = request_id(&c);
+            names.insert(id.clone(), format!("{} B/s", chunk * 10));
+            readers.spawn(async move { (id, read_slowly(c, chunk, until).await) });
+        }
+        // The tail: 400 tokens (~100 KB, ~4 s at the engine), read at 2 KB/s (~50 s).
+        let mut tails = Vec::new();
+        for _ in 0..2 {
+            let c = open(TAIL_TOKENS).await;
+            let id = request_id(&c);
+            names.insert(id.clone(), "tail, 2000 B/s".to_owned());
+            tails.push(id.clone());
+            readers.spawn(async move { (id, read_slowly(c, 200, until).await) });
+        }
+        let mut silent = Vec::new();
+        for _ in 0..2 {
+            let c = open(30_000).await;
+            names.insert(request_id(&c), "silent".to_owned());
+            silent.push(c);
+        }
+        // kvguard-control's view meanwhile: how long each stream waited on its reader.
+        let mut reader_wait: BTreeMap<String, u64> = BTreeMap::new();
+        while Instant::now() < until {
+            for (id, r) in inflight(ctl.admin).await {
+                if r["waiting_on"] == "reader" {
+                    let e = reader_wait.entry(id).or_default();
+                    *e = (*e).max(r["waiting_ms"].as_u64().unwrap());
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        let mut read = BTreeMap::new();
+        while let Some(r) = readers.join_next().await {
+            let (id, r) = r.unwrap();
+            read.insert(id, r);
+        }
+        let st = sim.state();
+        let silences = deferred_silences(&ctl.guard().log());
+        for (id, name) in &names {
+            let rec = st.request(id).unwrap();
+            eprintln!(
+                "{name}: read {:?} bytes; longest filter silence in a deferred abort {:?} ms, longest reader wait at kvguard-control {:?} ms; engine ended {:?} {:?} ms after arrival",
+                read.get(id).map(|r| r.as_ref().map(|(_, n)| *n)),
+                silences.get(id),
+                reader_wait.get(id),
+                rec.ended,
+                rec.ended_ms.map(|e| e - rec.arrived_ms),
+            );
+        }
+        let log = ctl.guard().log();
+        for (id, r) in &read {
+            let name = &names[id];
+            let (c, n) = r.as_ref().unwrap_or_else(|e| panic!("the {name} reader was cut: {e}"));
+            let rec = st.request(id).unwrap();
+            if tails.contains(id) {
+                assert_eq!(rec.ended, Some(EndKind::Length), "the {name} reader's engine did not finish");
+                assert!(
+                    c.bytes_read().windows(6).any(|w| w == b"[DONE]"),
+                    "the {name} reader did not reach the end in {RUN:?} ({n} bytes)"
+                );
+                // The case was reached: a stall abort came after the engine finished.
+                assert!(
+                    log.lines().any(|l| l.contains(id.as_str()) && l.contains("drains its tail")),
+                    "no stall of the {name} reader was deferred after its engine finished"
+                );
+                continue;
+            }
+            assert_eq!(rec.ended, None, "the {name} reader's engine sequence was ended (read {n} bytes)");
+            // Its idle timeout passed many times over: only the deferrals kept it.
+            let silence = silences.get(id).copied().unwrap_or(0);
+            assert!(
+                silence >= IDLE.as_millis() as u64,
+                "the {name} reader was never silent at the filter for an idle timeout ({silence} ms): the test did not reach the case"
+            );
+        }
+        let tick = Duration::from_millis(FILTER_TICK_MS);
+        // Envoy stops reading a silent stream once its buffers are full (a few seconds at
+        // this rate); the filter's next abort after the reader timeout ends it: within one
+        // idle window (its re-ask) and two ticks after that, plus a round trip.
+        let fill = Duration::from_secs(5);
+        for c in &mut silent {
+            let id = request_id(c);
+            let rec = st.request(&id).unwrap();
+            assert_eq!(rec.ended, Some(EndKind::Disconnected), "silent {id} not ended");
+            let after = Duration::from_millis(rec.ended_ms.unwrap() - rec.arrived_ms);
+            assert!(after >= READER, "silent {id} ended {after:?} after it arrived, before the reader timeout");
+            assert!(
+                after <= fill + READER + IDLE + 2 * tick + Duration::from_secs(2),
+                "silent {id} ended {after:?} after it arrived"
+            );
+            // Its connection was closed: it reads what is left and then the close.
+            let n = c.read_to_close(Duration::from_secs(10)).await.unwrap_or_else(|e| {
+                panic!("silent {id}: its connection was not closed: {e:#}")
+            });
+            eprintln!("silent {id}: closed after {n} bytes");
+        }
+        let m = client::get(ctl.admin, "/metrics").await.unwrap().text();
+        assert!(
+            m.lines().any(|l| l.starts_with("kvguard_control_abort_api_answers_total{result=\"deferred\"}")),
+            "no deferral counted"
+        );
+        drop(silent);
+    })
+    .await
+    .unwrap();
+}
+
+/// The stack `e2e_vllm`'s silent client runs in (the lossy hop before kvguard-control,
+/// 16 KiB buffers), with the simulator: a client that reads nothing after its request;
+/// kvguard-control carries out the filter's first stall abort (its reader timeout is the
+/// idle timeout) and ends the stream with its final event. The engine sequence ends, and
+/// the client's connection is closed too: the end that kvguard-control wrote must not
+/// complete the response at Envoy in place of the filter's cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_client_s_connection_is_closed_when_kvguard_control_ends_it_first() {
+    bounded(
+        "silent client, ended first",
+        Duration::from_secs(60),
+        async {
+            let sim = sim::spawn(SimConfig {
+                token_rate: 100.0,
+                kv_blocks: 16_384,
+                max_model_len: 32_768,
+                ..SimConfig::default()
+            })
+            .await
+            .unwrap();
+            let mut o = StackOptions::new(
+                sim.addr(),
+                Some(stack::filter_config(IDLE.as_millis() as u64, 0)),
+            );
+            o.control_args = [
+                "--idle-timeout",
+                "off",
+                "--max-age",
+                "off",
+                "--reader-timeout",
+            ]
+            .map(String::from)
+            .to_vec();
+            o.control_args.push(format!("{}s", IDLE.as_secs()));
+            let st = Stack::start(o).await.unwrap();
+            let body =
+                json!({"model": "tiny", "prompt": "x", "stream": true, "max_tokens": 30_000});
+            let mut c =
+                client::silent_client(st.entry(), "/v1/completions", &body, &[], 4096, false)
+                    .await
+                    .unwrap();
+            let ended = sim
+                .wait_state("the engine sequence ended", Duration::from_secs(30), |s| {
+                    s.requests.first().is_some_and(|r| r.ended.is_some())
+                })
+                .await
+                .unwrap();
+            assert_eq!(ended.requests[0].ended, Some(EndKind::Disconnected));
+            let n = c
+                .read_to_close(Duration::from_secs(10))
+                .await
+                .unwrap_or_else(|e| {
+                    panic!("its connection was not closed: {e:#}\n{}", st.logs(40))
+                });
+            let read = String::from_utf8_lossy(c.bytes_read()).into_owned();
+            assert!(!read.contains("[DONE]"), "{read}");
+            eprintln!("closed after {n} bytes");
+        },
+    )
+    .await
+    .unwrap();
+}
