@@ -24,6 +24,16 @@ use tower::ServiceExt;
 const KEY: &[u8] = b"kvguard-control-test-key-0123456789";
 const NOW: u64 = 1_800_000_000;
 
+/// `POST /` admitted as `id`.
+fn admitted(st: &Arc<AppState>, id: &str) -> Arc<kvguard_control::table::Entry> {
+    st.admit(
+        RequestId::try_new(id.as_bytes()).unwrap(),
+        "POST".into(),
+        "/".into(),
+    )
+    .unwrap()
+}
+
 fn state(tweak: impl FnOnce(&mut Config)) -> (Arc<AppState>, Arc<ManualClock>) {
     // Port 9 (discard): nothing answers there.
     let mut cfg =
@@ -2346,13 +2356,7 @@ async fn stalled_aborts_are_deferred_only_while_the_engine_produces() {
     let app = admin::app(st.clone());
     let key = Key::try_new(KEY).unwrap();
     let admit = |id: &str| {
-        let e = st
-            .admit(
-                RequestId::try_new(id.as_bytes()).unwrap(),
-                "POST".into(),
-                "/".into(),
-            )
-            .unwrap();
+        let e = admitted(&st, id);
         e.record_events(1, clock.now());
         // The gateway took that frame and asked for the next one.
         e.record_handed(clock.now());
@@ -2418,13 +2422,7 @@ async fn stalled_aborts_of_a_request_completed_recently_are_deferred() {
     let app = admin::app(st.clone());
     let key = Key::try_new(KEY).unwrap();
     let ended = |id: &str, completed: bool| {
-        let e = st
-            .admit(
-                RequestId::try_new(id.as_bytes()).unwrap(),
-                "POST".into(),
-                "/".into(),
-            )
-            .unwrap();
+        let e = admitted(&st, id);
         e.record_events(1, clock.now());
         st.remove_ended(&e, completed);
     };
