@@ -73,12 +73,7 @@ pub fn judge(st: &Arc<AppState>) {
             .iter()
             .filter(|e| e.instance() == Some(instance))
             .collect();
-        if let Some(late) = mine
-            .iter()
-            .map(|e| e.times().started)
-            .filter(|t| *t >= now)
-            .max()
-        {
+        if let Some(late) = admitted_since(&mine, now) {
             st.leases
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -87,15 +82,7 @@ pub fn judge(st: &Arc<AppState>) {
             continue;
         }
         let enforce = st.cfg.lease_mode == LeaseMode::Enforce && why != Expiry::Unproven;
-        let mode = if enforce { "enforce" } else { "observe" };
-        st.metrics.lease.expired(mode, why);
-        let mut ended = 0u64;
-        for e in &mine {
-            if !enforce || st.end_request(e, AbortReason::GatewayLost, "lease") {
-                ended += 1;
-            }
-        }
-        st.metrics.lease.ended(mode, why, ended);
+        let (mode, ended) = end_or_count(st, &mine, why, enforce);
         let ttl_ms = st.cfg.lease_ttl.as_millis() as u64;
         match why {
             Expiry::Silent => {
@@ -111,6 +98,38 @@ pub fn judge(st: &Arc<AppState>) {
             Expiry::VmLost => {}
         }
     }
+}
+
+/// The latest admission among `mine` at or after the judgement at `now` (evidence of life
+/// that the judgement could not see).
+fn admitted_since(
+    mine: &[&Arc<crate::table::Entry>],
+    now: std::time::Instant,
+) -> Option<std::time::Instant> {
+    mine.iter()
+        .map(|e| e.times().started)
+        .filter(|t| *t >= now)
+        .max()
+}
+
+/// Counts the expiry `why`, then ends `mine` (`enforce`, reason `gateway_lost`) or only
+/// counts them: the mode label and how many.
+fn end_or_count(
+    st: &Arc<AppState>,
+    mine: &[&Arc<crate::table::Entry>],
+    why: Expiry,
+    enforce: bool,
+) -> (&'static str, u64) {
+    let mode = if enforce { "enforce" } else { "observe" };
+    st.metrics.lease.expired(mode, why);
+    let mut ended = 0u64;
+    for e in mine {
+        if !enforce || st.end_request(e, AbortReason::GatewayLost, "lease") {
+            ended += 1;
+        }
+    }
+    st.metrics.lease.ended(mode, why, ended);
+    (mode, ended)
 }
 
 /// Ends (`enforce`) or counts the requests of worker VM `vm` of a live `instance`, lost:
@@ -131,29 +150,15 @@ fn end_vm(
         tracing::debug!(%instance, vm, "gateway VM no longer listed, no request of it here");
         return;
     }
-    if let Some(late) = mine
-        .iter()
-        .map(|e| e.times().started)
-        .filter(|t| *t >= now)
-        .max()
-    {
+    if let Some(late) = admitted_since(&mine, now) {
         st.leases
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .revive_vm(instance, vm, late);
         return;
     }
-    let why = Expiry::VmLost;
     let enforce = st.cfg.lease_mode == LeaseMode::Enforce;
-    let mode = if enforce { "enforce" } else { "observe" };
-    st.metrics.lease.expired(mode, why);
-    let mut ended = 0u64;
-    for e in &mine {
-        if !enforce || st.end_request(e, AbortReason::GatewayLost, "lease") {
-            ended += 1;
-        }
-    }
-    st.metrics.lease.ended(mode, why, ended);
+    let (mode, ended) = end_or_count(st, &mine, Expiry::VmLost, enforce);
     let ttl_ms = st.cfg.lease_ttl.as_millis() as u64;
     tracing::warn!(%instance, vm, mode, requests = ended, ttl_ms, "gateway VM lost: its gateway's renewals have left it out for the TTL (a worker VM that trapped or was replaced)");
 }
