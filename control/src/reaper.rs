@@ -180,6 +180,15 @@ mod tests {
         }
     }
 
+    /// A request started now whose first data event came now.
+    fn flowing(c: &ManualClock) -> Times {
+        Times {
+            first_data: Some(c.now()),
+            last_data: Some(c.now()),
+            ..waiting(c, Duration::ZERO)
+        }
+    }
+
     fn limits(max_age: u64, idle: u64, first: Option<u64>) -> Limits {
         Limits {
             max_age: Some(Duration::from_secs(max_age)),
@@ -193,15 +202,7 @@ mod tests {
     fn streaming(c: &ManualClock) -> (Times, Limits) {
         let mut l = limits(10_000, 10, None);
         l.reader_timeout = Some(Duration::from_secs(90));
-        let t = Times {
-            started: c.now(),
-            first_data: Some(c.now()),
-            last_data: Some(c.now()),
-            stalled: Duration::ZERO,
-            flow: None,
-            drained: Duration::ZERO,
-        };
-        (t, l)
+        (flowing(c), l)
     }
 
     #[test]
@@ -360,14 +361,7 @@ mod tests {
     fn max_age_whatever_the_progress_and_first() {
         let c = ManualClock::new(0);
         let l = limits(60, 10, Some(5));
-        let mut t = Times {
-            started: c.now(),
-            first_data: Some(c.now()),
-            last_data: Some(c.now()),
-            stalled: Duration::ZERO,
-            flow: None,
-            drained: Duration::ZERO,
-        };
+        let mut t = flowing(&c);
         for _ in 0..59 {
             c.advance(Duration::from_secs(1));
             t.last_data = Some(c.now());

@@ -43,13 +43,7 @@ struct Path {
 
 /// Engine, kvguard-control with default flags, lossy hop.
 async fn path() -> Path {
-    let engine = sim::spawn(SimConfig {
-        max_running: 4096,
-        kv_blocks: 131_072,
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap();
+    let engine = sim::spawn(SimConfig::roomy()).await.unwrap();
     let any = SocketAddr::from(([127, 0, 0, 1], 0));
     let control = Control::start(engine.addr(), any, any, &[]).await.unwrap();
     let hop = lossy::spawn(LossyConfig::to(control.proxy)).await.unwrap();

@@ -95,18 +95,10 @@ async fn gateway_lost(control: &Control) -> Option<f64> {
         .copied()
 }
 
-fn sim_config() -> SimConfig {
-    SimConfig {
-        max_running: 4096,
-        kv_blocks: 131_072,
-        ..SimConfig::default()
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sigkilled_gateways_streams_end_within_the_ttl_and_only_its_own() {
     bounded("SIGKILLed gateway", Duration::from_secs(120), async {
-        let engine = sim::spawn(sim_config()).await.unwrap();
+        let engine = sim::spawn(SimConfig::roomy()).await.unwrap();
         let control = control(&engine, "enforce").await;
         let hop = lossy::spawn(LossyConfig::to(control.proxy)).await.unwrap();
         let mut a = gateway(hop.addr(), control.admin).await;
@@ -167,7 +159,7 @@ async fn a_sigkilled_gateways_streams_end_within_the_ttl_and_only_its_own() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn observe_mode_counts_a_dead_gateways_streams_and_ends_none() {
     bounded("observe mode", Duration::from_secs(60), async {
-        let engine = sim::spawn(sim_config()).await.unwrap();
+        let engine = sim::spawn(SimConfig::roomy()).await.unwrap();
         let control = control(&engine, "observe").await;
         let hop = lossy::spawn(LossyConfig::to(control.proxy)).await.unwrap();
         let mut gw = gateway(hop.addr(), control.admin).await;
@@ -204,7 +196,7 @@ async fn gateways_stopped_past_the_ttl_and_resumed_lose_no_vm_and_no_stream() {
         "stopped and resumed gateways",
         Duration::from_secs(120),
         async {
-            let engine = sim::spawn(sim_config()).await.unwrap();
+            let engine = sim::spawn(SimConfig::roomy()).await.unwrap();
             let control = control(&engine, "enforce").await;
             let hop = lossy::spawn(LossyConfig::to(control.proxy)).await.unwrap();
             let mut a = gateway(hop.addr(), control.admin).await;
@@ -269,7 +261,7 @@ async fn renewals_failed(g: &Envoy) -> (f64, f64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateways_out_of_phase_with_both_renewal_paths_cut_lose_no_stream() {
     bounded("both renewal paths cut", Duration::from_secs(120), async {
-        let engine = sim::spawn(sim_config()).await.unwrap();
+        let engine = sim::spawn(SimConfig::roomy()).await.unwrap();
         let control = control(&engine, "enforce").await;
         let data_gate = Gate::spawn(control.proxy).await.unwrap();
         let admin_gate = Gate::spawn(control.admin).await.unwrap();

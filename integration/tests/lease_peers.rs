@@ -43,14 +43,6 @@ use support::{chat, open_streams as open, W};
 const TTL: Duration = Duration::from_secs(2);
 const RENEW_MS: u64 = 400;
 
-fn sim_config() -> SimConfig {
-    SimConfig {
-        max_running: 4096,
-        kv_blocks: 131_072,
-        ..SimConfig::default()
-    }
-}
-
 /// Three replicas in front of `engine`, each knowing the others (`--peers` lists all
 /// three; each leaves itself out by its `--admin-listen`), each behind its own lossy hop.
 async fn replicas(engine: &SimHandle, extra: &[&str]) -> (Vec<Control>, Vec<LossyHandle>) {
@@ -166,7 +158,7 @@ async fn inflight(controls: &[Control]) -> Vec<usize> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abort_before_the_stamp_is_forwarded_to_the_replica_holding_the_request() {
     bounded("abort before the stamp", Duration::from_secs(60), async {
-        let engine = sim::spawn(sim_config()).await.unwrap();
+        let engine = sim::spawn(SimConfig::roomy()).await.unwrap();
         let (controls, hops) = replicas(&engine, &[]).await;
         let ups: Vec<_> = hops.iter().map(LossyHandle::addr).collect();
         let admins: Vec<_> = controls.iter().map(|c| c.admin).collect();
@@ -275,7 +267,7 @@ async fn three_replicas_a_killed_gateways_request_on_one_ends_there_by_its_lease
         "killed gateway, three replicas",
         Duration::from_secs(60),
         async {
-            let engine = sim::spawn(sim_config()).await.unwrap();
+            let engine = sim::spawn(SimConfig::roomy()).await.unwrap();
             let ttl = format!("{}ms", TTL.as_millis());
             let (controls, hops) =
                 replicas(&engine, &["--lease-mode", "enforce", "--lease-ttl", &ttl]).await;
@@ -362,7 +354,7 @@ async fn a_hot_restart_parent_that_exits_has_its_streams_ended_by_its_lease_the_
     bounded("hot restart parent exit", Duration::from_secs(60), async {
         const PARENT: usize = 20;
         const CHILD: usize = 10;
-        let engine = sim::spawn(sim_config()).await.unwrap();
+        let engine = sim::spawn(SimConfig::roomy()).await.unwrap();
         let any = SocketAddr::from(([127, 0, 0, 1], 0));
         let ttl = format!("{}ms", TTL.as_millis());
         let control = Control::start(
@@ -504,7 +496,7 @@ async fn forged_and_replayed_forwarded_messages_are_refused_and_counted() {
         "forged and replayed forwards",
         Duration::from_secs(60),
         async {
-            let engine = sim::spawn(sim_config()).await.unwrap();
+            let engine = sim::spawn(SimConfig::roomy()).await.unwrap();
             let any = SocketAddr::from(([127, 0, 0, 1], 0));
             let control = Control::start(engine.addr(), any, any, &[]).await.unwrap();
             let key = Key::try_new(stack::SECRET.as_bytes()).unwrap();
@@ -613,7 +605,7 @@ async fn forged_and_replayed_forwarded_messages_are_refused_and_counted() {
 async fn measure_aborts_leaving_a_sigtermed_envoy_during_disconnects() {
     bounded("SIGTERM measurement", Duration::from_secs(120), async {
         const STREAMS: usize = 100;
-        let engine = sim::spawn(sim_config()).await.unwrap();
+        let engine = sim::spawn(SimConfig::roomy()).await.unwrap();
         let any = SocketAddr::from(([127, 0, 0, 1], 0));
         let off = ["--idle-timeout", "off"].map(String::from);
         let control = Control::start(engine.addr(), any, any, &off).await.unwrap();
@@ -659,7 +651,7 @@ async fn measure_aborts_leaving_a_sigtermed_envoy_during_disconnects() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_down_is_counted_and_the_abort_is_answered_as_without_peers() {
     bounded("a peer down", Duration::from_secs(60), async {
-        let engine = sim::spawn(sim_config()).await.unwrap();
+        let engine = sim::spawn(SimConfig::roomy()).await.unwrap();
         let down = stack::closed_port().await.unwrap();
         let admin = free_addrs(1)[0];
         let any = SocketAddr::from(([127, 0, 0, 1], 0));
@@ -717,7 +709,7 @@ async fn a_gateway_renews_every_replica_its_stamps_named() {
         "renewals to stamped replicas",
         Duration::from_secs(60),
         async {
-            let engine = sim::spawn(sim_config()).await.unwrap();
+            let engine = sim::spawn(SimConfig::roomy()).await.unwrap();
             let admin = free_addrs(1)[0];
             let any = SocketAddr::from(([127, 0, 0, 1], 0));
             // The replica stamps its responses with its admin address.
@@ -800,7 +792,7 @@ async fn peer_renewals(controls: &[Control]) -> f64 {
 async fn eight_replicas_and_one_gateway_cost_at_most_r_peer_renewal_messages_a_period() {
     bounded("eight replicas", Duration::from_secs(90), async {
         const R: usize = 8;
-        let engine = sim::spawn(sim_config()).await.unwrap();
+        let engine = sim::spawn(SimConfig::roomy()).await.unwrap();
         let (controls, hops) = replicas_n(&engine, R, &[], true).await;
         let ups: Vec<_> = hops.iter().map(LossyHandle::addr).collect();
         let admins: Vec<_> = controls.iter().map(|c| c.admin).collect();
@@ -842,7 +834,7 @@ async fn eight_replicas_and_one_gateway_cost_at_most_r_peer_renewal_messages_a_p
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draining_replica_still_takes_forwarded_renewals_and_aborts() {
     bounded("draining replica", Duration::from_secs(60), async {
-        let engine = sim::spawn(sim_config()).await.unwrap();
+        let engine = sim::spawn(SimConfig::roomy()).await.unwrap();
         let (mut controls, hops) = replicas_n(&engine, 2, &["--drain-timeout", "60s"], false).await;
         let admins: Vec<_> = controls.iter().map(|c| c.admin).collect();
         // Inference to replica B only; aborts and renewals to A (B is the backup).

@@ -258,9 +258,7 @@ async fn admin_load_from_gateways_peers_and_probes_keeps_every_probe_under_a_sec
     bounded("admin soak", run + Duration::from_secs(120), async {
         let engine = sim::spawn(SimConfig {
             token_rate: 50.0,
-            max_running: 4096,
-            kv_blocks: 131_072,
-            ..SimConfig::default()
+            ..SimConfig::roomy()
         })
         .await
         .unwrap();

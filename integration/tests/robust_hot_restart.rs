@@ -119,13 +119,7 @@ fn abort_api_answers(metrics: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hot_restart_with_1000_live_streams() {
     bounded("hot restart", Duration::from_secs(150), async {
-        let engine = sim::spawn(SimConfig {
-            max_running: 4096,
-            kv_blocks: 131_072,
-            ..SimConfig::default()
-        })
-        .await
-        .unwrap();
+        let engine = sim::spawn(SimConfig::roomy()).await.unwrap();
         let any = SocketAddr::from(([127, 0, 0, 1], 0));
         let control = Control::start(engine.addr(), any, any, &[]).await.unwrap();
         let hop = lossy::spawn(LossyConfig::to(control.proxy)).await.unwrap();

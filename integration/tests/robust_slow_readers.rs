@@ -124,15 +124,20 @@ fn deferred_silences(log: &str) -> BTreeMap<String, u64> {
     m
 }
 
+/// A simulator at 100 tokens/s with room for streams of 30,000 tokens.
+fn long_streams() -> SimConfig {
+    SimConfig {
+        token_rate: 100.0,
+        kv_blocks: 16_384,
+        max_model_len: 32_768,
+        ..SimConfig::default()
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_readers_are_never_cut_and_silent_ones_are_reaped() {
     bounded("slow readers", RUN + Duration::from_secs(60), async {
-        let sim = sim::spawn(SimConfig {
-            token_rate: 100.0,
-            kv_blocks: 16_384,
-            max_model_len: 32_768,
-            ..SimConfig::default()
-        })
+        let sim = sim::spawn(long_streams())
         .await
         .unwrap();
         let any = SocketAddr::from(([127, 0, 0, 1], 0));
@@ -291,14 +296,7 @@ async fn a_silent_client_s_connection_is_closed_when_kvguard_control_ends_it_fir
         "silent client, ended first",
         Duration::from_secs(60),
         async {
-            let sim = sim::spawn(SimConfig {
-                token_rate: 100.0,
-                kv_blocks: 16_384,
-                max_model_len: 32_768,
-                ..SimConfig::default()
-            })
-            .await
-            .unwrap();
+            let sim = sim::spawn(long_streams()).await.unwrap();
             let mut o = StackOptions::new(
                 sim.addr(),
                 Some(stack::filter_config(IDLE.as_millis() as u64, 0)),

@@ -581,11 +581,7 @@ const VM_RENEW_MS: u64 = 400;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trapped_vm_behind_a_hop() {
     bounded("trapped VM behind a hop", T, async {
-        let sim = sim::spawn(SimConfig {
-            max_running: 4096,
-            kv_blocks: 131_072,
-            ..SimConfig::default()
-        })
+        let sim = sim::spawn(SimConfig::roomy())
         .await
         .unwrap();
         let any = SocketAddr::from(([127, 0, 0, 1], 0));

@@ -912,6 +912,14 @@ mod tests {
         (Engine::new(config(extra), 5), h)
     }
 
+    /// The tick's actions when it cuts stream `ctx` alone as stalled.
+    fn stalled_cut(ctx: u32) -> Vec<Action> {
+        vec![Action::Close {
+            ctx,
+            tag: OutcomeTag::Aborted(AbortReason::Stalled),
+        }]
+    }
+
     fn track(e: &mut Engine, h: &mut MockHost, ctx: u32, id: &str) {
         assert_eq!(
             e.on_request_headers(
@@ -1371,13 +1379,7 @@ mod tests {
             }
         }
         let (a, at) = cut.expect("the silent stream is never cut");
-        assert_eq!(
-            a,
-            vec![Action::Close {
-                ctx: 1,
-                tag: OutcomeTag::Aborted(AbortReason::Stalled)
-            }]
-        );
+        assert_eq!(a, stalled_cut(1));
         // Due at the first tick past 1 s of silence (2 500 ms), confirmed at the next.
         assert_eq!(at, 1_000 + 750 * 3);
         assert!(h.metric(Metric::WorkerStalls) >= 2);
@@ -1422,13 +1424,7 @@ mod tests {
         h.now += 60;
         // Stream 2 only sent keep-alives for 110 ms: stalled. Stream 1 progressed.
         let actions = confirmed_tick(&mut e, &mut h);
-        assert_eq!(
-            actions,
-            vec![Action::Close {
-                ctx: 2,
-                tag: OutcomeTag::Aborted(AbortReason::Stalled)
-            }]
-        );
+        assert_eq!(actions, stalled_cut(2));
         assert_eq!(h.calls.len(), 1);
         assert!(body(&h, 0).contains(r#""reason":"stalled""#));
         // Idle since its last data event (110 ms); the client was still connected.
@@ -2024,13 +2020,7 @@ mod tests {
         let t = h.calls[1].0;
         e.on_abort_answer(&mut h, t, Some(200), br#"{"found":true,"aborted":true}"#);
         h.now += 10;
-        assert_eq!(
-            e.tick(&mut h),
-            vec![Action::Close {
-                ctx: 1,
-                tag: OutcomeTag::Aborted(AbortReason::Stalled)
-            }]
-        );
+        assert_eq!(e.tick(&mut h), stalled_cut(1));
         assert_eq!(
             e.on_log(&mut h, 1, b"wasm_fail_stream", flags::LR),
             Some(OutcomeTag::Aborted(AbortReason::Stalled))
@@ -2073,14 +2063,7 @@ mod tests {
             stream(&mut e, &mut h, 1);
             let t = stall_asked(&mut e, &mut h);
             e.on_abort_answer(&mut h, t, status, answer);
-            assert_eq!(
-                e.tick(&mut h),
-                vec![Action::Close {
-                    ctx: 1,
-                    tag: OutcomeTag::Aborted(AbortReason::Stalled)
-                }],
-                "{status:?}"
-            );
+            assert_eq!(e.tick(&mut h), stalled_cut(1), "{status:?}");
             // A retry no longer allows a deferral.
             h.now += BACKOFF_MAX_MS;
             e.pump(&mut h);
@@ -2156,11 +2139,6 @@ mod tests {
         assert!(e.tick(&mut h).is_empty());
     }
 
-    const STALL_CUT: Action = Action::Close {
-        ctx: 1,
-        tag: OutcomeTag::Aborted(AbortReason::Stalled),
-    };
-
     /// kvguard-control's end of a stream it ends: its final event, then the end.
     const ENDED_HERE: &[u8] = b"event: error\ndata: {\"error\":{\"type\":\"kvguard_aborted\"}}\n\n";
 
@@ -2176,7 +2154,7 @@ mod tests {
             Some(OutcomeTag::Aborted(AbortReason::Stalled)),
             "held"
         );
-        assert_eq!(e.tick(&mut h), vec![STALL_CUT]);
+        assert_eq!(e.tick(&mut h), stalled_cut(1));
         e.on_abort_answer(&mut h, t, Some(200), br#"{"found":true,"aborted":true}"#);
         assert_eq!(
             e.on_log(&mut h, 1, b"wasm_fail_stream", flags::LR),
@@ -2200,7 +2178,7 @@ mod tests {
                 _ => e.on_chunk(&mut h, 1, 5, true, || None).is_some(),
             };
             assert!(held, "end {end}");
-            assert_eq!(e.tick(&mut h), vec![STALL_CUT], "end {end}");
+            assert_eq!(e.tick(&mut h), stalled_cut(1), "end {end}");
         }
     }
 
@@ -2245,13 +2223,7 @@ mod tests {
         stream(&mut e, &mut h, 1);
         h.now += 100;
         e.tick(&mut h);
-        assert_eq!(
-            e.tick(&mut h),
-            vec![Action::Close {
-                ctx: 1,
-                tag: OutcomeTag::Aborted(AbortReason::Stalled)
-            }]
-        );
+        assert_eq!(e.tick(&mut h), stalled_cut(1));
         assert_eq!(
             h.metric(Metric::Aborts(AbortReason::Stalled, Outcome::Dropped)),
             1
@@ -2288,13 +2260,7 @@ mod tests {
         h.now += 99;
         assert!(e.tick(&mut h).is_empty());
         h.now += 1;
-        assert_eq!(
-            confirmed_tick(&mut e, &mut h),
-            vec![Action::Close {
-                ctx: 1,
-                tag: OutcomeTag::Aborted(AbortReason::Stalled)
-            }]
-        );
+        assert_eq!(confirmed_tick(&mut e, &mut h), stalled_cut(1));
         // Enforce again for on_log too.
         stream(&mut e, &mut h, 3);
         assert_eq!(
@@ -2990,13 +2956,7 @@ mod tests {
             );
             cut.extend(ended(&mut e, &mut h));
         }
-        assert_eq!(
-            cut,
-            vec![Action::Close {
-                ctx: 1,
-                tag: OutcomeTag::Aborted(AbortReason::Stalled)
-            }]
-        );
+        assert_eq!(cut, stalled_cut(1));
         // With an empty list every event is progress, as before.
         let (mut e, mut h) = engine(r#","idle_timeout_ms":100,"non_progress_events":[]"#);
         stream(&mut e, &mut h, 1);

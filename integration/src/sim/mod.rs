@@ -117,6 +117,18 @@ pub enum KvRelease {
     LeaseExpired,
 }
 
+impl SimConfig {
+    /// The default with room for thousands of streams at once (4,096 running, 131,072
+    /// blocks): for tests about the gateway, not about KV pressure.
+    pub fn roomy() -> SimConfig {
+        SimConfig {
+            max_running: 4096,
+            kv_blocks: 131_072,
+            ..SimConfig::default()
+        }
+    }
+}
+
 impl Default for SimConfig {
     fn default() -> Self {
         SimConfig {
