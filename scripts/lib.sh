@@ -32,7 +32,6 @@ export KVGUARD_FIXTURES=${KVGUARD_FIXTURES:-$REPO/integration/fixtures}
 mkdir -p "$KVGUARD_CACHE"
 # Tools scripts/setup installs when the machine lacks them (Node.js, cargo-nextest).
 export PATH=$KVGUARD_CACHE/bin:$PATH
-NODE_WHEEL_VERSION=22.20.0
 NEXTEST_VERSION=0.9.143
 
 # The built artefacts the harness uses (see integration/src/paths.rs).
@@ -43,6 +42,29 @@ export KVGUARD_CONTROL_BIN=${KVGUARD_CONTROL_BIN:-$CARGO_TARGET_DIR/debug/kvguar
 if [ -z "${ENVOY_BIN:-}" ] && [ -x "$KVGUARD_VENV/bin/envoy" ]; then
   export ENVOY_BIN=$KVGUARD_VENV/bin/envoy
 fi
+
+# py_env NAME DIR: the virtualenv DIR holds exactly locks/NAME.txt (the whole tree, exact
+# versions, every file's sha256; scripts/lock makes it from locks/NAME.in). Installed into an
+# emptied DIR with pip --require-hashes --no-deps whenever the lock (or the Python it runs on)
+# changed; otherwise checked in about a second against the lock, so a package added or
+# changed by hand fails here rather than passing a test a new machine would fail.
+py_env() {
+  local name=$1 dir=$2 lock=$REPO/locks/$1.txt want
+  [ -f "$lock" ] || die "no lock $lock: add locks/$name.in and run scripts/lock $name"
+  want="$(sha256sum "$lock" | cut -d' ' -f1) $(python3 -c 'import sys; print(sys.version.split()[0])')"
+  if [ "$(cat "$dir/.kvguard-lock" 2>/dev/null)" = "$want" ]; then
+    "$dir/bin/python" "$REPO/scripts/lock_check.py" "$lock" ||
+      die "$dir differs from locks/$name.txt (installed by hand?): remove $dir and rerun"
+    return 0
+  fi
+  echo "installing the $name environment from locks/$name.txt into $dir (emptied first)"
+  rm -rf "$dir"
+  python3 -m venv "$dir" || die "python3 -m venv $dir failed (Debian: apt-get install python3-venv)"
+  "$dir/bin/python" -m pip install -q --disable-pip-version-check --no-deps --require-hashes -r "$lock" ||
+    die "installing locks/$name.txt into $dir failed (a lock made for another Python or platform? scripts/lock $name)"
+  "$dir/bin/python" "$REPO/scripts/lock_check.py" "$lock" || die "$dir does not match locks/$name.txt after installing it"
+  echo "$want" > "$dir/.kvguard-lock"
+}
 
 _stage_start=0
 _stage_name=

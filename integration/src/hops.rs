@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-/// The LiteLLM release the suite runs (`integration/hops/requirements.txt`).
+/// The LiteLLM release the suite runs (`locks/hops.in`).
 pub const LITELLM_VERSION: &str = "1.108.7";
 /// The vllm-router release the suite runs.
 pub const VLLM_ROUTER_VERSION: &str = "0.1.17";

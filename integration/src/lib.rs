@@ -49,11 +49,71 @@ pub use kvguard_loadgen::client;
 /// The load generator behind `kvguard-load`: moved to `kvguard-loadgen`; re-exported.
 pub use kvguard_loadgen::load;
 
-/// `n` loopback addresses free now (bound, then released): for processes that must know
-/// each other's address before they start (replicas naming their `--peers`).
+/// `n` distinct loopback addresses free now, for processes that must know each other's
+/// address before they start (replicas naming their `--peers`, NIXL's side channel).
+/// A port is only free until someone binds it, so the ports are drawn at random below the
+/// kernel's ephemeral range (`net.ipv4.ip_local_port_range`), where neither port-0
+/// listeners nor outgoing connections take them, and each is checked bindable now; the
+/// caller still retries on a collision ([`with_free_addrs`]).
 pub fn free_addrs(n: usize) -> Vec<std::net::SocketAddr> {
-    let ls: Vec<_> = (0..n)
-        .filter_map(|_| std::net::TcpListener::bind("127.0.0.1:0").ok())
-        .collect();
-    ls.iter().filter_map(|l| l.local_addr().ok()).collect()
+    use std::hash::{BuildHasher, Hasher};
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    // Above the ports daemons register by habit; no room below the range: port 0.
+    let (from, span) = (20_000u16, low.saturating_sub(20_000));
+    let mut out: Vec<std::net::SocketAddr> = Vec::new();
+    let mut seed = std::collections::hash_map::RandomState::new().build_hasher();
+    for attempt in 0u32..(n as u32 * 50) {
+        if out.len() == n {
+            break;
+        }
+        let port = if span >= 1000 {
+            seed.write_u32(attempt);
+            from + (seed.finish() % u64::from(span)) as u16
+        } else {
+            0
+        };
+        let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) else {
+            continue;
+        };
+        if let Ok(a) = l.local_addr() {
+            if !out.contains(&a) {
+                out.push(a);
+            }
+        }
+    }
+    out
+}
+
+/// Whether `e` (its whole chain, child logs included) says a port was taken.
+pub fn addr_in_use(e: &anyhow::Error) -> bool {
+    let s = format!("{e:#}");
+    ["Address already in use", "AddrInUse", "os error 98"]
+        .iter()
+        .any(|p| s.contains(p))
+}
+
+/// Runs `start` on `n` fresh addresses from [`free_addrs`], again with fresh ones (three
+/// tries in all) when it failed because one was taken between the draw and the bind.
+pub async fn with_free_addrs<T, F, Fut>(n: usize, mut start: F) -> anyhow::Result<T>
+where
+    F: FnMut(Vec<std::net::SocketAddr>) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<T>>,
+{
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let addrs = free_addrs(n);
+        anyhow::ensure!(addrs.len() == n, "could not find {n} free loopback ports");
+        match start(addrs).await {
+            Err(e) if tries < 3 && addr_in_use(&e) => {
+                eprintln!(
+                    "a port was taken before its process bound it; again with fresh ports: {e:#}"
+                );
+            }
+            r => return r,
+        }
+    }
 }

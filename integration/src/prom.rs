@@ -60,6 +60,30 @@ pub fn shipped_rule_files() -> Result<Vec<PathBuf>> {
     ])
 }
 
+/// The shipped `for:` of alert `name` (in [`shipped_rule_files`]), in seconds, unscaled:
+/// what tests derive their workload and windows from.
+pub fn shipped_alert_for(name: &str) -> Result<u64> {
+    for f in shipped_rule_files()? {
+        let text = std::fs::read_to_string(&f).with_context(|| f.display().to_string())?;
+        let mut lines = text.lines().map(str::trim);
+        while let Some(l) = lines.next() {
+            if l.strip_prefix("- alert:").map(str::trim) != Some(name) {
+                continue;
+            }
+            for l in lines.by_ref() {
+                if let Some(d) = l.strip_prefix("for:") {
+                    return parse_duration(d.trim());
+                }
+                if l.starts_with("- ") {
+                    break;
+                }
+            }
+            bail!("alert {name} in {} has no `for:`", f.display());
+        }
+    }
+    bail!("no alert {name} in the shipped rule files")
+}
+
 /// The Prometheus binary: `$PROMETHEUS_BIN`, else `prometheus` on `PATH`
 /// (`scripts/setup` installs Debian's package).
 pub fn prometheus_bin() -> PathBuf {

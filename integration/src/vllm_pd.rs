@@ -34,12 +34,6 @@ pub fn kv_transfer_config(buffer_device: &str) -> String {
     .to_string()
 }
 
-/// A port free now on 127.0.0.1 (NIXL's side channel takes a fixed port).
-fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").context("binding a free port")?;
-    Ok(l.local_addr()?.port())
-}
-
 /// The pair.
 pub struct VllmPd {
     /// The prefill side.
@@ -73,7 +67,7 @@ impl VllmPd {
             },
             Err(_) => None,
         };
-        let side = |port: u16, gpu: Option<&str>| -> Result<VllmOptions> {
+        let side = |port: u16, gpu: Option<&str>| -> VllmOptions {
             let mut env = vec![
                 (
                     "VLLM_NIXL_SIDE_CHANNEL_HOST".to_string(),
@@ -91,7 +85,7 @@ impl VllmPd {
                 }
                 None => extra_args.push(kv_transfer_config("cpu")),
             }
-            Ok(VllmOptions {
+            VllmOptions {
                 // Below the suite's other processes: two CPU engines share 2 cores.
                 nice: Some(19),
                 enable_scale_out: false,
@@ -100,17 +94,33 @@ impl VllmPd {
                 extra_args,
                 env,
                 ..VllmOptions::default()
-            })
+            }
         };
         let (gp, gd) = match &gpus {
             Some((p, d)) => (Some(p.as_str()), Some(d.as_str())),
             None => (None, None),
         };
-        let (po, dopts) = (side(free_port()?, gp)?, side(free_port()?, gd)?);
-        let (p, d) = tokio::join!(Vllm::start(po), Vllm::start(dopts));
-        Ok(Some(VllmPd {
-            p: p.context("starting the prefill side")?,
-            d: d.context("starting the decode side")?,
-        }))
+        // NIXL's side channel takes a port named up front: drawn below the ephemeral range,
+        // and the pair started again on fresh ones if one was taken before its bind.
+        let side = &side;
+        let pair = crate::with_free_addrs(2, |ports| async move {
+            let (po, dopts) = (side(ports[0].port(), gp), side(ports[1].port(), gd));
+            // The first failure drops the other side's start (and kills its server).
+            let (p, d) = tokio::try_join!(
+                async {
+                    Vllm::start_once(po)
+                        .await
+                        .context("starting the prefill side")
+                },
+                async {
+                    Vllm::start_once(dopts)
+                        .await
+                        .context("starting the decode side")
+                },
+            )?;
+            Ok(VllmPd { p, d })
+        })
+        .await?;
+        Ok(Some(pair))
     }
 }

@@ -30,10 +30,10 @@ use kvguard_integration::demo::stack::{self, Control};
 use kvguard_integration::envoy::{
     Envoy, EnvoyOptions, CONTROL_CLUSTER, CONTROL_TARGET_CLUSTER, UPSTREAM_CLUSTER,
 };
-use kvguard_integration::free_addrs;
 use kvguard_integration::lossy::{self, LossyConfig, LossyHandle};
 use kvguard_integration::sim::{self, SimConfig, SimHandle};
 use kvguard_integration::wait::{bounded, poll_until_async};
+use kvguard_integration::with_free_addrs;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -653,14 +653,12 @@ async fn a_peer_down_is_counted_and_the_abort_is_answered_as_without_peers() {
     bounded("a peer down", Duration::from_secs(60), async {
         let engine = sim::spawn(SimConfig::roomy()).await.unwrap();
         let down = stack::closed_port().await.unwrap();
-        let admin = free_addrs(1)[0];
         let any = SocketAddr::from(([127, 0, 0, 1], 0));
-        let control = Control::start(
-            engine.addr(),
-            any,
-            admin,
-            &["--peers".into(), format!("http://{down},http://{admin}")],
-        )
+        let engine_addr = engine.addr();
+        let control = with_free_addrs(1, |a| async move {
+            let peers = format!("http://{down},http://{}", a[0]);
+            Control::start(engine_addr, any, a[0], &["--peers".into(), peers]).await
+        })
         .await
         .unwrap();
         let key = Key::try_new(stack::SECRET.as_bytes()).unwrap();
@@ -710,17 +708,16 @@ async fn a_gateway_renews_every_replica_its_stamps_named() {
         Duration::from_secs(60),
         async {
             let engine = sim::spawn(SimConfig::roomy()).await.unwrap();
-            let admin = free_addrs(1)[0];
             let any = SocketAddr::from(([127, 0, 0, 1], 0));
             // The replica stamps its responses with its admin address.
-            let control = Control::start(
-                engine.addr(),
-                any,
-                admin,
-                &["--advertise".into(), admin.to_string()],
-            )
+            let engine_addr = engine.addr();
+            let control = with_free_addrs(1, |a| async move {
+                let advertise = a[0].to_string();
+                Control::start(engine_addr, any, a[0], &["--advertise".into(), advertise]).await
+            })
             .await
             .unwrap();
+            let admin = control.admin;
             let port = admin.port();
             let envoy = gateway(&[control.proxy], &[control.admin], |eo| {
                 let c = eo.filter_config.as_mut().unwrap();

@@ -101,6 +101,32 @@ fn cfg(seed: u64) -> DemoConfig {
     c
 }
 
+/// The leak run, sized from the shipped alerts' `for:` as scaled (`F`, 15 s): an alert
+/// fires only on a signal that holds for `F`, and an orphan behind the lossy hop lasts
+/// until its request's natural end. Streams last 2–2.5 `F` at the simulator's pace, so
+/// the orphans of clients that left early hold the signal above 0 for over `F` after the
+/// arrivals stop, however slowly the machine runs the clients; the arrivals (2 `F`) keep
+/// completions flowing for the coverage alert's `F`; the drain outlasts the longest stream
+/// by `F`/2 of margin; the pool holds every stream at once (no queueing to
+/// change the timing). Measured on 2 cores with one kept busy by a spinner (scripts/test's
+/// native stage under load, docs/TESTING.md).
+fn leak_cfg(seed: u64) -> DemoConfig {
+    let for_s = LEAK_ALERTS
+        .iter()
+        .map(|a| prom::shipped_alert_for(a).unwrap() as f64 / f64::from(observe::SCALE))
+        .fold(0.0, f64::max);
+    let mut c = cfg(seed);
+    let tokens = |f: f64| (f * for_s * c.sim_token_rate) as u32;
+    c.rate = 2.0;
+    c.arrival_s = 2.0 * for_s;
+    c.min_tokens = tokens(2.0);
+    c.max_tokens = tokens(2.5);
+    c.drain_s = 3.0 * for_s;
+    // Every stream of the arrivals at once, prompt and all, with room to spare.
+    c.sim_kv_blocks = (c.rate * c.arrival_s) as u32 * (c.max_tokens / 16 + 8);
+    c
+}
+
 fn observed(r: &RunResult) -> &Observed {
     r.observed.as_ref().expect("the run was observed")
 }
@@ -250,7 +276,7 @@ fn exprs_of_rules(text: &str) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leak_alerts_fire_without_kvguard_and_never_with_it() {
-    let c = cfg(42);
+    let c = leak_cfg(42);
     let progress = |s: String| eprintln!("{s}");
     let res = demo::run_demo(&c, &[Mode::Leak, Mode::Kvguard], None, &progress)
         .await

@@ -157,25 +157,27 @@ impl Control {
         extra: &[&str],
         advertise: bool,
     ) -> Result<Vec<Control>> {
-        let admins = crate::free_addrs(n);
-        let peers = admins
-            .iter()
-            .map(|a| format!("http://{a}"))
-            .collect::<Vec<_>>()
-            .join(",");
-        let any = SocketAddr::from(([127, 0, 0, 1], 0));
-        let mut args: Vec<String> = vec!["--peers".into(), peers];
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let mut controls = Vec::new();
-        for admin in &admins {
-            let mut args = args.clone();
-            if advertise {
-                // Each stamps its responses with its admin address (the per-replica route).
-                args.extend(["--advertise".to_owned(), admin.to_string()]);
+        crate::with_free_addrs(n, |admins| async move {
+            let peers = admins
+                .iter()
+                .map(|a| format!("http://{a}"))
+                .collect::<Vec<_>>()
+                .join(",");
+            let any = SocketAddr::from(([127, 0, 0, 1], 0));
+            let mut args: Vec<String> = vec!["--peers".into(), peers];
+            args.extend(extra.iter().map(|s| s.to_string()));
+            let mut controls = Vec::new();
+            for admin in &admins {
+                let mut args = args.clone();
+                if advertise {
+                    // Each stamps its responses with its admin address (the per-replica route).
+                    args.extend(["--advertise".to_owned(), admin.to_string()]);
+                }
+                controls.push(Control::start(engine, any, *admin, &args).await?);
             }
-            controls.push(Control::start(engine, any, *admin, &args).await?);
-        }
-        Ok(controls)
+            Ok(controls)
+        })
+        .await
     }
 
     /// A prefill/decode pair's kvguard-controls: one in front of `prefill`, one in front
@@ -188,26 +190,28 @@ impl Control {
         lease: Duration,
         extra: &[&str],
     ) -> Result<(Control, Control)> {
-        let a = crate::free_addrs(4);
-        let (p_proxy, p_admin, d_proxy, d_admin) = (a[0], a[1], a[2], a[3]);
-        let args = |role: &str| -> Vec<String> {
-            let mut v: Vec<String> = vec![
-                "--peers".into(),
-                format!("http://{p_admin},http://{d_admin}"),
-                "--pd-role".into(),
-                role.into(),
-                "--pd-kv-lease".into(),
-                format!("{}ms", lease.as_millis()),
-            ];
-            if role == "prefill" {
-                v.extend(["--pd-decode-url".into(), format!("http://{d_proxy}")]);
-            }
-            v.extend(extra.iter().map(|s| s.to_string()));
-            v
-        };
-        let pc = Control::start(prefill, p_proxy, p_admin, &args("prefill")).await?;
-        let dc = Control::start(decode, d_proxy, d_admin, &args("decode")).await?;
-        Ok((pc, dc))
+        crate::with_free_addrs(4, |a| async move {
+            let (p_proxy, p_admin, d_proxy, d_admin) = (a[0], a[1], a[2], a[3]);
+            let args = |role: &str| -> Vec<String> {
+                let mut v: Vec<String> = vec![
+                    "--peers".into(),
+                    format!("http://{p_admin},http://{d_admin}"),
+                    "--pd-role".into(),
+                    role.into(),
+                    "--pd-kv-lease".into(),
+                    format!("{}ms", lease.as_millis()),
+                ];
+                if role == "prefill" {
+                    v.extend(["--pd-decode-url".into(), format!("http://{d_proxy}")]);
+                }
+                v.extend(extra.iter().map(|s| s.to_string()));
+                v
+            };
+            let pc = Control::start(prefill, p_proxy, p_admin, &args("prefill")).await?;
+            let dc = Control::start(decode, d_proxy, d_admin, &args("decode")).await?;
+            Ok((pc, dc))
+        })
+        .await
     }
 
     /// Its log so far.
