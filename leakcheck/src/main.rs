@@ -72,11 +72,10 @@ async fn run(args: Args) -> Exit {
         }
     };
     eprintln!(
-        "kvguard-leakcheck: model {:?}, probe stream {} events, the first after {:.0} ms, then {:.0} ms each; running the workload ({:?} of arrivals at {}/s, {} rounds)",
+        "kvguard-leakcheck: model {:?}, probe stream {} events at {:.0} ms each; running the workload ({:?} of arrivals at {}/s, {} rounds)",
         ready.model,
         ready.probe_events,
-        ready.probe_ttft_s * 1000.0,
-        ready.pace_s_per_event() * 1000.0,
+        ready.probe_s_per_event * 1000.0,
         args.duration,
         args.rate,
         args.rounds
@@ -92,7 +91,7 @@ async fn run(args: Args) -> Exit {
     let a = analyze::analyze(
         &data,
         &th,
-        ready.pace_s_per_event(),
+        ready.probe_s_per_event,
         f64::from(args.max_tokens),
     );
     let exit = match a.verdict {

@@ -76,21 +76,17 @@ pub struct PrefillReady {
 }
 
 impl Ready {
-    /// The estimated natural length of one request (s): the probe's time to the first
-    /// event, then `max_tokens` events at the probe's pace after its first event. The
-    /// whole stream's pace would count the time to the first token again in every event:
-    /// through a hop with a slow first byte (LiteLLM on a busy machine: 16 events at 54 ms
-    /// for a 20 ms engine) it overstated a 400-token request's length 2.6 times, so the
-    /// clients planned to leave part-way left near the end and the kinds came out
-    /// inconclusive. It is the fallback when the probe had one event.
+    /// The estimated natural length of one request (s): `max_tokens` events at the probe's
+    /// pace. With P/D the time to the first token holds the prefill leg and the hand-off,
+    /// so the whole stream's pace would overstate a request's length (and the clients
+    /// planned to leave part-way would finish first): the pace after the first event is
+    /// used (the P/D proxies in front of these engines stream events as they come).
     pub fn natural_estimate_s(&self, max_tokens: u32) -> f64 {
-        self.probe_ttft_s + f64::from(max_tokens) * self.pace_s_per_event()
-    }
-
-    /// Seconds per event once the stream flows: the probe's pace after its first event,
-    /// else (one event) the whole stream's.
-    pub fn pace_s_per_event(&self) -> f64 {
-        self.probe_gap_s_per_event.unwrap_or(self.probe_s_per_event)
+        let pace = match (&self.prefill, self.probe_gap_s_per_event) {
+            (Some(_), Some(gap)) => gap,
+            _ => self.probe_s_per_event,
+        };
+        self.probe_ttft_s + f64::from(max_tokens) * pace
     }
 }
 
@@ -559,7 +555,7 @@ mod tests {
     }
 
     #[test]
-    fn natural_length_leaves_the_first_token_out_of_the_pace() {
+    fn natural_length_with_pd_leaves_the_hand_off_out_of_the_pace() {
         let ep = Endpoint {
             url: "http://127.0.0.1:1".into(),
             addr: "127.0.0.1:1".parse().unwrap(),
@@ -580,8 +576,7 @@ mod tests {
             notes: Vec::new(),
             prefill: None,
         };
-        assert!((r.natural_estimate_s(100) - 3.0).abs() < 1e-9);
-        // With P/D the first token holds the prefill leg and the hand-off too.
+        assert!((r.natural_estimate_s(100) - 11.0).abs() < 1e-9);
         r.prefill = Some(PrefillReady {
             metrics: ep,
             flavour: EngineFlavour::Vllm,
@@ -589,7 +584,6 @@ mod tests {
             num_blocks: None,
         });
         assert!((r.natural_estimate_s(100) - 3.0).abs() < 1e-9);
-        // One event: the whole stream's pace is all there is.
         r.probe_gap_s_per_event = None;
         assert!((r.natural_estimate_s(100) - 11.0).abs() < 1e-9);
     }
