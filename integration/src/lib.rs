@@ -87,33 +87,48 @@ pub fn free_addrs(n: usize) -> Vec<std::net::SocketAddr> {
     out
 }
 
-/// Whether `e` (its whole chain, child logs included) says a port was taken.
-pub fn addr_in_use(e: &anyhow::Error) -> bool {
-    let s = format!("{e:#}");
+/// Whether `text` (an error chain, a process's log) says a port was taken.
+pub fn says_addr_in_use(text: &str) -> bool {
     ["Address already in use", "AddrInUse", "os error 98"]
         .iter()
-        .any(|p| s.contains(p))
+        .any(|p| text.contains(p))
 }
 
-/// Runs `start` on `n` fresh addresses from [`free_addrs`], again with fresh ones (three
-/// tries in all) when it failed because one was taken between the draw and the bind.
-pub async fn with_free_addrs<T, F, Fut>(n: usize, mut start: F) -> anyhow::Result<T>
+/// Runs `start` again (three tries in all) while it fails because a port it was to bind
+/// was taken first ([`says_addr_in_use`] on the whole error chain, child logs included).
+pub async fn retry_addr_in_use<T, F, Fut>(mut start: F) -> anyhow::Result<T>
 where
-    F: FnMut(Vec<std::net::SocketAddr>) -> Fut,
+    F: FnMut() -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<T>>,
 {
     let mut tries = 0;
     loop {
         tries += 1;
-        let addrs = free_addrs(n);
-        anyhow::ensure!(addrs.len() == n, "could not find {n} free loopback ports");
-        match start(addrs).await {
-            Err(e) if tries < 3 && addr_in_use(&e) => {
-                eprintln!(
-                    "a port was taken before its process bound it; again with fresh ports: {e:#}"
-                );
+        match start().await {
+            Err(e) if tries < 3 && says_addr_in_use(&format!("{e:#}")) => {
+                eprintln!("a port was taken before its process bound it; starting again: {e:#}");
             }
             r => return r,
         }
     }
+}
+
+/// Runs `start` on `n` fresh addresses from [`free_addrs`], with fresh ones again when one
+/// was taken between the draw and the bind ([`retry_addr_in_use`]).
+pub async fn with_free_addrs<T, F, Fut>(n: usize, mut start: F) -> anyhow::Result<T>
+where
+    F: FnMut(Vec<std::net::SocketAddr>) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<T>>,
+{
+    retry_addr_in_use(|| {
+        let addrs = free_addrs(n);
+        let started = (addrs.len() == n).then(|| start(addrs));
+        async move {
+            match started {
+                Some(s) => s.await,
+                None => anyhow::bail!("could not find {n} free loopback ports"),
+            }
+        }
+    })
+    .await
 }

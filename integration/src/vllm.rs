@@ -248,16 +248,7 @@ impl Vllm {
     /// vLLM picks some ports itself (torch.distributed's store: free, then bound), so a
     /// start that failed on a port taken in between is tried again (three tries in all).
     pub async fn start(opts: VllmOptions) -> Result<Vllm> {
-        let mut tries = 0;
-        loop {
-            tries += 1;
-            match Self::start_once(opts.clone()).await {
-                Err(e) if tries < 3 && crate::addr_in_use(&e) => {
-                    eprintln!("vllm: a port was taken before vLLM bound it; starting again: {e:#}");
-                }
-                r => return r,
-            }
-        }
+        crate::retry_addr_in_use(|| Self::start_once(opts.clone())).await
     }
 
     /// One try of [`Vllm::start`] (the P/D pair retries with fresh side-channel ports itself).
@@ -323,11 +314,7 @@ impl Vllm {
             // A port taken before vLLM bound it (NIXL's side channel is named up front) can
             // leave it waiting for ever (the listener thread dies, its start waits on it):
             // fail now, so that the caller retries with another.
-            if let Some(l) = guard
-                .log()
-                .lines()
-                .find(|l| l.contains("Address already in use"))
-            {
+            if let Some(l) = guard.log().lines().find(|l| crate::says_addr_in_use(l)) {
                 bail!("vLLM could not bind a port: {l}");
             }
             // The API server binds its socket before loading the engine; find it, then

@@ -15,6 +15,7 @@ use kvguard_integration::hops::{Hop, HopKind, LiteLlmOptions};
 use kvguard_integration::lossy::{self, LossyConfig};
 use kvguard_integration::pd_proxy::{self, PdProxyConfig, PdProxyHandle};
 use kvguard_integration::proc::ChildGuard;
+use kvguard_integration::prom;
 use kvguard_integration::sim::{self, KvRelease, SimConfig, SimHandle};
 use kvguard_integration::wait::bounded;
 use serde_json::Value;
@@ -88,7 +89,7 @@ impl Outcome {
         let r = self.report.as_ref()?;
         let flag = |name: &str| args.iter().position(|x| x == name).map(|i| &args[i + 1]);
         let tokens: f64 = flag("--max-tokens")?.parse().ok()?;
-        let free_s = prom_secs(flag("--free-within")?)?;
+        let free_s = prom::parse_duration(flag("--free-within")?).ok()? as f64;
         let shortest = r["analysis"]["kinds"]
             .as_array()?
             .iter()
@@ -119,11 +120,6 @@ impl Outcome {
             assert_eq!(self.verdict(k), verdict, "{k}:\n{}", self.log);
         }
     }
-}
-
-/// `2s` → 2.0 (the test's own duration flags).
-fn prom_secs(d: &str) -> Option<f64> {
-    d.strip_suffix('s')?.parse().ok()
 }
 
 /// Runs leakcheck with `args` (plus `--report`), bounded by `within`.
