@@ -107,8 +107,11 @@ pub struct Server {
 impl Server {
     /// Binds both listeners and starts serving, reaping and sampling.
     pub async fn start(cfg: Config, deps: Deps) -> Result<Server, String> {
-        let proxy_l = listen(cfg.listen).map_err(|e| format!("--listen {}: {e}", cfg.listen))?;
-        let admin_l = listen(cfg.admin_listen)
+        let proxy_l = TcpListener::bind(cfg.listen)
+            .await
+            .map_err(|e| format!("--listen {}: {e}", cfg.listen))?;
+        let admin_l = TcpListener::bind(cfg.admin_listen)
+            .await
             .map_err(|e| format!("--admin-listen {}: {e}", cfg.admin_listen))?;
         let proxy_addr = proxy_l.local_addr().map_err(|e| format!("--listen: {e}"))?;
         let admin_addr = admin_l
@@ -260,24 +263,6 @@ struct Listener {
     max_conns: usize,
     builder: auto::Builder<StreamExecutor>,
     overflow: Option<(Router, usize)>,
-}
-
-/// Connections the kernel queues for a listener before it accepts them (capped by
-/// `net.core.somaxconn`, 4096 on current kernels). tokio's `bind` asks for 1024, less than
-/// a gateway opens at once when 2,000 streams start within 500 ms (e2e_sim's storm): on a
-/// 2-core machine with one core busy, 38 of them were answered 503 by Envoy.
-const LISTEN_BACKLOG: u32 = 4096;
-
-/// A listener on `addr` (address reuse as tokio's `bind` sets it) with [`LISTEN_BACKLOG`].
-fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    let s = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()?
-    } else {
-        tokio::net::TcpSocket::new_v6()?
-    };
-    s.set_reuseaddr(true)?;
-    s.bind(addr)?;
-    s.listen(LISTEN_BACKLOG)
 }
 
 /// Accepts connections (HTTP/1.1 and h2c) until `stop`; returns the graceful-shutdown

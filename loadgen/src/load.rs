@@ -265,7 +265,13 @@ async fn one_stream(
         };
     *lock().s.status.entry(s.status).or_insert(0) += 1;
     if s.status != 200 {
-        lock().error(format!("status {}", s.status));
+        // The body says who answered (Envoy's local reply, kvguard-control's JSON error).
+        let body = s
+            .collect_bytes(Duration::from_secs(1))
+            .await
+            .unwrap_or_default();
+        let body = String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
+        lock().error(format!("status {}: {}", s.status, body.trim()));
         return;
     }
     if let Some((barrier, delay)) = &storm {
