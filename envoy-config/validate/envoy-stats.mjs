@@ -5,7 +5,9 @@
 //   documented);
 // - every kvguard_filter_* name is listed in METRICS.md: a label the config's stats_tags do
 //   not extract would leave its `_label=.=value;.;` encoding in the name, and show here;
-// - no name still carries the tag encoding.
+// - no name still carries the tag encoding;
+// - with --rules A.yaml,B.yaml: every label those rules select an exported metric by is on
+//   each of its series (a tag regex that misses the metric's stat name leaves it off).
 // Listener and admin ports are 0 and every cluster points at a closed port: nothing on the
 // machine is reached, nothing fixed is bound.
 //
@@ -14,7 +16,7 @@
 // (TLS off, see envoy-run.mjs: the rendered gateway's certificates come from an SDS server
 // that does not exist here).
 //
-// Usage: node envoy-stats.mjs --envoy BIN --config RENDERED.yaml --metrics METRICS.md [--config-yaml FILE]
+// Usage: node envoy-stats.mjs --envoy BIN --config RENDERED.yaml --metrics METRICS.md [--config-yaml FILE] [--rules A,B]
 import { readFileSync, writeFileSync } from "node:fs";
 import { parse } from "yaml";
 import { closedPort, plaintext, pointClustersAt, sleep, startEnvoy } from "./envoy-run.mjs";
@@ -66,6 +68,7 @@ try {
   if (opt.dump) writeFileSync(opt.dump, [...new Set(text.split("\n").map((l) => /^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]/.exec(l)?.[1]).filter(Boolean))].sort().join("\n") + "\n");
   const names = new Set();
   const bad = [];
+  const labelBad = [];
   for (const line of text.split("\n")) {
     const m = /^([^\s{#]+)(\{[^}]*\})? /.exec(line);
     if (!m || !m[1].includes("kvguard_filter")) continue;
@@ -74,8 +77,20 @@ try {
   }
   if (!names.size) throw new Error(`no kvguard_filter_ stats on /stats/prometheus:\n${run.log()}`);
   if (!names.has("kvguard_filter_requests_tracked_total")) bad.push("(kvguard_filter_requests_tracked_total missing after tracked requests)");
+  // --rules A.yaml,B.yaml: a label the rules select an exported metric by must be on its series.
+  for (const f of (opt.rules ?? "").split(",").filter(Boolean)) {
+    const exprs = (parse(readFileSync(f, "utf8")).groups ?? []).flatMap((g) => g.rules ?? []).map((r) => String(r.expr));
+    for (const [, metric, matchers] of exprs.flatMap((e) => [...e.matchAll(/([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}/g)])) {
+      const series = text.split("\n").filter((l) => l.startsWith(`${metric}{`));
+      for (const [, label] of matchers.matchAll(/([a-zA-Z_]\w*)\s*(?:=~|!~|!=|=)/g)) {
+        const without = series.filter((l) => !new RegExp(`[{,]${label}="`).test(l));
+        if (series.length && without.length) labelBad.push(`${metric} is selected by ${label} in ${f}, but this Envoy exports it without that label: ${without.join("; ")} (the stats_tags do not match its stat names)`);
+      }
+    }
+  }
   for (const b of bad) console.error(`FAIL not a documented name (stats_tags in ${opt.config} or METRICS.md): ${b}`);
-  if (bad.length) {
+  for (const b of labelBad) console.error(`FAIL ${b}`);
+  if (bad.length || labelBad.length) {
     cleanup();
     process.exit(1);
   }

@@ -29,12 +29,14 @@
 // pinned by sha256 digest, the sidecar.istio.io/bootstrapOverride annotation on a gateway pod
 // (the gateway injection template ignores it), a custom bootstrap that is missing or not
 // JSON. Also refused, as kvguard's own requirements for gateway pods (docs/DESIGN.md, "Gateway pods"):
-// no `concurrency` in proxy.istio.io/config, or no EXIT_ON_ZERO_ACTIVE_CONNECTIONS drain.
+// no `concurrency` in proxy.istio.io/config, or no EXIT_ON_ZERO_ACTIVE_CONNECTIONS=true in
+// pilot-agent's env on any supported Istio release (agentSettings: from upstream-facts.json).
 //
 // Usage: node istio-render.mjs --base BASE.yaml --wasm PATH --out DIR [--only-selected yes] ISTIO.yaml...
 import { readFileSync, writeFileSync, mkdirSync } from "node:fs";
 import { join, dirname, basename } from "node:path";
 import { parseAllDocuments, parse, stringify } from "yaml";
+import { loadFacts, RENDERED_BY } from "./upstream-facts.mjs";
 
 const args = process.argv.slice(2);
 const opt = {};
@@ -43,6 +45,7 @@ for (let i = 0; i < args.length; i++) {
   if (args[i].startsWith("--")) opt[args[i].slice(2)] = args[++i];
   else files.push(args[i]);
 }
+const facts = loadFacts();
 for (const k of ["base", "wasm", "out"]) {
   if (!opt[k]) die(`missing --${k}`);
 }
@@ -230,14 +233,11 @@ function podProxy(d) {
     die(`${where}: sidecar.istio.io/bootstrapOverride is ignored by the gateway injection template; set ISTIO_BOOTSTRAP_OVERRIDE, the mount and the volume in the pod spec`);
   }
   const pc = parse(ann["proxy.istio.io/config"] ?? "") ?? {};
-  if (!Number.isInteger(pc.concurrency) || pc.concurrency < 1) {
-    die(`${where}: proxy.istio.io/config has no concurrency: Envoy would start one worker (one V8 VM of the filter) per node core`);
-  }
-  if (String(pc.proxyMetadata?.EXIT_ON_ZERO_ACTIVE_CONNECTIONS) !== "true") {
-    die(`${where}: proxy.istio.io/config lacks proxyMetadata.EXIT_ON_ZERO_ACTIVE_CONNECTIONS: "true": pilot-agent would kill Envoy terminationDrainDuration after SIGTERM, cutting every stream`);
-  }
   const proxy = (tpl.spec.containers ?? []).find((c) => c.name === "istio-proxy");
   if (!proxy) die(`${where}: no istio-proxy container`);
+  for (const r of agentSettings(d, pc, proxy)) {
+    if (r.error) die(`${where}: Istio ${r.release}: ${r.error}`);
+  }
   const path = (proxy.env ?? []).find((e) => e.name === "ISTIO_BOOTSTRAP_OVERRIDE")?.value;
   if (!path) return { pc, bootstrap: null };
   const mount = (proxy.volumeMounts ?? []).find((m) => m.mountPath === dirname(path));
@@ -256,10 +256,59 @@ function podProxy(d) {
   }
 }
 
+// What pilot-agent of each supported Istio release gets on this pod, from the facts in
+// upstream-facts.json (each with its upstream file): the pod template that renders it
+// (`kube-gateway` for a Gateway API gateway, marked by gateway-api.mjs; else the injector's
+// gateway template), whether that render turns proxy.istio.io/config's proxyMetadata into
+// env, and the settings pilot-agent reads only from env. kvguard needs the drain
+// (EXIT_ON_ZERO_ACTIVE_CONNECTIONS) and a fixed concurrency on every gateway pod.
+function agentSettings(d, pc, proxy) {
+  const kube = d.o.metadata?.annotations?.[RENDERED_BY];
+  return Object.entries(facts.istio.releases).map(([release, { ref, facts: f }]) => {
+    const src = (k) => `${ref}:${f[k].file}`;
+    const env = new Map((proxy.env ?? []).map((e) => [e.name, e.value ?? "(from a reference)"]));
+    const metaToEnv = kube
+      ? f.gatewayApiProxyConfigFromPod.value && f.kubeGatewayTemplateEnv.value
+      : f.injectorProxyConfigFromPod.value && f.injectionTemplateEnv.value;
+    const how = kube
+      ? `this pod is rendered from istiod's ${kube} template, which does not read the pod's proxy.istio.io/config (${src("gatewayApiProxyConfigFromPod")})`
+      : `the injector's gateway template writes proxyMetadata as env (${src("injectionTemplateEnv")})`;
+    const envOnly = new Set(f.agentEnvOnly.value);
+    for (const [k, v] of Object.entries(pc.proxyMetadata ?? {})) {
+      if (metaToEnv && !env.has(k)) env.set(k, String(v));
+      else if (!metaToEnv && envOnly.has(k) && !env.has(k)) {
+        return { release, error: `proxyMetadata.${k} in proxy.istio.io/config never reaches pilot-agent, which reads ${k} only from env (${src("agentEnvOnly")}): ${how}; set it in the istio-proxy container's env` };
+      }
+    }
+    if (env.get("EXIT_ON_ZERO_ACTIVE_CONNECTIONS") !== "true") {
+      return { release, error: `pilot-agent's env lacks EXIT_ON_ZERO_ACTIVE_CONNECTIONS=true (read only from env, ${src("agentEnvOnly")}; ${how}): it would kill Envoy terminationDrainDuration (5 s) after SIGTERM, cutting every stream` };
+    }
+    if (!f.agentProxyConfigFromPod.value) return { release, error: `pilot-agent does not read proxy.istio.io/config (${src("agentProxyConfigFromPod")}): the model needs revisiting` };
+    if (!Number.isInteger(pc.concurrency) || pc.concurrency < 1) {
+      return { release, error: "proxy.istio.io/config has no concurrency: Envoy would start one worker (one V8 VM of the filter) per node core" };
+    }
+    return { release };
+  });
+}
+
 // Istio-only HTTP filters: same name and place, a config upstream Envoy loads that does nothing.
 const STANDIN = { "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config" };
 // Filters istiod puts before the WasmPlugins of phase STATS (metadata exchange, authn, authz).
 const BEFORE_STATS = new Set(["istio.metadata_exchange", "envoy.filters.http.ext_authz", "envoy.filters.http.jwt_authn", "istio_authn", "envoy.filters.http.rbac"]);
+
+// Every gateway Deployment: a PodDisruptionBudget covers its pods (a node drain would take
+// them all at once, cutting their streams), and a LoadBalancer Service in front of them
+// keeps the client address (externalTrafficPolicy: Local; the filter and use_remote_address
+// read it).
+const podsOf = (sel, d) => Object.entries(sel ?? {}).every(([k, v]) => d.o.spec.template?.metadata?.labels?.[k] === v);
+for (const d of deployments) {
+  const ns = d.o.metadata.namespace;
+  const same = (x) => x.o.metadata.namespace === ns;
+  if (!ofKind("PodDisruptionBudget").some((p) => same(p) && podsOf(p.o.spec?.selector?.matchLabels, d))) die(`${ref(d)}: no PodDisruptionBudget in the inputs covers its pods: a node drain evicts them all at once, cutting every stream`);
+  for (const svc of ofKind("Service").filter((x) => same(x) && x.o.spec?.type === "LoadBalancer" && podsOf(x.o.spec.selector, d))) {
+    if (svc.o.spec.externalTrafficPolicy !== "Local") die(`${ref(svc)}: LoadBalancer without externalTrafficPolicy: Local: the gateway sees a node's address, not the client's`);
+  }
+}
 
 // An EnvoyFilter whose workloadSelector picks no gateway pod of the inputs applies to nothing.
 for (const ef of envoyFilters) {
@@ -285,11 +334,25 @@ function istioStatsMatcher(m = {}) {
 }
 
 const base = parseAllDocuments(readFileSync(opt.base, "utf8"))[0].toJS();
+// The bootstrap's stats tags and the gateway's stat prefix delimiter, per supported release
+// (upstream-facts.json); releases that agree share one rendering.
+const statGroups = new Map();
+for (const [release, r] of Object.entries(facts.istio.releases)) {
+  const v = { tags: r.facts.bootstrapStatsTags.value, delimiter: r.facts.gatewayStatPrefix.value.delimiter };
+  const k = JSON.stringify(v);
+  if (!statGroups.has(k)) statGroups.set(k, { ...v, releases: [] });
+  statGroups.get(k).releases.push(release);
+}
 mkdirSync(opt.out, { recursive: true });
-for (const { o: wp } of wasmPlugins) {
+for (const group of statGroups.values()) for (const { o: wp } of wasmPlugins) {
   for (const d of selectedDeployments(wp)) {
     const { pc, bootstrap, from } = podProxy(d);
     const cfg = clone(base);
+    cfg.stats_config.stats_tags = clone(group.tags);
+    for (const l of cfg.static_resources.listeners) {
+      const a = l.address.socket_address;
+      for (const h of hcms([l])) h.typed_config.stat_prefix = `outbound_${a.address}_${a.port_value}${group.delimiter}`;
+    }
     cfg.stats_config.stats_matcher = istioStatsMatcher(pc.proxyStatsMatcher);
     for (const h of hcms(cfg.static_resources.listeners)) {
       const chain = h.typed_config.http_filters;
@@ -304,11 +367,12 @@ for (const { o: wp } of wasmPlugins) {
         if (f.name.startsWith("istio.")) f.typed_config = clone(STANDIN);
       }
     }
-    const out = join(opt.out, `istio-gateway-${wp.metadata.name}.yaml`);
+    const suffix = statGroups.size > 1 ? `-istio-${group.releases.join("-")}` : "";
+    const out = join(opt.out, `istio-gateway-${wp.metadata.name}${suffix}.yaml`);
     writeFileSync(
       out,
       `# Rendered by istio-render.mjs from ${opt.base} and ${files.join(", ")}\n` +
-        `# WasmPlugin ${wp.metadata.name} on the pods of Deployment ${d.o.metadata.name} ` +
+        `# Istio ${group.releases.join(", ")}: WasmPlugin ${wp.metadata.name} on the pods of Deployment ${d.o.metadata.name} ` +
         `(concurrency ${pc.concurrency}; custom bootstrap: ${from ?? "none"})\n` +
         stringify(cfg, { lineWidth: 0 }),
     );
