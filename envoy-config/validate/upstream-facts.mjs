@@ -203,7 +203,15 @@ function extract() {
     const p = join(String(opt.vllm), "v1/metrics/loggers.py");
     const text = readFileSync(p, "utf8");
     const version = /^Version: (.+)$/m.exec(readFileSync(join(String(opt.vllm), "..", readdirSync(join(String(opt.vllm), "..")).find((d) => /^vllm(_\w+)?-.*\.dist-info$/.test(d)), "METADATA"), "utf8"))[1];
-    out.vllm = { version, facts: { metrics: { value: [...new Set([...text.matchAll(/"(vllm:[a-z_]+)"/g)].map((m) => m[1]))].sort(), file: "vllm/v1/metrics/loggers.py" } } };
+    const envs = readFileSync(join(String(opt.vllm), "envs.py"), "utf8");
+    const keepAlive = need(/"VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "(\d+)"/.exec(envs)?.[1], "vllm: VLLM_HTTP_TIMEOUT_KEEP_ALIVE");
+    out.vllm = {
+      version,
+      facts: {
+        metrics: { value: [...new Set([...text.matchAll(/"(vllm:[a-z_]+)"/g)].map((m) => m[1]))].sort(), file: "vllm/v1/metrics/loggers.py" },
+        httpKeepAliveSeconds: { value: Number(keepAlive), file: "vllm/envs.py (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)" },
+      },
+    };
   }
   process.stdout.write(JSON.stringify(out, null, 1) + "\n");
 }
