@@ -2,27 +2,35 @@
 //! Envoy's `ext_proc` stream with an `ImmediateResponse` while the response streams. Envoy
 //! cuts the client's stream, but behind a hop that hides disconnects the engine generates
 //! on for nobody (eviction frees nothing unless it reaches the engine). With kvguard in
-//! the chain, the eviction reaches kvguard-control and the engine ends the request,
-//! whichever side of the `ext_proc` filter kvguard sits on; a stream the EPP lets through
-//! is untouched.
+//! the chain, the eviction reaches kvguard-control and the engine ends the request; a
+//! stream the EPP lets through is untouched.
+//!
+//! Envoy runs the `ext_proc` wiring istiod gives a Gateway API gateway with an
+//! InferencePool, read from `envoy-config/validate/upstream-facts.json` (every supported
+//! Istio release): the listener-level filter after the WasmPlugins of phase STATS (so after
+//! kvguard), headers skipped there, and per route an override to the EPP with the pool's
+//! processing mode (full-duplex streamed bodies, trailers sent).
 //!
 //! The EPP here is a real `ext_proc` gRPC server (tonic, Envoy's own protos from
-//! `envoy-types`) in the test process; it evicts a request after the number of response
-//! body chunks its `x-test-evict` request header names.
+//! `envoy-types`) in the test process; it passes every body chunk back (full duplex) and
+//! evicts a request after the number of response body chunks its `x-test-evict` request
+//! header names.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 #[path = "filter_support.rs"]
 mod support;
 
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Msg;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Answer;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyResponse, HeadersResponse, HttpHeaders, ImmediateResponse, ProcessingRequest,
-    ProcessingResponse,
+    BodyMutation, BodyResponse, CommonResponse, HeadersResponse, HttpBody, HttpHeaders,
+    ImmediateResponse, ProcessingRequest, ProcessingResponse, StreamedBodyResponse,
+    TrailersResponse,
 };
 use kvguard_integration::client;
 use kvguard_integration::demo::stack::{self, Control};
@@ -70,6 +78,22 @@ struct Decider {
     id: String,
 }
 
+/// In full-duplex mode the EPP hands every body chunk back (Envoy forwards what it gets).
+fn pass_on(b: HttpBody) -> BodyResponse {
+    BodyResponse {
+        response: Some(CommonResponse {
+            body_mutation: Some(BodyMutation {
+                mutation: Some(Mutation::StreamedResponse(StreamedBodyResponse {
+                    body: b.body,
+                    end_of_stream: b.end_of_stream,
+                    ..Default::default()
+                })),
+            }),
+            ..Default::default()
+        }),
+    }
+}
+
 impl Decider {
     fn answer(&mut self, msg: Msg) -> Option<(Answer, bool)> {
         Some(match msg {
@@ -78,8 +102,12 @@ impl Decider {
                 self.id = header(&h, "x-request-id").unwrap_or_default();
                 (Answer::RequestHeaders(HeadersResponse::default()), false)
             }
+            Msg::RequestBody(b) => (Answer::RequestBody(pass_on(b)), false),
+            Msg::RequestTrailers(_) => {
+                (Answer::RequestTrailers(TrailersResponse::default()), false)
+            }
             Msg::ResponseHeaders(_) => (Answer::ResponseHeaders(HeadersResponse::default()), false),
-            Msg::ResponseBody(_) => {
+            Msg::ResponseBody(b) => {
                 self.chunks += 1;
                 if Some(self.chunks) == self.evict_after {
                     let evict = ImmediateResponse {
@@ -90,10 +118,12 @@ impl Decider {
                     };
                     (Answer::ImmediateResponse(evict), true)
                 } else {
-                    (Answer::ResponseBody(BodyResponse::default()), false)
+                    (Answer::ResponseBody(pass_on(b)), false)
                 }
             }
-            _ => return None,
+            Msg::ResponseTrailers(_) => {
+                (Answer::ResponseTrailers(TrailersResponse::default()), false)
+            }
         })
     }
 }
@@ -149,18 +179,51 @@ async fn spawn_epp() -> (SocketAddr, Epp) {
     (addr, epp)
 }
 
-/// Where the `ext_proc` filter goes in `http_filters`.
-#[derive(Clone, Copy, Debug)]
-enum Place {
-    /// First (nearest the client), kvguard after it.
-    BeforeKvguard,
-    /// Right after kvguard (it sees the response first).
-    AfterKvguard,
+/// What istiod configures for a pool route, from upstream-facts.json: the per-route
+/// processing mode, the same on every supported release, and the placement (after the
+/// WasmPlugins of phase STATS, kvguard's).
+fn istio_pool_mode() -> Value {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../envoy-config/validate/upstream-facts.json"
+    );
+    let facts: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let releases = facts["istio"]["releases"].as_object().unwrap();
+    let mut modes = releases
+        .values()
+        .map(|r| &r["facts"]["inferenceExtProcRouteModes"]["value"]);
+    let mode = modes.next().unwrap().clone();
+    assert!(
+        modes.all(|m| *m == mode),
+        "Istio releases differ in the pool's ext_proc mode: test each"
+    );
+    for r in releases.values() {
+        let after = r["facts"]["inferenceExtProcPlacement"]["value"]["after"]
+            .as_str()
+            .unwrap();
+        assert!(
+            after.contains("STATS"),
+            "istiod moved the ext_proc filter: {after}"
+        );
+    }
+    // The stand-in EPP below speaks these modes only.
+    for (k, want) in [
+        ("request_body_mode", "FULL_DUPLEX_STREAMED"),
+        ("response_body_mode", "FULL_DUPLEX_STREAMED"),
+    ] {
+        assert_eq!(
+            mode[k], want,
+            "istiod's pool mode changed ({mode}): teach the stand-in EPP"
+        );
+    }
+    mode
 }
 
-/// Adds the EPP's cluster (HTTP/2) and its `ext_proc` filter: request headers and the
-/// streamed response body go to it, as an EPP that picks endpoints and watches output.
-fn with_epp(o: &mut EnvoyOptions, epp: SocketAddr, place: Place) {
+/// Adds the EPP's cluster (HTTP/2) and the `ext_proc` wiring istiod gives a gateway with an
+/// InferencePool: the listener's filter right after kvguard (headers skipped, a placeholder
+/// service, fail open) and, on the route, the override to the EPP with the pool's mode.
+fn with_epp(o: &mut EnvoyOptions, epp: SocketAddr, kvguard: bool) {
+    let mode = istio_pool_mode();
     o.patch = Some(Arc::new(move |b| {
         b["static_resources"]["clusters"]
             .as_array_mut()
@@ -179,18 +242,28 @@ fn with_epp(o: &mut EnvoyOptions, epp: SocketAddr, place: Place) {
                     }
                 }
             }));
-        let filters = b
-            .pointer_mut(
-                "/static_resources/listeners/0/filter_chains/0/filters/0/typed_config/http_filters",
-            )
-            .and_then(Value::as_array_mut)
+        let hcm = b
+            .pointer_mut("/static_resources/listeners/0/filter_chains/0/filters/0/typed_config")
             .unwrap();
-        let at = match place {
-            Place::BeforeKvguard => 0,
-            Place::AfterKvguard => {
-                assert_eq!(filters[0]["name"], "kvguard");
-                1
-            }
+        for route in hcm["route_config"]["virtual_hosts"][0]["routes"]
+            .as_array_mut()
+            .unwrap()
+        {
+            route["typed_per_filter_config"] = json!({"envoy.filters.http.ext_proc": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                "overrides": {
+                    "failure_mode_allow": true,
+                    "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
+                    "processing_mode": mode.clone()
+                }
+            }});
+        }
+        let filters = hcm["http_filters"].as_array_mut().unwrap();
+        let at = if kvguard {
+            assert_eq!(filters[0]["name"], "kvguard");
+            1
+        } else {
+            0
         };
         filters.insert(
             at,
@@ -198,15 +271,13 @@ fn with_epp(o: &mut EnvoyOptions, epp: SocketAddr, place: Place) {
                 "name": "envoy.filters.http.ext_proc",
                 "typed_config": {
                     "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-                    "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
-                    "message_timeout": "5s",
-                    "processing_mode": {
-                        "request_header_mode": "SEND",
-                        "response_header_mode": "SEND",
-                        "request_body_mode": "NONE",
-                        "response_body_mode": "STREAMED",
-                        "request_trailer_mode": "SKIP",
-                        "response_trailer_mode": "SKIP"
+                    "grpc_service": {"envoy_grpc": {"cluster_name": "dummy"}, "timeout": "10s"},
+                    "failure_mode_allow": true,
+                    "processing_mode": {"request_header_mode": "SKIP", "response_header_mode": "SKIP"},
+                    "message_timeout": "1000s",
+                    "metadata_options": {
+                        "receiving_namespaces": {"untyped": ["envoy.lb"]},
+                        "forwarding_namespaces": {"untyped": ["envoy.lb"]}
                     }
                 }
             }),
@@ -225,7 +296,7 @@ struct Stack {
     _hop: lossy::LossyHandle,
 }
 
-async fn stack(place: Option<Place>) -> Stack {
+async fn stack(kvguard: bool) -> Stack {
     let sim = sim::spawn(SimConfig {
         token_rate: 20.0,
         ..SimConfig::default()
@@ -237,12 +308,13 @@ async fn stack(place: Option<Place>) -> Stack {
     let control = Control::start(sim.addr(), any, any, &off).await.unwrap();
     let hop = lossy::spawn(LossyConfig::to(control.proxy)).await.unwrap();
     let (epp_addr, epp) = spawn_epp().await;
-    let mut o = match place {
-        Some(_) => EnvoyOptions::with_filter(hop.addr(), control.admin, stack::filter_config(0, 0))
-            .vm_env("KVGUARD_SECRET", stack::SECRET),
-        None => EnvoyOptions::new(hop.addr()),
+    let mut o = if kvguard {
+        EnvoyOptions::with_filter(hop.addr(), control.admin, stack::filter_config(0, 0))
+            .vm_env("KVGUARD_SECRET", stack::SECRET)
+    } else {
+        EnvoyOptions::new(hop.addr())
     };
-    with_epp(&mut o, epp_addr, place.unwrap_or(Place::BeforeKvguard));
+    with_epp(&mut o, epp_addr, kvguard);
     let envoy = Envoy::start(o).await.unwrap();
     Stack {
         sim,
@@ -274,29 +346,21 @@ async fn evicted_stream(s: &Stack, chunks: u32) -> String {
     id
 }
 
-/// With kvguard at `place`: the evicted request ends in the engine (one abort, `reason`:
-/// Envoy ends the stream with a local reply after the upstream was reached, on either side
-/// of kvguard), a request the EPP lets through completes with none.
-async fn eviction_reaches_the_engine(place: Place, reason: &str) {
-    let s = stack(Some(place)).await;
+/// With kvguard where Istio puts it: the evicted request ends in the engine (one abort,
+/// `reason`: Envoy ends the stream with a local reply after the upstream was reached), a
+/// request the EPP lets through completes with none.
+async fn eviction_reaches_the_engine(reason: &str) {
+    let s = stack(true).await;
     let id = evicted_stream(&s, 3).await;
     let rec = engine_end(&s.sim, &id).await;
-    assert_eq!(rec.ended, Some(EndKind::Disconnected), "{place:?}: {rec:?}");
-    assert!(
-        rec.tokens_sent < 100,
-        "{place:?}: the engine generated on: {rec:?}"
-    );
+    assert_eq!(rec.ended, Some(EndKind::Disconnected), "{rec:?}");
+    assert!(rec.tokens_sent < 100, "the engine generated on: {rec:?}");
     let by_reason = s.control.aborts_by_reason().await.unwrap();
-    assert_eq!(
-        by_reason.get(reason),
-        Some(&1.0),
-        "{place:?}: {by_reason:?}"
-    );
-    eprintln!("{place:?}: {}", access_line(&s.envoy, &id).await);
+    assert_eq!(by_reason.get(reason), Some(&1.0), "{by_reason:?}");
+    eprintln!("{}", access_line(&s.envoy, &id).await);
     assert_eq!(
         access_outcome(&s.envoy, &id).await,
-        format!("aborted:{reason}"),
-        "{place:?}"
+        format!("aborted:{reason}")
     );
 
     let mut c = client::stream_sse(
@@ -308,24 +372,20 @@ async fn eviction_reaches_the_engine(place: Place, reason: &str) {
     )
     .await
     .unwrap();
-    assert!(c.wait_end(W).await.unwrap().completed(), "{place:?}");
+    assert!(c.wait_end(W).await.unwrap().completed());
     let healthy = last_id(&s.sim);
     assert_eq!(access_outcome(&s.envoy, &healthy).await, "completed");
     let rec = engine_end(&s.sim, &healthy).await;
-    assert_eq!(rec.ended, Some(EndKind::Length), "{place:?}: {rec:?}");
+    assert_eq!(rec.ended, Some(EndKind::Length), "{rec:?}");
     let by_reason = s.control.aborts_by_reason().await.unwrap();
-    assert_eq!(
-        by_reason.values().sum::<f64>(),
-        1.0,
-        "{place:?}: {by_reason:?}"
-    );
+    assert_eq!(by_reason.values().sum::<f64>(), 1.0, "{by_reason:?}");
     assert_vm_healthy(&s.envoy);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_kvguard_an_evicted_request_generates_on_for_nobody() {
     bounded("eviction without kvguard", T, async {
-        let s = stack(None).await;
+        let s = stack(false).await;
         let id = evicted_stream(&s, 3).await;
         let at_eviction = s.sim.state().request(&id).unwrap().tokens_sent;
         // One second of generation after the client's stream was cut: nobody reads it.
@@ -344,18 +404,9 @@ async fn without_kvguard_an_evicted_request_generates_on_for_nobody() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_eviction_after_kvguard_reaches_the_engine() {
-    bounded("eviction, ext_proc after kvguard", T, async {
-        eviction_reaches_the_engine(Place::AfterKvguard, "local_reply").await;
-    })
-    .await
-    .unwrap();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_eviction_before_kvguard_reaches_the_engine() {
-    bounded("eviction, ext_proc before kvguard", T, async {
-        eviction_reaches_the_engine(Place::BeforeKvguard, "local_reply").await;
+async fn an_eviction_where_istio_puts_ext_proc_reaches_the_engine() {
+    bounded("eviction, Istio's ext_proc wiring", T, async {
+        eviction_reaches_the_engine("local_reply").await;
     })
     .await
     .unwrap();
