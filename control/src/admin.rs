@@ -2,6 +2,7 @@
 //! lease renewals [`crate::lease`]), the in-flight table, GPU and engine status, metrics,
 //! health and readiness.
 
+use crate::refusal::refuse;
 use crate::state::AppState;
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -13,7 +14,6 @@ use axum::{Json, Router};
 use kvguard_contract::peer::MAX_PEER_BODY;
 use kvguard_contract::{ABORT_PATH, LEASE_PATH, PEER_ABORT_PATH, PEER_LEASE_PATH};
 use serde_json::json;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
@@ -29,8 +29,6 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 /// above the idle timeout of every shipped client (Envoy's control clusters 10 s,
 /// [`crate::peers::POOL_IDLE`]), which so always closes first.
 pub const HEAD_READ_TIMEOUT: Duration = Duration::from_secs(15);
-/// Refused abort calls are logged at most once per this period (with the count since).
-pub const REFUSAL_LOG_PERIOD: Duration = Duration::from_secs(10);
 
 /// Admin requests doing work at once (verifying, answering, forwarding to peers,
 /// encoding metrics), whatever the number of connections: an idle keep-alive connection
@@ -127,46 +125,6 @@ impl http_body::Body for FailedBody {
     ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
         std::task::Poll::Ready(self.0.take().map(Err))
     }
-}
-
-/// Lets one log line through per period and counts the ones held back (a flood of bad
-/// calls must not flood the log).
-#[derive(Debug, Default)]
-pub struct LogLimiter {
-    next_ms: AtomicU64,
-    held: AtomicU64,
-}
-
-impl LogLimiter {
-    /// `Some(lines held back since the last one)` if a line may be logged at `now_ms`.
-    pub fn admit(&self, now_ms: u64, period: Duration) -> Option<u64> {
-        let next = self.next_ms.load(Ordering::Acquire);
-        let period_ms = u64::try_from(period.as_millis()).unwrap_or(u64::MAX);
-        if now_ms >= next
-            && self
-                .next_ms
-                .compare_exchange(
-                    next,
-                    now_ms.saturating_add(period_ms),
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                )
-                .is_ok()
-        {
-            return Some(self.held.swap(0, Ordering::AcqRel));
-        }
-        self.held.fetch_add(1, Ordering::AcqRel);
-        None
-    }
-}
-
-pub(crate) static REFUSALS: LogLimiter = LogLimiter {
-    next_ms: AtomicU64::new(0),
-    held: AtomicU64::new(0),
-};
-
-pub(crate) fn refuse(status: StatusCode, error: &str, message: String) -> Response {
-    (status, Json(json!({ "error": error, "message": message }))).into_response()
 }
 
 async fn requests(State(st): State<Arc<AppState>>) -> Response {

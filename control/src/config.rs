@@ -200,7 +200,7 @@ pub struct Args {
         value_enum,
         default_value = "enforce"
     )]
-    pub lease_mode: crate::lease::LeaseMode,
+    pub lease_mode: LeaseMode,
     /// A gateway's lease expires after this long with no renewal and no request from it
     /// (the filter renews every `lease_renew_ms`; a renewal whose period is over a third
     /// of this is refused, 422).
@@ -455,20 +455,29 @@ pub fn read_engine_api_key(path: &Path) -> Result<String, ConfigError> {
     Ok(key.to_owned())
 }
 
-/// The reaper's limits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Limits {
-    /// From the request's start.
-    pub max_age: Option<Duration>,
-    /// From the last data event, once there was one.
-    pub idle_timeout: Option<Duration>,
-    /// From the request's start until the first data event.
-    pub first_token_timeout: Option<Duration>,
-    /// From the last response frame the gateway's side took, while it takes no other
-    /// ([`crate::table::Flow::Reader`]); `None`: no reader clock, the idle one counts
-    /// from the last data event.
-    pub reader_timeout: Option<Duration>,
+/// What the lease does when it expires (`--lease-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LeaseMode {
+    /// No lease handling: renewals are answered 404, requests' instances ignored.
+    Off,
+    /// Expiries are judged, logged and counted; nothing is ended (the rollout step).
+    Observe,
+    /// An expiry ends every in-flight request of the instance (reason `gateway_lost`).
+    Enforce,
 }
+
+impl LeaseMode {
+    /// The flag value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            LeaseMode::Off => "off",
+            LeaseMode::Observe => "observe",
+            LeaseMode::Enforce => "enforce",
+        }
+    }
+}
+
+pub use kvguard_control_core::limits::Limits;
 
 /// The validated configuration.
 #[derive(Debug, Clone)]
@@ -534,7 +543,7 @@ pub struct Config {
     /// Post-abort deadline before the downstream side is cut.
     pub abort_flush_timeout: Duration,
     /// Lease handling.
-    pub lease_mode: crate::lease::LeaseMode,
+    pub lease_mode: LeaseMode,
     /// Lease TTL.
     pub lease_ttl: Duration,
     /// The other replicas (`--peers`), with this one's own address; `None` without peers.

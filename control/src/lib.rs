@@ -37,15 +37,15 @@ pub mod peers;
 pub mod procfs;
 pub mod proxy;
 pub mod reaper;
-pub mod replay;
+pub mod refusal;
 pub mod sampler;
-pub mod scan;
 pub mod server;
 pub mod state;
 pub mod table;
 #[cfg(any(test, feature = "test-support"))]
 pub mod testing;
-pub mod tombstones;
+
+pub use kvguard_control_core::{replay, scan, tombstones};
 
 pub use config::{Args, Config, ConfigError, EXIT_USAGE};
 pub use server::{Deps, Server};

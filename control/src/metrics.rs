@@ -708,20 +708,20 @@ impl LeaseMetrics {
     }
 
     /// Sets the lease gauges.
-    pub fn census(&self, c: crate::lease::Census) {
+    pub fn census(&self, c: kvguard_control_core::lease::Census) {
         self.held.set(c.held as i64);
         self.enforceable.set(c.enforceable as i64);
     }
 
     /// Counts an expiry.
-    pub fn expired(&self, mode: &'static str, why: crate::lease::Expiry) {
+    pub fn expired(&self, mode: &'static str, why: kvguard_control_core::lease::Expiry) {
         self.expiries
             .get_or_create(&[("mode", mode), ("why", why.as_str())])
             .inc();
     }
 
     /// Counts the requests an expiry ended (or would have).
-    pub fn ended(&self, mode: &'static str, why: crate::lease::Expiry, n: u64) {
+    pub fn ended(&self, mode: &'static str, why: kvguard_control_core::lease::Expiry, n: u64) {
         self.requests_ended
             .get_or_create(&[("mode", mode), ("why", why.as_str())])
             .inc_by(n);

@@ -14,14 +14,14 @@
 
 use crate::config::PeerConfig;
 use crate::engine::error_chain;
-use crate::state::AppState;
+use crate::metrics::PeerMetrics;
 use bytes::Bytes;
 use http::{Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use kvguard_contract::{signature, Domain, Forwarded, PEER_LEASE_PATH, SIGNATURE_HEADER};
+use kvguard_contract::{signature, Domain, Forwarded, Key, PEER_LEASE_PATH, SIGNATURE_HEADER};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -45,6 +45,7 @@ pub struct Peers {
     client: Client<HttpConnector, Full<Bytes>>,
     resolved: Mutex<Option<(Instant, Vec<SocketAddr>)>>,
     refreshing: AtomicBool,
+    metrics: PeerMetrics,
 }
 
 impl std::fmt::Debug for Peers {
@@ -57,8 +58,8 @@ impl std::fmt::Debug for Peers {
 }
 
 impl Peers {
-    /// From the validated `--peers` / `--peer-self`.
-    pub fn new(cfg: PeerConfig) -> Peers {
+    /// From the validated `--peers` / `--peer-self`; counts into `metrics`.
+    pub fn new(cfg: PeerConfig, metrics: PeerMetrics) -> Peers {
         let mut conn = HttpConnector::new();
         conn.set_nodelay(true);
         conn.set_connect_timeout(Some(PEER_TIMEOUT));
@@ -72,6 +73,7 @@ impl Peers {
             client,
             resolved: Mutex::new(None),
             refreshing: AtomicBool::new(false),
+            metrics,
         }
     }
 
@@ -84,25 +86,25 @@ impl Peers {
     /// call waits for the resolution; later ones get the last answer at once while a
     /// resolution older than [`RESOLVE_EVERY`] is redone in the background (an abort
     /// never waits for DNS once the replica has resolved its peers).
-    pub async fn addrs(self: &Arc<Self>, st: &Arc<AppState>) -> Vec<SocketAddr> {
+    pub async fn addrs(self: &Arc<Self>) -> Vec<SocketAddr> {
         let cached = self.resolved.lock().ok().and_then(|g| g.clone());
         match cached {
             Some((at, addrs)) => {
                 if at.elapsed() >= RESOLVE_EVERY && !self.refreshing.swap(true, Ordering::AcqRel) {
-                    let (this, st) = (self.clone(), st.clone());
+                    let this = self.clone();
                     tokio::spawn(async move {
-                        this.resolve(&st).await;
+                        this.resolve().await;
                         this.refreshing.store(false, Ordering::Release);
                     });
                 }
                 addrs
             }
-            None => self.resolve(st).await,
+            None => self.resolve().await,
         }
     }
 
     /// Resolves `--peers` (a failed name keeps its last addresses) and caches the answer.
-    async fn resolve(&self, st: &AppState) -> Vec<SocketAddr> {
+    async fn resolve(&self) -> Vec<SocketAddr> {
         let now = Instant::now();
         let previous = self
             .resolved
@@ -134,22 +136,23 @@ impl Peers {
         out.retain(|a| *a != self.cfg.self_addr);
         out.sort();
         out.dedup();
-        st.metrics.peer.peers.set(out.len() as i64);
+        self.metrics.peers.set(out.len() as i64);
         if let Ok(mut g) = self.resolved.lock() {
             *g = Some((now, out.clone()));
         }
         out
     }
 
-    /// The signed envelope of `body`, or `None` without a key (never: `--peers` needs one).
-    /// Signed with the stamp key when there is one: during a rotation's last step (the old
-    /// key leaves `--secret-file`) the replicas that reloaded first accept only the new
-    /// key, which every replica accepts and signs its stamp with since step 3.
-    pub(crate) fn envelope(&self, st: &AppState, body: &[u8]) -> Option<(Bytes, String)> {
-        let keys = st.keys();
-        let key = keys.stamp.as_ref().or(keys.accept.first())?;
+    /// The envelope of `body` signed with `key` at `unix_secs`, or `None` without a key
+    /// (never: `--peers` needs one; see [`crate::state::KeySet::envelope_key`]).
+    pub(crate) fn envelope(
+        &self,
+        key: Option<&Key>,
+        unix_secs: u64,
+        body: &[u8],
+    ) -> Option<(Bytes, String)> {
         let env = Forwarded::new(&self.name, body)?.to_json();
-        let sig = signature::sign(Domain::Envelope, key, st.clock.unix_secs(), &env);
+        let sig = signature::sign(Domain::Envelope, key?, unix_secs, &env);
         Some((Bytes::from(env), sig))
     }
 
@@ -190,26 +193,25 @@ impl Peers {
     }
 
     /// Forwards a renewal body this replica accepted to every peer, in the background.
-    pub fn fan_out_renewal(self: &Arc<Self>, st: &Arc<AppState>, body: Vec<u8>) {
-        let (this, st) = (self.clone(), st.clone());
+    /// Signed with `key` at `unix_secs` ([`Peers::envelope`]).
+    pub fn fan_out_renewal(self: &Arc<Self>, key: Option<Key>, unix_secs: u64, body: Vec<u8>) {
+        let this = self.clone();
         tokio::spawn(async move {
-            let peers = this.addrs(&st).await;
-            let Some((env, sig)) = this.envelope(&st, &body) else {
+            let peers = this.addrs().await;
+            let Some((env, sig)) = this.envelope(key.as_ref(), unix_secs, &body) else {
                 return;
             };
             for peer in peers {
-                let (this, st, env, sig) = (this.clone(), st.clone(), env.clone(), sig.clone());
+                let (this, env, sig) = (this.clone(), env.clone(), sig.clone());
                 tokio::spawn(async move {
                     match this.post(peer, PEER_LEASE_PATH, env, sig).await {
-                        Ok((s, _)) if s == StatusCode::OK => {
-                            st.metrics.peer.forward("renewal", "ok")
-                        }
+                        Ok((s, _)) if s == StatusCode::OK => this.metrics.forward("renewal", "ok"),
                         Ok((s, b)) => {
-                            st.metrics.peer.forward("renewal", "failed");
+                            this.metrics.forward("renewal", "failed");
                             tracing::warn!(%peer, status = s.as_u16(), answer = %String::from_utf8_lossy(&b), "forwarded renewal refused by the peer");
                         }
                         Err(e) => {
-                            st.metrics.peer.forward("renewal", "failed");
+                            this.metrics.forward("renewal", "failed");
                             tracing::debug!(%peer, error = %e, "forwarded renewal: peer unreachable");
                         }
                     }

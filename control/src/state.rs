@@ -10,40 +10,29 @@ use crate::gpu::GpuTracker;
 use crate::metrics::Metrics;
 use crate::replay::ReplayMemory;
 use crate::table::Entry;
-use crate::tombstones::{Completions, Tombstone, Tombstones};
 use kvguard_contract::{AbortReason, Key, RequestId};
+pub use kvguard_control_core::inflight::{Held, Inflight, InflightConfig, Refusal};
 use prometheus_client::registry::Registry;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-/// Table and tombstones, under one lock so that admission and abort see one consistent
-/// view (an abort cannot slip between a tombstone check and an insert). The replay
-/// memory has its own lock ([`AppState::replay`]): checking a signature never holds up
-/// admission.
-#[derive(Debug)]
-pub struct Inner {
-    /// In flight.
-    pub table: HashMap<RequestId, Arc<Entry>>,
-    /// Refused ids.
-    pub tombstones: Tombstones,
-    /// Requests that completed recently (`--reader-timeout` on; [`AppState::defers`]).
-    pub completions: Completions,
-    /// `--dry-run` only: attempts a retry with the same id replaced in `table`, still
-    /// running (a dry run ends nothing and forgets nothing), by their sequence number.
-    pub superseded: HashMap<u64, Arc<Entry>>,
-}
+/// The in-flight table, tombstones and recent completions ([`Inflight`]), under one lock
+/// so that admission and abort see one consistent view. The replay memory has its own
+/// lock ([`AppState::replay`]): checking a signature never holds up admission.
+pub type Inner = Inflight<Arc<Entry>>;
 
-impl Inner {
-    /// Requests in flight (superseded attempts of a dry run included).
-    pub fn len(&self) -> usize {
-        self.table.len() + self.superseded.len()
+impl Held for Entry {
+    fn id(&self) -> &RequestId {
+        &self.id
     }
 
-    /// Whether none is in flight.
-    pub fn is_empty(&self) -> bool {
-        self.table.is_empty() && self.superseded.is_empty()
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    fn mark_ended(&self, reason: AbortReason) -> bool {
+        Entry::mark_ended(self, reason)
     }
 }
 
@@ -75,15 +64,14 @@ pub struct KeySet {
     pub stamp: Option<Key>,
 }
 
-/// Why a request was not admitted.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Refusal {
-    /// Its id is tombstoned.
-    Tombstoned(Tombstone),
-    /// The table is full.
-    Full(usize),
-    /// Shutting down.
-    Draining,
+impl KeySet {
+    /// The key envelopes to the peers are signed with: the stamp key when there is one.
+    /// During a rotation's last step (the old key leaves `--secret-file`) the replicas
+    /// that reloaded first accept only the new key, which every replica accepts and signs
+    /// its stamp with since step 3.
+    pub fn envelope_key(&self) -> Option<&Key> {
+        self.stamp.as_ref().or(self.accept.first())
+    }
 }
 
 /// Everything the handlers and tasks share. Each part that changes has its own lock, so
@@ -113,11 +101,11 @@ pub struct AppState {
     admissions: AtomicU64,
     draining: AtomicBool,
     /// Liveness leases of the gateways (contract §8).
-    pub leases: Mutex<crate::lease::Leases>,
+    pub leases: Mutex<kvguard_control_core::lease::Leases>,
     /// The other replicas (`--peers`), if any.
     pub peers: Option<Arc<crate::peers::Peers>>,
     /// Finished prefills whose blocks the prefill engine may hold for a decode side.
-    pub handoffs: Mutex<crate::pd::Handoffs>,
+    pub handoffs: Mutex<kvguard_control_core::pd::Handoffs>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -139,26 +127,25 @@ impl AppState {
         metrics
             .nvml_available
             .set(i64::from(gpu.status().nvml_available));
-        let inner = Inner {
-            table: HashMap::new(),
-            superseded: HashMap::new(),
-            tombstones: Tombstones::new(cfg.tombstone_ttl, cfg.max_tombstones),
-            completions: Tombstones::new(
-                cfg.limits.reader_timeout.unwrap_or_default(),
-                cfg.max_tombstones,
-            ),
-        };
+        let inner = Inflight::new(InflightConfig {
+            max_inflight: cfg.max_inflight,
+            dry_run: cfg.dry_run,
+            tombstone_ttl: cfg.tombstone_ttl,
+            max_tombstones: cfg.max_tombstones,
+            reader_timeout: cfg.limits.reader_timeout,
+        });
         let replay = Mutex::new(ReplayMemory::new(cfg.max_replay_entries));
         let keys = KeySet {
             accept: cfg.keys.clone(),
             stamp: cfg.stamp_key.clone(),
         };
         let cfg_lease_ttl = cfg.lease_ttl;
-        let handoffs = crate::pd::Handoffs::new(cfg.pd_kv_lease, cfg.max_pd_handoffs);
+        let handoffs =
+            kvguard_control_core::pd::Handoffs::new(cfg.pd_kv_lease, cfg.max_pd_handoffs);
         let peers = cfg
             .peers
             .clone()
-            .map(|p| Arc::new(crate::peers::Peers::new(p)));
+            .map(|p| Arc::new(crate::peers::Peers::new(p, metrics.peer.clone())));
         Arc::new(AppState {
             keys: RwLock::new(Arc::new(keys)),
             cfg,
@@ -173,7 +160,7 @@ impl AppState {
             seq: AtomicU64::new(1),
             admissions: AtomicU64::new(0),
             draining: AtomicBool::new(false),
-            leases: Mutex::new(crate::lease::Leases::new(cfg_lease_ttl)),
+            leases: Mutex::new(kvguard_control_core::lease::Leases::new(cfg_lease_ttl)),
             peers,
             handoffs: Mutex::new(handoffs),
         })
@@ -197,24 +184,15 @@ impl AppState {
 
     /// Engine sequences of the requests in flight ([`Entry::sequences`]).
     pub fn inflight_sequences(&self) -> u64 {
-        let inner = self.inner();
-        inner
-            .table
-            .values()
-            .chain(inner.superseded.values())
+        self.inner()
+            .entries()
             .map(|e| u64::from(e.sequences()))
             .sum()
     }
 
     /// Every entry in flight.
     pub fn entries(&self) -> Vec<Arc<Entry>> {
-        let inner = self.inner();
-        inner
-            .table
-            .values()
-            .chain(inner.superseded.values())
-            .cloned()
-            .collect()
+        self.inner().entries().cloned().collect()
     }
 
     /// Whether shutdown has begun.
@@ -236,13 +214,10 @@ impl AppState {
         method: String,
         path: String,
     ) -> Result<Arc<Entry>, Refusal> {
-        if self.is_draining() {
-            return Err(Refusal::Draining);
-        }
         let now = self.clock.now();
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let entry = Arc::new(Entry::new(
-            id.clone(),
+            id,
             seq,
             method,
             path,
@@ -251,19 +226,7 @@ impl AppState {
         ));
         let superseded = {
             let mut inner = self.inner();
-            if let Some(t) = inner.tombstones.get(&id, now) {
-                return Err(Refusal::Tombstoned(t));
-            }
-            let retry = inner.table.contains_key(&id);
-            // A dry run keeps the older attempt too: one more in flight.
-            let grows = !retry || self.cfg.dry_run;
-            if grows && inner.len() >= self.cfg.max_inflight {
-                return Err(Refusal::Full(self.cfg.max_inflight));
-            }
-            let old = inner.table.insert(id, entry.clone());
-            if let (Some(old), true) = (&old, self.cfg.dry_run) {
-                inner.superseded.insert(old.seq, old.clone());
-            }
+            let old = inner.admit(entry.clone(), self.is_draining(), now)?;
             self.admissions.fetch_add(1, Ordering::AcqRel);
             self.metrics.inflight.set(inner.len() as i64);
             old
@@ -278,7 +241,7 @@ impl AppState {
     /// closed (and its client stream ended). Its id now belongs to the live retry, so it
     /// is neither tombstoned nor passed to the engine's abort API (either would end the
     /// retry). `--dry-run`: counted and logged only; the attempt stays in flight (in
-    /// [`Inner::superseded`]) until its response ends.
+    /// the table) until its response ends.
     fn supersede(self: &Arc<Self>, old: &Arc<Entry>) {
         self.metrics.superseded.inc();
         if self.cfg.dry_run {
@@ -294,34 +257,18 @@ impl AppState {
     }
 
     /// Removes an entry (only this one, not a newer one with the same id).
-    pub fn remove(&self, entry: &Entry) {
+    pub fn remove(&self, entry: &Arc<Entry>) {
         let mut inner = self.inner();
-        self.remove_locked(&mut inner, entry);
+        inner.remove(entry);
+        self.metrics.inflight.set(inner.len() as i64);
     }
 
     /// Removes an entry whose response ended here; one that `completed` (the engine's
     /// end passed on) is remembered for the reader timeout, under the same lock: its
     /// gateway may still be draining it to a slow reader ([`AppState::defers`]).
-    pub fn remove_ended(&self, entry: &Entry, completed: bool) {
+    pub fn remove_ended(&self, entry: &Arc<Entry>, completed: bool) {
         let mut inner = self.inner();
-        self.remove_locked(&mut inner, entry);
-        if completed && self.cfg.limits.reader_timeout.is_some() {
-            inner
-                .completions
-                .insert(entry.id.clone(), (), self.clock.now());
-        }
-    }
-
-    pub(crate) fn remove_locked(&self, inner: &mut Inner, entry: &Entry) {
-        if inner
-            .table
-            .get(&entry.id)
-            .is_some_and(|e| e.seq == entry.seq)
-        {
-            inner.table.remove(&entry.id);
-        } else {
-            inner.superseded.remove(&entry.seq);
-        }
+        inner.remove_ended(entry, completed, self.clock.now());
         self.metrics.inflight.set(inner.len() as i64);
     }
 
@@ -329,20 +276,13 @@ impl AppState {
     pub fn tombstone(&self, id: RequestId, reason: AbortReason) {
         let now = self.clock.now();
         let mut inner = self.inner();
-        self.tombstone_locked(&mut inner, id, reason, now);
+        let evicted = inner.tombstone(id, reason, now);
+        self.count_tombstones(&inner, evicted);
     }
 
-    pub(crate) fn tombstone_locked(
-        &self,
-        inner: &mut Inner,
-        id: RequestId,
-        reason: AbortReason,
-        now: Instant,
-    ) {
-        let before = inner.tombstones.evicted();
-        inner.tombstones.insert(id, reason, now);
-        let evicted = inner.tombstones.evicted() - before;
-        self.metrics.tombstones.set(inner.tombstones.len() as i64);
+    /// Sets the tombstone gauge and counts `evicted` early evictions.
+    pub(crate) fn count_tombstones(&self, inner: &Inner, evicted: u64) {
+        self.metrics.tombstones.set(inner.tombstones() as i64);
         if evicted > 0 {
             self.metrics.tombstones_evicted.inc_by(evicted);
         }
@@ -352,8 +292,8 @@ impl AppState {
     pub fn purge_tombstones(&self) {
         let now = self.clock.now();
         let mut inner = self.inner();
-        inner.tombstones.purge(now);
-        self.metrics.tombstones.set(inner.tombstones.len() as i64);
+        inner.purge(now);
+        self.count_tombstones(&inner, 0);
     }
 
     /// Successful admissions so far (quiet checkpoints: none may happen during a sample).

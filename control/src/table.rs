@@ -4,82 +4,15 @@
 use crate::downstream::Downstream;
 use crate::scan::BodyKind;
 use kvguard_contract::{AbortReason, InstanceId, InstanceTag, RequestId};
+pub use kvguard_control_core::request::{
+    engine_sequences, ClientGone, Flow, OrphanCost, Progress, Times, MAX_SEQUENCES,
+};
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::task::AbortHandle;
 use tokio_util::sync::CancellationToken;
-
-/// Progress clocks of one request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Times {
-    /// When its request headers arrived.
-    pub started: Instant,
-    /// First data event.
-    pub first_data: Option<Instant>,
-    /// Last data event.
-    pub last_data: Option<Instant>,
-    /// Stalls of kvguard-control itself while it waited for its first data event
-    /// ([`Entry::credit_stall`]): not counted against the first-token timeout.
-    pub stalled: Duration,
-    /// Who the response body waits on now, once the gateway first asked for it.
-    pub flow: Option<Flow>,
-    /// How long the response waited on its reader since the last data event (waits that
-    /// ended; the current one is in `flow`): none of it is the engine's silence.
-    pub drained: Duration,
-}
-
-impl Times {
-    /// How long the engine has been silent at `now`: since the last data event, less
-    /// the time the response waited on its reader meanwhile (the engine's frames were
-    /// not asked for then). Frames that are no data event (keep-alives) do not end it.
-    pub fn engine_silence(&self, now: Instant) -> Option<Duration> {
-        let last = self.last_data?;
-        let current = self.reader_wait(now).unwrap_or_default();
-        Some(
-            now.saturating_duration_since(last)
-                .saturating_sub(self.drained)
-                .saturating_sub(current),
-        )
-    }
-
-    /// How long the response has been waiting on its reader at `now`, if it is.
-    pub fn reader_wait(&self, now: Instant) -> Option<Duration> {
-        match self.flow {
-            Some(Flow::Reader(t)) => Some(now.saturating_duration_since(t)),
-            _ => None,
-        }
-    }
-}
-
-/// Who a response body on its way to the gateway waits on, as kvguard-control sees it:
-/// the gateway's connection asks for the next frame ([`Entry::record_demand`]) only once
-/// it has room for it, and the engine's frames are read only when asked for. So a silent
-/// engine and a client (or hop) that does not read are told apart here, where the
-/// engine's side is seen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Flow {
-    /// The gateway asked for a frame at this time and the engine has not sent one since:
-    /// the engine's silence counts from here.
-    Engine(Instant),
-    /// A frame was handed to the gateway's connection at this time and it has not asked
-    /// for the next one since (its buffers are full: downstream of here, nobody drained
-    /// them): the drain's silence counts from here.
-    Reader(Instant),
-}
-
-#[derive(Debug)]
-struct Progress {
-    first_data: Option<Instant>,
-    last_data: Option<Instant>,
-    stalled: Duration,
-    flow: Option<Flow>,
-    drained: Duration,
-    events: u64,
-    kind: Option<BodyKind>,
-    status: Option<u16>,
-}
 
 /// One request in flight.
 #[derive(Debug)]
@@ -105,32 +38,7 @@ pub struct Entry {
     downstream: OnceLock<Downstream>,
     client_gone: Mutex<Option<ClientGone>>,
     instance: OnceLock<InstanceTag>,
-    pd_leg: OnceLock<crate::pd::PdLeg>,
-}
-
-/// When the client of a request went away, as the abort's sender reported it
-/// (`gone_ms`, `tokens` of the abort body).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ClientGone {
-    /// When it went, on this process's clock.
-    pub at: Instant,
-    /// Data events the sender had passed to the client.
-    pub delivered: u64,
-    /// The abort's reason.
-    pub reason: AbortReason,
-}
-
-/// What an orphan cost: engine time and, for a stream, data events produced after its
-/// client had gone ([`Entry::take_orphan_cost`]).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct OrphanCost {
-    /// The abort's reason.
-    pub reason: AbortReason,
-    /// From the client's departure to the engine connection closing.
-    pub seconds: f64,
-    /// Data events proxied beyond those the client got; `None` for a body that is not a
-    /// stream (a non-streaming answer's tokens are unknowable before it completes).
-    pub events: Option<u64>,
+    pd_leg: OnceLock<kvguard_control_core::pd::PdLeg>,
 }
 
 /// The JSON row of `GET /v1/requests`.
@@ -187,16 +95,7 @@ impl Entry {
             path,
             started_unix: now_unix,
             started: now,
-            progress: Mutex::new(Progress {
-                first_data: None,
-                last_data: None,
-                stalled: Duration::ZERO,
-                flow: None,
-                drained: Duration::ZERO,
-                events: 0,
-                kind: None,
-                status: None,
-            }),
+            progress: Mutex::new(Progress::new(now)),
             ended: Mutex::new(None),
             observed: AtomicBool::new(false),
             sequences: AtomicU32::new(1),
@@ -212,12 +111,12 @@ impl Entry {
 
     /// Marks the request as a leg of a disaggregated request (its body carried
     /// `kv_transfer_params`, [`crate::pd::leg_of`]).
-    pub fn set_pd_leg(&self, leg: crate::pd::PdLeg) {
+    pub fn set_pd_leg(&self, leg: kvguard_control_core::pd::PdLeg) {
         let _ = self.pd_leg.set(leg);
     }
 
     /// The disaggregation leg its body asked for, if any.
-    pub fn pd_leg(&self) -> Option<crate::pd::PdLeg> {
+    pub fn pd_leg(&self) -> Option<kvguard_control_core::pd::PdLeg> {
         self.pd_leg.get().copied()
     }
 
@@ -249,104 +148,46 @@ impl Entry {
 
     /// The clocks.
     pub fn times(&self) -> Times {
-        let p = self.progress.lock();
-        let (first_data, last_data, stalled, flow, drained) = p
-            .map(|p| (p.first_data, p.last_data, p.stalled, p.flow, p.drained))
-            .unwrap_or_default();
-        Times {
-            started: self.started,
-            first_data,
-            last_data,
-            stalled,
-            flow,
-            drained,
-        }
+        self.progress().times()
     }
 
-    /// The gateway's connection asked for the next response frame at `now`: if a frame
-    /// was the last thing handed over, the drain progressed (its wait is added to
-    /// [`Times::drained`]) and the engine is asked from now ([`Flow::Engine`]); if the
-    /// engine was already being asked, nothing changes.
+    fn progress(&self) -> MutexGuard<'_, Progress> {
+        self.progress.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// See [`Progress::record_demand`].
     pub fn record_demand(&self, now: Instant) {
-        if let Ok(mut p) = self.progress.lock() {
-            match p.flow {
-                Some(Flow::Engine(_)) => {}
-                Some(Flow::Reader(t)) => {
-                    p.drained += now.saturating_duration_since(t);
-                    p.flow = Some(Flow::Engine(now));
-                }
-                None => p.flow = Some(Flow::Engine(now)),
-            }
-        }
+        self.progress().record_demand(now);
     }
 
-    /// A response frame was handed to the gateway's connection at `now`: until it asks
-    /// for the next one, the stream waits on its reader ([`Flow::Reader`]).
+    /// See [`Progress::record_handed`].
     pub fn record_handed(&self, now: Instant) {
-        if let Ok(mut p) = self.progress.lock() {
-            p.flow = Some(Flow::Reader(now));
-        }
+        self.progress().record_handed(now);
     }
 
-    /// kvguard-control did not run for `stall`, which ended by `now` (the process was
-    /// stopped or starved): what the engine sent meanwhile waits in socket buffers, not
-    /// yet recorded. The idle clock (last data event) moves on by the stall, at most to
-    /// `now`, and so do the first-token clock and the engine's or the drain's
-    /// ([`Flow`]): a silence that may have been ours ends nothing. Max age is not moved.
+    /// See [`Progress::credit_stall`].
     pub fn credit_stall(&self, stall: Duration, now: Instant) {
-        if let Ok(mut p) = self.progress.lock() {
-            match p.last_data.as_mut() {
-                Some(last) => *last = (*last + stall).min(now),
-                None => p.stalled += stall,
-            }
-            // The drain and the engine were not watched either.
-            p.flow = p.flow.map(|f| match f {
-                Flow::Engine(t) => Flow::Engine((t + stall).min(now)),
-                Flow::Reader(t) => Flow::Reader((t + stall).min(now)),
-            });
-        }
+        self.progress().credit_stall(stall, now);
     }
 
     /// Data events so far.
     pub fn events(&self) -> u64 {
-        self.progress.lock().map(|p| p.events).unwrap_or(0)
+        self.progress().events()
     }
 
-    /// Records `n` data events at `now`.
+    /// See [`Progress::record_events`].
     pub fn record_events(&self, n: u64, now: Instant) {
-        if n == 0 {
-            return;
-        }
-        if let Ok(mut p) = self.progress.lock() {
-            p.events += n;
-            p.first_data.get_or_insert(now);
-            p.last_data = Some(now);
-            p.drained = Duration::ZERO;
-        }
+        self.progress().record_events(n, now);
     }
 
-    /// Records progress without a countable event at `now`: a frame of a body that is
-    /// neither SSE nor NDJSON (a flowing `text/plain` or `application/octet-stream`).
+    /// See [`Progress::record_progress`].
     pub fn record_progress(&self, now: Instant) {
-        if let Ok(mut p) = self.progress.lock() {
-            p.first_data.get_or_insert(now);
-            p.last_data = Some(now);
-            p.drained = Duration::ZERO;
-        }
+        self.progress().record_progress(now);
     }
 
-    /// Records the engine's response head at `now`. For a body that is neither SSE nor
-    /// NDJSON (a non-streaming JSON answer, an error, a flowing `text/plain`) the head
-    /// counts as progress, and so does each of its frames ([`Entry::record_progress`]).
+    /// See [`Progress::record_response`].
     pub fn record_response(&self, status: u16, kind: BodyKind, now: Instant) {
-        if let Ok(mut p) = self.progress.lock() {
-            p.status = Some(status);
-            p.kind = Some(kind);
-            if kind == BodyKind::Other {
-                p.first_data.get_or_insert(now);
-                p.last_data = Some(now);
-            }
-        }
+        self.progress().record_response(status, kind, now);
     }
 
     /// Marks the request as being ended for `reason`; `false` if it already was (the
@@ -435,35 +276,16 @@ impl Entry {
     /// engine connection closing); once: later calls return `None`.
     pub fn take_orphan_cost(&self, closed: Instant) -> Option<OrphanCost> {
         let gone = self.client_gone.lock().ok()?.take()?;
-        let (events, kind) = self
-            .progress
-            .lock()
-            .map(|p| (p.events, p.kind))
-            .unwrap_or((0, None));
-        let streaming = matches!(kind, Some(BodyKind::Sse | BodyKind::Ndjson));
-        Some(OrphanCost {
-            reason: gone.reason,
-            seconds: closed.saturating_duration_since(gone.at).as_secs_f64(),
-            events: streaming.then(|| events.saturating_sub(gone.delivered)),
-        })
+        Some(self.progress().orphan_cost(gone, closed))
     }
 
     /// The JSON view at `now`.
     pub fn view(&self, now: Instant) -> EntryView {
-        let (first, last, events, kind, status, flow) = self
-            .progress
-            .lock()
-            .map(|p| {
-                (
-                    p.first_data,
-                    p.last_data,
-                    p.events,
-                    p.kind,
-                    p.status,
-                    p.flow,
-                )
-            })
-            .unwrap_or((None, None, 0, None, None, None));
+        let (t, events, kind, status) = {
+            let p = self.progress();
+            (p.times(), p.events(), p.kind(), p.status())
+        };
+        let (first, last, flow) = (t.first_data, t.last_data, t.flow);
         let (waiting_on, since) = match flow {
             Some(Flow::Engine(t)) => (Some("engine"), Some(t)),
             Some(Flow::Reader(t)) => (Some("reader"), Some(t)),
@@ -489,36 +311,6 @@ impl Entry {
             waiting_ms: since.map(|t| ms(now.saturating_duration_since(t))),
         }
     }
-}
-
-/// Most sequences one request is counted for (a bound on a body's claim).
-pub const MAX_SEQUENCES: u32 = 4096;
-
-/// How many engine sequences an OpenAI-style request body makes the engine run, as vLLM
-/// counts them in `num_requests_running` / `num_requests_waiting`: one per choice (`n`)
-/// of each prompt (a completion's `prompt` list of strings or of token-id lists is a
-/// batch; one string or one token-id list is one prompt). 1 for anything else or a body
-/// that is not such JSON; at most [`MAX_SEQUENCES`].
-pub fn engine_sequences(body: &[u8]) -> u32 {
-    let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) else {
-        return 1;
-    };
-    let n = v
-        .get("n")
-        .and_then(serde_json::Value::as_u64)
-        .unwrap_or(1)
-        .max(1);
-    let prompts = match v.get("prompt") {
-        Some(serde_json::Value::Array(items))
-            if !items.is_empty() && items.iter().all(|i| i.is_string() || i.is_array()) =>
-        {
-            items.len() as u64
-        }
-        _ => 1,
-    };
-    u32::try_from(n.saturating_mul(prompts))
-        .unwrap_or(MAX_SEQUENCES)
-        .min(MAX_SEQUENCES)
 }
 
 #[cfg(test)]

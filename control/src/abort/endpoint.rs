@@ -7,7 +7,7 @@
 //! `POST /v1/peer/lease`.
 
 use super::{AbortFound, Decided};
-use crate::admin::{refuse, REFUSALS, REFUSAL_LOG_PERIOD};
+use crate::refusal::{refuse, REFUSALS, REFUSAL_LOG_PERIOD};
 use crate::replay::Seen;
 use crate::state::AppState;
 use axum::body::Body;
@@ -19,9 +19,9 @@ use kvguard_contract::abort::MAX_ABORT_BODY;
 use kvguard_contract::peer::MAX_PEER_BODY;
 use kvguard_contract::signature::{self, SignatureError};
 use kvguard_contract::{
-    AbortAnswer, AbortReason, AbortRequest, Domain, Forwarded, Leg, LegResult, RequestId,
-    SIGNATURE_HEADER,
+    AbortAnswer, AbortReason, AbortRequest, Domain, Forwarded, Leg, RequestId, SIGNATURE_HEADER,
 };
+use kvguard_control_core::abort::legs_count;
 use std::sync::Arc;
 
 /// `POST /v1/abort`: reads, verifies and parses the call, has [`super::abort`] decide and
@@ -114,21 +114,7 @@ fn legs_answer(
     what: &'static str,
 ) -> Response {
     let (found, aborted, already) = super::summary(&legs);
-    let me = st.replica_name();
-    let mine: Vec<&Leg> = legs.iter().filter(|l| l.replica == me).collect();
-    let result = if mine.iter().any(|l| l.result.ended()) {
-        "aborted"
-    } else if aborted {
-        "forwarded"
-    } else if mine.iter().any(|l| l.result == LegResult::DryRun) {
-        "dry_run"
-    } else if already {
-        "already_aborted"
-    } else if found {
-        "forwarded"
-    } else {
-        "not_found"
-    };
+    let result = legs_count(&legs, &st.replica_name());
     st.metrics.abort_api(result);
     let summary = legs
         .iter()

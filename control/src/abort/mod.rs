@@ -28,26 +28,17 @@ pub mod peer;
 
 use crate::config::PdRole;
 use crate::metrics::outcome;
-use crate::pd::{PdLeg, Release};
+use crate::pd::PdLeg;
 use crate::state::AppState;
 use crate::table::{ClientGone, Entry};
-use kvguard_contract::{AbortReason, AbortRequest, Leg, LegResult, RequestId};
+use kvguard_contract::{AbortReason, AbortRequest, Leg, RequestId};
+use kvguard_control_core::abort::{leg_result, release_result, route, Route};
+pub use kvguard_control_core::abort::{summary, AbortFound};
+use kvguard_control_core::cut::{self, Ask, Cut, Here};
+use kvguard_control_core::inflight::AbortHere;
 use peer::PeerAnswer;
 use std::sync::Arc;
 use std::time::Duration;
-
-/// What an abort call found ([`AppState::abort_or_tombstone`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AbortFound {
-    /// In flight: ended by this call.
-    Ended,
-    /// In flight, `--dry-run`: observed only.
-    Observed,
-    /// Already ended, or tombstoned.
-    Already,
-    /// Not in flight: tombstoned now.
-    NotFound,
-}
 
 /// Where an abort was decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,8 +79,9 @@ pub async fn abort(
 ) -> Decided {
     let leg_here = st.leg_in_flight(id);
     let pd = st.cfg.pd_role != PdRole::None || leg_here.is_some() || st.holds_handoff(id);
-    if let Some(peers) = st.peers.clone() {
-        if pd {
+    let peers = st.peers.clone();
+    match (route(pd, peers.is_some()), peers) {
+        (Route::EveryLeg, Some(peers)) => {
             let here = st.abort_if_here(id, reason, gone);
             let remote = peers.fan_out_abort(st, body).await;
             let here = match here {
@@ -99,41 +91,34 @@ pub async fn abort(
             };
             let mut legs = st.legs_here(id, here, leg_here).await;
             legs.extend(remote);
-            return Decided::Legs(legs);
+            Decided::Legs(legs)
         }
-        match st.abort_if_here(id, reason, gone) {
-            AbortFound::NotFound => {
-                if let Some(a) = peers.forward_abort(st, body).await {
+        (Route::HereThenPeer, Some(peers)) => match st.abort_if_here(id, reason, gone) {
+            AbortFound::NotFound => match peers.forward_abort(st, body).await {
+                Some(a) => {
                     if !st.cfg.dry_run {
                         st.tombstone(id.clone(), reason);
                     }
-                    return Decided::Peer(a);
+                    Decided::Peer(a)
                 }
+                None => Decided::Here(st.abort_or_tombstone(id, reason, gone)),
+            },
+            found => Decided::Here(found),
+        },
+        _ => {
+            let here = st.abort_or_tombstone(id, reason, gone);
+            if pd {
+                return Decided::Legs(st.legs_here(id, here, leg_here).await);
             }
-            found => return Decided::Here(found),
+            Decided::Here(here)
         }
     }
-    let here = st.abort_or_tombstone(id, reason, gone);
-    if pd {
-        return Decided::Legs(st.legs_here(id, here, leg_here).await);
-    }
-    Decided::Here(here)
-}
-
-/// The answer's summary of `legs`: `(found, aborted, already_aborted)`. Found when any
-/// replica held the id; aborted when this call ended a leg (a request, or held blocks
-/// released); already aborted when found and nothing was ended now but a leg had been.
-pub fn summary(legs: &[Leg]) -> (bool, bool, bool) {
-    let found = !legs.is_empty();
-    let aborted = legs.iter().any(|l| l.result.ended());
-    let already = !aborted && legs.iter().any(|l| l.result == LegResult::AlreadyAborted);
-    (found, aborted, already)
 }
 
 impl AppState {
     /// The disaggregation leg of the request `id` in flight here, if its body asked for one.
     pub fn leg_in_flight(&self, id: &RequestId) -> Option<PdLeg> {
-        self.inner().table.get(id).and_then(|e| e.pd_leg())
+        self.inner().get(id).and_then(|e| e.pd_leg())
     }
 
     /// This replica's name in an answer's legs: its address among the peers, else its
@@ -165,13 +150,7 @@ impl AppState {
                 .map(str::to_owned)
         };
         let mut legs = Vec::new();
-        let result = match here {
-            AbortFound::Ended => Some(LegResult::Aborted),
-            AbortFound::Already => Some(LegResult::AlreadyAborted),
-            AbortFound::Observed => Some(LegResult::DryRun),
-            AbortFound::NotFound => None,
-        };
-        if let Some(result) = result {
+        if let Some(result) = leg_result(here) {
             legs.push(Leg {
                 replica: replica.clone(),
                 role: role(leg),
@@ -182,43 +161,44 @@ impl AppState {
             legs.push(Leg {
                 replica,
                 role: Some(PdLeg::Prefill.as_str().to_owned()),
-                result: match r {
-                    Release::Released => LegResult::Released,
-                    Release::DryRun => LegResult::DryRun,
-                    Release::HeldUntilLease => LegResult::HeldUntilLease,
-                },
+                result: release_result(r),
             });
         }
         legs
     }
 
     /// Whether a gateway's abort of `id` is deferred rather than carried out, and why (for
-    /// the log): a `stalled` abort whose sender allows it (`recheck_ms`), for a stream
-    /// that is not stalled at the engine, only slow to drain downstream — in flight here
-    /// ([`crate::reaper::defers`]), or completed within the reader timeout
-    /// ([`crate::tombstones::Completions`]) while its sender saw no data for less than
-    /// the reader timeout: its gateway still holds the last bytes for a slow reader, and
-    /// nothing is left to free at the engine. Nothing is changed (a completion is kept
-    /// one more reader timeout): a deferral is only an answer.
+    /// the log): [`cut::may_end`] on what is known here (in flight, or completed within the
+    /// reader timeout). Nothing is changed but the completion's memory, kept one more
+    /// reader timeout: a deferral is only an answer.
     pub fn defers(&self, id: &RequestId, abort: &AbortRequest) -> Option<&'static str> {
-        if abort.reason != AbortReason::Stalled || abort.recheck_ms.is_none() {
-            return None;
-        }
-        let reader = self.cfg.limits.reader_timeout?;
-        let sender_idle = abort.idle_ms.map(Duration::from_millis);
+        let ask = Ask::Abort {
+            reason: abort.reason,
+            recheck: abort.recheck_ms.is_some(),
+            sender_idle: abort.idle_ms.map(Duration::from_millis),
+        };
         let now = self.clock.now();
         let mut inner = self.inner();
-        let Some(entry) = inner.table.get(id).cloned() else {
-            let tail =
-                sender_idle.is_some_and(|i| i < reader) && inner.completions.get(id, now).is_some();
-            if tail {
-                inner.completions.insert(id.clone(), (), now);
+        let here = match inner.get(id).cloned() {
+            Some(entry) => {
+                // The entry's clocks are read outside the table's lock.
+                drop(inner);
+                return match cut::may_end(Here::InFlight(entry.times()), ask, now, &self.cfg.limits)
+                {
+                    Cut::Defer(d) => Some(d.why()),
+                    Cut::End(_) | Cut::Keep => None,
+                };
             }
-            return tail.then_some("the engine finished, the reader drains its tail");
+            None if inner.completed_recently(id, now) => Here::Completed,
+            None => Here::Unknown,
         };
-        drop(inner);
-        crate::reaper::defers(&entry.times(), now, &self.cfg.limits, sender_idle)
-            .then_some("the engine produces, the reader drains")
+        match cut::may_end(here, ask, now, &self.cfg.limits) {
+            Cut::Defer(d) => {
+                inner.keep_completion(id, now);
+                Some(d.why())
+            }
+            Cut::End(_) | Cut::Keep => None,
+        }
     }
 
     /// What the abort API does for `id`, decided under one lock: the request is in flight
@@ -258,40 +238,37 @@ impl AppState {
     ) -> AbortFound {
         let now = self.clock.now();
         let mut inner = self.inner();
-        if let Some(entry) = inner.table.get(id).cloned() {
-            if let Some((ago, delivered)) = gone {
-                entry.mark_client_gone(ClientGone {
-                    at: now.checked_sub(ago).unwrap_or(now),
-                    delivered,
-                    reason,
-                });
+        if let (Some(entry), Some((ago, delivered))) = (inner.get(id), gone) {
+            entry.mark_client_gone(ClientGone {
+                at: now.checked_sub(ago).unwrap_or(now),
+                delivered,
+                reason,
+            });
+        }
+        match inner.abort_here(id, reason, now, tombstone_missing) {
+            AbortHere::End(entry) => {
+                self.metrics.inflight.set(inner.len() as i64);
+                self.count_tombstones(&inner, 0);
+                drop(inner);
+                self.finish_end(&entry, reason, "abort_api");
+                AbortFound::Ended
             }
-            if self.cfg.dry_run {
+            AbortHere::Observe(entry) => {
                 drop(inner);
                 self.observe(&entry, reason, "abort_api");
-                return AbortFound::Observed;
+                AbortFound::Observed
             }
-            if !entry.mark_ended(reason) {
-                return AbortFound::Already;
-            }
-            self.remove_locked(&mut inner, &entry);
-            self.tombstone_locked(&mut inner, id.clone(), reason, now);
-            drop(inner);
-            self.finish_end(&entry, reason, "abort_api");
-            return AbortFound::Ended;
-        }
-        if inner.tombstones.get(id, now).is_some() {
-            return AbortFound::Already;
-        }
-        if tombstone_missing {
-            if self.cfg.dry_run {
-                drop(inner);
-                tracing::info!(request_id = %id, reason = %reason, outcome = outcome::DRY_RUN, "abort call for an id not in flight: would tombstone it (dry run)");
-            } else {
-                self.tombstone_locked(&mut inner, id.clone(), reason, now);
+            AbortHere::Already => AbortFound::Already,
+            AbortHere::NotFound { tombstoned } => {
+                if tombstoned {
+                    self.count_tombstones(&inner, 0);
+                } else if tombstone_missing {
+                    drop(inner);
+                    tracing::info!(request_id = %id, reason = %reason, outcome = outcome::DRY_RUN, "abort call for an id not in flight: would tombstone it (dry run)");
+                }
+                AbortFound::NotFound
             }
         }
-        AbortFound::NotFound
     }
 
     /// Ends a request in flight for `reason` (`via`: `reaper`, `shutdown`, for the log).
@@ -316,11 +293,11 @@ impl AppState {
         {
             let now = self.clock.now();
             let mut inner = self.inner();
-            if !entry.mark_ended(reason) {
+            let Some(evicted) = inner.end(entry, reason, now) else {
                 return false;
-            }
-            self.remove_locked(&mut inner, entry);
-            self.tombstone_locked(&mut inner, entry.id.clone(), reason, now);
+            };
+            self.metrics.inflight.set(inner.len() as i64);
+            self.count_tombstones(&inner, evicted);
         }
         self.finish_end(entry, reason, via);
         true

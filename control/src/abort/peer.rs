@@ -8,7 +8,8 @@ use crate::peers::Peers;
 use crate::state::AppState;
 use bytes::Bytes;
 use http::StatusCode;
-use kvguard_contract::{AbortAnswer, Leg, LegResult, PEER_ABORT_PATH};
+use kvguard_contract::{Leg, PEER_ABORT_PATH};
+use kvguard_control_core::abort::legs_of;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -33,8 +34,9 @@ impl Peers {
         st: &Arc<AppState>,
         body: &[u8],
     ) -> Option<PeerAnswer> {
-        let peers = self.addrs(st).await;
-        let (env, sig) = self.envelope(st, body)?;
+        let peers = self.addrs().await;
+        let keys = st.keys();
+        let (env, sig) = self.envelope(keys.envelope_key(), st.clock.unix_secs(), body)?;
         if peers.is_empty() {
             return None;
         }
@@ -95,8 +97,10 @@ impl Peers {
     /// disaggregated pair, is one leg with no role). Peers that did not hold it (404) or
     /// failed (counted) add nothing.
     pub async fn fan_out_abort(self: &Arc<Self>, st: &Arc<AppState>, body: &[u8]) -> Vec<Leg> {
-        let peers = self.addrs(st).await;
-        let Some((env, sig)) = self.envelope(st, body) else {
+        let peers = self.addrs().await;
+        let keys = st.keys();
+        let Some((env, sig)) = self.envelope(keys.envelope_key(), st.clock.unix_secs(), body)
+        else {
             return Vec::new();
         };
         let mut calls = tokio::task::JoinSet::new();
@@ -106,7 +110,7 @@ impl Peers {
                 match this.post(peer, PEER_ABORT_PATH, env, sig).await {
                     Ok((s, b)) if s == StatusCode::OK => {
                         st.metrics.peer.forward("abort", "ok");
-                        legs_of(peer, &b)
+                        legs_of(&peer.to_string(), &b)
                     }
                     Ok((s, _)) if s == StatusCode::NOT_FOUND => {
                         st.metrics.peer.forward("abort", "not_found");
@@ -130,70 +134,5 @@ impl Peers {
             legs.extend(r.unwrap_or_default());
         }
         legs
-    }
-}
-
-/// The legs of a peer's 200 answer: its `legs`, or one leg from its summary.
-pub fn legs_of(peer: SocketAddr, body: &[u8]) -> Vec<Leg> {
-    let Ok(a) = serde_json::from_slice::<AbortAnswer>(body) else {
-        return Vec::new();
-    };
-    if !a.legs.is_empty() {
-        return a.legs;
-    }
-    let result = if a.aborted {
-        LegResult::Aborted
-    } else if a.already_aborted {
-        LegResult::AlreadyAborted
-    } else if a.found {
-        LegResult::DryRun
-    } else {
-        return Vec::new();
-    };
-    vec![Leg {
-        replica: peer.to_string(),
-        role: None,
-        result,
-    }]
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_peers_legs_are_its_own_or_one_from_its_summary() {
-        let peer: SocketAddr = "10.0.0.2:9902".parse().unwrap();
-        let with = br#"{"request_id":"r","found":true,"aborted":true,"legs":[{"replica":"10.0.0.9:9902","role":"decode","result":"aborted"}]}"#;
-        assert_eq!(
-            legs_of(peer, with),
-            [Leg {
-                replica: "10.0.0.9:9902".into(),
-                role: Some("decode".into()),
-                result: LegResult::Aborted
-            }]
-        );
-        for (body, result) in [
-            (
-                &br#"{"request_id":"r","found":true,"aborted":true}"#[..],
-                LegResult::Aborted,
-            ),
-            (
-                br#"{"request_id":"r","found":true,"already_aborted":true}"#,
-                LegResult::AlreadyAborted,
-            ),
-            (br#"{"request_id":"r","found":true}"#, LegResult::DryRun),
-        ] {
-            assert_eq!(
-                legs_of(peer, body),
-                [Leg {
-                    replica: "10.0.0.2:9902".into(),
-                    role: None,
-                    result
-                }]
-            );
-        }
-        assert!(legs_of(peer, br#"{"request_id":"r","found":false}"#).is_empty());
-        assert!(legs_of(peer, b"not json").is_empty());
     }
 }

@@ -5,7 +5,7 @@
 
 use super::{LeaseMode, RenewError};
 use crate::abort::endpoint::{open_forwarded, refused_result};
-use crate::admin::{refuse, REFUSALS, REFUSAL_LOG_PERIOD};
+use crate::refusal::{refuse, REFUSALS, REFUSAL_LOG_PERIOD};
 use crate::state::AppState;
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode};
@@ -87,7 +87,11 @@ async fn from_gateway(st: &Arc<AppState>, via: Via, req: Request) -> Response {
     st.metrics.lease.renewal(path, result);
     if result == "accepted" && r.fanout {
         if let Some(peers) = &st.peers {
-            peers.fan_out_renewal(st, body.to_vec());
+            peers.fan_out_renewal(
+                st.keys().envelope_key().cloned(),
+                st.clock.unix_secs(),
+                body.to_vec(),
+            );
         }
     }
     answer

@@ -172,7 +172,7 @@ mod tests {
 
     fn fixture(name: &str) -> Vec<u8> {
         let p = format!(
-            "{}/../integration/fixtures/sse/{name}",
+            "{}/../../integration/fixtures/sse/{name}",
             env!("CARGO_MANIFEST_DIR")
         );
         std::fs::read(&p).unwrap_or_else(|e| panic!("{p}: {e}"))

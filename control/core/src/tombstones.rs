@@ -28,7 +28,7 @@ pub struct Tombstones<V = AbortReason> {
 
 /// Requests that completed recently (the engine's end passed kvguard-control), each
 /// kept for the reader timeout since it completed or was last asked about: a gateway may
-/// still be draining its last bytes to a slow reader ([`crate::state::AppState::defers`]).
+/// still be draining its last bytes to a slow reader (see [`crate::limits::defers`]).
 pub type Completions = Tombstones<()>;
 
 impl<V: Copy> Tombstones<V> {

@@ -1,0 +1,221 @@
+//! Where an abort is decided and what its answer says (contract §3, §4): the route (here,
+//! here then the peer that holds the id, or every leg of a disaggregated request), the
+//! legs each replica reports, and the answer's summary and count.
+
+use crate::pd::Release;
+use kvguard_contract::{AbortAnswer, Leg, LegResult};
+
+/// What an abort found here ([`crate::inflight::Inflight::abort_here`], as answered).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AbortFound {
+    /// In flight: ended by this call.
+    Ended,
+    /// In flight, `--dry-run`: observed only.
+    Observed,
+    /// Already ended, or tombstoned.
+    Already,
+    /// Not in flight (tombstoned now, where that was asked for).
+    NotFound,
+}
+
+/// Where an abort is decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// Here only, under the table's lock: ended, already ended, or tombstoned.
+    Here,
+    /// Here if in flight here; else forwarded to every peer, the first that holds the id
+    /// answering for it; else (no peer holds it) decided here.
+    HereThenPeer,
+    /// A leg of a disaggregated request: here and at every peer, every answer collected
+    /// (the same id is held on a prefill and a decode replica at once, or the prefill
+    /// engine holds a finished prefill's blocks for the decode side).
+    EveryLeg,
+}
+
+/// The route of an abort: `pd` when this replica has a `--pd-role`, holds the id as a leg
+/// (its body carried `kv_transfer_params`) or holds its prefill hand-off; `peers` when it
+/// has `--peers`.
+pub fn route(pd: bool, peers: bool) -> Route {
+    match (peers, pd) {
+        (false, _) => Route::Here,
+        (true, true) => Route::EveryLeg,
+        (true, false) => Route::HereThenPeer,
+    }
+}
+
+/// This replica's leg of what it found (`None`: it did not hold the id).
+pub fn leg_result(found: AbortFound) -> Option<LegResult> {
+    match found {
+        AbortFound::Ended => Some(LegResult::Aborted),
+        AbortFound::Already => Some(LegResult::AlreadyAborted),
+        AbortFound::Observed => Some(LegResult::DryRun),
+        AbortFound::NotFound => None,
+    }
+}
+
+/// The leg of a held prefill hand-off, by what became of its blocks.
+pub fn release_result(r: Release) -> LegResult {
+    match r {
+        Release::Released => LegResult::Released,
+        Release::DryRun => LegResult::DryRun,
+        Release::HeldUntilLease => LegResult::HeldUntilLease,
+    }
+}
+
+/// The legs of a peer's 200 answer (`body`) from `peer`: its `legs`, or one leg from its
+/// summary.
+pub fn legs_of(peer: &str, body: &[u8]) -> Vec<Leg> {
+    let Ok(a) = serde_json::from_slice::<AbortAnswer>(body) else {
+        return Vec::new();
+    };
+    if !a.legs.is_empty() {
+        return a.legs;
+    }
+    let result = if a.aborted {
+        LegResult::Aborted
+    } else if a.already_aborted {
+        LegResult::AlreadyAborted
+    } else if a.found {
+        LegResult::DryRun
+    } else {
+        return Vec::new();
+    };
+    vec![Leg {
+        replica: peer.to_owned(),
+        role: None,
+        result,
+    }]
+}
+
+/// The answer's summary of `legs`: `(found, aborted, already_aborted)`. Found when any
+/// replica held the id; aborted when this call ended a leg (a request, or held blocks
+/// released); already aborted when found and nothing was ended now but a leg had been.
+pub fn summary(legs: &[Leg]) -> (bool, bool, bool) {
+    let found = !legs.is_empty();
+    let aborted = legs.iter().any(|l| l.result.ended());
+    let already = !aborted && legs.iter().any(|l| l.result == LegResult::AlreadyAborted);
+    (found, aborted, already)
+}
+
+/// How an answer that lists `legs` is counted by the replica named `me`: by what it did
+/// itself (`aborted` also when it released a hand-off's blocks), else `forwarded` when a
+/// peer ended a leg.
+pub fn legs_count(legs: &[Leg], me: &str) -> &'static str {
+    let (found, aborted, already) = summary(legs);
+    let mine = || legs.iter().filter(|l| l.replica == me);
+    if mine().any(|l| l.result.ended()) {
+        "aborted"
+    } else if aborted {
+        "forwarded"
+    } else if mine().any(|l| l.result == LegResult::DryRun) {
+        "dry_run"
+    } else if already {
+        "already_aborted"
+    } else if found {
+        "forwarded"
+    } else {
+        "not_found"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn leg(replica: &str, result: LegResult) -> Leg {
+        Leg {
+            replica: replica.into(),
+            role: None,
+            result,
+        }
+    }
+
+    #[test]
+    fn the_route_is_here_without_peers_every_leg_for_pd_else_here_then_a_peer() {
+        assert_eq!(route(false, false), Route::Here);
+        assert_eq!(route(true, false), Route::Here);
+        assert_eq!(route(true, true), Route::EveryLeg);
+        assert_eq!(route(false, true), Route::HereThenPeer);
+    }
+
+    #[test]
+    fn legs_name_what_each_replica_did() {
+        assert_eq!(leg_result(AbortFound::Ended), Some(LegResult::Aborted));
+        assert_eq!(
+            leg_result(AbortFound::Already),
+            Some(LegResult::AlreadyAborted)
+        );
+        assert_eq!(leg_result(AbortFound::Observed), Some(LegResult::DryRun));
+        assert_eq!(leg_result(AbortFound::NotFound), None);
+        assert_eq!(
+            [Release::Released, Release::DryRun, Release::HeldUntilLease].map(release_result),
+            [
+                LegResult::Released,
+                LegResult::DryRun,
+                LegResult::HeldUntilLease
+            ]
+        );
+    }
+
+    #[test]
+    fn a_peers_legs_are_its_own_or_one_from_its_summary() {
+        let peer = "10.0.0.2:9902";
+        let with = br#"{"request_id":"r","found":true,"aborted":true,"legs":[{"replica":"10.0.0.9:9902","role":"decode","result":"aborted"}]}"#;
+        assert_eq!(
+            legs_of(peer, with),
+            [Leg {
+                replica: "10.0.0.9:9902".into(),
+                role: Some("decode".into()),
+                result: LegResult::Aborted
+            }]
+        );
+        for (body, result) in [
+            (
+                &br#"{"request_id":"r","found":true,"aborted":true}"#[..],
+                LegResult::Aborted,
+            ),
+            (
+                br#"{"request_id":"r","found":true,"already_aborted":true}"#,
+                LegResult::AlreadyAborted,
+            ),
+            (br#"{"request_id":"r","found":true}"#, LegResult::DryRun),
+        ] {
+            assert_eq!(legs_of(peer, body), [leg(peer, result)]);
+        }
+        assert!(legs_of(peer, br#"{"request_id":"r","found":false}"#).is_empty());
+        assert!(legs_of(peer, b"not json").is_empty());
+    }
+
+    #[test]
+    fn the_summary_and_the_count_say_what_this_call_did_and_where() {
+        use LegResult::*;
+        assert_eq!(summary(&[]), (false, false, false));
+        assert_eq!(legs_count(&[], "me"), "not_found");
+        type Case<'a> = (&'a [Leg], (bool, bool, bool), &'a str);
+        let cases: [Case; 7] = [
+            (&[leg("me", Aborted)], (true, true, false), "aborted"),
+            (&[leg("me", Released)], (true, true, false), "aborted"),
+            (
+                &[leg("me", AlreadyAborted), leg("p", Aborted)],
+                (true, true, false),
+                "forwarded",
+            ),
+            (&[leg("me", DryRun)], (true, false, false), "dry_run"),
+            (
+                &[leg("me", AlreadyAborted), leg("p", HeldUntilLease)],
+                (true, false, true),
+                "already_aborted",
+            ),
+            (
+                &[leg("p", HeldUntilLease)],
+                (true, false, false),
+                "forwarded",
+            ),
+            (&[leg("p", DryRun)], (true, false, false), "forwarded"),
+        ];
+        for (legs, sum, count) in cases {
+            assert_eq!(summary(legs), sum, "{legs:?}");
+            assert_eq!(legs_count(legs, "me"), count, "{legs:?}");
+        }
+    }
+}
