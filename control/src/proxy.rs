@@ -639,6 +639,14 @@ impl TrackedBody {
         }
     }
 
+    /// The engine's body ended and all of it was handed on: the request completed.
+    fn complete(&mut self) {
+        self.done = true;
+        self.inner = None;
+        self.guard.cause = Some("complete");
+        self.record_handoff();
+    }
+
     fn finish_aborted(&mut self) -> Option<Result<Frame<Bytes>, BoxError>> {
         self.done = true;
         self.inner = None;
@@ -712,9 +720,10 @@ impl HttpBody for TrackedBody {
                     }
                 }
                 // hyper stops polling a response whose content-length is written, so
-                // the end of the engine's body is seen here, not as `Ready(None)`.
+                // the end of the engine's body is seen here, not as `Ready(None)`: the
+                // response is complete once this last frame is handed on.
                 if this.inner.as_ref().is_some_and(HttpBody::is_end_stream) {
-                    this.record_handoff();
+                    this.complete();
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -729,10 +738,7 @@ impl HttpBody for TrackedBody {
                 Poll::Ready(Some(Err(Box::new(e))))
             }
             Poll::Ready(None) => {
-                this.done = true;
-                this.inner = None;
-                this.guard.cause = Some("complete");
-                this.record_handoff();
+                this.complete();
                 Poll::Ready(None)
             }
             Poll::Pending => Poll::Pending,

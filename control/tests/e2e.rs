@@ -1056,3 +1056,61 @@ async fn the_proxy_counts_the_engine_sequences_of_n_and_batched_prompts() {
     .await
     .unwrap();
 }
+
+/// A response whose length is in its head (a non-streaming completion, `GET /v1/models`)
+/// is written by hyper without polling its body to its end: read to its end, it is still a
+/// clean, complete end, and a completion is remembered for a reader draining its tail.
+#[tokio::test]
+async fn a_length_delimited_answer_read_to_its_end_is_a_clean_complete_end() {
+    bounded("test", LIMIT, async {
+        let sim = sim(slow_sim()).await;
+        let ctl = control(&sim.url(), |c| {
+            c.limits.reader_timeout = Some(Duration::from_secs(90));
+        })
+        .await;
+        let ids = ["len-1", "len-2", "len-3"];
+        for id in ids {
+            let r = client::post_json(
+                ctl.proxy_addr,
+                "/v1/completions",
+                &json!({"model":"tiny","prompt":"x","max_tokens":3}),
+                &[("x-request-id", id)],
+            )
+            .await
+            .unwrap();
+            assert_eq!(r.status, 200, "{}", r.text());
+            assert!(r.header("content-length").is_some(), "not length-delimited");
+            assert!(r.json().is_ok(), "{}", r.text());
+        }
+        let models = client::get(ctl.proxy_addr, "/v1/models").await.unwrap();
+        assert_eq!(models.status, 200);
+        assert!(models.header("content-length").is_some());
+        let clean = "kvguard_control_request_ends_total{end=\"clean\",cause=\"complete\"}";
+        poll_until_async("4 clean ends", T, Duration::from_millis(20), || async {
+            (metric(ctl.admin_addr, clean).await == Some(4.0)).then_some(())
+        })
+        .await
+        .unwrap();
+        assert_eq!(
+            metric(
+                ctl.admin_addr,
+                "kvguard_control_request_ends_total{end=\"unclean\",cause=\"client_gone\"}"
+            )
+            .await
+            .unwrap_or(0.0),
+            0.0,
+            "read to its end, no client went"
+        );
+        let now = ctl.state.clock.now();
+        for id in ids {
+            let id = RequestId::try_new(id.as_bytes()).unwrap();
+            assert!(
+                ctl.state.inner().completed_recently(&id, now),
+                "{id} remembered as completed"
+            );
+        }
+        ctl.stop().await;
+    })
+    .await
+    .unwrap();
+}
