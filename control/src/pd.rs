@@ -44,7 +44,9 @@ impl crate::state::AppState {
 
     /// An aborted id's hand-off, if one is held: its blocks are released through a decode
     /// engine (`--pd-decode-url`), which rejects [`rejection_body`] and so tells the
-    /// prefill engine to let them go. `None`: no hand-off of `id` is held.
+    /// prefill engine to let them go. `None`: no hand-off of `id` is held. Once taken from
+    /// the table the release runs in a task of its own: a caller that gives up (its
+    /// timeout) does not lose it, nor its figures.
     pub async fn release_handoff(self: &std::sync::Arc<Self>, id: &RequestId) -> Option<Release> {
         let now = self.clock.now();
         if self.cfg.dry_run {
@@ -61,16 +63,20 @@ impl crate::state::AppState {
             tracing::warn!(request_id = %id, lease = ?self.cfg.pd_kv_lease, "aborted a finished prefill whose blocks the prefill engine holds for a decode side; no --pd-decode-url to release them through: held until the engine's lease");
             return Some(Release::HeldUntilLease);
         };
-        let released = self.send_rejection(url.base.clone(), &params).await;
-        self.metrics
-            .pd
-            .release("handoff", if released { "released" } else { "failed" });
-        if released {
-            tracing::info!(request_id = %id, decode = %url.base, "released a finished prefill's held blocks through the decode side");
-            Some(Release::Released)
-        } else {
-            Some(Release::HeldUntilLease)
-        }
+        let (this, id, base) = (self.clone(), id.clone(), url.base.clone());
+        let release = tokio::spawn(async move {
+            let released = this.send_rejection(base.clone(), &params).await;
+            this.metrics
+                .pd
+                .release("handoff", if released { "released" } else { "failed" });
+            if released {
+                tracing::info!(request_id = %id, decode = %base, "released a finished prefill's held blocks through the decode side");
+                Release::Released
+            } else {
+                Release::HeldUntilLease
+            }
+        });
+        Some(release.await.unwrap_or(Release::HeldUntilLease))
     }
 
     /// A decode leg arrived for an aborted (tombstoned) id, carrying a prefill engine's

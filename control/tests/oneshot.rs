@@ -1871,6 +1871,8 @@ async fn an_abort_a_peer_answers_is_passed_on_and_tombstoned_here_but_not_in_a_d
 struct DecodeSide {
     status: Option<u16>,
     sent: std::sync::Mutex<Vec<(String, String, Value)>>,
+    /// When set, the answer waits for a permit.
+    gate: Option<Arc<tokio::sync::Notify>>,
 }
 
 impl Engine for DecodeSide {
@@ -1894,8 +1896,13 @@ impl Engine for DecodeSide {
             id.as_str().to_owned(),
             serde_json::from_slice(&body).unwrap(),
         ));
-        let s = self.status;
-        Box::pin(async move { s.ok_or_else(|| "refused".to_owned()) })
+        let (s, gate) = (self.status, self.gate.clone());
+        Box::pin(async move {
+            if let Some(g) = gate {
+                g.notified().await;
+            }
+            s.ok_or_else(|| "refused".to_owned())
+        })
     }
 }
 
@@ -1911,6 +1918,7 @@ fn pd_state(
     let engine = Arc::new(DecodeSide {
         status,
         sent: std::sync::Mutex::new(Vec::new()),
+        gate: None,
     });
     let st = AppState::new(
         cfg,
@@ -2016,6 +2024,52 @@ async fn an_abort_of_a_held_prefill_releases_it_through_the_decode_side_and_name
                "legs": [{"replica": me, "role": "prefill", "result": "already_aborted"}]})
     );
     assert_eq!(decode.sent.lock().unwrap().len(), 1);
+}
+
+/// The caller of an abort (a peer's 500 ms, the filter's 1 s, the admin listener's 2 s)
+/// may give up while a held prefill's release is on its way to the decode side: the
+/// release goes on, and is counted, whatever becomes of the call.
+#[tokio::test]
+async fn a_release_under_way_when_its_caller_gives_up_still_completes_and_is_counted() {
+    let (st, _clock, _) = pd_state(Some(400), |c| c.pd_decode_url = decode_url());
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let decode = Arc::new(DecodeSide {
+        status: Some(400),
+        sent: std::sync::Mutex::new(Vec::new()),
+        gate: Some(gate.clone()),
+    });
+    let st = AppState::new(
+        st.cfg.clone(),
+        st.clock.clone(),
+        decode.clone(),
+        GpuTracker::unavailable("test".into()),
+    );
+    let app = admin::app(st.clone());
+    st.record_handoff(RequestId::try_new(b"h9").unwrap(), handoff_params());
+    let call = signed_abort(app.clone(), "h9", NOW);
+    let gave_up = tokio::time::timeout(Duration::from_millis(200), call).await;
+    assert!(gave_up.is_err(), "the decode side had not answered yet");
+    assert_eq!(
+        decode.sent.lock().unwrap().len(),
+        1,
+        "sent before the caller left"
+    );
+    gate.notify_one();
+    let released = r#"kvguard_control_pd_releases_total{via="handoff",result="released"}"#;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let m = metrics_text(app.clone()).await;
+        if m.lines().any(|l| l.strip_prefix(released) == Some(" 1")) {
+            assert_eq!(sample(&m, "kvguard_control_pd_handoffs_held"), 0.0);
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the release was lost with its caller:\n{m}"
+        );
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 #[tokio::test]
