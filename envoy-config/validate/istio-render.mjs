@@ -264,15 +264,17 @@ function podProxy(d) {
 // (EXIT_ON_ZERO_ACTIVE_CONNECTIONS) and a fixed concurrency on every gateway pod.
 function agentSettings(d, pc, proxy) {
   const kube = d.o.metadata?.annotations?.[RENDERED_BY];
+  const injected = d.o.spec.template.metadata?.annotations?.["inject.istio.io/templates"] ?? "sidecar";
   return Object.entries(facts.istio.releases).map(([release, { ref, facts: f }]) => {
     const src = (k) => `${ref}:${f[k].file}`;
+    const tpl = kube ?? injected;
+    if (!(tpl in f.podTemplates.value)) return { release, error: `no pod template ${tpl} in istiod ${release} (${src("podTemplates")})` };
     const env = new Map((proxy.env ?? []).map((e) => [e.name, e.value ?? "(from a reference)"]));
-    const metaToEnv = kube
-      ? f.gatewayApiProxyConfigFromPod.value && f.kubeGatewayTemplateEnv.value
-      : f.injectorProxyConfigFromPod.value && f.injectionTemplateEnv.value;
+    const readsPod = kube ? f.gatewayApiProxyConfigFromPod.value : f.injectorProxyConfigFromPod.value;
+    const metaToEnv = readsPod && f.templateProxyMetadataEnv.value[tpl];
     const how = kube
-      ? `this pod is rendered from istiod's ${kube} template, which does not read the pod's proxy.istio.io/config (${src("gatewayApiProxyConfigFromPod")})`
-      : `the injector's gateway template writes proxyMetadata as env (${src("injectionTemplateEnv")})`;
+      ? `this pod is rendered by istiod's Gateway API controller from ${f.podTemplates.value[tpl]}, which is not given the pod's proxy.istio.io/config (${src("gatewayApiProxyConfigFromPod")})`
+      : `the injector renders this pod from ${f.podTemplates.value[tpl]} (${readsPod ? "with" : "without"} the pod's proxy.istio.io/config, ${src("injectorProxyConfigFromPod")})`;
     const envOnly = new Set(f.agentEnvOnly.value);
     for (const [k, v] of Object.entries(pc.proxyMetadata ?? {})) {
       if (metaToEnv && !env.has(k)) env.set(k, String(v));

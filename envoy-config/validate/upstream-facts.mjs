@@ -37,9 +37,9 @@ const FACTS = {
   gatewayApiTemplate: "the pod template istiod renders a `gatewayClassName: istio` Gateway's Deployment from (gateway-api.mjs)",
   gatewayApiProxyConfigFromPod: "whether that render reads the pod's proxy.istio.io/config (false: proxyMetadata there never becomes env)",
   gatewayApiOverlays: "the parametersRef ConfigMap keys istiod applies",
-  kubeGatewayTemplateEnv: "the kube-gateway template writes ProxyConfig.proxyMetadata as env",
+  podTemplates: "istiod's pod templates by name (inject.istio.io/templates; kube-gateway) and their files",
+  templateProxyMetadataEnv: "per pod template: it writes ProxyConfig.proxyMetadata as container env",
   injectorProxyConfigFromPod: "the injector merges the pod's proxy.istio.io/config before rendering (classic gateways)",
-  injectionTemplateEnv: "the gateway injection template writes ProxyConfig.proxyMetadata as env",
   agentEnvOnly: "settings pilot-agent reads only from its process env (env.Register)",
   agentProxyConfigFromPod: "pilot-agent reads proxy.istio.io/config from the pod's annotations at run time",
   gatewayStatPrefix: "the gateway connection manager's stat_prefix (`outbound_<ip>_<port>` + delimiter)",
@@ -91,10 +91,13 @@ function extract() {
     f.gatewayApiProxyConfigFromPod = { value: pcCall.split(",")[2].trim() !== "nil", file: dcPath };
     const overlays = need(/supportedOverlays\s*=\s*sets\.New\(([^)]*)\)/.exec(dc)?.[1], `${ref}: supportedOverlays`);
     f.gatewayApiOverlays = { value: [...overlays.matchAll(/"(\w+)"/g)].map((m) => m[1]), file: dcPath };
-    const files = "manifests/charts/istio-control/istio-discovery/files";
+    const chart = "manifests/charts/istio-control/istio-discovery";
+    const cmPath = `${chart}/templates/istiod-injector-configmap.yaml`;
+    const podTemplates = Object.fromEntries([...src(cmPath).matchAll(/^\s+([\w-]+): \|\n\{\{ \.Files\.Get "(files\/[\w.-]+)"/gm)].map((m) => [m[1], `${chart}/${m[2]}`]));
+    need(podTemplates[tpl] && podTemplates.gateway, `${ref}: templates ${tpl} and gateway in ${cmPath}`);
+    f.podTemplates = { value: podTemplates, file: cmPath };
     const envRange = /range \$key, \$value := \.ProxyConfig\.ProxyMetadata/;
-    f.kubeGatewayTemplateEnv = { value: envRange.test(src(`${files}/${tpl}.yaml`)), file: `${files}/${tpl}.yaml` };
-    f.injectionTemplateEnv = { value: envRange.test(src(`${files}/gateway-injection-template.yaml`)), file: `${files}/gateway-injection-template.yaml` };
+    f.templateProxyMetadataEnv = { value: Object.fromEntries(Object.entries(podTemplates).map(([n, p]) => [n, envRange.test(src(p))])), file: `${chart}/files/*.yaml` };
     f.injectorProxyConfigFromPod = { value: /GetAnnotations\(\)\[annotation\.ProxyConfig\.Name\]/.test(src("pkg/kube/inject/inject.go")), file: "pkg/kube/inject/inject.go" };
     const opts = "pilot/cmd/pilot-agent/options/options.go";
     f.agentEnvOnly = { value: [...src(opts).matchAll(/env\.Register\("([A-Z0-9_]+)"/g)].map((m) => m[1]).sort(), file: opts };
