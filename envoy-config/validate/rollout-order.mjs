@@ -163,7 +163,7 @@ for (const line of lines) {
     for (const kv of a.slice(4)) if (/^[A-Z0-9_]+=/.test(kv)) istiodEnv.set(kv.split("=")[0], kv.slice(kv.indexOf("=") + 1));
     continue;
   }
-  if (verb === "wait" && (a[2] ?? "").startsWith("httproute/") || verb === "wait" && a.some((x) => x.startsWith("httproute/"))) {
+  if (verb === "wait" && a.some((x) => x.startsWith("httproute/"))) {
     const r = routes.get(`${ns}/${a.find((x) => x.startsWith("httproute/")).split("/")[1]}`);
     if (!r) errors.push(`${line.n}: \`${cmd}\`: no such HTTPRoute applied yet`);
     else if (!/ResolvedRefs|Accepted/.test(cmd)) errors.push(`${line.n}: \`${cmd}\`: wait for the route's ResolvedRefs (its backends resolved), not just its existence`);
