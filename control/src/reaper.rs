@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-use kvguard_control_core::cut::{self, Ask, Cut, Here};
 pub use kvguard_control_core::limits::{defers, tick, verdict};
 
 /// Runs the reaper every [`tick`] until `stop`. A pass that comes late (the process
@@ -72,11 +71,9 @@ pub fn note_reaper_gap(st: &AppState, gap: Duration, every: Duration) -> Duratio
 pub fn reap_once(st: &Arc<AppState>) {
     let now = st.clock.now();
     let limits = st.cfg.limits;
-    for e in st.entries() {
-        if let Cut::End(reason) = cut::may_end(Here::InFlight(e.times()), Ask::Reaper, now, &limits)
-        {
-            st.end_request(&e, reason, "reaper");
-        }
+    let due = st.inner().due(now, &limits);
+    for (e, reason) in due {
+        st.end_request(&e, reason, "reaper");
     }
     st.purge_tombstones();
 }

@@ -34,6 +34,10 @@ impl Held for Entry {
     fn mark_ended(&self, reason: AbortReason) -> bool {
         Entry::mark_ended(self, reason)
     }
+
+    fn times(&self) -> kvguard_control_core::request::Times {
+        Entry::times(self)
+    }
 }
 
 /// The engine as last seen.

@@ -6,6 +6,9 @@
 //! Generic over the shell's handle of a request ([`Held`]): the table decides, the shell
 //! carries out (closes the engine connection, answers the client, counts).
 
+use crate::cut::{self, Ask, Cut, Deferral, Here};
+use crate::limits::Limits;
+use crate::request::Times;
 use crate::tombstones::{Completions, Tombstone, Tombstones};
 use kvguard_contract::{AbortReason, RequestId};
 use std::collections::HashMap;
@@ -20,6 +23,8 @@ pub trait Held {
     /// Marks it as being ended for `reason`; `false` if it already was (the first reason
     /// wins).
     fn mark_ended(&self, reason: AbortReason) -> bool;
+    /// Its clocks now.
+    fn times(&self) -> Times;
 }
 
 impl<T: Held + ?Sized> Held for std::sync::Arc<T> {
@@ -33,6 +38,10 @@ impl<T: Held + ?Sized> Held for std::sync::Arc<T> {
 
     fn mark_ended(&self, reason: AbortReason) -> bool {
         T::mark_ended(self, reason)
+    }
+
+    fn times(&self) -> Times {
+        T::times(self)
     }
 }
 
@@ -188,6 +197,34 @@ impl<E: Held + Clone> Inflight<E> {
         }
     }
 
+    /// May the request `id` be ended now, on `ask` ([`cut::may_end`] on what is known here:
+    /// in flight with its clocks, completed recently, or neither)? A deferred tail keeps its
+    /// completion one more reader timeout; nothing else changes.
+    pub fn judge(&mut self, id: &RequestId, ask: Ask, now: Instant, limits: &Limits) -> Cut {
+        let here = match self.table.get(id) {
+            Some(e) => Here::InFlight(e.times()),
+            None if self.completed_recently(id, now) => Here::Completed,
+            None => Here::Unknown,
+        };
+        let cut = cut::may_end(here, ask, now, limits);
+        if cut == Cut::Defer(Deferral::Tail) {
+            self.keep_completion(id, now);
+        }
+        cut
+    }
+
+    /// The reaper's pass at `now`: every request in flight that is due to be ended, and why.
+    pub fn due(&self, now: Instant, limits: &Limits) -> Vec<(E, AbortReason)> {
+        self.entries()
+            .filter_map(|e| {
+                match cut::may_end(Here::InFlight(e.times()), Ask::Reaper, now, limits) {
+                    Cut::End(r) => Some((e.clone(), r)),
+                    Cut::Defer(_) | Cut::Keep => None,
+                }
+            })
+            .collect()
+    }
+
     /// Tombstones `id` at `now`: it is refused for the TTL. Returns the tombstones
     /// evicted early to make room.
     pub fn tombstone(&mut self, id: RequestId, reason: AbortReason, now: Instant) -> u64 {
@@ -264,6 +301,7 @@ mod tests {
         id: RequestId,
         seq: u64,
         ended: Arc<Mutex<Option<AbortReason>>>,
+        times: Arc<Mutex<Option<Times>>>,
     }
 
     impl PartialEq for H {
@@ -285,6 +323,9 @@ mod tests {
             let mut e = self.ended.lock().unwrap();
             e.is_none() && e.replace(reason).is_none()
         }
+        fn times(&self) -> Times {
+            self.times.lock().unwrap().expect("clocks set by the test")
+        }
     }
 
     fn h(id: &str, seq: u64) -> H {
@@ -292,6 +333,7 @@ mod tests {
             id: RequestId::try_new(id.as_bytes()).unwrap(),
             seq,
             ended: Arc::default(),
+            times: Arc::default(),
         }
     }
 
@@ -432,6 +474,78 @@ mod tests {
         assert!(
             t.tombstoned(h("a", 0).id(), t0).is_none(),
             "the oldest went"
+        );
+    }
+
+    /// A stream whose last data event came at `t0` and waits on its reader since.
+    fn draining(t0: Instant) -> Times {
+        Times {
+            started: t0,
+            first_data: Some(t0),
+            last_data: Some(t0),
+            stalled: Duration::ZERO,
+            flow: Some(crate::request::Flow::Reader(t0)),
+            drained: Duration::ZERO,
+        }
+    }
+
+    fn limits() -> Limits {
+        Limits {
+            max_age: None,
+            idle_timeout: Some(Duration::from_secs(60)),
+            first_token_timeout: None,
+            reader_timeout: Some(Duration::from_secs(90)),
+        }
+    }
+
+    #[test]
+    fn judged_on_what_is_here_a_deferred_tail_is_kept_and_the_reaper_finds_what_is_due() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let stalled = Ask::Abort {
+            reason: AbortReason::Stalled,
+            recheck: true,
+            sender_idle: Some(s(61)),
+        };
+        let mut t = Inflight::new(cfg());
+        let a = h("a", 1);
+        *a.times.lock().unwrap() = Some(draining(t0));
+        t.admit(a.clone(), false, t0).unwrap();
+        assert_eq!(
+            t.judge(a.id(), stalled, t0 + s(61), &limits()),
+            Cut::Defer(Deferral::Draining)
+        );
+        assert!(t.due(t0 + s(89), &limits()).is_empty());
+        assert_eq!(
+            t.due(t0 + s(90), &limits()),
+            vec![(a.clone(), AbortReason::Stalled)]
+        );
+        // Completed: its tail is deferred, and that keeps the completion.
+        t.remove_ended(&a, true, t0 + s(1));
+        assert_eq!(
+            t.judge(a.id(), stalled, t0 + s(80), &limits()),
+            Cut::Defer(Deferral::Tail)
+        );
+        assert!(
+            t.completed_recently(a.id(), t0 + s(169)),
+            "kept from the deferral"
+        );
+        let silent = Ask::Abort {
+            reason: AbortReason::Stalled,
+            recheck: true,
+            sender_idle: Some(s(90)),
+        };
+        assert_eq!(
+            t.judge(a.id(), silent, t0 + s(100), &limits()),
+            Cut::End(AbortReason::Stalled)
+        );
+        assert!(
+            !t.completed_recently(a.id(), t0 + s(171)),
+            "an end is not a deferral"
+        );
+        assert_eq!(
+            t.judge(h("z", 0).id(), stalled, t0, &limits()),
+            Cut::End(AbortReason::Stalled)
         );
     }
 

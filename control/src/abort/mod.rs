@@ -34,7 +34,7 @@ use crate::table::{ClientGone, Entry};
 use kvguard_contract::{AbortReason, AbortRequest, Leg, RequestId};
 use kvguard_control_core::abort::{leg_result, release_result, route, Route};
 pub use kvguard_control_core::abort::{summary, AbortFound};
-use kvguard_control_core::cut::{self, Ask, Cut, Here};
+use kvguard_control_core::cut::{Ask, Cut};
 use kvguard_control_core::inflight::AbortHere;
 use peer::PeerAnswer;
 use std::sync::Arc;
@@ -178,25 +178,8 @@ impl AppState {
             sender_idle: abort.idle_ms.map(Duration::from_millis),
         };
         let now = self.clock.now();
-        let mut inner = self.inner();
-        let here = match inner.get(id).cloned() {
-            Some(entry) => {
-                // The entry's clocks are read outside the table's lock.
-                drop(inner);
-                return match cut::may_end(Here::InFlight(entry.times()), ask, now, &self.cfg.limits)
-                {
-                    Cut::Defer(d) => Some(d.why()),
-                    Cut::End(_) | Cut::Keep => None,
-                };
-            }
-            None if inner.completed_recently(id, now) => Here::Completed,
-            None => Here::Unknown,
-        };
-        match cut::may_end(here, ask, now, &self.cfg.limits) {
-            Cut::Defer(d) => {
-                inner.keep_completion(id, now);
-                Some(d.why())
-            }
+        match self.inner().judge(id, ask, now, &self.cfg.limits) {
+            Cut::Defer(d) => Some(d.why()),
             Cut::End(_) | Cut::Keep => None,
         }
     }
