@@ -1,5 +1,5 @@
 // Facts about istiod, pilot-agent, the Gateway API Inference Extension's endpoint picker
-// (EPP) and vLLM that the other checks model, read from upstream source and stored in
+// (EPP), the Gateway API CRDs and vLLM that the other checks model, read from upstream source and stored in
 // upstream-facts.json, each with the file and ref (and commit) it was read from. The checks
 // load them from the JSON (nothing is downloaded when they run); this script makes the JSON
 // from local clones and checks that it covers every supported Istio release.
@@ -24,14 +24,6 @@ export const FACTS_FILE = new URL("./upstream-facts.json", import.meta.url);
 export function loadFacts(file = FACTS_FILE) {
   return JSON.parse(readFileSync(file, "utf8"));
 }
-// The value of fact NAME for every supported Istio release: [{release, value, source}].
-export function perRelease(facts, name) {
-  return Object.entries(facts.istio.releases).map(([release, r]) => {
-    if (!r.facts[name]) throw new Error(`upstream-facts.json: Istio ${release} has no fact ${name} (re-extract)`);
-    return { release, ...r.facts[name], source: `istio/istio ${r.ref}@${r.commit.slice(0, 12)}:${r.facts[name].file}` };
-  });
-}
-
 // Every fact an Istio release must have, and what reads it.
 const FACTS = {
   gatewayApiTemplate: "the pod template istiod renders a `gatewayClassName: istio` Gateway's Deployment from (gateway-api.mjs)",
