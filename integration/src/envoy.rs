@@ -116,6 +116,10 @@ pub struct EnvoyOptions {
     /// Envoys with the same id are one host, e.g. a restart in place). `None`: no node,
     /// so no host key.
     pub node_id: Option<String>,
+    /// The program (and its leading arguments) that runs Envoy in place of
+    /// `paths::envoy_bin()`, Envoy's own arguments appended: e.g. Valgrind and its flags
+    /// followed by Envoy's ELF file. `None`: Envoy itself.
+    pub command: Option<Vec<String>>,
 }
 
 /// Listeners served by LDS from a file in a watched directory: Envoy loads
@@ -254,6 +258,7 @@ impl EnvoyOptions {
             process_env: BTreeMap::new(),
             dynamic_listeners: None,
             node_id: None,
+            command: None,
         }
     }
 
@@ -535,7 +540,14 @@ impl Envoy {
             .context("writing the bootstrap")?;
         let admin_path = dir.path().join("admin.addr");
         let base_id_path = dir.path().join("base-id");
-        let mut cmd = Command::new(&bin);
+        let mut cmd = match opts.command.as_deref() {
+            Some([program, args @ ..]) => {
+                let mut c = Command::new(program);
+                c.args(args);
+                c
+            }
+            _ => Command::new(&bin),
+        };
         cmd.arg("-c")
             .arg(&bootstrap_path)
             .arg("--concurrency")

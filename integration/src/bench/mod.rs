@@ -14,10 +14,13 @@
 //! - `memory`: wasm VM memory and Envoy RSS at 0, 1k, 10k tracked streams and after they
 //!   end, over repeated waves.
 //! - `control`: kvguard-control RSS, and its proxy hop vs direct (TTFB p50).
+//! - `instructions` (the headline): Envoy's instructions per request and per event under
+//!   callgrind, per listener, in one run ([`instructions`]).
 //! - `requests`: Envoy CPU per request (2,000 one-event requests at 500 concurrent) with
 //!   h2load over HTTP/1.1 and h2c beside the workspace's load generator, including other
 //!   builds of the filter (`--compare-wasm`) side by side ([`requests`]).
 
+pub mod instructions;
 pub mod report;
 pub mod requests;
 pub mod soak;
@@ -84,6 +87,10 @@ pub struct BenchOptions {
     /// (on top of the bench's), e.g. `{"max_age_ms": 1, "tick_ms": 10}` to check that the
     /// bench fails when healthy streams are aborted.
     pub kvguard_config: serde_json::Map<String, Value>,
+    /// Rounds of the `instructions` section (each a zero/dump per listener and load).
+    pub instruction_rounds: usize,
+    /// Where the `instructions` section keeps its callgrind dumps and annotations.
+    pub callgrind_dir: PathBuf,
 }
 
 /// Restricts every thread of process `pid` to `cpus` (`sched_setaffinity` per task).
@@ -341,6 +348,7 @@ pub async fn three_listener_envoy(
         Vec::new(),
         None,
         &opts.kvguard_config,
+        |_, _| {},
     )
     .await?;
     pin_proxy(opts, envoy.guard().pid())?;
@@ -1131,13 +1139,31 @@ pub fn abort_reasons(calls: &[crate::receiver::ReceivedCall]) -> BTreeMap<String
     by
 }
 
+/// Records in a section's result the aborts its healthy load's receiver got, where
+/// [`healthy_load_aborts`] looks for them.
+fn record_healthy_aborts(out: &mut Value, calls: &[crate::receiver::ReceivedCall]) {
+    out["aborts_sent_during_healthy_load"] = json!(calls.len());
+    out["abort_reasons_during_healthy_load"] = json!(abort_reasons(calls));
+}
+
+/// The builds `--compare-wasm` names: label, path, bytes.
+fn compare_json(opts: &BenchOptions) -> Value {
+    opts.compare_wasm
+        .iter()
+        .map(|(l, p)| {
+            json!({"label": l, "path": p.display().to_string(),
+                   "bytes": std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)})
+        })
+        .collect()
+}
+
 /// The sections whose healthy load (nothing stalls, nothing disconnects early) saw an abort,
 /// each as a message naming the section, the count and the reasons: a healthy stream is
 /// never to be aborted, so the bench fails on any (`kvguard-bench` exits non-zero after
 /// writing its results). Empty when every healthy load ran without one.
 pub fn healthy_load_aborts(res: &Value) -> Vec<String> {
     let mut out = Vec::new();
-    for section in ["overhead", "requests"] {
+    for section in ["instructions", "overhead", "requests"] {
         let s = &res[section];
         let n = s["aborts_sent_during_healthy_load"].as_u64().unwrap_or(0);
         if n == 0 {
@@ -1195,6 +1221,11 @@ pub async fn run(opts: BenchOptions) -> Result<Value> {
                     "disconnects": opts.disconnects, "memory_levels": opts.memory_levels,
                     "memory_waves": opts.memory_waves, "pinning": pinning},
     });
+    if want("instructions") {
+        res["instructions"] = instructions::instructions(&opts)
+            .await
+            .context("instructions section")?;
+    }
     if want("overhead") {
         res["overhead"] = overhead(&opts).await.context("overhead section")?;
     }

@@ -99,6 +99,7 @@ pub fn markdown(res: &Value) -> String {
         res["machine"]["loadavg_at_start"].as_str().unwrap_or("?"),
         res["options"]["pinning"].as_str().unwrap_or("none")
     );
+    instructions_md(&mut m, &res["instructions"]);
     if let Some(sum) = res["overhead"]["summary"].as_array() {
         let _ = writeln!(
             m,
@@ -333,6 +334,107 @@ pub fn markdown(res: &Value) -> String {
     }
     requests_md(&mut m, &res["requests"]);
     m
+}
+
+/// The `instructions` section's tables (the headline): Envoy's instructions per request
+/// and per event by listener, the differences and ratios, how far the rounds agree, and
+/// where kvguard's instructions go (by object, the functions that grew most).
+fn instructions_md(m: &mut String, r: &Value) {
+    let Some(summary) = r["summary"].as_object() else {
+        return;
+    };
+    let _ = writeln!(
+        m,
+        "### Instructions (Envoy under callgrind; {} rounds; per round {} one-event and {} × {}-event requests per listener, sequential over one connection, in lock step; net of the idle rate)\n",
+        r["rounds"], r["requests_one_event"], r["requests_long"], r["long_events"]
+    );
+    let _ = writeln!(
+        m,
+        "| listener | instructions / request | − noop | − none | ÷ noop | rounds differ by | instructions / event | − noop-read | − noop | ÷ noop at {} events |\n|---|---|---|---|---|---|---|---|---|---|",
+        r["long_events"]
+    );
+    let variants: Vec<&str> = r["variants"]
+        .as_array()
+        .map(|v| v.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    for v in variants {
+        let x = &summary[v];
+        if x.is_null() {
+            continue;
+        }
+        let _ = writeln!(
+            m,
+            "| {v} | {:.0} | {:+.0} | {:+.0} | {:.3} | {:.2} % | {:.0} | {:+.0} | {:+.0} | {:.3} |",
+            f(&x["per_request"]),
+            f(&x["per_request_minus_noop"]),
+            f(&x["per_request_minus_none"]),
+            f(&x["per_request_over_noop"]),
+            100.0 * f(&x["per_request_disagreement"]),
+            f(&x["per_event"]),
+            f(&x["per_event_minus_noop_read"]),
+            f(&x["per_event_minus_noop"]),
+            f(&x["per_request_long_over_noop"]),
+        );
+    }
+    if let Some(hc) = r["host_call_instructions"]
+        .as_object()
+        .filter(|o| !o.is_empty())
+    {
+        let _ = writeln!(
+            m,
+            "\nOne host call in instructions (the do-nothing filter makes it {} times per request: (per request − noop's) / {}):\n\n| host call | instructions each |\n|---|---|",
+            r["host_call_repeats"], r["host_call_repeats"]
+        );
+        for (c, v) in hc {
+            let _ = writeln!(m, "| {c} | {:.0} |", f(v));
+        }
+    }
+    for (key, what) in [
+        ("kvguard_minus_noop_per_request", "kvguard − noop"),
+        ("noop_minus_none_per_request", "noop − none"),
+    ] {
+        let b = &r[key];
+        let Some(objs) = b["by_object"].as_array() else {
+            continue;
+        };
+        let _ = writeln!(
+            m,
+            "\n{what}, self instructions per one-event request by object (last round):\n\n| object | {what} |\n|---|---|"
+        );
+        for o in objs {
+            let _ = writeln!(
+                m,
+                "| {} | {:+.0} |",
+                o["object"].as_str().unwrap_or("?"),
+                f(&o["a_minus_b"])
+            );
+        }
+        if key == "kvguard_minus_noop_per_request" {
+            let _ = writeln!(
+                m,
+                "\nThe functions whose self instructions per request changed most, {what}:\n\n| object | function | {what} |\n|---|---|---|"
+            );
+            for t in b["top_functions"].as_array().into_iter().flatten() {
+                let _ = writeln!(
+                    m,
+                    "| {} | `{}` | {:+.0} |",
+                    t["object"].as_str().unwrap_or("?"),
+                    t["function"].as_str().unwrap_or("?"),
+                    f(&t["a_minus_b"])
+                );
+            }
+        }
+    }
+    let _ = writeln!(
+        m,
+        "\nCallgrind dumps: {}; call graphs (`callgrind_annotate --inclusive=yes`): {}. Aborts sent during the healthy load: {} (must be 0).\n",
+        r["callgrind_dir"].as_str().unwrap_or("?"),
+        r["annotated"]
+            .as_array()
+            .map(|a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(", "))
+            .unwrap_or_default(),
+        r["aborts_sent_during_healthy_load"]
+    );
 }
 
 /// The `requests` section's table: Envoy CPU per request per client and variant, and

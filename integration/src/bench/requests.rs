@@ -73,8 +73,8 @@ fn noop_repeat_json(noop_wasm: &Path, call: &str, times: u32) -> Value {
 }
 
 /// The listener of a variant (`kvguard` keeps the harness's `ingress`).
-fn listener(variant: &str) -> String {
-    if variant.starts_with("kvguard@") {
+pub(super) fn listener(variant: &str) -> String {
+    if variant.contains('@') {
         variant.replace('@', "-")
     } else {
         listener_name(variant).to_owned()
@@ -90,6 +90,7 @@ pub(super) async fn envoy(
     compare: Vec<(String, PathBuf)>,
     host_calls: Option<u32>,
     kvguard_config: &serde_json::Map<String, Value>,
+    edit: impl FnOnce(&mut crate::envoy::EnvoyOptions, &mut Vec<String>),
 ) -> Result<(Envoy, Vec<String>)> {
     let mut filter = json!({
         "control_cluster": crate::envoy::CONTROL_CLUSTER,
@@ -107,8 +108,9 @@ pub(super) async fn envoy(
         // client headers stripped, path and id read), every request untracked.
         variants.push("kvguard-untracked".to_owned());
     }
-    let names = variants.clone();
     let mut eo = kvguard_envoy(upstream, receiver, filter);
+    edit(&mut eo, &mut variants);
+    let names = variants.clone();
     eo.patch = Some(Arc::new(move |b: &mut Value| {
         raise_circuit_breakers(b);
         let Some(listeners) = b["static_resources"]["listeners"].as_array_mut() else {
@@ -125,13 +127,17 @@ pub(super) async fn envoy(
             let hcm = &mut l["filter_chains"][0]["filters"][0]["typed_config"];
             hcm["stat_prefix"] = json!(format!("ingress_{}", variant.replace('@', "-")));
             if let Some(filters) = hcm["http_filters"].as_array_mut() {
-                match variant.as_str() {
+                // `<kind>@<label>`: that kind with the build `--compare-wasm` calls label.
+                let (kind, label) = match variant.split_once('@') {
+                    Some((k, l)) => (k, Some(l)),
+                    None => (variant.as_str(), None),
+                };
+                match kind {
                     "none" => filters.retain(|f| f["name"] == "envoy.filters.http.router"),
                     "noop" | "noop-read" => {
                         filters.retain(|f| f["name"] == "envoy.filters.http.router");
                         filters.insert(0, noop_filter_json(&noop_wasm, variant == "noop-read"));
                     }
-                    "kvguard" => {}
                     "kvguard-untracked" => {
                         let c = &mut filters[0]["typed_config"]["config"];
                         let mut cfg: Value = c["configuration"]["value"]
@@ -150,14 +156,14 @@ pub(super) async fn envoy(
                             noop_repeat_json(&noop_wasm, call, host_calls.unwrap_or(0)),
                         );
                     }
-                    other => {
-                        let label = other.trim_start_matches("kvguard@");
-                        if let Some((_, path)) = compare.iter().find(|(l, _)| l == label) {
-                            let vm = &mut filters[0]["typed_config"]["config"]["vm_config"];
-                            vm["vm_id"] = json!(format!("kvguard-{label}"));
-                            vm["code"] = json!({"local": {"filename": path.display().to_string()}});
-                        }
-                    }
+                    _ => {}
+                }
+                if let Some((label, path)) =
+                    label.and_then(|l| compare.iter().find(|(c, _)| c == l))
+                {
+                    let vm = &mut filters[0]["typed_config"]["config"]["vm_config"];
+                    vm["vm_id"] = json!(format!("{kind}-{label}"));
+                    vm["code"] = json!({"local": {"filename": path.display().to_string()}});
                 }
             }
             out.push(l);
@@ -169,10 +175,13 @@ pub(super) async fn envoy(
 
 /// What one h2load run reported.
 #[derive(Debug, Clone, Default)]
-struct H2loadRun {
-    succeeded: u64,
-    failed: u64,
-    req_per_s: f64,
+pub(super) struct H2loadRun {
+    /// Requests that got a 2xx.
+    pub succeeded: u64,
+    /// Failed, errored or timed out.
+    pub failed: u64,
+    /// Requests per second over the run.
+    pub req_per_s: f64,
 }
 
 /// Parses h2load's summary (`requests: N total, N started, N done, N succeeded, N failed,
@@ -214,12 +223,18 @@ fn h2load_bin() -> PathBuf {
     std::env::var_os("H2LOAD").map_or_else(|| PathBuf::from("h2load"), PathBuf::from)
 }
 
-async fn h2load_once(
+/// The request headers of a one-event burst request (the upstream's `x-bench-*`).
+const ONE_EVENT: [&str; 2] = ["x-bench-events: 1", "x-bench-interval-us: 0"];
+
+/// One h2load run: `requests` POSTs of `body` over `concurrency` connections, with
+/// `headers` (`name: value`, the upstream's `x-bench-*`) added.
+pub(super) async fn h2load_once(
     target: SocketAddr,
     h2: bool,
     requests: usize,
     concurrency: usize,
     body: &Path,
+    headers: &[&str],
 ) -> Result<H2loadRun> {
     let mut cmd = std::process::Command::new(h2load_bin());
     cmd.arg("-n")
@@ -233,9 +248,10 @@ async fn h2load_once(
         .arg("30")
         .arg("-d")
         .arg(body)
-        .args(["-H", "content-type: application/json"])
-        .args(["-H", "x-bench-events: 1"])
-        .args(["-H", "x-bench-interval-us: 0"]);
+        .args(["-H", "content-type: application/json"]);
+    for h in headers {
+        cmd.arg("-H").arg(h);
+    }
     if !h2 {
         cmd.arg("--h1");
     }
@@ -265,6 +281,16 @@ async fn h2load_once(
     Ok(run)
 }
 
+/// Writes the clients' request body (a streaming chat completion) into `dir`.
+pub(super) fn request_body(dir: &Path) -> Result<PathBuf> {
+    let body = dir.join("body.json");
+    std::fs::write(
+        &body,
+        br#"{"model":"bench","stream":true,"max_tokens":1,"messages":[{"role":"user","content":"hi"}]}"#,
+    )?;
+    Ok(body)
+}
+
 /// One run: µs of Envoy CPU per request, requests/s, failures.
 type Sample = (f64, f64, u64);
 
@@ -280,6 +306,7 @@ pub async fn requests(opts: &BenchOptions) -> Result<Value> {
         opts.compare_wasm.clone(),
         opts.host_call_costs,
         &opts.kvguard_config,
+        |_, _| {},
     )
     .await?;
     let pid = envoy.guard().pid();
@@ -289,11 +316,7 @@ pub async fn requests(opts: &BenchOptions) -> Result<Value> {
         ports.insert(v.clone(), envoy.listener_named(&listener(v)).await?);
     }
     let body_dir = tempfile::tempdir()?;
-    let body = body_dir.path().join("body.json");
-    std::fs::write(
-        &body,
-        br#"{"model":"bench","stream":true,"max_tokens":1,"messages":[{"role":"user","content":"hi"}]}"#,
-    )?;
+    let body = request_body(body_dir.path())?;
     let sc = Scenario {
         name: "per-request".into(),
         http2: false,
@@ -304,11 +327,11 @@ pub async fn requests(opts: &BenchOptions) -> Result<Value> {
     };
     // Warm-up: every listener with every client.
     for v in &variants {
-        h2load_once(ports[v], false, 200, 50, &body).await?;
+        h2load_once(ports[v], false, 200, 50, &body, &ONE_EVENT).await?;
         if v.starts_with("noop-x-") {
             continue;
         }
-        h2load_once(ports[v], true, 200, 50, &body).await?;
+        h2load_once(ports[v], true, 200, 50, &body, &ONE_EVENT).await?;
         let s = load_once(
             ports[v],
             &Scenario {
@@ -366,7 +389,8 @@ pub async fn requests(opts: &BenchOptions) -> Result<Value> {
                         )
                     }
                     c => {
-                        let r = h2load_once(ports[v], c == "h2load-h2", n, conc, &body).await?;
+                        let r = h2load_once(ports[v], c == "h2load-h2", n, conc, &body, &ONE_EVENT)
+                            .await?;
                         (r.succeeded, r.req_per_s, r.failed)
                     }
                 };
@@ -467,7 +491,7 @@ pub async fn requests(opts: &BenchOptions) -> Result<Value> {
             host_call_ns.insert(c.to_owned(), Spread::of(&per));
         }
     }
-    Ok(json!({
+    let mut out = json!({
         "rounds": opts.rounds,
         "host_call_ns": host_call_ns,
         "host_call_repeats": opts.host_call_costs,
@@ -475,15 +499,15 @@ pub async fn requests(opts: &BenchOptions) -> Result<Value> {
         "concurrency": conc,
         "events_per_request": 1,
         "variants": variants,
-        "compare_wasm": opts.compare_wasm.iter().map(|(l, p)| json!({"label": l, "path": p.display().to_string(), "bytes": std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)})).collect::<Vec<_>>(),
+        "compare_wasm": super::compare_json(opts),
         "clients": CLIENTS,
         "summary": summary,
         "per_event": per_event_summary,
         "runs": runs,
-        "aborts_sent_during_healthy_load": rx.calls().len(),
-        "abort_reasons_during_healthy_load": super::abort_reasons(&rx.calls()),
         "measure_s": started.elapsed().as_secs_f64(),
-    }))
+    });
+    super::record_healthy_aborts(&mut out, &rx.calls());
+    Ok(out)
 }
 
 #[cfg(test)]

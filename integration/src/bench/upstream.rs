@@ -10,7 +10,10 @@
 //! Request headers: `x-bench-events: n` (default 32), `x-bench-interval-us: n` (0 = as
 //! fast as the socket takes them), `x-bench-stall-after: k` (after k events send nothing
 //! more, keep the stream open until the peer goes), `x-bench-hold-ms: n` (after the first
-//! event wait n ms before the rest).
+//! event wait n ms before the rest), `x-bench-lockstep: 1` (each write, the events,
+//! `[DONE]` and the end, waits for a [`FastUpstream::step`]: a client that steps only once
+//! it has read the previous one makes a proxy read each alone, as the instruction counts
+//! need; one such stream at a time).
 
 use crate::http::{bind, serve, ChannelBody, RespBody, Server};
 use anyhow::Result;
@@ -32,6 +35,17 @@ struct Shared {
     closed: Mutex<HashMap<String, Instant>>,
     open: AtomicUsize,
     events: AtomicU64,
+    /// Writes of lock-step streams allowed ([`FastUpstream::step`]).
+    steps: Steps,
+}
+
+/// A semaphore with no permit at first.
+struct Steps(tokio::sync::Semaphore);
+
+impl Default for Steps {
+    fn default() -> Self {
+        Steps(tokio::sync::Semaphore::new(0))
+    }
 }
 
 /// The running upstream; dropping it stops it.
@@ -107,10 +121,25 @@ impl FastUpstream {
         self.shared.events.load(Ordering::Relaxed)
     }
 
+    /// Lets a lock-step stream (`x-bench-lockstep: 1`) make its next write.
+    pub fn step(&self) {
+        self.shared.steps.0.add_permits(1);
+    }
+
     /// Forgets the per-id records (between phases).
     pub fn clear(&self) {
         lock(&self.shared.closed).clear();
         lock(&self.shared.last_sent).clear();
+    }
+}
+
+/// Waits for a step; false when the peer went away first.
+async fn step<T>(sh: &Shared, tx: &mpsc::UnboundedSender<T>) -> bool {
+    tokio::select! {
+        p = sh.steps.0.acquire() => {
+            p.map(tokio::sync::SemaphorePermit::forget).is_ok()
+        }
+        _ = tx.closed() => false,
     }
 }
 
@@ -120,6 +149,7 @@ async fn handle(req: Request<hyper::body::Incoming>, sh: Arc<Shared>) -> Respons
     let interval = Duration::from_micros(num(&req, "x-bench-interval-us", 0));
     let stall_after = header(&req, "x-bench-stall-after").and_then(|v| v.parse::<u64>().ok());
     let hold = Duration::from_millis(num(&req, "x-bench-hold-ms", 0));
+    let lockstep = num(&req, "x-bench-lockstep", 0) == 1;
     // Drain the request body.
     let _ = req.into_body().collect().await;
     let (tx, rx) = mpsc::unbounded_channel();
@@ -160,6 +190,10 @@ async fn handle(req: Request<hyper::body::Incoming>, sh: Arc<Shared>) -> Respons
                 ok = false;
                 break;
             }
+            if lockstep && !step(&sh, &tx).await {
+                ok = false;
+                break;
+            }
             if tx.send(Ok(chunk(&id, i, i + 1 == n))).is_err() {
                 ok = false;
                 break;
@@ -167,8 +201,12 @@ async fn handle(req: Request<hyper::body::Incoming>, sh: Arc<Shared>) -> Respons
             sh.events.fetch_add(1, Ordering::Relaxed);
             lock(&sh.last_sent).insert(id.clone(), Instant::now());
         }
+        ok = ok && (!lockstep || step(&sh, &tx).await);
         if ok {
             let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n")));
+            ok = !lockstep || step(&sh, &tx).await;
+        }
+        if ok {
             drop(tx);
         } else {
             gone(&sh, &id);

@@ -17,7 +17,8 @@ struct Args {
     /// Smaller loads, for development.
     #[arg(long)]
     quick: bool,
-    /// Sections: all, or a comma list of overhead,abort,stall,memory,control,requests.
+    /// Sections: all, or a comma list of
+    /// instructions,overhead,abort,stall,memory,control,requests.
     #[arg(long, default_value = "all", value_delimiter = ',')]
     sections: Vec<String>,
     /// The do-nothing wasm filter (built by scripts/bench).
@@ -54,6 +55,10 @@ struct Args {
     /// aborts healthy streams, and the bench must then exit non-zero.
     #[arg(long, value_parser = parse_kvguard_config)]
     kvguard_config: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Rounds of the `instructions` section (Envoy under callgrind; two show whether the
+    /// counts agree).
+    #[arg(long, default_value_t = 2)]
+    instruction_rounds: usize,
     /// Run the soak instead of the benchmarks, for this many minutes (scripts/soak).
     #[arg(long)]
     soak_minutes: Option<f64>,
@@ -187,6 +192,12 @@ async fn main() -> Result<()> {
         host_call_costs: a.host_call_costs,
         request_clients: a.clients,
         kvguard_config: a.kvguard_config.unwrap_or_default(),
+        instruction_rounds: a.instruction_rounds,
+        callgrind_dir: {
+            let mut d = a.out.clone().into_os_string();
+            d.push("-callgrind");
+            PathBuf::from(d)
+        },
     };
     let res = interruptible(bench::run(opts)).await?;
     let with = |ext: &str| {
