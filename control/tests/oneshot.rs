@@ -1249,6 +1249,9 @@ async fn a_retry_with_the_same_id_ends_the_older_attempt_and_tombstones_nothing(
         series(&st, "kvguard_control_superseded_total").as_deref(),
         Some("1")
     );
+    // The older attempt's response ending leaves the retry in flight.
+    st.remove(&first);
+    assert_eq!(st.inflight(), 1, "the retry is still in flight");
     // The id belongs to the retry: not tombstoned, so the next attempt is admitted too.
     st.remove(&retry);
     assert!(st.admit(id, "POST".into(), "/".into()).is_ok());
@@ -2070,6 +2073,27 @@ async fn a_release_under_way_when_its_caller_gives_up_still_completes_and_is_cou
         tokio::task::yield_now().await;
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// P/D: an abort on a replica with a `--pd-role` goes to every peer, and each holder's
+/// leg is in the answer (here: none; the peer ended its leg).
+#[tokio::test]
+async fn a_pd_abort_goes_to_every_peer_and_lists_their_legs() {
+    let peer = holding_peer().await;
+    let (st, clock, _decode) = pd_state(Some(400), |c| {
+        c.peers = Some(kvguard_control::config::PeerConfig {
+            urls: vec![kvguard_control::config::parse_peer_url(&format!("http://{peer}")).unwrap()],
+            self_addr: "127.0.0.1:1".parse().unwrap(),
+        });
+    });
+    let (s, v) = signed_abort(admin::app(st.clone()), "held", clock.unix_secs()).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(
+        v,
+        json!({"request_id": "held", "found": true, "aborted": true,
+               "legs": [{"replica": peer.to_string(), "result": "aborted"}]})
+    );
+    assert!(st.inner().tombstones() == 1, "tombstoned here too");
 }
 
 #[tokio::test]
