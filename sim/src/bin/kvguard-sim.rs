@@ -1,0 +1,107 @@
+//! `scripts/sim`: seed campaigns and timelines.
+//!
+//! ```text
+//! kvguard-sim --seeds N [--from S]   run seeds S..S+N; shrink and print the first unknown violation
+//! kvguard-sim --seed S               print seed S's schedule, violations and their timelines
+//! kvguard-sim --finding 36.1         print a known finding's schedule and timeline
+//! kvguard-sim --findings             list the known findings and whether each is still found
+//! ```
+//! `--no-deferral` runs with kvguard-control's deferral switched off (a mutation).
+
+use kvguard_sim::findings::known;
+use kvguard_sim::shrink::shrink;
+use kvguard_sim::{run, Mutations, Report, Schedule};
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+
+fn arg(args: &[String], name: &str) -> Option<u64> {
+    let i = args.iter().position(|a| a == name)?;
+    args.get(i + 1)?.parse().ok()
+}
+
+fn print_report(sched: &Schedule, r: &Report) {
+    print!("{sched}");
+    for v in &r.violations {
+        println!("\n{v}\n{}", r.timeline.story(v.stream));
+    }
+    if r.violations.is_empty() {
+        println!("\nno violation\n{}", r.timeline.story(usize::MAX));
+        for i in 0..r.streams {
+            println!("stream {i}:\n{}", r.timeline.story_of(i));
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let m = Mutations {
+        no_deferral: args.iter().any(|a| a == "--no-deferral"),
+    };
+    if let Some(seed) = arg(&args, "--seed") {
+        let s = Schedule::generate(seed);
+        print_report(&s, &run(&s, m));
+        return ExitCode::SUCCESS;
+    }
+    if let Some(i) = args.iter().position(|a| a == "--finding") {
+        let name = args.get(i + 1).map(String::as_str).unwrap_or("");
+        let Some(f) = known().into_iter().find(|f| f.name == name) else {
+            eprintln!("no known finding {name}");
+            return ExitCode::FAILURE;
+        };
+        println!("finding {}: {}", f.name, f.title);
+        print_report(&f.schedule, &run(&f.schedule, m));
+        return ExitCode::SUCCESS;
+    }
+    if args.iter().any(|a| a == "--findings") {
+        for f in known() {
+            let r = run(&f.schedule, m);
+            let found = r.violations.iter().any(|v| v.finding == Some(f.name));
+            println!(
+                "{} {}: {}",
+                f.name,
+                if found { "FOUND" } else { "not found" },
+                f.title
+            );
+        }
+        return ExitCode::SUCCESS;
+    }
+    let n = arg(&args, "--seeds").unwrap_or(1000);
+    let from = arg(&args, "--from").unwrap_or(0);
+    let mut per: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    let (mut sim_ms, mut streams) = (0u64, 0usize);
+    let mut first_unknown = None;
+    for seed in from..from + n {
+        let s = Schedule::generate(seed);
+        let r = run(&s, m);
+        sim_ms += r.simulated_ms;
+        streams += r.streams;
+        for v in &r.violations {
+            let key = v
+                .finding
+                .map_or("unknown".to_owned(), |f| format!("finding {f}"));
+            let e = per.entry(key).or_insert((0, seed));
+            e.0 += 1;
+            if v.finding.is_none() && args.iter().any(|a| a == "--list") {
+                println!("seed {seed}: {v}");
+            }
+            if v.finding.is_none() && first_unknown.is_none() {
+                first_unknown = Some((s.clone(), v.clone()));
+            }
+        }
+    }
+    println!(
+        "{n} seeds from {from}: {streams} streams, {:.1} simulated hours",
+        sim_ms as f64 / 3_600_000.0
+    );
+    for (k, (count, seed)) in &per {
+        println!("  {k}: {count} violation(s), first at seed {seed}");
+    }
+    if let Some((s, v)) = first_unknown {
+        println!("\nfirst unknown violation (seed {}): {v}\nshrunk:", s.seed);
+        let small = shrink(&s, m, &v);
+        print_report(&small, &run(&small, m));
+        return ExitCode::FAILURE;
+    }
+    println!("0 unknown violations");
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,505 @@
+//! A kvguard-control replica: the REAL control core (`kvguard-control-core`: the
+//! in-flight table with tombstones and completion memory, the cut decision, the
+//! reaper's verdicts, leases) composed as the service's shell composes it. Each method
+//! names the shell function it mirrors; what the shell does with sockets (closing the
+//! engine connection, writing the final event) is returned for the world to carry out.
+//!
+//! Not modelled: signatures and the replay memory (every call is trusted), `--dry-run`,
+//! P/D legs and hand-offs, replica restarts, the abort flush deadline.
+
+use kvguard_contract::{
+    AbortAnswer, AbortReason, AbortRequest, InstanceId, RenewalBody, RequestId,
+};
+use kvguard_control_core::abort::{route, AbortFound, Route};
+use kvguard_control_core::cut::{may_end, Ask, Cut, Deferral, Here};
+use kvguard_control_core::inflight::{AbortHere, Held, Inflight, InflightConfig};
+use kvguard_control_core::lease::{Expiry, Leases};
+use kvguard_control_core::limits::Limits;
+use kvguard_control_core::request::{Progress, Times};
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+/// kvguard-control's shipped flags, as they matter here.
+pub mod flags {
+    /// `--idle-timeout`.
+    pub const IDLE_TIMEOUT_MS: u64 = 120_000;
+    /// `--reader-timeout`.
+    pub const READER_TIMEOUT_MS: u64 = 90_000;
+    /// `--tombstone-ttl`.
+    pub const TOMBSTONE_TTL_MS: u64 = 60_000;
+    /// `--lease-ttl`.
+    pub const LEASE_TTL_MS: u64 = 30_000;
+}
+
+/// One request in flight here (the shell's `table::Entry`, with what the table needs).
+#[derive(Debug)]
+pub struct Entry {
+    id: RequestId,
+    seq: u64,
+    /// The world's index of the stream.
+    pub stream: usize,
+    ended: Cell<Option<AbortReason>>,
+    /// Its clocks.
+    pub progress: RefCell<Progress>,
+    /// The gateway instance it came through (`x-kvguard-instance`).
+    pub instance: Option<InstanceId>,
+}
+
+/// The shell's `Arc<Entry>`.
+#[derive(Debug, Clone)]
+pub struct EntryRef(pub Rc<Entry>);
+
+impl Held for EntryRef {
+    fn id(&self) -> &RequestId {
+        &self.0.id
+    }
+    fn seq(&self) -> u64 {
+        self.0.seq
+    }
+    fn mark_ended(&self, reason: AbortReason) -> bool {
+        if self.0.ended.get().is_some() {
+            return false;
+        }
+        self.0.ended.set(Some(reason));
+        true
+    }
+    fn times(&self) -> Times {
+        self.0.progress.borrow().times()
+    }
+}
+
+/// A request this replica ended: the world stops its engine and ends its response.
+#[derive(Debug, Clone)]
+pub struct Ended {
+    /// The world's index of the stream.
+    pub stream: usize,
+    /// Why.
+    pub reason: AbortReason,
+    /// Which path ended it (`abort_api`, `reaper`, `lease`).
+    pub via: &'static str,
+}
+
+/// Switches of the modelled composition, for the named mutations (all off: the product).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Mutations {
+    /// kvguard-control never defers a stall abort.
+    pub no_deferral: bool,
+}
+
+/// One replica.
+#[derive(Debug)]
+pub struct Replica {
+    /// Its index.
+    pub index: u8,
+    inflight: Inflight<EntryRef>,
+    /// Its leases.
+    pub leases: Leases,
+    limits: Limits,
+    next_seq: u64,
+    base: Instant,
+    mutations: Mutations,
+}
+
+/// A virtual millisecond as an `Instant` (the core takes `Instant`s; only differences
+/// matter).
+fn at(base: Instant, ms: u64) -> Instant {
+    base + Duration::from_millis(ms)
+}
+
+impl Replica {
+    /// A replica started at virtual time 0 with the shipped flags.
+    pub fn new(index: u8, base: Instant, mutations: Mutations) -> Replica {
+        let ms = Duration::from_millis;
+        let reader = Some(ms(flags::READER_TIMEOUT_MS));
+        Replica {
+            index,
+            inflight: Inflight::new(InflightConfig {
+                max_inflight: 4096,
+                dry_run: false,
+                tombstone_ttl: ms(flags::TOMBSTONE_TTL_MS),
+                max_tombstones: 100_000,
+                reader_timeout: reader,
+            }),
+            leases: Leases::new(ms(flags::LEASE_TTL_MS)),
+            limits: Limits {
+                max_age: None,
+                idle_timeout: Some(ms(flags::IDLE_TIMEOUT_MS)),
+                first_token_timeout: None,
+                reader_timeout: reader,
+            },
+            next_seq: 0,
+            base,
+            mutations,
+        }
+    }
+
+    fn now(&self, ms: u64) -> Instant {
+        at(self.base, ms)
+    }
+
+    /// `proxy::proxy` admission with `tag_instance`: the request enters the table, its
+    /// instance's lease is touched. `None`: refused (tombstoned).
+    pub fn admit(
+        &mut self,
+        stream: usize,
+        id: RequestId,
+        instance: Option<InstanceId>,
+        now_ms: u64,
+    ) -> Option<EntryRef> {
+        let now = self.now(now_ms);
+        self.next_seq += 1;
+        let e = EntryRef(Rc::new(Entry {
+            id,
+            seq: self.next_seq,
+            stream,
+            ended: Cell::new(None),
+            progress: RefCell::new(Progress::new(now)),
+            instance,
+        }));
+        self.inflight.admit(e.clone(), false, now).ok()?;
+        if let Some(i) = instance {
+            self.leases.touch(i, now);
+        }
+        Some(e)
+    }
+
+    /// The instant of virtual ms `ms` on this replica's clock.
+    pub fn instant(&self, ms: u64) -> Instant {
+        self.now(ms)
+    }
+
+    /// Whether `entry` is still in the table (not ended, not removed).
+    pub fn holds(&self, entry: &EntryRef) -> bool {
+        self.inflight
+            .get(entry.id())
+            .is_some_and(|e| e.seq() == entry.seq())
+    }
+
+    /// `proxy::Guard::drop` → `AppState::remove_ended`: the response ended here
+    /// (`completed`: the engine's end was handed on) or its client's side went away.
+    pub fn remove_ended(&mut self, entry: &EntryRef, completed: bool, now_ms: u64) {
+        let now = self.now(now_ms);
+        self.inflight.remove_ended(entry, completed, now);
+    }
+
+    /// `AppState::end_request` (enforce mode): leaves the table, tombstoned; `false`
+    /// if it was already being ended.
+    fn end_request(&mut self, entry: &EntryRef, reason: AbortReason, now_ms: u64) -> bool {
+        let now = self.now(now_ms);
+        self.inflight.end(entry, reason, now).is_some()
+    }
+
+    /// `abort::AppState::defers`: whether a gateway's abort is answered `deferred`
+    /// ([`may_end`] on what is known here), keeping a completion's memory one more
+    /// reader timeout when its tail is deferred.
+    pub fn defers(
+        &mut self,
+        id: &RequestId,
+        abort: &AbortRequest,
+        now_ms: u64,
+    ) -> Option<Deferral> {
+        if self.mutations.no_deferral {
+            return None;
+        }
+        let now = self.now(now_ms);
+        let ask = Ask::Abort {
+            reason: abort.reason,
+            recheck: abort.recheck_ms.is_some(),
+            sender_idle: abort.idle_ms.map(Duration::from_millis),
+        };
+        if let Some(entry) = self.inflight.get(id).cloned() {
+            let times = entry.0.progress.borrow().times();
+            return match may_end(Here::InFlight(times), ask, now, &self.limits) {
+                Cut::Defer(d) => Some(d),
+                Cut::End(_) | Cut::Keep => None,
+            };
+        }
+        let here = if self.inflight.completed_recently(id, now) {
+            Here::Completed
+        } else {
+            Here::Unknown
+        };
+        match may_end(here, ask, now, &self.limits) {
+            Cut::Defer(d) => {
+                self.inflight.keep_completion(id, now);
+                Some(d)
+            }
+            Cut::End(_) | Cut::Keep => None,
+        }
+    }
+
+    /// `abort::AppState::abort_here` (`abort_or_tombstone` when `tombstone_missing`,
+    /// `abort_if_here` otherwise).
+    pub fn abort_here(
+        &mut self,
+        id: &RequestId,
+        reason: AbortReason,
+        now_ms: u64,
+        tombstone_missing: bool,
+        ended: &mut Vec<Ended>,
+    ) -> AbortFound {
+        let now = self.now(now_ms);
+        match self.inflight.abort_here(id, reason, now, tombstone_missing) {
+            AbortHere::End(e) => {
+                ended.push(Ended {
+                    stream: e.0.stream,
+                    reason,
+                    via: "abort_api",
+                });
+                AbortFound::Ended
+            }
+            AbortHere::Observe(_) => AbortFound::Observed,
+            AbortHere::Already => AbortFound::Already,
+            AbortHere::NotFound { .. } => AbortFound::NotFound,
+        }
+    }
+
+    /// `AppState::tombstone`.
+    pub fn tombstone(&mut self, id: RequestId, reason: AbortReason, now_ms: u64) {
+        let now = self.now(now_ms);
+        self.inflight.tombstone(id, reason, now);
+    }
+
+    /// `reaper::reap_once`: every request in flight whose clocks are due
+    /// ([`may_end`] with [`Ask::Reaper`]) is ended.
+    pub fn reap(&mut self, now_ms: u64, ended: &mut Vec<Ended>) {
+        let now = self.now(now_ms);
+        let due: Vec<(EntryRef, AbortReason)> = self
+            .inflight
+            .entries()
+            .filter_map(|e| {
+                let times = e.0.progress.borrow().times();
+                match may_end(Here::InFlight(times), Ask::Reaper, now, &self.limits) {
+                    Cut::End(r) => Some((e.clone(), r)),
+                    Cut::Defer(_) | Cut::Keep => None,
+                }
+            })
+            .collect();
+        for (e, reason) in due {
+            if self.end_request(&e, reason, now_ms) {
+                ended.push(Ended {
+                    stream: e.0.stream,
+                    reason,
+                    via: "reaper",
+                });
+            }
+        }
+        self.inflight.purge(now);
+    }
+
+    /// `lease::endpoints` (either path, and `POST /v1/peer/lease` from a peer):
+    /// the renewal is taken.
+    pub fn renew(&mut self, r: &RenewalBody, now_ms: u64) {
+        let now = self.now(now_ms);
+        let _ = self.leases.renew(r, now);
+    }
+
+    /// `lease::enforce::judge` (enforce mode): an expired instance's requests are ended
+    /// `gateway_lost` unless the expiry is unproven (counted only); a request of it
+    /// admitted since the judgement revives it. Returns the expiries, for the timeline.
+    pub fn judge_leases(
+        &mut self,
+        now_ms: u64,
+        ended: &mut Vec<Ended>,
+    ) -> Vec<(InstanceId, Expiry, usize)> {
+        let now = self.now(now_ms);
+        let j = self.leases.judge(now);
+        let mut out = Vec::new();
+        for (instance, why) in j.expired {
+            let mine: Vec<EntryRef> = self
+                .inflight
+                .entries()
+                .filter(|e| e.0.instance == Some(instance))
+                .cloned()
+                .collect();
+            let late = mine
+                .iter()
+                .map(|e| e.0.progress.borrow().times().started)
+                .filter(|t| *t >= now)
+                .max();
+            if let Some(late) = late {
+                self.leases.revive(instance, late);
+                continue;
+            }
+            if why != Expiry::Unproven {
+                for e in &mine {
+                    if self.end_request(e, AbortReason::GatewayLost, now_ms) {
+                        ended.push(Ended {
+                            stream: e.0.stream,
+                            reason: AbortReason::GatewayLost,
+                            via: "lease",
+                        });
+                    }
+                }
+            }
+            out.push((instance, why, mine.len()));
+        }
+        out
+    }
+}
+
+/// What a replica answered to an abort call: status and JSON body (contract §3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    /// HTTP status.
+    pub status: u16,
+    /// Body.
+    pub body: Vec<u8>,
+    /// How it was decided, for the timeline.
+    pub how: String,
+}
+
+fn answer(
+    id: &RequestId,
+    status: u16,
+    found: bool,
+    aborted: bool,
+    already: bool,
+    deferred: bool,
+    how: String,
+) -> Answer {
+    let a = AbortAnswer {
+        request_id: id.as_str().to_owned(),
+        found,
+        aborted,
+        already_aborted: already,
+        legs: Vec::new(),
+        deferred,
+    };
+    Answer {
+        status,
+        body: serde_json::to_vec(&a).unwrap_or_default(),
+        how,
+    }
+}
+
+fn found_answer(id: &RequestId, found: AbortFound, how: &str) -> Answer {
+    match found {
+        AbortFound::Ended => answer(id, 200, true, true, false, false, format!("{how}: aborted")),
+        AbortFound::Observed => answer(
+            id,
+            200,
+            true,
+            false,
+            false,
+            false,
+            format!("{how}: dry_run"),
+        ),
+        AbortFound::Already => answer(
+            id,
+            200,
+            true,
+            false,
+            true,
+            false,
+            format!("{how}: already_aborted"),
+        ),
+        AbortFound::NotFound => answer(
+            id,
+            404,
+            false,
+            false,
+            false,
+            false,
+            format!("{how}: not_found (tombstoned)"),
+        ),
+    }
+}
+
+/// `abort::endpoint::abort` with `abort::abort` (no P/D): `POST /v1/abort` on replica
+/// `here` of `replicas` (peers: all the others, reached when `peers_up`). `ended`
+/// collects the requests ended, wherever.
+pub fn abort_call(
+    replicas: &mut [Replica],
+    here: usize,
+    body: &[u8],
+    now_ms: u64,
+    peers_up: bool,
+    ended: &mut Vec<Ended>,
+) -> Answer {
+    let Ok((abort, id)) = AbortRequest::parse(body) else {
+        return Answer {
+            status: 400,
+            body: Vec::new(),
+            how: "bad_request".into(),
+        };
+    };
+    let reason = abort.reason;
+    if let Some(d) = replicas[here].defers(&id, &abort, now_ms) {
+        return answer(
+            &id,
+            200,
+            true,
+            false,
+            false,
+            true,
+            format!("deferred ({})", d.why()),
+        );
+    }
+    let peers = replicas.len() > 1;
+    match route(false, peers) {
+        Route::HereThenPeer => {
+            match replicas[here].abort_here(&id, reason, now_ms, false, ended) {
+                AbortFound::NotFound => {
+                    // `Peers::forward_abort`: every peer at once; the first 200 answers.
+                    let mut first = None;
+                    if peers_up {
+                        for p in 0..replicas.len() {
+                            if p == here {
+                                continue;
+                            }
+                            let a = peer_abort(replicas, p, &abort, &id, now_ms, ended);
+                            if a.status == 200 && first.is_none() {
+                                first = Some((p, a));
+                            }
+                        }
+                    }
+                    match first {
+                        Some((p, mut a)) => {
+                            replicas[here].tombstone(id.clone(), reason, now_ms);
+                            a.how = format!(
+                                "forwarded: replica{p} answered {}; tombstoned here",
+                                a.how
+                            );
+                            a
+                        }
+                        None => {
+                            let found = replicas[here].abort_here(&id, reason, now_ms, true, ended);
+                            found_answer(&id, found, "no peer holds it, decided here")
+                        }
+                    }
+                }
+                found => found_answer(&id, found, "here"),
+            }
+        }
+        Route::Here | Route::EveryLeg => {
+            let found = replicas[here].abort_here(&id, reason, now_ms, true, ended);
+            found_answer(&id, found, "here")
+        }
+    }
+}
+
+/// `abort::endpoint::peer_abort` (no P/D): a forwarded abort, decided here only.
+fn peer_abort(
+    replicas: &mut [Replica],
+    at: usize,
+    abort: &AbortRequest,
+    id: &RequestId,
+    now_ms: u64,
+    ended: &mut Vec<Ended>,
+) -> Answer {
+    if let Some(d) = replicas[at].defers(id, abort, now_ms) {
+        return answer(
+            id,
+            200,
+            true,
+            false,
+            false,
+            true,
+            format!("deferred ({})", d.why()),
+        );
+    }
+    let found = replicas[at].abort_here(id, abort.reason, now_ms, true, ended);
+    found_answer(id, found, "peer")
+}

@@ -1,0 +1,286 @@
+//! What a run is made of: the world's setup and a list of operations at virtual times.
+//! A seed generates one ([`Schedule::generate`]); the shrinker removes operations from
+//! it; the findings registry writes them by hand. Times are virtual milliseconds.
+
+use crate::rng::Rng;
+use std::fmt;
+
+/// The world's shape and configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Setup {
+    /// Gateways (Envoy processes running the filter).
+    pub gateways: u8,
+    /// kvguard-control replicas (with `--peers` when more than one).
+    pub replicas: u8,
+    /// The hop between gateways and kvguard-control hides a gateway's disconnects (an
+    /// L7 proxy keeping its upstream connection, LiteLLM, a P/D proxy).
+    pub hop_hides: bool,
+    /// The hop routes `/v1/kvguard/lease` (the in-band renewal) to kvguard-control.
+    pub hop_routes_lease: bool,
+    /// Bytes the sockets between kvguard-control and the gateway hold (Linux grows them
+    /// to megabytes).
+    pub net_cap: u64,
+    /// The filter's route `idle_timeout_ms` (shipped: 60 000).
+    pub idle_ms: u64,
+}
+
+impl Default for Setup {
+    /// The shipped defaults: one gateway, one replica, a plain hop, idle 60 s.
+    fn default() -> Setup {
+        Setup {
+            gateways: 1,
+            replicas: 1,
+            hop_hides: false,
+            hop_routes_lease: true,
+            net_cap: 256 * 1024,
+            idle_ms: 60_000,
+        }
+    }
+}
+
+/// How a client reads its stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Client {
+    /// Reads everything at once.
+    Fast,
+    /// Reads `bps` bytes per second, from the start to the end.
+    Steady {
+        /// Read rate, bytes/s.
+        bps: u64,
+    },
+    /// Reads `bps`, but stops reading for `pause_ms` starting `after_ms` after its
+    /// request.
+    Pausing {
+        /// Read rate, bytes/s.
+        bps: u64,
+        /// When the pause starts, from the request.
+        after_ms: u64,
+        /// How long it lasts.
+        pause_ms: u64,
+    },
+    /// Never reads a byte, never leaves.
+    Silent,
+    /// Reads everything at once and leaves (a reset) `after_ms` after its request.
+    Leaves {
+        /// When it leaves, from the request.
+        after_ms: u64,
+    },
+}
+
+/// One operation of a schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// A client sends a streaming request through gateway `gw` to replica `replica`.
+    Stream {
+        /// When.
+        at: u64,
+        /// Through which gateway.
+        gw: u8,
+        /// To which replica's proxy (the engine behind it).
+        replica: u8,
+        /// How the client reads.
+        client: Client,
+        /// Tokens the engine generates (one SSE event each).
+        tokens: u32,
+        /// Milliseconds between two tokens.
+        token_ms: u32,
+    },
+    /// Gateway `gw` is SIGKILLed; restarted (a new process, the same host key)
+    /// `restart_ms` later, or never.
+    Kill {
+        /// When.
+        at: u64,
+        /// Which.
+        gw: u8,
+        /// When it comes back, from the kill.
+        restart_ms: Option<u64>,
+    },
+    /// Gateway `gw` is SIGSTOPped for `for_ms`.
+    Freeze {
+        /// When.
+        at: u64,
+        /// Which.
+        gw: u8,
+        /// How long.
+        for_ms: u64,
+    },
+    /// Every call from gateways to kvguard-control (aborts, renewals) is lost for
+    /// `for_ms`.
+    LoseCalls {
+        /// When.
+        at: u64,
+        /// How long.
+        for_ms: u64,
+    },
+}
+
+impl Op {
+    /// When it happens.
+    pub fn at(&self) -> u64 {
+        match *self {
+            Op::Stream { at, .. }
+            | Op::Kill { at, .. }
+            | Op::Freeze { at, .. }
+            | Op::LoseCalls { at, .. } => at,
+        }
+    }
+}
+
+/// A whole run: seed (for latencies and losses), setup, operations.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Schedule {
+    /// Seeds the run's own randomness (call latencies, losses, jitter).
+    pub seed: u64,
+    /// The world.
+    pub setup: Setup,
+    /// What happens, in any order (the world sorts them by time).
+    pub ops: Vec<Op>,
+}
+
+/// Readers are generated at or above this rate: the documented floor is
+/// `G / max(R, idle)` ≈ 0.37 KB/s with the shipped buffers and `--reader-timeout`.
+pub const MIN_READER_BPS: u64 = 400;
+
+impl Schedule {
+    /// The schedule of `seed`: a small world at mostly shipped defaults, a few streams of
+    /// every kind of client, and a few faults.
+    pub fn generate(seed: u64) -> Schedule {
+        let mut r = Rng::new(seed);
+        let gateways = r.range(1, 2) as u8;
+        let replicas = r.range(1, 2) as u8;
+        let setup = Setup {
+            gateways,
+            replicas,
+            hop_hides: r.chance(500),
+            hop_routes_lease: !r.chance(150),
+            net_cap: r.pick(&[64 * 1024, 256 * 1024, 1024 * 1024]),
+            // Mostly the shipped 60 s; any route may set a shorter one.
+            idle_ms: r.pick(&[60_000, 60_000, 60_000, 30_000]),
+        };
+        let mut ops = Vec::new();
+        for _ in 0..r.range(1, 6) {
+            let client = match r.range(0, 9) {
+                0..=2 => Client::Fast,
+                3..=4 => Client::Steady {
+                    bps: r.range(MIN_READER_BPS, 4000),
+                },
+                5..=6 => {
+                    let bps = r.range(1500, 6000);
+                    Client::Pausing {
+                        bps,
+                        after_ms: r.range(1_000, 120_000),
+                        pause_ms: r.range(1_000, max_pause_ms(bps)),
+                    }
+                }
+                7 => Client::Silent,
+                _ => Client::Leaves {
+                    after_ms: r.range(0, 60_000),
+                },
+            };
+            ops.push(Op::Stream {
+                at: r.range(0, 60_000),
+                gw: r.range(0, u64::from(gateways) - 1) as u8,
+                replica: r.range(0, u64::from(replicas) - 1) as u8,
+                client,
+                tokens: r.range(50, 3000) as u32,
+                token_ms: r.range(10, 60) as u32,
+            });
+        }
+        for _ in 0..r.range(0, 2) {
+            let at = r.range(0, 90_000);
+            let gw = r.range(0, u64::from(gateways) - 1) as u8;
+            ops.push(match r.range(0, 2) {
+                0 => Op::Kill {
+                    at,
+                    gw,
+                    restart_ms: r.chance(500).then(|| r.range(100, 20_000)),
+                },
+                1 => Op::Freeze {
+                    at,
+                    gw,
+                    for_ms: r.range(100, 45_000),
+                },
+                _ => Op::LoseCalls {
+                    at,
+                    for_ms: r.range(100, 10_000),
+                },
+            });
+        }
+        Schedule { seed, setup, ops }
+    }
+}
+
+/// The longest pause a `bps` reader may take and still read within the documented bound:
+/// its silence at the filter (the pause, plus the time to drain what Envoy must release
+/// before reading again, [`crate::world::G_BYTES`]) stays under `--reader-timeout`, with
+/// 5 s to spare.
+pub fn max_pause_ms(bps: u64) -> u64 {
+    let drain = crate::world::G_BYTES * 1000 / bps.max(1);
+    crate::world::READER_TIMEOUT_MS
+        .saturating_sub(drain)
+        .saturating_sub(5_000)
+        .max(1_000)
+}
+
+impl fmt::Display for Client {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Client::Fast => write!(f, "fast"),
+            Client::Steady { bps } => write!(f, "steady {bps} B/s"),
+            Client::Pausing {
+                bps,
+                after_ms,
+                pause_ms,
+            } => write!(f, "{bps} B/s, pauses {pause_ms} ms at +{after_ms} ms"),
+            Client::Silent => write!(f, "silent"),
+            Client::Leaves { after_ms } => write!(f, "leaves at +{after_ms} ms"),
+        }
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Op::Stream {
+                at,
+                gw,
+                replica,
+                client,
+                tokens,
+                token_ms,
+            } => write!(
+                f,
+                "{at:>9} stream via gw{gw} to replica{replica}: {tokens} tokens every {token_ms} ms, client {client}"
+            ),
+            Op::Kill { at, gw, restart_ms } => match restart_ms {
+                Some(r) => write!(f, "{at:>9} gw{gw} killed, restarted {r} ms later"),
+                None => write!(f, "{at:>9} gw{gw} killed for good"),
+            },
+            Op::Freeze { at, gw, for_ms } => write!(f, "{at:>9} gw{gw} frozen {for_ms} ms"),
+            Op::LoseCalls { at, for_ms } => write!(f, "{at:>9} calls to kvguard-control lost for {for_ms} ms"),
+        }
+    }
+}
+
+impl fmt::Display for Schedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = &self.setup;
+        writeln!(
+            f,
+            "seed {}: {} gateway(s), {} replica(s), hop {} disconnects{}, sockets {} KiB, filter idle {} ms",
+            self.seed,
+            s.gateways,
+            s.replicas,
+            if s.hop_hides { "hiding" } else { "passing" },
+            if s.hop_routes_lease { "" } else { " and answering 404 to /v1/kvguard/lease" },
+            s.net_cap / 1024,
+            s.idle_ms
+        )?;
+        let mut ops = self.ops.clone();
+        ops.sort_by_key(Op::at);
+        for op in ops {
+            writeln!(f, "  {op}")?;
+        }
+        Ok(())
+    }
+}

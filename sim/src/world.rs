@@ -1,0 +1,1135 @@
+//! The world in virtual time: one event queue, gateways, replicas, the hop, the engines
+//! behind the replicas and the clients, and the buffers between them.
+//!
+//! The data path of a stream, with its buffers (the gateway sees data only as its client
+//! drains, which deferral depends on):
+//!
+//! ```text
+//! engine ──▶ replica proxy ──(sockets, `net_cap`)──▶ hop ──▶ gateway (Envoy 32 KiB + client socket) ──▶ client
+//! ```
+//!
+//! - The engine generates one SSE event per token whatever is read (vLLM keeps
+//!   generating behind a full pipe) until its last token or until it is stopped.
+//! - The replica's proxy takes a frame from the engine only when the sockets toward the
+//!   gateway have room (`record_demand`, then `record_handed`), as hyper polls a body.
+//! - Envoy reads the upstream while its buffer toward the client is under its high
+//!   watermark and, once there, again only when the client drained it to the low one
+//!   ([`HIGH`], [`LOW`]); each read is one `on_chunk` of the filter.
+//! - Calls from the filter (aborts, renewals) reach a replica (the control cluster
+//!   balances them) after 1–20 ms, may be lost, and time out on Envoy's timer.
+
+use crate::gateway::{self, Gateway};
+use crate::oracles::{Cause, Promise, Violation};
+use crate::replica::{abort_call, Ended, EntryRef, Mutations, Replica};
+use crate::rng::Rng;
+use crate::schedule::{Client, Op, Schedule};
+use crate::timeline::Timeline;
+use kvguard_contract::lease::Renewal;
+use kvguard_contract::{AbortReason, InstanceId, RequestId, ABORT_PATH, DATA_LEASE_PATH};
+use kvguard_control_core::lease::Expiry;
+use kvguard_control_core::scan::BodyKind;
+use kvguard_filter_core::engine::Action;
+use kvguard_filter_core::OutcomeTag;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashSet};
+use std::time::Instant;
+
+pub use crate::replica::flags::READER_TIMEOUT_MS;
+
+/// Bytes of one token's SSE event.
+pub const EV_BYTES: u64 = 256;
+/// The stream's last event.
+const DONE: &[u8] = b"data: [DONE]\n\n";
+/// Envoy's high watermark toward the client: its 32 KiB buffer and the client's socket.
+pub const HIGH: u64 = 36 * 1024;
+/// What the client must drain before Envoy reads the upstream again (`G`; measured
+/// G ≤ 33 KB with the shipped buffers, filter/README.md "Slow readers").
+pub const G_BYTES: u64 = 32 * 1024;
+/// Envoy's low watermark.
+pub const LOW: u64 = HIGH - G_BYTES;
+/// The filter's tick (shipped).
+pub const TICK_MS: u64 = 250;
+/// How often bytes move.
+const FLOW_MS: u64 = 100;
+/// How often kvguard-control's reaper and lease loop look (1 s with the shipped flags).
+const CONTROL_TICK_MS: u64 = 1_000;
+/// The longest a run goes on after its last operation.
+const TAIL_MS: u64 = 3_600_000;
+
+/// Where a client is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientState {
+    /// Not started yet.
+    Waiting,
+    /// Reading (or meaning to).
+    Reading,
+    /// Read its whole response.
+    Done,
+    /// Left (reset).
+    Left,
+    /// Its stream was closed by kvguard.
+    Cut,
+    /// Its gateway died under it.
+    Dropped,
+}
+
+/// How the engine's generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineEnd {
+    /// Its last token.
+    Finished,
+    /// Stopped by kvguard-control (an abort, the reaper, the lease).
+    Ended(AbortReason),
+    /// Its connection closed under it (the client's side went away).
+    Disconnected,
+}
+
+/// One stream, across every actor.
+#[derive(Debug)]
+pub struct Stream {
+    /// Its operation.
+    pub op: Op,
+    /// Client kind.
+    pub client: Client,
+    /// Gateway.
+    pub gw: u8,
+    gw_generation: u32,
+    ctx: u32,
+    /// Replica.
+    pub replica: u8,
+    /// Its id (`x-request-id`).
+    pub id: RequestId,
+    start: u64,
+    tokens: u64,
+    token_ms: u64,
+    content_len: u64,
+    /// The gateway instance it came through.
+    pub instance: Option<InstanceId>,
+    /// When and how the engine stopped.
+    pub engine_end: Option<(u64, EngineEnd)>,
+    entry: Option<EntryRef>,
+    handed: u64,
+    upstream_end: Option<u64>,
+    hop_drains: bool,
+    pulled: u64,
+    envoy_reading: bool,
+    eos_passed: bool,
+    end_held: bool,
+    gw_done: bool,
+    read: u64,
+    /// The client.
+    pub state: ClientState,
+    last_chunk: Option<u64>,
+    /// Why and since when nobody reads it.
+    pub orphan: Option<(Cause, u64)>,
+    /// The first end kvguard made of it: when, who, reason.
+    pub kvguard_end: Option<(u64, String, AbortReason)>,
+    /// How the last abort call about it was decided.
+    pub last_answer: Option<String>,
+    /// When kvguard-control saw its response complete.
+    pub completed_at: Option<u64>,
+    /// The last abort call about it was lost (it timed out at the gateway).
+    pub last_call_lost: bool,
+    /// How long its gateway was frozen in all (it counts as its client's silence).
+    frozen_ms: u64,
+}
+
+impl Stream {
+    /// Whether its client reads within the documented bound: at or above the floor,
+    /// each silence at the filter — a pause, its gateway's freezes, and the time to
+    /// drain [`G_BYTES`] — under `--reader-timeout` (with 2 s to spare).
+    fn is_reader(&self) -> bool {
+        let drain = |bps: u64| G_BYTES * 1000 / bps.max(1);
+        let silence = match self.client {
+            Client::Fast => 0,
+            Client::Steady { bps } => drain(bps),
+            Client::Pausing { bps, pause_ms, .. } => drain(bps) + pause_ms,
+            Client::Silent | Client::Leaves { .. } => return false,
+        };
+        silence + self.frozen_ms + 2_000 < READER_TIMEOUT_MS
+    }
+
+    /// Bytes of the body from `a` to `b`.
+    fn bytes(&self, a: u64, b: u64) -> Vec<u8> {
+        let body = self.tokens * EV_BYTES;
+        (a..b)
+            .map(|o| {
+                if o < body {
+                    event_byte(o)
+                } else {
+                    DONE.get((o - body) as usize).copied().unwrap_or(b'\n')
+                }
+            })
+            .collect()
+    }
+
+    /// The client's read rate now (bytes per [`FLOW_MS`]).
+    fn read_budget(&self, now: u64) -> u64 {
+        let per_step = |bps: u64| (bps * FLOW_MS / 1000).max(1);
+        match self.client {
+            Client::Fast | Client::Leaves { .. } => u64::MAX,
+            Client::Steady { bps } => per_step(bps),
+            Client::Pausing {
+                bps,
+                after_ms,
+                pause_ms,
+            } => {
+                let t = now.saturating_sub(self.start);
+                if t >= after_ms && t < after_ms + pause_ms {
+                    0
+                } else {
+                    per_step(bps)
+                }
+            }
+            Client::Silent => 0,
+        }
+    }
+}
+
+/// Byte `o` of the token events: `data: {"choices":[{"delta":{"content":"xx…"}}]}\n\n`,
+/// each [`EV_BYTES`] long.
+fn event_byte(o: u64) -> u8 {
+    const HEAD: &[u8] = b"data: {\"choices\":[{\"delta\":{\"content\":\"";
+    const TAIL: &[u8] = b"\"}}]}\n\n";
+    let i = (o % EV_BYTES) as usize;
+    let tail_at = EV_BYTES as usize - TAIL.len();
+    if i < HEAD.len() {
+        HEAD[i]
+    } else if i >= tail_at {
+        TAIL[i - tail_at]
+    } else {
+        b'x'
+    }
+}
+
+/// What the event queue holds.
+#[derive(Debug, Clone)]
+enum Ev {
+    Op(usize),
+    Flow,
+    GwTick(u8),
+    ControlTick,
+    Deliver(Call),
+    Answer {
+        gw: u8,
+        generation: u32,
+        token: u32,
+        status: Option<u16>,
+        body: Vec<u8>,
+    },
+    Leave(usize),
+    GwSeesReset(usize),
+    Unfreeze(u8),
+    Restart(u8),
+}
+
+#[derive(Debug, Clone)]
+struct Call {
+    gw: u8,
+    generation: u32,
+    token: u32,
+    path: String,
+    body: Vec<u8>,
+    stream: Option<usize>,
+}
+
+#[derive(Debug)]
+struct Queued {
+    at: u64,
+    seq: u64,
+    ev: Ev,
+}
+
+impl PartialEq for Queued {
+    fn eq(&self, o: &Self) -> bool {
+        (self.at, self.seq) == (o.at, o.seq)
+    }
+}
+impl Eq for Queued {}
+impl PartialOrd for Queued {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Queued {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (self.at, self.seq).cmp(&(o.at, o.seq))
+    }
+}
+
+/// The result of one run.
+#[derive(Debug)]
+pub struct Report {
+    /// Broken promises.
+    pub violations: Vec<Violation>,
+    /// Everything that happened.
+    pub timeline: Timeline,
+    /// Virtual ms simulated.
+    pub simulated_ms: u64,
+    /// Streams.
+    pub streams: usize,
+}
+
+/// The world.
+pub struct World {
+    now: u64,
+    seq: u64,
+    queue: BinaryHeap<Reverse<Queued>>,
+    sched: Schedule,
+    rng: Rng,
+    gateways: Vec<Gateway>,
+    replicas: Vec<Replica>,
+    streams: Vec<Stream>,
+    answered: HashSet<(u8, u32, u32)>,
+    lose_until: u64,
+    unproven: HashSet<InstanceId>,
+    /// Every event.
+    pub timeline: Timeline,
+    violations: Vec<Violation>,
+    slack: u64,
+    last_op: u64,
+}
+
+impl World {
+    /// A world for `sched`; `mutations` switch rules of the modelled composition off.
+    pub fn new(sched: Schedule, mutations: Mutations) -> Option<World> {
+        let base = Instant::now();
+        let cfg = gateway::config(sched.setup.idle_ms)?;
+        let gateways = (0..sched.setup.gateways)
+            .map(|g| Gateway::start(cfg.clone(), g, 0, sched.seed, 0))
+            .collect();
+        let replicas = (0..sched.setup.replicas.max(1))
+            .map(|r| Replica::new(r, base, mutations))
+            .collect();
+        // Faults stretch every bound by their length: a lease expiry is held while no
+        // other gateway is heard from, an abort waits out lost calls.
+        let slack = sched
+            .ops
+            .iter()
+            .map(|op| match *op {
+                Op::Freeze { for_ms, .. } | Op::LoseCalls { for_ms, .. } => for_ms,
+                _ => 0,
+            })
+            .sum();
+        let last_op = sched.ops.iter().map(Op::at).max().unwrap_or(0);
+        let mut w = World {
+            now: 0,
+            seq: 0,
+            queue: BinaryHeap::new(),
+            rng: Rng::new(sched.seed ^ 0x5EED),
+            sched,
+            gateways,
+            replicas,
+            streams: Vec::new(),
+            answered: HashSet::new(),
+            lose_until: 0,
+            unproven: HashSet::new(),
+            timeline: Timeline::default(),
+            violations: Vec::new(),
+            slack,
+            last_op,
+        };
+        for i in 0..w.sched.ops.len() {
+            let at = w.sched.ops[i].at();
+            w.at(at, Ev::Op(i));
+        }
+        w.at(0, Ev::Flow);
+        w.at(0, Ev::ControlTick);
+        for g in 0..w.gateways.len() {
+            let phase = w.rng.range(0, TICK_MS - 1);
+            w.at(phase, Ev::GwTick(g as u8));
+        }
+        Some(w)
+    }
+
+    fn at(&mut self, at: u64, ev: Ev) {
+        self.seq += 1;
+        self.queue.push(Reverse(Queued {
+            at,
+            seq: self.seq,
+            ev,
+        }));
+    }
+
+    fn note(&mut self, actor: impl Into<String>, stream: Option<usize>, what: impl Into<String>) {
+        self.timeline.push(self.now, actor, stream, what);
+    }
+
+    /// Runs to the end and checks the promises.
+    pub fn run(mut self) -> Report {
+        while let Some(Reverse(q)) = self.queue.pop() {
+            self.now = q.at;
+            if self.now > self.last_op + TAIL_MS || (self.now > self.last_op && self.settled()) {
+                break;
+            }
+            self.handle(q.ev);
+        }
+        self.check_orphans();
+        Report {
+            violations: self.violations,
+            timeline: self.timeline,
+            simulated_ms: self.now,
+            streams: self.streams.len(),
+        }
+    }
+
+    /// Nothing left to happen: every stream's engine stopped and its client is done
+    /// with it, or its orphan bound has passed.
+    fn settled(&self) -> bool {
+        self.streams.iter().all(|s| {
+            let client_done = s.state != ClientState::Reading || s.client == Client::Silent;
+            let engine_done = s.engine_end.is_some()
+                || self.orphan_since(s).is_some_and(|(c, o)| {
+                    self.now > o + c.bound_ms(self.sched.setup.idle_ms) + self.slack
+                });
+            client_done && engine_done
+        })
+    }
+
+    fn orphan_since(&self, s: &Stream) -> Option<(Cause, u64)> {
+        if let Some(o) = s.orphan {
+            return Some(o);
+        }
+        (s.client == Client::Silent && s.state == ClientState::Reading)
+            .then(|| (Cause::Silent, s.last_chunk.unwrap_or(s.start)))
+    }
+
+    fn handle(&mut self, ev: Ev) {
+        match ev {
+            Ev::Op(i) => self.op(i),
+            Ev::Flow => {
+                self.flow();
+                self.at(self.now + FLOW_MS, Ev::Flow);
+            }
+            Ev::GwTick(g) => {
+                self.gw_tick(g);
+                self.at(self.now + TICK_MS, Ev::GwTick(g));
+            }
+            Ev::ControlTick => {
+                self.control_tick();
+                self.at(self.now + CONTROL_TICK_MS, Ev::ControlTick);
+            }
+            Ev::Deliver(c) => self.deliver(c),
+            Ev::Answer {
+                gw,
+                generation,
+                token,
+                status,
+                body,
+            } => self.answer(gw, generation, token, status, body),
+            Ev::Leave(s) => self.leave(s),
+            Ev::GwSeesReset(s) => self.gw_sees_reset(s),
+            Ev::Unfreeze(g) => {
+                self.note(
+                    format!("gw{g}"),
+                    None,
+                    "resumes (SIGCONT): its timers run first",
+                );
+                self.gw_tick(g);
+            }
+            Ev::Restart(g) => self.restart(g),
+        }
+    }
+
+    fn op(&mut self, i: usize) {
+        let op = self.sched.ops[i];
+        match op {
+            Op::Stream {
+                gw,
+                replica,
+                client,
+                tokens,
+                token_ms,
+                ..
+            } => self.start_stream(op, gw, replica, client, tokens, token_ms),
+            Op::Kill { gw, restart_ms, .. } => self.kill(gw, restart_ms),
+            Op::Freeze { gw, for_ms, .. } => {
+                for s in &mut self.streams {
+                    if s.gw == gw && !s.gw_done {
+                        s.frozen_ms += for_ms;
+                    }
+                }
+                if let Some(g) = self.gateways.get_mut(gw as usize) {
+                    g.frozen_until = g.frozen_until.max(self.now + for_ms);
+                    let until = g.frozen_until;
+                    self.note(
+                        format!("gw{gw}"),
+                        None,
+                        format!("frozen (SIGSTOP) for {for_ms} ms"),
+                    );
+                    self.at(until, Ev::Unfreeze(gw));
+                }
+            }
+            Op::LoseCalls { for_ms, .. } => {
+                self.lose_until = self.lose_until.max(self.now + for_ms);
+                self.note(
+                    "world",
+                    None,
+                    format!("every call to kvguard-control is lost for {for_ms} ms"),
+                );
+            }
+        }
+    }
+
+    fn start_stream(
+        &mut self,
+        op: Op,
+        gw: u8,
+        replica: u8,
+        client: Client,
+        tokens: u32,
+        token_ms: u32,
+    ) {
+        let i = self.streams.len();
+        let Ok(id) = RequestId::try_new(format!("req-{i}").as_bytes()) else {
+            return;
+        };
+        let (gw, replica) = (
+            gw.min(self.sched.setup.gateways.saturating_sub(1)),
+            replica.min(self.sched.setup.replicas.saturating_sub(1)),
+        );
+        let Some(g) = self.gateways.get_mut(gw as usize) else {
+            return;
+        };
+        if !g.alive || self.now < g.frozen_until {
+            // The request never reaches a running gateway: nothing to track.
+            return;
+        }
+        let ctx = i as u32 + 2;
+        g.host.now = self.now;
+        g.engine.on_request_headers(
+            &mut g.host,
+            ctx,
+            Some(b"/v1/chat/completions"),
+            Some(id.as_str().as_bytes()),
+            false,
+        );
+        if g.renewer.wants_upstream() {
+            let up = kvguard_filter_core::lease::Upstream {
+                cluster: "engine".into(),
+                authority: "engine".into(),
+            };
+            g.renewer.note_upstream(&g.engine.cfg, &mut g.host, &up);
+        }
+        let instance = g.renewer.instance();
+        g.engine.on_response_headers(
+            &mut g.host,
+            ctx,
+            Some(b"text/event-stream"),
+            None,
+            None,
+            false,
+        );
+        let generation = g.generation;
+        let now = self.now;
+        let entry = self.replicas[replica as usize].admit(i, id.clone(), instance, now);
+        if let Some(e) = &entry {
+            e.0.progress.borrow_mut().record_response(
+                200,
+                BodyKind::Sse,
+                self.replicas[replica as usize].instant(now),
+            );
+        }
+        let tokens = u64::from(tokens.max(1));
+        self.streams.push(Stream {
+            op,
+            client,
+            gw,
+            gw_generation: generation,
+            ctx,
+            replica,
+            id,
+            start: now,
+            tokens,
+            token_ms: u64::from(token_ms.max(1)),
+            content_len: tokens * EV_BYTES + DONE.len() as u64,
+            instance,
+            engine_end: None,
+            entry,
+            handed: 0,
+            upstream_end: None,
+            hop_drains: false,
+            pulled: 0,
+            envoy_reading: true,
+            eos_passed: false,
+            end_held: false,
+            gw_done: false,
+            read: 0,
+            state: ClientState::Reading,
+            last_chunk: None,
+            orphan: None,
+            kvguard_end: None,
+            last_answer: None,
+            completed_at: None,
+            last_call_lost: false,
+            frozen_ms: 0,
+        });
+        self.note(format!("client{i}"), Some(i), format!("requests via gw{gw} to replica{replica}: {tokens} tokens every {token_ms} ms; client {client}"));
+        if let Client::Leaves { after_ms } = client {
+            self.at(now + after_ms, Ev::Leave(i));
+        }
+        self.drain_gateway(gw);
+    }
+
+    /// Bytes move one step: engines produce, proxies hand frames on, Envoy reads, clients
+    /// drain.
+    fn flow(&mut self) {
+        for i in 0..self.streams.len() {
+            self.flow_stream(i);
+        }
+    }
+
+    fn flow_stream(&mut self, i: usize) {
+        let now = self.now;
+        let net_cap = self.sched.setup.net_cap;
+        // The engine.
+        let s = &mut self.streams[i];
+        let due = (now.saturating_sub(s.start) / s.token_ms).min(s.tokens);
+        let produced = match s.engine_end {
+            None if due == s.tokens => {
+                let at = s.start + s.tokens * s.token_ms;
+                s.engine_end = Some((at, EngineEnd::Finished));
+                self.timeline.push(
+                    at,
+                    format!("engine{i}"),
+                    Some(i),
+                    "generated its last token",
+                );
+                self.streams[i].content_len
+            }
+            None => due * EV_BYTES,
+            Some((_, EngineEnd::Finished)) => s.content_len,
+            Some(_) => s.handed,
+        };
+        // The replica's proxy hands frames on while the sockets have room.
+        let s = &mut self.streams[i];
+        if let Some(e) = s.entry.clone() {
+            let r = &mut self.replicas[s.replica as usize];
+            let t = r.instant(now);
+            if r.holds(&e) {
+                let mut complete = false;
+                loop {
+                    if s.handed - s.pulled >= net_cap {
+                        break;
+                    }
+                    e.0.progress.borrow_mut().record_demand(t);
+                    if s.handed >= produced {
+                        break;
+                    }
+                    let frame = if s.handed < s.tokens * EV_BYTES {
+                        EV_BYTES
+                    } else {
+                        s.content_len - s.handed
+                    };
+                    s.handed += frame;
+                    let mut p = e.0.progress.borrow_mut();
+                    p.record_handed(t);
+                    p.record_events(1, t);
+                    if s.handed >= s.content_len {
+                        complete = true;
+                        break;
+                    }
+                }
+                if complete {
+                    r.remove_ended(&e, true, now);
+                    s.entry = None;
+                    s.upstream_end = Some(s.content_len);
+                    s.completed_at = Some(now);
+                    self.timeline.push(
+                        now,
+                        format!("replica{}", s.replica),
+                        Some(i),
+                        "response complete: completion remembered for --reader-timeout",
+                    );
+                }
+            } else {
+                s.entry = None;
+            }
+        }
+        let s = &mut self.streams[i];
+        if s.hop_drains {
+            s.pulled = s.handed;
+        }
+        // Envoy reads the upstream, the filter sees the chunk.
+        let g = &mut self.gateways[s.gw as usize];
+        if !s.gw_done && g.generation == s.gw_generation && g.runs(now) {
+            let down = s.pulled - s.read;
+            if down <= LOW {
+                s.envoy_reading = true;
+            }
+            if s.envoy_reading && !s.end_held {
+                let n = (s.handed - s.pulled).min(HIGH - down);
+                let eos = s.upstream_end == Some(s.pulled + n) && !s.eos_passed;
+                if n > 0 || eos {
+                    let bytes = s.bytes(s.pulled, s.pulled + n);
+                    s.pulled += n;
+                    s.last_chunk = Some(now);
+                    g.host.now = now;
+                    let out = g
+                        .engine
+                        .on_chunk(&mut g.host, s.ctx, n as usize, eos, move || Some(bytes));
+                    if eos {
+                        if matches!(out, Some(OutcomeTag::Aborted(_))) {
+                            s.end_held = true;
+                            self.timeline.push(
+                                now,
+                                format!("gw{}", s.gw),
+                                Some(i),
+                                "holds the upstream's end (a stall was asked about)",
+                            );
+                        } else {
+                            s.eos_passed = true;
+                        }
+                    }
+                }
+                if s.pulled - s.read >= HIGH {
+                    s.envoy_reading = false;
+                }
+            }
+            // The client drains.
+            if s.state == ClientState::Reading {
+                let n = (s.pulled - s.read).min(s.read_budget(now));
+                s.read += n;
+                if s.eos_passed && s.read == s.pulled {
+                    s.state = ClientState::Done;
+                    s.gw_done = true;
+                    g.host.now = now;
+                    g.engine.on_log(&mut g.host, s.ctx, b"via_upstream", 0);
+                    self.timeline.push(
+                        now,
+                        format!("client{i}"),
+                        Some(i),
+                        format!("read its whole response ({} bytes)", s.read),
+                    );
+                }
+            }
+        }
+        self.drain_gateway(self.streams[i].gw);
+    }
+
+    fn gw_tick(&mut self, gw: u8) {
+        let now = self.now;
+        let jitter = self.rng.next_u64();
+        let Some(g) = self.gateways.get_mut(gw as usize) else {
+            return;
+        };
+        if !g.runs(now) {
+            return;
+        }
+        let actions = g.tick(now, jitter);
+        let generation = g.generation;
+        for a in actions {
+            let Action::Close { ctx, tag } = a else {
+                continue;
+            };
+            let Some(i) = self.streams.iter().position(|s| {
+                s.gw == gw && s.gw_generation == generation && s.ctx == ctx && !s.gw_done
+            }) else {
+                continue;
+            };
+            let reason = match tag {
+                OutcomeTag::Aborted(r) | OutcomeTag::Observed(r) => r,
+                _ => AbortReason::Stalled,
+            };
+            self.note(
+                format!("gw{gw}"),
+                Some(i),
+                format!("filter closes the stream ({})", reason.as_str()),
+            );
+            self.kvguard_end(i, format!("gw{gw} (filter close)"), reason);
+            let before = self.orphan_since(&self.streams[i]);
+            let s = &mut self.streams[i];
+            if s.state == ClientState::Reading {
+                s.state = ClientState::Cut;
+                s.orphan = Some(before.unwrap_or((Cause::Closed, now)));
+            }
+            let g = &mut self.gateways[gw as usize];
+            g.host.now = now;
+            g.engine.on_log(&mut g.host, ctx, b"filter_closed", 0);
+            self.upstream_gone(i);
+        }
+        self.drain_gateway(gw);
+    }
+
+    /// The gateway's side of stream `i` is gone (its client left, it was closed, the
+    /// gateway died): a passing hop tells kvguard-control's proxy (its client's side
+    /// went away: `Guard::drop`, the engine connection closes); a hiding one keeps its
+    /// upstream connection and drains it.
+    fn upstream_gone(&mut self, i: usize) {
+        let now = self.now;
+        let hides = self.sched.setup.hop_hides;
+        let s = &mut self.streams[i];
+        s.gw_done = true;
+        if hides {
+            s.hop_drains = true;
+            return;
+        }
+        if let Some(e) = s.entry.take() {
+            let r = &mut self.replicas[s.replica as usize];
+            if r.holds(&e) {
+                r.remove_ended(&e, false, now);
+                if s.engine_end.is_none() {
+                    s.engine_end = Some((now, EngineEnd::Disconnected));
+                    self.timeline.push(
+                        now,
+                        format!("replica{}", s.replica),
+                        Some(i),
+                        "the gateway's side went away: engine connection closed",
+                    );
+                }
+            }
+        }
+    }
+
+    fn leave(&mut self, i: usize) {
+        let now = self.now;
+        let s = &mut self.streams[i];
+        if s.state != ClientState::Reading {
+            return;
+        }
+        s.state = ClientState::Left;
+        s.orphan = Some((Cause::Left, now));
+        let gw = s.gw;
+        self.note(format!("client{i}"), Some(i), "leaves (resets its stream)");
+        let until = self.gateways[gw as usize].frozen_until.max(now);
+        self.at(until, Ev::GwSeesReset(i));
+    }
+
+    fn gw_sees_reset(&mut self, i: usize) {
+        let now = self.now;
+        let s = &self.streams[i];
+        let g = &mut self.gateways[s.gw as usize];
+        if s.gw_done || g.generation != s.gw_generation || !g.alive {
+            return;
+        }
+        if !g.runs(now) {
+            let until = g.frozen_until;
+            self.at(until, Ev::GwSeesReset(i));
+            return;
+        }
+        g.host.now = now;
+        g.engine
+            .on_log(&mut g.host, s.ctx, b"downstream_remote_disconnect", 0);
+        let gw = s.gw;
+        self.upstream_gone(i);
+        self.drain_gateway(gw);
+    }
+
+    fn kill(&mut self, gw: u8, restart_ms: Option<u64>) {
+        let now = self.now;
+        let Some(g) = self.gateways.get_mut(gw as usize) else {
+            return;
+        };
+        if !g.alive {
+            return;
+        }
+        g.alive = false;
+        let generation = g.generation;
+        self.note(
+            format!("gw{gw}"),
+            None,
+            match restart_ms {
+                Some(r) => format!("killed (SIGKILL); restarts in {r} ms"),
+                None => "killed (SIGKILL) for good".to_owned(),
+            },
+        );
+        for i in 0..self.streams.len() {
+            let before = self.orphan_since(&self.streams[i]);
+            let s = &mut self.streams[i];
+            if s.gw != gw || s.gw_generation != generation || s.gw_done {
+                continue;
+            }
+            if s.state == ClientState::Reading {
+                s.state = ClientState::Dropped;
+            }
+            s.orphan = Some(before.unwrap_or((Cause::GatewayGone, now)));
+            self.upstream_gone(i);
+        }
+        if let Some(r) = restart_ms {
+            self.at(now + r, Ev::Restart(gw));
+        }
+    }
+
+    fn restart(&mut self, gw: u8) {
+        let Some(cfg) = gateway::config(self.sched.setup.idle_ms) else {
+            return;
+        };
+        let generation = self.gateways[gw as usize].generation + 1;
+        self.gateways[gw as usize] = Gateway::start(cfg, gw, generation, self.sched.seed, self.now);
+        self.note(
+            format!("gw{gw}"),
+            None,
+            "a new process starts (same host key)",
+        );
+    }
+
+    /// Sends what the gateway's filter dispatched and logs what it logged.
+    fn drain_gateway(&mut self, gw: u8) {
+        let g = &mut self.gateways[gw as usize];
+        let calls = std::mem::take(&mut g.host.outbox);
+        let logs = std::mem::take(&mut g.host.logs);
+        let generation = g.generation;
+        for l in logs {
+            let stream = stream_of(&l);
+            self.note(format!("gw{gw}"), stream, l);
+        }
+        for c in calls {
+            let stream = if c.path == ABORT_PATH {
+                serde_json::from_slice::<serde_json::Value>(&c.body)
+                    .ok()
+                    .and_then(|v| v.get("request_id")?.as_str().map(str::to_owned))
+                    .and_then(|id| stream_of(&format!("request_id={id}")))
+            } else {
+                None
+            };
+            let call = Call {
+                gw,
+                generation,
+                token: c.token,
+                path: c.path,
+                body: c.body,
+                stream,
+            };
+            if stream.is_some() {
+                let body = String::from_utf8_lossy(&call.body).into_owned();
+                self.note(format!("gw{gw}"), stream, format!("abort call {body}"));
+            }
+            let lost = self.now < self.lose_until || self.rng.chance(2);
+            if let Some(i) = stream {
+                self.streams[i].last_call_lost = lost;
+            }
+            if lost {
+                if stream.is_some() {
+                    self.note("world", stream, "the call is lost");
+                }
+            } else {
+                let at = self.now + self.rng.range(1, 20);
+                self.at(at, Ev::Deliver(call));
+            }
+            // Envoy's timer answers nothing after the timeout.
+            self.at(
+                self.now + c.timeout_ms,
+                Ev::Answer {
+                    gw,
+                    generation,
+                    token: c.token,
+                    status: None,
+                    body: Vec::new(),
+                },
+            );
+        }
+    }
+
+    fn deliver(&mut self, c: Call) {
+        let now = self.now;
+        let n = self.replicas.len();
+        let at = self.rng.range(0, n as u64 - 1) as usize;
+        let (status, body) = if c.path == ABORT_PATH {
+            let mut ended = Vec::new();
+            let a = abort_call(&mut self.replicas, at, &c.body, now, true, &mut ended);
+            if let Some(i) = c.stream {
+                self.streams[i].last_answer = Some(format!("replica{at}: {}", a.how));
+                self.note(
+                    format!("replica{at}"),
+                    Some(i),
+                    format!("abort call answered {}: {}", a.status, a.how),
+                );
+            }
+            for e in ended {
+                self.ended(e, at);
+            }
+            (a.status, a.body)
+        } else if c.path == DATA_LEASE_PATH && !self.sched.setup.hop_routes_lease {
+            (404, Vec::new())
+        } else if let Some(r) = Renewal::parse(&c.body) {
+            // Accepted on one replica, forwarded to every peer (`fan_out_renewal`).
+            for rep in &mut self.replicas {
+                rep.renew(&r, now);
+            }
+            (200, Vec::new())
+        } else {
+            (400, Vec::new())
+        };
+        let back = now + self.rng.range(1, 20);
+        self.at(
+            back,
+            Ev::Answer {
+                gw: c.gw,
+                generation: c.generation,
+                token: c.token,
+                status: Some(status),
+                body,
+            },
+        );
+    }
+
+    fn answer(&mut self, gw: u8, generation: u32, token: u32, status: Option<u16>, body: Vec<u8>) {
+        let now = self.now;
+        let g = &mut self.gateways[gw as usize];
+        if !g.alive
+            || g.generation != generation
+            || self.answered.contains(&(gw, generation, token))
+        {
+            return;
+        }
+        if !g.runs(now) {
+            let until = g.frozen_until;
+            self.at(
+                until,
+                Ev::Answer {
+                    gw,
+                    generation,
+                    token,
+                    status,
+                    body,
+                },
+            );
+            return;
+        }
+        self.answered.insert((gw, generation, token));
+        g.answer(now, token, status, &body);
+        self.drain_gateway(gw);
+    }
+
+    /// A replica ended stream `e.stream`: its engine stops, its response ends after what
+    /// was handed on.
+    fn ended(&mut self, e: Ended, replica: usize) {
+        let now = self.now;
+        let i = e.stream;
+        self.note(
+            format!("replica{replica}"),
+            Some(i),
+            format!("ends the request ({}, via {})", e.reason.as_str(), e.via),
+        );
+        self.kvguard_end(i, format!("replica{replica} ({})", e.via), e.reason);
+        let s = &mut self.streams[i];
+        s.entry = None;
+        s.upstream_end = Some(s.handed);
+        if s.engine_end.is_none() {
+            s.engine_end = Some((now, EngineEnd::Ended(e.reason)));
+        }
+        // Figures: an end at kvguard-control counted under the stream's true cause.
+        if let Some(want) = self
+            .orphan_since(&self.streams[i])
+            .and_then(|(c, _)| c.reason())
+        {
+            if want != e.reason {
+                self.violation(
+                    Promise::Figures,
+                    i,
+                    format!(
+                        "ended as {} at replica{replica} ({}), but its cause is {}",
+                        e.reason.as_str(),
+                        e.via,
+                        want.as_str()
+                    ),
+                );
+            }
+        }
+    }
+
+    fn control_tick(&mut self) {
+        let now = self.now;
+        for r in 0..self.replicas.len() {
+            let mut ended = Vec::new();
+            self.replicas[r].reap(now, &mut ended);
+            let expired = self.replicas[r].judge_leases(now, &mut ended);
+            for (instance, why, n) in expired {
+                if why == Expiry::Unproven {
+                    self.unproven.insert(instance);
+                }
+                self.note(
+                    format!("replica{r}"),
+                    None,
+                    format!(
+                        "lease of {} expired ({}), {n} of its requests in flight here{}",
+                        short(instance),
+                        why.as_str(),
+                        if why == Expiry::Unproven {
+                            ": counted, not ended"
+                        } else {
+                            ": ended"
+                        }
+                    ),
+                );
+            }
+            for e in ended {
+                self.ended(e, r);
+            }
+        }
+    }
+
+    /// kvguard ended stream `i` (first time only): invariant 1 if its client reads.
+    fn kvguard_end(&mut self, i: usize, who: String, reason: AbortReason) {
+        let now = self.now;
+        let s = &mut self.streams[i];
+        if s.kvguard_end.is_some() {
+            return;
+        }
+        s.kvguard_end = Some((now, who.clone(), reason));
+        if s.is_reader() && s.state == ClientState::Reading {
+            let what = format!(
+                "{who} ended a stream its client reads ({}), {} of {} bytes read",
+                reason.as_str(),
+                s.read,
+                s.content_len
+            );
+            self.violation(Promise::Invariant1, i, what);
+        }
+    }
+
+    fn violation(&mut self, promise: Promise, stream: usize, what: String) {
+        let finding = crate::findings::classify(
+            promise,
+            &self.streams[stream],
+            &self.sched.setup,
+            &self.unproven,
+        );
+        self.violations.push(Violation {
+            promise,
+            stream,
+            at: self.now,
+            what,
+            finding,
+        });
+    }
+
+    /// Invariant 2 over every stream nobody reads.
+    fn check_orphans(&mut self) {
+        for i in 0..self.streams.len() {
+            let s = &self.streams[i];
+            let Some((cause, since)) = self.orphan_since(s) else {
+                continue;
+            };
+            let bound = cause.bound_ms(self.sched.setup.idle_ms) + self.slack;
+            let end = s.engine_end.map_or(self.now, |(t, _)| t);
+            if end > since + bound {
+                let what = format!(
+                    "nobody reads it since {since} ms ({cause:?}); its engine {} — bound {bound} ms",
+                    match s.engine_end {
+                        Some((t, how)) => format!("stopped at {t} ms ({how:?})"),
+                        None => format!("still generates at {} ms", self.now),
+                    }
+                );
+                self.now = end.min(self.now);
+                self.violation(Promise::Invariant2, i, what);
+            }
+        }
+    }
+
+    /// The streams, for the findings' classification and the tests.
+    pub fn streams(&self) -> &[Stream] {
+        &self.streams
+    }
+}
+
+/// The stream a log line names (`request_id=req-N`).
+fn stream_of(line: &str) -> Option<usize> {
+    let rest = &line[line.find("request_id=req-")? + "request_id=req-".len()..];
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+fn short(id: InstanceId) -> String {
+    id.to_string().chars().take(8).collect()
+}
