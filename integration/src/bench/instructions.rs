@@ -5,7 +5,9 @@
 //! One Envoy (`--concurrency 1`) under Valgrind's callgrind (`--smc-check=all-non-file`
 //! for V8's generated code) with the `requests` section's listeners: `none`, `noop`,
 //! `noop-read`, `kvguard`, `kvguard-untracked` (a `paths` that matches nothing) and one
-//! per `--compare-wasm`. Per round and listener, two loads, each between a
+//! per `--compare-wasm` (Valgrind's address space holds the VMs of about five wasm
+//! filters: a run with more fails, naming the one that did not load; counts are the same
+//! from run to run, so other builds can be measured in runs of their own). Per round and listener, two loads, each between a
 //! `callgrind_control -z` (zero) and a `-d` (dump): N one-event requests, and M requests of
 //! [`LONG_EVENTS`] events; both sequential over one HTTP/1.1 connection (h2load `-c 1`),
 //! every upstream write [`GAP_US`] apart (`x-bench-spaced`), so that Envoy reads each
@@ -405,16 +407,9 @@ pub async fn instructions(opts: &BenchOptions) -> Result<Value> {
             // Envoy's stats flush (every 5 s by default) comes in lumps that a few
             // seconds' load may or may not hold; the filters' ticks are even.
             eo.extra_yaml = Some("stats_flush_interval: 299s".to_owned());
-            // The untracked request, for every build measured.
-            let builds: Vec<String> = variants
-                .iter()
-                .filter_map(|v| v.strip_prefix("kvguard@"))
-                .map(|l| format!("kvguard-untracked@{l}"))
-                .collect();
             if !variants.iter().any(|v| v == "kvguard-untracked") {
                 variants.push("kvguard-untracked".to_owned());
             }
-            variants.extend(builds);
         },
     )
     .await
@@ -429,12 +424,37 @@ pub async fn instructions(opts: &BenchOptions) -> Result<Value> {
         );
     }
     let load = |v: &str, events: u64, n: usize| lockstep(ports[v], &up, events, n);
-    // Warm-up: V8 compiles and tiers up the filters' hot code while it runs.
+    // Warm-up: V8 compiles and tiers up the filters' hot code while it runs. Every filter
+    // must be there: one that failed to load (FAIL_OPEN) would count as `none`.
     for v in &variants {
+        let tracked = || async {
+            let st = envoy
+                .stats_matching("kvguard_filter_requests_tracked")
+                .await?;
+            anyhow::Ok(st.values().sum::<f64>())
+        };
+        let before = tracked().await?;
         load(v, 1, n_one / 2).await?;
+        let grew = tracked().await? - before;
+        if (v == "kvguard" || v.starts_with("kvguard@")) && grew < (n_one / 2) as f64 {
+            bail!(
+                "{v} tracked {grew} of {} requests: its filter is not running",
+                n_one / 2
+            );
+        }
         if !v.starts_with("noop-x-") {
             load(v, LONG_EVENTS, n_long / 2).await?;
         }
+    }
+    let log = envoy.guard().log();
+    if let Some(line) = log
+        .lines()
+        .find(|l| l.contains("failed to load") || l.contains("Failed to create new Wasm instance"))
+    {
+        bail!(
+            "a filter did not load under callgrind ({line}); Valgrind's address space holds about \
+             five wasm filters' VMs: measure other builds (--compare-wasm) in runs of their own"
+        );
     }
     let mut counts: Vec<Count> = Vec::new();
     let mut idle_rates = Vec::new();
