@@ -16,11 +16,14 @@
 //! - `control`: kvguard-control RSS, and its proxy hop vs direct (TTFB p50).
 //! - `instructions` (the headline): Envoy's instructions per request and per event under
 //!   callgrind, per listener, in one run ([`instructions`]).
+//! - `relay`: kvguard-control on the data path against a plain Envoy relaying the same
+//!   paced SSE streams: CPU per event, added TTFB, memory per held stream ([`relay`]).
 //! - `requests`: Envoy CPU per request (2,000 one-event requests at 500 concurrent) with
 //!   h2load over HTTP/1.1 and h2c beside the workspace's load generator, including other
 //!   builds of the filter (`--compare-wasm`) side by side ([`requests`]).
 
 pub mod instructions;
+pub mod relay;
 pub mod report;
 pub mod requests;
 pub mod soak;
@@ -964,6 +967,35 @@ async fn snap(label: String, envoy: &Envoy, pid: u32) -> Result<Value> {
     }))
 }
 
+/// Opens `n` streams through `entry` (200 at a time), each held open by the upstream
+/// after its first event (read here); returns those that got it.
+async fn open_held(entry: SocketAddr, n: usize) -> Vec<client::SseStream> {
+    let body =
+        json!({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "stream": true});
+    let hdr = [("x-bench-events", "2"), ("x-bench-hold-ms", "600000")];
+    let sem = Arc::new(tokio::sync::Semaphore::new(200));
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        let sem = sem.clone();
+        let body = body.clone();
+        set.spawn(async move {
+            let _p = sem.acquire_owned().await.ok()?;
+            let mut s = client::stream_sse(entry, "/v1/chat/completions", &body, &hdr, false)
+                .await
+                .ok()?;
+            s.next_data(Duration::from_secs(30)).await.ok()??;
+            Some(s)
+        });
+    }
+    let mut held = Vec::new();
+    while let Some(r) = set.join_next().await {
+        if let Ok(Some(s)) = r {
+            held.push(s);
+        }
+    }
+    held
+}
+
 /// The memory section.
 pub async fn memory(opts: &BenchOptions) -> Result<Value> {
     let up = FastUpstream::spawn().await?;
@@ -994,32 +1026,12 @@ pub async fn memory(opts: &BenchOptions) -> Result<Value> {
     let _ = w.collect(Duration::from_secs(5)).await;
     let mut points = vec![snap("start".into(), &envoy, pid).await?];
     let top = *opts.memory_levels.iter().max().unwrap_or(&1000);
-    let hdr = [("x-bench-events", "2"), ("x-bench-hold-ms", "600000")];
     for wave in 0..opts.memory_waves {
         let mut held = Vec::new();
         let mut levels = opts.memory_levels.clone();
         levels.sort_unstable();
         for level in levels {
-            let sem = Arc::new(tokio::sync::Semaphore::new(200));
-            let mut set = tokio::task::JoinSet::new();
-            for _ in held.len()..level {
-                let sem = sem.clone();
-                let body = body.clone();
-                set.spawn(async move {
-                    let _p = sem.acquire_owned().await.ok()?;
-                    let mut s =
-                        client::stream_sse(entry, "/v1/chat/completions", &body, &hdr, false)
-                            .await
-                            .ok()?;
-                    s.next_data(Duration::from_secs(30)).await.ok()??;
-                    Some(s)
-                });
-            }
-            while let Some(r) = set.join_next().await {
-                if let Ok(Some(s)) = r {
-                    held.push(s);
-                }
-            }
+            held.extend(open_held(entry, level.saturating_sub(held.len())).await);
             let p = snap(
                 format!("wave {wave}: {} streams held (target {level})", held.len()),
                 &envoy,
@@ -1239,6 +1251,9 @@ pub async fn run(opts: BenchOptions) -> Result<Value> {
     }
     if want("control") {
         res["control"] = control(&opts).await.context("control section")?;
+    }
+    if want("relay") {
+        res["relay"] = relay::relay(&opts).await.context("relay section")?;
     }
     if want("requests") {
         res["requests"] = requests::requests(&opts)

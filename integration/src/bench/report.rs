@@ -332,8 +332,55 @@ pub fn markdown(res: &Value) -> String {
         }
         m.push('\n');
     }
+    relay_md(&mut m, &res["relay"]);
     requests_md(&mut m, &res["requests"]);
     m
+}
+
+/// The `relay` section's table: kvguard-control against a plain Envoy relaying the same
+/// paced streams.
+fn relay_md(m: &mut String, r: &Value) {
+    if r["cpu_us_per_event"].is_null() {
+        return;
+    }
+    let _ = writeln!(
+        m,
+        "### kvguard-control on the data path vs a plain Envoy ({} interleaved rounds; {} streams × {} events, {} concurrent, {} µs apart; {SPREAD})\n",
+        r["rounds"], r["load"]["requests"], r["load"]["events"], r["load"]["concurrency"], r["load"]["interval_us"]
+    );
+    let _ = writeln!(
+        m,
+        "| measure | kvguard-control | plain Envoy |\n|---|---|---|"
+    );
+    let row = |m: &mut String, what: &str, key: &str, digits: usize| {
+        let _ = writeln!(
+            m,
+            "| {what} | {} | {} |",
+            spread(&r[key]["kvguard-control"], 1.0, digits),
+            spread(&r[key]["envoy"], 1.0, digits)
+        );
+    };
+    row(m, "CPU per relayed event, µs", "cpu_us_per_event", 2);
+    row(
+        m,
+        "added TTFB (sequential requests: p50 − direct p50), µs",
+        "ttfb_added_p50_us",
+        0,
+    );
+    let mem = |p: &str| f(&r["memory"][p]["bytes_per_stream"]);
+    let _ = writeln!(
+        m,
+        "| memory per held stream ({} held), bytes | {:.0} | {:.0} |",
+        r["memory"]["kvguard-control"]["streams_held"],
+        mem("kvguard-control"),
+        mem("envoy")
+    );
+    let _ = writeln!(
+        m,
+        "\nCPU per event, kvguard-control ÷ Envoy (per round): {}. Errors: {}.\n",
+        spread(&r["cpu_control_over_envoy"], 1.0, 2),
+        r["errors"]
+    );
 }
 
 /// The `instructions` section's tables (the headline): Envoy's instructions per request

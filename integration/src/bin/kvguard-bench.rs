@@ -18,7 +18,7 @@ struct Args {
     #[arg(long)]
     quick: bool,
     /// Sections: all, or a comma list of
-    /// instructions,overhead,abort,stall,memory,control,requests.
+    /// instructions,overhead,abort,stall,memory,control,relay,requests.
     #[arg(long, default_value = "all", value_delimiter = ',')]
     sections: Vec<String>,
     /// The do-nothing wasm filter (built by scripts/bench).
