@@ -7,14 +7,15 @@ use crate::oracles::{Cause, Promise};
 use crate::schedule::{Client, Op, Schedule, Setup};
 use crate::world::{EngineEnd, Stream};
 use kvguard_contract::{AbortReason, InstanceId};
-use std::collections::HashSet;
+use kvguard_control_core::lease::Expiry;
+use std::collections::HashMap;
 
 /// Which known finding a violation is, from what the world knows of its stream.
 pub fn classify(
     promise: Promise,
     s: &Stream,
     setup: &Setup,
-    unproven: &HashSet<InstanceId>,
+    expiries: &HashMap<InstanceId, Expiry>,
 ) -> Option<&'static str> {
     let answer = s.last_answer.as_deref().unwrap_or("");
     let by_gateway = s
@@ -46,14 +47,23 @@ pub fn classify(
         }
         Promise::Invariant1 if by_gateway && answer.contains("already_aborted") => Some("36.5"),
         Promise::Invariant2
-            if matches!(s.engine_end, None | Some((_, EngineEnd::Finished)))
-                && s.instance.is_some_and(|i| unproven.contains(&i)) =>
+            if s.instance
+                .is_some_and(|i| expiries.get(&i) == Some(&Expiry::Unproven)) =>
         {
             Some(if setup.hop_routes_lease {
                 "37.1"
             } else {
                 "37.2"
             })
+        }
+        // Every gateway went silent at once: no other instance is heard from, so every
+        // expiry is held, for good.
+        Promise::Invariant2
+            if gateway_gone
+                && matches!(s.engine_end, None | Some((_, EngineEnd::Finished)))
+                && s.instance.is_some_and(|i| !expiries.contains_key(&i)) =>
+        {
+            Some("sim.2")
         }
         _ => None,
     }
@@ -159,22 +169,144 @@ pub fn known() -> Vec<Finding> {
                 ],
             },
         },
-        // Found by the seed campaign (the schedule is the seed's; `kvguard-sim --seed N`
-        // prints it with its timeline).
         Finding {
             name: "36.4",
             title: "a lost answer to a stall ask becomes a real end: the reader is cut",
-            schedule: Schedule::generate(514),
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup::default(),
+                ops: vec![
+                    stream(0, 0, 0, Client::Steady { bps: 450 }, 3_000, 30),
+                    // Its first stall ask goes at 64.96 s.
+                    Op::LoseCalls {
+                        at: 64_500,
+                        for_ms: 2_000,
+                    },
+                ],
+            },
         },
         Finding {
             name: "37.2",
             title: "a hop that answers 404 to /v1/kvguard/lease never arms the lease",
-            schedule: Schedule::generate(157),
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup {
+                    hop_hides: true,
+                    hop_routes_lease: false,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(0, 0, 0, Client::Fast, 3_000, 30),
+                    Op::Kill {
+                        at: 20_000,
+                        gw: 0,
+                        restart_ms: None,
+                    },
+                ],
+            },
         },
         Finding {
             name: "sim.1",
             title: "an abort lost for its whole retry window leaves an orphan behind a hiding hop running to the end",
-            schedule: Schedule::generate(474),
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup {
+                    hop_hides: true,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(0, 0, 0, Client::Leaves { after_ms: 10_000 }, 3_000, 30),
+                    Op::LoseCalls {
+                        at: 9_000,
+                        for_ms: 8_000,
+                    },
+                ],
+            },
+        },
+        Finding {
+            name: "sim.2",
+            title: "every gateway gone at once: each expiry is held for good, their orphans behind a hiding hop run to the end",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup {
+                    gateways: 2,
+                    hop_hides: true,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(0, 1, 0, Client::Fast, 3_000, 40),
+                    Op::Kill {
+                        at: 43_000,
+                        gw: 0,
+                        restart_ms: None,
+                    },
+                    Op::Kill {
+                        at: 46_000,
+                        gw: 1,
+                        restart_ms: None,
+                    },
+                ],
+            },
+        },
+    ]
+}
+
+/// A schedule that passes today and fails when the named rule is removed (how the
+/// rules of the real filter core, which the simulator cannot switch, are shown to be
+/// needed: docs/TESTING.md "The simulation").
+#[derive(Debug, Clone)]
+pub struct Guard {
+    /// The rule, as its code names it.
+    pub rule: &'static str,
+    /// What needs it.
+    pub schedule: Schedule,
+}
+
+/// The guards of the rules.
+pub fn guards() -> Vec<Guard> {
+    let fast = |at| stream(at, 0, 0, Client::Fast, 3_000, 30);
+    vec![
+        Guard {
+            // A gateway stopped past its idle timeout, its first ask after resuming lost:
+            // the first tick must not ask; the data read before the second one shows
+            // the stream flows.
+            rule: "filter/core/src/cut.rs: idle is confirmed by a second tick (Hold::Unconfirmed)",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup {
+                    idle_ms: 20_000,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    fast(0),
+                    Op::Freeze {
+                        at: 10_000,
+                        gw: 0,
+                        for_ms: 21_000,
+                    },
+                    Op::LoseCalls {
+                        at: 30_900,
+                        for_ms: 3_000,
+                    },
+                ],
+            },
+        },
+        Guard {
+            // An engine-wide pause longer than the idle timeout under 20 streams: the
+            // valve cuts 8 and holds 12, which resume.
+            rule: "filter/core/src/cut.rs: the mass-stall valve (Hold::MassStall)",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup::default(),
+                ops: (0..20)
+                    .map(|i| fast(i * 50))
+                    .chain([Op::EnginePause {
+                        at: 10_000,
+                        replica: 0,
+                        for_ms: 70_000,
+                    }])
+                    .collect(),
+            },
         },
     ]
 }

@@ -8,6 +8,8 @@
 //! - **Invariant 2**: every stream nobody reads ends at the engine within its bound per
 //!   cause ([`Cause::bound_ms`]), counted from when nobody reads it.
 //! - **Figures**: an end at kvguard-control is counted under its true cause.
+//! - **Mass stall**: a gateway cuts at most `max(8, 20 %)` of its streams for a stall in
+//!   their first idle window; the rest are held one more window.
 
 use crate::replica::flags;
 use kvguard_contract::AbortReason;
@@ -63,6 +65,8 @@ pub enum Promise {
     Invariant2,
     /// An end counted under another cause.
     Figures,
+    /// More streams cut for a stall in one idle window than the valve lets through.
+    MassStall,
 }
 
 /// A broken promise.

@@ -297,12 +297,13 @@ impl Replica {
 
     /// `lease::enforce::judge` (enforce mode): an expired instance's requests are ended
     /// `gateway_lost` unless the expiry is unproven (counted only); a request of it
-    /// admitted since the judgement revives it. Returns the expiries, for the timeline.
+    /// admitted since the judgement revives it. Returns the expiries and how many were
+    /// held (nobody else heard from), for the timeline.
     pub fn judge_leases(
         &mut self,
         now_ms: u64,
         ended: &mut Vec<Ended>,
-    ) -> Vec<(InstanceId, Expiry, usize)> {
+    ) -> (Vec<(InstanceId, Expiry, usize)>, usize) {
         let now = self.now(now_ms);
         let j = self.leases.judge(now);
         let mut out = Vec::new();
@@ -335,7 +336,7 @@ impl Replica {
             }
             out.push((instance, why, mine.len()));
         }
-        out
+        (out, j.held)
     }
 }
 

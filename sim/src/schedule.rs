@@ -104,6 +104,16 @@ pub enum Op {
         /// How long.
         for_ms: u64,
     },
+    /// The engine behind replica `replica` generates nothing for `for_ms` (every
+    /// stream on it: an engine-wide pause).
+    EnginePause {
+        /// When.
+        at: u64,
+        /// Which replica's engine.
+        replica: u8,
+        /// How long.
+        for_ms: u64,
+    },
     /// Every call from gateways to kvguard-control (aborts, renewals) is lost for
     /// `for_ms`.
     LoseCalls {
@@ -121,6 +131,7 @@ impl Op {
             Op::Stream { at, .. }
             | Op::Kill { at, .. }
             | Op::Freeze { at, .. }
+            | Op::EnginePause { at, .. }
             | Op::LoseCalls { at, .. } => at,
         }
     }
@@ -189,7 +200,18 @@ impl Schedule {
         for _ in 0..r.range(0, 2) {
             let at = r.range(0, 90_000);
             let gw = r.range(0, u64::from(gateways) - 1) as u8;
-            ops.push(match r.range(0, 2) {
+            ops.push(match r.range(0, 3) {
+                // Short (under half the idle timeout: nothing may be cut) or long (over
+                // it: cutting is the filter's job).
+                3 => Op::EnginePause {
+                    at,
+                    replica: r.range(0, u64::from(replicas) - 1) as u8,
+                    for_ms: if r.chance(500) {
+                        r.range(100, setup.idle_ms / 2 - 1_000)
+                    } else {
+                        r.range(setup.idle_ms + 5_000, 3 * setup.idle_ms)
+                    },
+                },
                 0 => Op::Kill {
                     at,
                     gw,
@@ -257,6 +279,11 @@ impl fmt::Display for Op {
                 None => write!(f, "{at:>9} gw{gw} killed for good"),
             },
             Op::Freeze { at, gw, for_ms } => write!(f, "{at:>9} gw{gw} frozen {for_ms} ms"),
+            Op::EnginePause {
+                at,
+                replica,
+                for_ms,
+            } => write!(f, "{at:>9} the engine behind replica{replica} pauses {for_ms} ms"),
             Op::LoseCalls { at, for_ms } => write!(f, "{at:>9} calls to kvguard-control lost for {for_ms} ms"),
         }
     }

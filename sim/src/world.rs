@@ -31,7 +31,7 @@ use kvguard_control_core::scan::BodyKind;
 use kvguard_filter_core::engine::Action;
 use kvguard_filter_core::OutcomeTag;
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashSet};
+use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::time::Instant;
 
 pub use crate::replica::flags::READER_TIMEOUT_MS;
@@ -128,10 +128,17 @@ pub struct Stream {
     pub last_answer: Option<String>,
     /// When kvguard-control saw its response complete.
     pub completed_at: Option<u64>,
-    /// The last abort call about it was lost (it timed out at the gateway).
+    /// The last abort call about it was lost, or its answer came late (it timed out at
+    /// the gateway).
     pub last_call_lost: bool,
     /// How long its gateway was frozen in all (it counts as its client's silence).
     frozen_ms: u64,
+    /// When its gateway died while it ran.
+    gateway_died: Option<u64>,
+    /// Generation time so far (the engine's pauses do not count).
+    gen_ms: u64,
+    /// The longest pause of its engine.
+    pub engine_paused_ms: u64,
 }
 
 impl Stream {
@@ -216,6 +223,7 @@ enum Ev {
         token: u32,
         status: Option<u16>,
         body: Vec<u8>,
+        stream: Option<usize>,
     },
     Leave(usize),
     GwSeesReset(usize),
@@ -282,7 +290,9 @@ pub struct World {
     streams: Vec<Stream>,
     answered: HashSet<(u8, u32, u32)>,
     lose_until: u64,
-    unproven: HashSet<InstanceId>,
+    engine_paused_until: Vec<u64>,
+    stall_closes: Vec<(u8, u64, usize)>,
+    expiries: HashMap<InstanceId, Expiry>,
     /// Every event.
     pub timeline: Timeline,
     violations: Vec<Violation>,
@@ -307,11 +317,14 @@ impl World {
             .ops
             .iter()
             .map(|op| match *op {
-                Op::Freeze { for_ms, .. } | Op::LoseCalls { for_ms, .. } => for_ms,
+                Op::Freeze { for_ms, .. }
+                | Op::LoseCalls { for_ms, .. }
+                | Op::EnginePause { for_ms, .. } => for_ms,
                 _ => 0,
             })
             .sum();
         let last_op = sched.ops.iter().map(Op::at).max().unwrap_or(0);
+        let replicas_n = usize::from(sched.setup.replicas.max(1));
         let mut w = World {
             now: 0,
             seq: 0,
@@ -323,7 +336,9 @@ impl World {
             streams: Vec::new(),
             answered: HashSet::new(),
             lose_until: 0,
-            unproven: HashSet::new(),
+            engine_paused_until: vec![0; replicas_n],
+            stall_closes: Vec::new(),
+            expiries: HashMap::new(),
             timeline: Timeline::default(),
             violations: Vec::new(),
             slack,
@@ -390,8 +405,11 @@ impl World {
         if let Some(o) = s.orphan {
             return Some(o);
         }
+        // From the last byte that passed the filter: before the first, the wait is the
+        // engine's (a first-token timeout is off by default).
+        let last = s.last_chunk?;
         (s.client == Client::Silent && s.state == ClientState::Reading)
-            .then(|| (Cause::Silent, s.last_chunk.unwrap_or(s.start)))
+            .then_some((Cause::Silent, last))
     }
 
     fn handle(&mut self, ev: Ev) {
@@ -416,7 +434,8 @@ impl World {
                 token,
                 status,
                 body,
-            } => self.answer(gw, generation, token, status, body),
+                stream,
+            } => self.answer(gw, generation, token, (status, body), stream),
             Ev::Leave(s) => self.leave(s),
             Ev::GwSeesReset(s) => self.gw_sees_reset(s),
             Ev::Unfreeze(g) => {
@@ -459,6 +478,22 @@ impl World {
                     );
                     self.at(until, Ev::Unfreeze(gw));
                 }
+            }
+            Op::EnginePause {
+                replica, for_ms, ..
+            } => {
+                let r = usize::from(replica).min(self.engine_paused_until.len() - 1);
+                self.engine_paused_until[r] = self.engine_paused_until[r].max(self.now + for_ms);
+                for s in &mut self.streams {
+                    if usize::from(s.replica) == r && s.engine_end.is_none() {
+                        s.engine_paused_ms = s.engine_paused_ms.max(for_ms);
+                    }
+                }
+                self.note(
+                    format!("engine{r}"),
+                    None,
+                    format!("the engine behind replica{r} pauses {for_ms} ms"),
+                );
             }
             Op::LoseCalls { for_ms, .. } => {
                 self.lose_until = self.lose_until.max(self.now + for_ms);
@@ -531,6 +566,7 @@ impl World {
             );
         }
         let tokens = u64::from(tokens.max(1));
+        let paused = self.engine_paused_until[usize::from(replica)].saturating_sub(now);
         self.streams.push(Stream {
             op,
             client,
@@ -563,6 +599,9 @@ impl World {
             completed_at: None,
             last_call_lost: false,
             frozen_ms: 0,
+            gen_ms: 0,
+            engine_paused_ms: paused,
+            gateway_died: None,
         });
         self.note(format!("client{i}"), Some(i), format!("requests via gw{gw} to replica{replica}: {tokens} tokens every {token_ms} ms; client {client}"));
         if let Client::Leaves { after_ms } = client {
@@ -583,11 +622,15 @@ impl World {
         let now = self.now;
         let net_cap = self.sched.setup.net_cap;
         // The engine.
+        let paused = now < self.engine_paused_until[self.streams[i].replica as usize];
         let s = &mut self.streams[i];
-        let due = (now.saturating_sub(s.start) / s.token_ms).min(s.tokens);
+        if !paused && s.engine_end.is_none() && now > s.start {
+            s.gen_ms += FLOW_MS.min(now - s.start);
+        }
+        let due = (s.gen_ms / s.token_ms).min(s.tokens);
         let produced = match s.engine_end {
             None if due == s.tokens => {
-                let at = s.start + s.tokens * s.token_ms;
+                let at = now;
                 s.engine_end = Some((at, EngineEnd::Finished));
                 self.timeline.push(
                     at,
@@ -737,6 +780,9 @@ impl World {
                 format!("filter closes the stream ({})", reason.as_str()),
             );
             self.kvguard_end(i, format!("gw{gw} (filter close)"), reason);
+            if reason == AbortReason::Stalled {
+                self.mass_stall(gw, i);
+            }
             let before = self.orphan_since(&self.streams[i]);
             let s = &mut self.streams[i];
             if s.state == ClientState::Reading {
@@ -836,7 +882,14 @@ impl World {
         for i in 0..self.streams.len() {
             let before = self.orphan_since(&self.streams[i]);
             let s = &mut self.streams[i];
-            if s.gw != gw || s.gw_generation != generation || s.gw_done {
+            if s.gw != gw || s.gw_generation != generation {
+                continue;
+            }
+            if s.engine_end.is_none() {
+                // With any abort it had queued for it.
+                s.gateway_died = Some(now);
+            }
+            if s.gw_done {
                 continue;
             }
             if s.state == ClientState::Reading {
@@ -915,6 +968,7 @@ impl World {
                     token: c.token,
                     status: None,
                     body: Vec::new(),
+                    stream,
                 },
             );
         }
@@ -959,11 +1013,19 @@ impl World {
                 token: c.token,
                 status: Some(status),
                 body,
+                stream: c.stream,
             },
         );
     }
 
-    fn answer(&mut self, gw: u8, generation: u32, token: u32, status: Option<u16>, body: Vec<u8>) {
+    fn answer(
+        &mut self,
+        gw: u8,
+        generation: u32,
+        token: u32,
+        (status, body): (Option<u16>, Vec<u8>),
+        stream: Option<usize>,
+    ) {
         let now = self.now;
         let g = &mut self.gateways[gw as usize];
         if !g.alive
@@ -973,7 +1035,11 @@ impl World {
             return;
         }
         if !g.runs(now) {
+            // It waits in the socket of a stopped gateway: late.
             let until = g.frozen_until;
+            if let Some(i) = stream {
+                self.streams[i].last_call_lost = true;
+            }
             self.at(
                 until,
                 Ev::Answer {
@@ -982,6 +1048,7 @@ impl World {
                     token,
                     status,
                     body,
+                    stream,
                 },
             );
             return;
@@ -1013,7 +1080,12 @@ impl World {
             .orphan_since(&self.streams[i])
             .and_then(|(c, _)| c.reason())
         {
-            if want != e.reason {
+            let s = &self.streams[i];
+            let lost = e.reason == AbortReason::GatewayLost && s.gateway_died.is_some();
+            // An engine that stopped producing for an idle timeout is ended `stalled`.
+            let stalled =
+                e.reason == AbortReason::Stalled && s.engine_paused_ms >= self.sched.setup.idle_ms;
+            if want != e.reason && !lost && !stalled {
                 self.violation(
                     Promise::Figures,
                     i,
@@ -1033,11 +1105,13 @@ impl World {
         for r in 0..self.replicas.len() {
             let mut ended = Vec::new();
             self.replicas[r].reap(now, &mut ended);
-            let expired = self.replicas[r].judge_leases(now, &mut ended);
+            let (expired, held) = self.replicas[r].judge_leases(now, &mut ended);
+            if held > 0 {
+                let what = format!("{held} lease expiries held: no other gateway heard from");
+                self.note(format!("replica{r}"), None, what);
+            }
             for (instance, why, n) in expired {
-                if why == Expiry::Unproven {
-                    self.unproven.insert(instance);
-                }
+                self.expiries.insert(instance, why);
                 self.note(
                     format!("replica{r}"),
                     None,
@@ -1067,7 +1141,10 @@ impl World {
             return;
         }
         s.kvguard_end = Some((now, who.clone(), reason));
-        if s.is_reader() && s.state == ClientState::Reading {
+        // An engine that stopped producing for the idle timeout is cut: that is the
+        // filter's job, whoever reads.
+        let engine_stalled = s.engine_paused_ms >= self.sched.setup.idle_ms;
+        if s.is_reader() && s.state == ClientState::Reading && !engine_stalled {
             let what = format!(
                 "{who} ended a stream its client reads ({}), {} of {} bytes read",
                 reason.as_str(),
@@ -1078,12 +1155,42 @@ impl World {
         }
     }
 
+    /// The mass-stall promise (filter/README.md "Mass-stall valve"): within one idle
+    /// window a gateway closes for a stall at most `max(8, 20 %)` of its streams on their
+    /// first window; those past it are held one more window (closes of streams silent for
+    /// two windows or more are such held ones, and not counted).
+    fn mass_stall(&mut self, gw: u8, i: usize) {
+        let (now, idle) = (self.now, self.sched.setup.idle_ms);
+        let first_window = self.streams[i]
+            .last_chunk
+            .is_none_or(|t| now < t + 2 * idle - TICK_MS);
+        if !first_window {
+            return;
+        }
+        self.stall_closes.push((gw, now, i));
+        let recent = self
+            .stall_closes
+            .iter()
+            .filter(|(g, t, _)| *g == gw && now < t + idle)
+            .count();
+        let open = self
+            .streams
+            .iter()
+            .filter(|s| s.gw == gw && !s.gw_done)
+            .count();
+        let threshold = 8.max((open + recent) / 5);
+        if recent > threshold {
+            let what = format!("gw{gw} closed {recent} streams for a stall within one idle window (threshold {threshold})");
+            self.violation(Promise::MassStall, i, what);
+        }
+    }
+
     fn violation(&mut self, promise: Promise, stream: usize, what: String) {
         let finding = crate::findings::classify(
             promise,
             &self.streams[stream],
             &self.sched.setup,
-            &self.unproven,
+            &self.expiries,
         );
         self.violations.push(Violation {
             promise,
@@ -1101,7 +1208,14 @@ impl World {
             let Some((cause, since)) = self.orphan_since(s) else {
                 continue;
             };
-            let bound = cause.bound_ms(self.sched.setup.idle_ms) + self.slack;
+            let mut bound = cause.bound_ms(self.sched.setup.idle_ms) + self.slack;
+            // Its gateway died since (with the abort it had queued): the lease's bound.
+            if let Some(died) = s.gateway_died {
+                let lease = died.saturating_sub(since)
+                    + Cause::GatewayGone.bound_ms(self.sched.setup.idle_ms)
+                    + self.slack;
+                bound = bound.max(lease);
+            }
             let end = s.engine_end.map_or(self.now, |(t, _)| t);
             if end > since + bound {
                 let what = format!(

@@ -2,7 +2,7 @@
 //! test fail: move the finding to the regression list), a seed campaign finds no unknown
 //! violation, and named mutations of the rules are caught.
 
-use kvguard_sim::findings::known;
+use kvguard_sim::findings::{guards, known};
 use kvguard_sim::schedule::{Client, Op, Setup};
 use kvguard_sim::{run, Mutations, Schedule};
 
@@ -100,4 +100,22 @@ fn a_run_is_deterministic() {
     let s = Schedule::generate(42);
     let (a, b) = (run(&s, Mutations::default()), run(&s, Mutations::default()));
     assert_eq!(a.timeline.lines, b.timeline.lines);
+}
+
+#[test]
+fn the_guards_of_the_filter_s_rules_pass() {
+    // Each fails with its rule removed from filter/core/src/cut.rs (docs/TESTING.md).
+    for g in guards() {
+        let r = run(&g.schedule, Mutations::default());
+        assert!(
+            r.violations.is_empty(),
+            "{}: {:?}\n{}",
+            g.rule,
+            r.violations,
+            r.violations
+                .first()
+                .map(|v| r.timeline.story(v.stream))
+                .unwrap_or_default()
+        );
+    }
 }

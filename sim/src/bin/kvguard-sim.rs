@@ -3,8 +3,10 @@
 //! ```text
 //! kvguard-sim --seeds N [--from S]   run seeds S..S+N; shrink and print the first unknown violation
 //! kvguard-sim --seed S               print seed S's schedule, violations and their timelines
+//! kvguard-sim --shrink S             shrink seed S's first violation; print the schedule as Rust
 //! kvguard-sim --finding 36.1         print a known finding's schedule and timeline
 //! kvguard-sim --findings             list the known findings and whether each is still found
+//! kvguard-sim --guards               run the schedules that fail when a rule of the filter core is removed
 //! ```
 //! `--no-deferral` runs with kvguard-control's deferral switched off (a mutation).
 
@@ -42,6 +44,19 @@ fn main() -> ExitCode {
         print_report(&s, &run(&s, m));
         return ExitCode::SUCCESS;
     }
+    if let Some(seed) = arg(&args, "--shrink") {
+        let s = Schedule::generate(seed);
+        let r = run(&s, m);
+        let Some(v) = r.violations.first() else {
+            println!("seed {seed}: no violation");
+            return ExitCode::SUCCESS;
+        };
+        println!("seed {seed}: {v}\nshrunk:");
+        let small = shrink(&s, m, v);
+        println!("{small:#?}");
+        print_report(&small, &run(&small, m));
+        return ExitCode::SUCCESS;
+    }
     if let Some(i) = args.iter().position(|a| a == "--finding") {
         let name = args.get(i + 1).map(String::as_str).unwrap_or("");
         let Some(f) = known().into_iter().find(|f| f.name == name) else {
@@ -51,6 +66,33 @@ fn main() -> ExitCode {
         println!("finding {}: {}", f.name, f.title);
         print_report(&f.schedule, &run(&f.schedule, m));
         return ExitCode::SUCCESS;
+    }
+    if args.iter().any(|a| a == "--guards") {
+        let mut ok = true;
+        for g in kvguard_sim::findings::guards() {
+            let r = run(&g.schedule, m);
+            ok &= r.violations.is_empty();
+            println!(
+                "{}: {}",
+                g.rule,
+                if r.violations.is_empty() {
+                    "passes".to_owned()
+                } else {
+                    format!(
+                        "FAILS\n{}",
+                        r.violations
+                            .iter()
+                            .map(|v| format!("  {v}\n{}", r.timeline.story(v.stream)))
+                            .collect::<String>()
+                    )
+                }
+            );
+        }
+        return if ok {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        };
     }
     if args.iter().any(|a| a == "--findings") {
         for f in known() {
