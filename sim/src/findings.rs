@@ -33,6 +33,13 @@ pub fn classify(
     match promise {
         Promise::Invariant1 if by_lease => Some("37.3"),
         Promise::Invariant1 if by_gateway && s.last_call_lost => Some("36.4"),
+        // The decode side's deferral became a `dry_run` leg of a 200 that defers nothing.
+        Promise::Invariant1 if by_gateway && setup.pd && answer.contains("dry_run") => Some("36.2"),
+        // ... and nothing ends the decode leg: it runs on, and is counted under
+        // whatever ends it later.
+        Promise::Invariant2 | Promise::Figures if setup.pd && answer.contains("dry_run") => {
+            Some("36.2")
+        }
         Promise::Invariant2 if closed_or_left && setup.hop_hides && s.last_call_lost => {
             Some("sim.1")
         }
@@ -41,7 +48,9 @@ pub fn classify(
         // The lease ended a live (frozen) gateway's stream: counted `gateway_lost`.
         Promise::Figures if by_lease && !gateway_gone => Some("37.3"),
         Promise::Invariant1
-            if by_gateway && s.completed_at.is_some() && answer.contains("not_found") =>
+            if by_gateway
+                && s.completed_at.is_some()
+                && (answer.contains("not_found") || answer.contains("legs []")) =>
         {
             Some("36.1")
         }
@@ -167,6 +176,19 @@ pub fn known() -> Vec<Finding> {
                         for_ms: 35_000,
                     },
                 ],
+            },
+        },
+        Finding {
+            name: "36.2",
+            title: "P/D: a deferral is lost in the fan-out, the reader cut",
+            schedule: Schedule {
+                seed: 2,
+                setup: Setup {
+                    replicas: 2,
+                    pd: true,
+                    ..Setup::default()
+                },
+                ops: vec![stream(0, 0, 1, Client::Steady { bps: 450 }, 3_000, 30)],
             },
         },
         Finding {

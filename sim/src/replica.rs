@@ -8,9 +8,9 @@
 //! P/D legs and hand-offs, replica restarts, the abort flush deadline.
 
 use kvguard_contract::{
-    AbortAnswer, AbortReason, AbortRequest, InstanceId, RenewalBody, RequestId,
+    AbortAnswer, AbortReason, AbortRequest, InstanceId, Leg, RenewalBody, RequestId,
 };
-use kvguard_control_core::abort::{route, AbortFound, Route};
+use kvguard_control_core::abort::{leg_result, legs_of, route, summary, AbortFound, Route};
 use kvguard_control_core::cut::{may_end, Ask, Cut, Deferral, Here};
 use kvguard_control_core::inflight::{AbortHere, Held, Inflight, InflightConfig};
 use kvguard_control_core::lease::{Expiry, Leases};
@@ -99,6 +99,8 @@ pub struct Replica {
     next_seq: u64,
     base: Instant,
     mutations: Mutations,
+    /// `--pd-role` (`None`: none).
+    pub pd_role: Option<&'static str>,
 }
 
 /// A virtual millisecond as an `Instant` (the core takes `Instant`s; only differences
@@ -131,6 +133,7 @@ impl Replica {
             next_seq: 0,
             base,
             mutations,
+            pd_role: None,
         }
     }
 
@@ -439,7 +442,7 @@ pub fn abort_call(
         );
     }
     let peers = replicas.len() > 1;
-    match route(false, peers) {
+    match route(replicas[here].pd_role.is_some(), peers) {
         Route::HereThenPeer => {
             match replicas[here].abort_here(&id, reason, now_ms, false, ended) {
                 AbortFound::NotFound => {
@@ -474,10 +477,79 @@ pub fn abort_call(
                 found => found_answer(&id, found, "here"),
             }
         }
-        Route::Here | Route::EveryLeg => {
+        // `abort::abort`'s `Route::EveryLeg`: here if in flight, every peer at once
+        // (`Peers::fan_out_abort`, each answer's legs by `legs_of`), then here again
+        // under the lock; `endpoint::legs_answer`.
+        Route::EveryLeg => {
+            let found = replicas[here].abort_here(&id, reason, now_ms, false, ended);
+            let mut remote = Vec::new();
+            if peers_up {
+                for p in 0..replicas.len() {
+                    if p != here {
+                        let a = peer_abort(replicas, p, &abort, &id, now_ms, ended);
+                        if a.status == 200 {
+                            remote.extend(legs_of(&format!("replica{p}"), &a.body));
+                        }
+                    }
+                }
+            }
+            let found = match found {
+                AbortFound::NotFound => replicas[here].abort_here(&id, reason, now_ms, true, ended),
+                f => f,
+            };
+            let mut legs = legs_here(&replicas[here], found);
+            legs.extend(remote);
+            legs_answer(&id, legs)
+        }
+        Route::Here => {
             let found = replicas[here].abort_here(&id, reason, now_ms, true, ended);
+            if replicas[here].pd_role.is_some() {
+                return legs_answer(&id, legs_here(&replicas[here], found));
+            }
             found_answer(&id, found, "here")
         }
+    }
+}
+
+/// `AppState::legs_here` (no hand-off held: not modelled).
+fn legs_here(r: &Replica, found: AbortFound) -> Vec<Leg> {
+    leg_result(found)
+        .map(|result| Leg {
+            replica: format!("replica{}", r.index),
+            role: r.pd_role.map(str::to_owned),
+            result,
+        })
+        .into_iter()
+        .collect()
+}
+
+/// `endpoint::legs_answer`.
+fn legs_answer(id: &RequestId, legs: Vec<Leg>) -> Answer {
+    let (found, aborted, already) = summary(&legs);
+    let how = legs
+        .iter()
+        .map(|l| {
+            format!(
+                "{}/{}={}",
+                l.replica,
+                l.role.as_deref().unwrap_or(""),
+                l.result.as_str()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(",");
+    let a = AbortAnswer {
+        request_id: id.as_str().to_owned(),
+        found,
+        aborted,
+        already_aborted: already,
+        legs,
+        deferred: false,
+    };
+    Answer {
+        status: if found { 200 } else { 404 },
+        body: serde_json::to_vec(&a).unwrap_or_default(),
+        how: format!("legs [{how}]"),
     }
 }
 
@@ -502,5 +574,8 @@ fn peer_abort(
         );
     }
     let found = replicas[at].abort_here(id, abort.reason, now_ms, true, ended);
+    if replicas[at].pd_role.is_some() {
+        return legs_answer(id, legs_here(&replicas[at], found));
+    }
     found_answer(id, found, "peer")
 }

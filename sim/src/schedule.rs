@@ -22,6 +22,10 @@ pub struct Setup {
     pub net_cap: u64,
     /// The filter's route `idle_timeout_ms` (shipped: 60 000).
     pub idle_ms: u64,
+    /// Prefill/decode disaggregation: replica 0 is `--pd-role prefill`, replica 1
+    /// `--pd-role decode` (peers of each other); each request's prefill leg runs on 0
+    /// (a non-streaming answer), its decode leg, the stream, on 1.
+    pub pd: bool,
 }
 
 impl Default for Setup {
@@ -34,6 +38,7 @@ impl Default for Setup {
             hop_routes_lease: true,
             net_cap: 256 * 1024,
             idle_ms: 60_000,
+            pd: false,
         }
     }
 }
@@ -158,8 +163,10 @@ impl Schedule {
     pub fn generate(seed: u64) -> Schedule {
         let mut r = Rng::new(seed);
         let gateways = r.range(1, 2) as u8;
-        let replicas = r.range(1, 2) as u8;
+        let pd = r.chance(100);
+        let replicas = if pd { 2 } else { r.range(1, 2) as u8 };
         let setup = Setup {
+            pd,
             gateways,
             replicas,
             hop_hides: r.chance(500),
@@ -294,10 +301,11 @@ impl fmt::Display for Schedule {
         let s = &self.setup;
         writeln!(
             f,
-            "seed {}: {} gateway(s), {} replica(s), hop {} disconnects{}, sockets {} KiB, filter idle {} ms",
+            "seed {}: {} gateway(s), {} replica(s){}, hop {} disconnects{}, sockets {} KiB, filter idle {} ms",
             self.seed,
             s.gateways,
             s.replicas,
+            if s.pd { " (prefill, decode)" } else { "" },
             if s.hop_hides { "hiding" } else { "passing" },
             if s.hop_routes_lease { "" } else { " and answering 404 to /v1/kvguard/lease" },
             s.net_cap / 1024,

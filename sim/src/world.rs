@@ -308,9 +308,13 @@ impl World {
         let gateways = (0..sched.setup.gateways)
             .map(|g| Gateway::start(cfg.clone(), g, 0, sched.seed, 0))
             .collect();
-        let replicas = (0..sched.setup.replicas.max(1))
+        let mut replicas: Vec<Replica> = (0..sched.setup.replicas.max(1))
             .map(|r| Replica::new(r, base, mutations))
             .collect();
+        if sched.setup.pd && replicas.len() == 2 {
+            replicas[0].pd_role = Some("prefill");
+            replicas[1].pd_role = Some("decode");
+        }
         // Faults stretch every bound by their length: a lease expiry is held while no
         // other gateway is heard from, an abort waits out lost calls.
         let slack = sched
@@ -557,6 +561,17 @@ impl World {
         );
         let generation = g.generation;
         let now = self.now;
+        let replica = if self.sched.setup.pd && self.replicas.len() == 2 {
+            // The prefill leg (`max_tokens: 1`, a non-streaming answer) on replica 0:
+            // its Content-Length answer is never seen ending, so it leaves the table
+            // as not completed (issue 36 point 3), then the decode leg streams on 1.
+            if let Some(p) = self.replicas[0].admit(i, id.clone(), instance, now) {
+                self.replicas[0].remove_ended(&p, false, now);
+            }
+            1
+        } else {
+            replica
+        };
         let entry = self.replicas[replica as usize].admit(i, id.clone(), instance, now);
         if let Some(e) = &entry {
             e.0.progress.borrow_mut().record_response(
@@ -1111,7 +1126,15 @@ impl World {
                 self.note(format!("replica{r}"), None, what);
             }
             for (instance, why, n) in expired {
-                self.expiries.insert(instance, why);
+                // Unproven anywhere is what leaves a stream running (replicas judge apart).
+                self.expiries
+                    .entry(instance)
+                    .and_modify(|e| {
+                        if why == Expiry::Unproven {
+                            *e = why;
+                        }
+                    })
+                    .or_insert(why);
                 self.note(
                     format!("replica{r}"),
                     None,
