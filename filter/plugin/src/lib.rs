@@ -60,6 +60,8 @@ struct Shared {
     /// Since when (monotonic ms) the host has been stopping this VM (`on_done`) while
     /// aborts were pending.
     stopping_since: Option<u64>,
+    /// The `x-kvguard-instance` value of the last tag written, with that tag.
+    tag_value: Option<(InstanceTag, String)>,
 }
 
 type SharedRef = Rc<RefCell<Shared>>;
@@ -558,6 +560,7 @@ fn init() {
                 renewer: lease::Renewer::default(),
                 member: vms::Member::default(),
                 stopping_since: None,
+                tag_value: None,
             })),
         })
     });
@@ -957,32 +960,34 @@ impl HttpContext for Stream {
         let verdict = with_engine(&self.shared, |e, p| {
             e.on_request_headers(p, id, path.as_deref(), rid.as_deref(), !end_of_stream)
         });
-        let instance = match verdict {
-            Some(Verdict::Tracked) => {
-                self.tracked = true;
-                // The gateway process and worker VM that carry it (contract §8).
-                self.shared.try_borrow().ok().and_then(|s| {
-                    Some(InstanceTag {
-                        instance: s.renewer.instance()?,
-                        vm: s.member.id(),
-                    })
-                })
-            }
-            // Untracked: no filter state is written (contract §7: an access log shows
-            // `-`), which saves a host call on every request the filter does not track.
-            _ => None,
-        };
-        match instance {
-            Some(i) => {
+        // Untracked: no filter state is written (contract §7: an access log shows `-`),
+        // which saves a host call on every request the filter does not track.
+        let tagged = matches!(verdict, Some(Verdict::Tracked)) && {
+            self.tracked = true;
+            // The gateway process and worker VM that carry it (contract §8), formatted
+            // once per tag. Replacing a header never calls back into the VM, so the
+            // borrow may be held over it.
+            self.shared.try_borrow_mut().is_ok_and(|mut s| {
+                let Some(tag) = s.renewer.instance().map(|instance| InstanceTag {
+                    instance,
+                    vm: s.member.id(),
+                }) else {
+                    return false;
+                };
+                let value = match &mut s.tag_value {
+                    Some((t, v)) if *t == tag => v,
+                    slot => &mut slot.insert((tag, tag.to_string())).1,
+                };
                 let _ = abi::replace_header(
                     abi::Map::RequestHeaders,
                     INSTANCE_HEADER,
-                    i.to_string().as_bytes(),
+                    value.as_bytes(),
                 );
-            }
-            None => {
-                let _ = abi::remove_header(abi::Map::RequestHeaders, INSTANCE_HEADER);
-            }
+                true
+            })
+        };
+        if !tagged {
+            let _ = abi::remove_header(abi::Map::RequestHeaders, INSTANCE_HEADER);
         }
         if self.tracked {
             let sample = self
