@@ -399,7 +399,8 @@ pub async fn instructions(opts: &BenchOptions) -> Result<Value> {
         rx.addr(),
         opts.noop_wasm.clone(),
         opts.compare_wasm.clone(),
-        opts.host_call_costs,
+        // One listener per host call would not fit under Valgrind (four wasm filters).
+        None,
         &opts.kvguard_config,
         |eo, variants| {
             eo.command = Some(command);
@@ -458,9 +459,7 @@ pub async fn instructions(opts: &BenchOptions) -> Result<Value> {
                 );
             }
         }
-        if !v.starts_with("noop-x-") {
-            load(v, LONG_EVENTS, n_long / 2).await?;
-        }
+        load(v, LONG_EVENTS, n_long / 2).await?;
     }
     let log = envoy.guard().log();
     if let Some(line) = log
@@ -490,10 +489,6 @@ pub async fn instructions(opts: &BenchOptions) -> Result<Value> {
         }
         for v in &order {
             for (events, n) in [(1, n_one), (LONG_EVENTS, n_long)] {
-                // The host-call listeners differ in their request headers only.
-                if events > 1 && v.starts_with("noop-x-") {
-                    continue;
-                }
                 let label = format!("r{round}-{}-{events}ev", v.replace('@', "-"));
                 let (raw, secs, done) = counted(pid, &base, &label, load(v, events, n)).await?;
                 let net = raw as f64 - rate * secs;
@@ -557,23 +552,6 @@ pub async fn instructions(opts: &BenchOptions) -> Result<Value> {
             }),
         );
     }
-    // What one host call costs (with `--host-call-costs N`): (noop-x-<call> − noop) / N.
-    let host_call_instructions: BTreeMap<&str, f64> = opts
-        .host_call_costs
-        .map(|times| {
-            requests::HOST_CALLS
-                .iter()
-                .map(|c| {
-                    let d = zip(
-                        per_request(&format!("noop-x-{c}"), 1),
-                        per_request("noop", 1),
-                        |x, y| x - y,
-                    );
-                    (*c, mean(&d) / f64::from(times.max(1)))
-                })
-                .collect()
-        })
-        .unwrap_or_default();
     // Where kvguard's instructions go: the last round's one-event dumps.
     let last = rounds - 1;
     let dump = |v: &str, events: u64| dir.join(format!("r{last}-{v}-{events}ev.callgrind"));
@@ -612,8 +590,6 @@ pub async fn instructions(opts: &BenchOptions) -> Result<Value> {
         "variants": variants,
         "compare_wasm": super::compare_json(opts),
         "idle_instructions_per_s": idle_rates,
-        "host_call_instructions": host_call_instructions,
-        "host_call_repeats": opts.host_call_costs,
         "summary": summary,
         "counts": counts,
         "callgrind_dir": dir.display().to_string(),

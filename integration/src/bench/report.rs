@@ -423,19 +423,6 @@ fn instructions_md(m: &mut String, r: &Value) {
             f(&x["per_request_long_over_noop"]),
         );
     }
-    if let Some(hc) = r["host_call_instructions"]
-        .as_object()
-        .filter(|o| !o.is_empty())
-    {
-        let _ = writeln!(
-            m,
-            "\nOne host call in instructions (the do-nothing filter makes it {} times per request: (per request − noop's) / {}):\n\n| host call | instructions each |\n|---|---|",
-            r["host_call_repeats"], r["host_call_repeats"]
-        );
-        for (c, v) in hc {
-            let _ = writeln!(m, "| {c} | {:.0} |", f(v));
-        }
-    }
     for (key, what) in [
         ("kvguard_minus_noop_per_request", "kvguard − noop"),
         ("noop_minus_none_per_request", "noop − none"),
