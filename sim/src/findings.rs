@@ -27,9 +27,6 @@ pub fn classify(
         .as_ref()
         .is_some_and(|(_, who, r)| who.contains("lease") && *r == AbortReason::GatewayLost);
     let gateway_gone = s.orphan.is_some_and(|(c, _)| c == Cause::GatewayGone);
-    let closed_or_left = s
-        .orphan
-        .is_some_and(|(c, _)| matches!(c, Cause::Left | Cause::Closed));
     match promise {
         Promise::Invariant1 if by_lease => Some("37.3"),
         Promise::Invariant1 if by_gateway && s.last_call_lost => Some("36.4"),
@@ -40,9 +37,7 @@ pub fn classify(
         Promise::Invariant2 | Promise::Figures if setup.pd && answer.contains("dry_run") => {
             Some("36.2")
         }
-        Promise::Invariant2 if closed_or_left && setup.hop_hides && s.last_call_lost => {
-            Some("sim.1")
-        }
+        Promise::Invariant2 if setup.hop_hides && s.last_call_lost => Some("sim.1"),
         // The false `already_aborted` also leaves the holder's engine running.
         Promise::Invariant2 if answer.contains("already_aborted") => Some("36.5"),
         // The lease ended a live (frozen) gateway's stream: counted `gateway_lost`.

@@ -1,17 +1,18 @@
 //! A kvguard-control replica: the REAL control core (`kvguard-control-core`: the
-//! in-flight table with tombstones and completion memory, the cut decision, the
+//! in-flight table with tombstones and completion memory and its judgement of an ask
+//! ([`Inflight::judge`]) and of the reaper's pass ([`Inflight::due`]), the
 //! reaper's verdicts, leases) composed as the service's shell composes it. Each method
 //! names the shell function it mirrors; what the shell does with sockets (closing the
 //! engine connection, writing the final event) is returned for the world to carry out.
 //!
 //! Not modelled: signatures and the replay memory (every call is trusted), `--dry-run`,
-//! P/D legs and hand-offs, replica restarts, the abort flush deadline.
+//! P/D hand-offs (held prefill blocks), replica restarts, the abort flush deadline.
 
 use kvguard_contract::{
     AbortAnswer, AbortReason, AbortRequest, InstanceId, Leg, RenewalBody, RequestId,
 };
 use kvguard_control_core::abort::{leg_result, legs_of, route, summary, AbortFound, Route};
-use kvguard_control_core::cut::{may_end, Ask, Cut, Deferral, Here};
+use kvguard_control_core::cut::{Ask, Cut, Deferral};
 use kvguard_control_core::inflight::{AbortHere, Held, Inflight, InflightConfig};
 use kvguard_control_core::lease::{Expiry, Leases};
 use kvguard_control_core::limits::Limits;
@@ -194,8 +195,8 @@ impl Replica {
     }
 
     /// `abort::AppState::defers`: whether a gateway's abort is answered `deferred`
-    /// ([`may_end`] on what is known here), keeping a completion's memory one more
-    /// reader timeout when its tail is deferred.
+    /// ([`Inflight::judge`]: [`may_end`] on what is known here; a deferred tail keeps its
+    /// completion one more reader timeout).
     pub fn defers(
         &mut self,
         id: &RequestId,
@@ -211,23 +212,8 @@ impl Replica {
             recheck: abort.recheck_ms.is_some(),
             sender_idle: abort.idle_ms.map(Duration::from_millis),
         };
-        if let Some(entry) = self.inflight.get(id).cloned() {
-            let times = entry.0.progress.borrow().times();
-            return match may_end(Here::InFlight(times), ask, now, &self.limits) {
-                Cut::Defer(d) => Some(d),
-                Cut::End(_) | Cut::Keep => None,
-            };
-        }
-        let here = if self.inflight.completed_recently(id, now) {
-            Here::Completed
-        } else {
-            Here::Unknown
-        };
-        match may_end(here, ask, now, &self.limits) {
-            Cut::Defer(d) => {
-                self.inflight.keep_completion(id, now);
-                Some(d)
-            }
+        match self.inflight.judge(id, ask, now, &self.limits) {
+            Cut::Defer(d) => Some(d),
             Cut::End(_) | Cut::Keep => None,
         }
     }
@@ -265,21 +251,10 @@ impl Replica {
     }
 
     /// `reaper::reap_once`: every request in flight whose clocks are due
-    /// ([`may_end`] with [`Ask::Reaper`]) is ended.
+    /// ([`Inflight::due`]) is ended (`end_request`), then expired tombstones go.
     pub fn reap(&mut self, now_ms: u64, ended: &mut Vec<Ended>) {
         let now = self.now(now_ms);
-        let due: Vec<(EntryRef, AbortReason)> = self
-            .inflight
-            .entries()
-            .filter_map(|e| {
-                let times = e.0.progress.borrow().times();
-                match may_end(Here::InFlight(times), Ask::Reaper, now, &self.limits) {
-                    Cut::End(r) => Some((e.clone(), r)),
-                    Cut::Defer(_) | Cut::Keep => None,
-                }
-            })
-            .collect();
-        for (e, reason) in due {
+        for (e, reason) in self.inflight.due(now, &self.limits) {
             if self.end_request(&e, reason, now_ms) {
                 ended.push(Ended {
                     stream: e.0.stream,

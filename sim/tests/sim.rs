@@ -6,13 +6,13 @@ use kvguard_sim::findings::{guards, known};
 use kvguard_sim::schedule::{Client, Op, Setup};
 use kvguard_sim::{run, Mutations, Schedule};
 
-/// Seeds the campaign runs here (`KVGUARD_SIM_SEEDS`, default 1 000: a debug build runs
+/// Seeds the campaign runs here (`KVGUARD_SIM_SEEDS`, default 500: a debug build runs
 /// about 15 seeds a second); CI's release stage runs 10 000 (`scripts/sim --seeds 10000`).
 fn seeds() -> u64 {
     std::env::var("KVGUARD_SIM_SEEDS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(1_000)
+        .unwrap_or(500)
 }
 
 #[test]
