@@ -2,7 +2,7 @@
 //! test fail: move the finding to the regression list), a seed campaign finds no unknown
 //! violation, and named mutations of the rules are caught.
 
-use kvguard_sim::findings::{guards, known};
+use kvguard_sim::findings::{guards, known, regressions};
 use kvguard_sim::schedule::{Client, Op, Setup};
 use kvguard_sim::{run, Mutations, Schedule};
 
@@ -21,7 +21,7 @@ fn every_known_finding_is_still_found() {
         let r = run(&f.schedule, Mutations::default());
         assert!(
             r.violations.iter().any(|v| v.finding == Some(f.name)),
-            "finding {} ({}) is no longer found: if it was fixed, move its schedule to the regression list (every_regression_stays_fixed) and its row in docs/TESTING.md.\n{}",
+            "finding {} ({}) is no longer found: if it was fixed, move it from findings::known to findings::regressions (every_regression_stays_fixed) and its row in docs/TESTING.md.\n{}",
             f.name,
             f.title,
             f.schedule
@@ -116,6 +116,20 @@ fn the_guards_of_the_filter_s_rules_pass() {
                 .first()
                 .map(|v| r.timeline.story(v.stream))
                 .unwrap_or_default()
+        );
+    }
+}
+
+#[test]
+fn every_regression_stays_fixed() {
+    for f in regressions() {
+        let r = run(&f.schedule, Mutations::default());
+        assert!(
+            r.violations.is_empty(),
+            "fixed finding {} ({}) is back: {:?}",
+            f.name,
+            f.title,
+            r.violations
         );
     }
 }
