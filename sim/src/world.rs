@@ -562,11 +562,11 @@ impl World {
         let generation = g.generation;
         let now = self.now;
         let replica = if self.sched.setup.pd && self.replicas.len() == 2 {
-            // The prefill leg (`max_tokens: 1`, a non-streaming answer) on replica 0:
-            // its Content-Length answer is never seen ending, so it leaves the table
-            // as not completed (issue 36 point 3), then the decode leg streams on 1.
+            // The prefill leg (`max_tokens: 1`, a non-streaming answer) on replica 0: its
+            // Content-Length answer ends complete (`TrackedBody::complete`), so the
+            // prefill replica remembers a completion; then the decode leg streams on 1.
             if let Some(p) = self.replicas[0].admit(i, id.clone(), instance, now) {
-                self.replicas[0].remove_ended(&p, false, now);
+                self.replicas[0].remove_ended(&p, true, now);
             }
             1
         } else {
