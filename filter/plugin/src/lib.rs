@@ -60,8 +60,6 @@ struct Shared {
     /// Since when (monotonic ms) the host has been stopping this VM (`on_done`) while
     /// aborts were pending.
     stopping_since: Option<u64>,
-    /// The `x-kvguard-instance` value of the last tag written, with that tag.
-    tag_value: Option<(InstanceTag, String)>,
 }
 
 type SharedRef = Rc<RefCell<Shared>>;
@@ -560,7 +558,6 @@ fn init() {
                 renewer: lease::Renewer::default(),
                 member: vms::Member::default(),
                 stopping_since: None,
-                tag_value: None,
             })),
         })
     });
@@ -946,48 +943,39 @@ impl HttpContext for Stream {
         let path = abi::get_header(abi::Map::RequestHeaders, ":path")
             .ok()
             .flatten();
-        // The request id only for a path kvguard tracks: a header read (with its copy into
-        // the VM) less on every other request.
-        let tracks = |p: &[u8]| with_engine(&self.shared, |e, _| e.cfg.limits_for(p).is_some());
-        let rid = if path.as_deref().and_then(tracks).unwrap_or(false) {
-            abi::get_header(abi::Map::RequestHeaders, REQUEST_ID_HEADER)
-                .ok()
-                .flatten()
-        } else {
-            None
-        };
+        let rid = abi::get_header(abi::Map::RequestHeaders, REQUEST_ID_HEADER)
+            .ok()
+            .flatten();
         let id = self.id;
         let verdict = with_engine(&self.shared, |e, p| {
             e.on_request_headers(p, id, path.as_deref(), rid.as_deref(), !end_of_stream)
         });
-        // Untracked: no filter state is written (contract §7: an access log shows `-`),
-        // which saves a host call on every request the filter does not track.
-        let tagged = matches!(verdict, Some(Verdict::Tracked)) && {
-            self.tracked = true;
-            // The gateway process and worker VM that carry it (contract §8), formatted
-            // once per tag. Replacing a header never calls back into the VM, so the
-            // borrow may be held over it.
-            self.shared.try_borrow_mut().is_ok_and(|mut s| {
-                let Some(tag) = s.renewer.instance().map(|instance| InstanceTag {
-                    instance,
-                    vm: s.member.id(),
-                }) else {
-                    return false;
-                };
-                let value = match &mut s.tag_value {
-                    Some((t, v)) if *t == tag => v,
-                    slot => &mut slot.insert((tag, tag.to_string())).1,
-                };
+        let instance = match verdict {
+            Some(Verdict::Tracked) => {
+                self.tracked = true;
+                // The gateway process and worker VM that carry it (contract §8).
+                self.shared.try_borrow().ok().and_then(|s| {
+                    Some(InstanceTag {
+                        instance: s.renewer.instance()?,
+                        vm: s.member.id(),
+                    })
+                })
+            }
+            // Untracked: no filter state is written (contract §7: an access log shows
+            // `-`), which saves a host call on every request the filter does not track.
+            _ => None,
+        };
+        match instance {
+            Some(i) => {
                 let _ = abi::replace_header(
                     abi::Map::RequestHeaders,
                     INSTANCE_HEADER,
-                    value.as_bytes(),
+                    i.to_string().as_bytes(),
                 );
-                true
-            })
-        };
-        if !tagged {
-            let _ = abi::remove_header(abi::Map::RequestHeaders, INSTANCE_HEADER);
+            }
+            None => {
+                let _ = abi::remove_header(abi::Map::RequestHeaders, INSTANCE_HEADER);
+            }
         }
         if self.tracked {
             let sample = self
