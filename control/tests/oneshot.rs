@@ -1320,6 +1320,22 @@ async fn tombstones_beyond_the_bound_evict_the_oldest_and_each_eviction_is_count
         series(&st, "kvguard_control_tombstones").as_deref(),
         Some("2")
     );
+    // The abort API's tombstones, of an id not in flight and of one it ends, count theirs.
+    let missing = RequestId::try_new(b"e").unwrap();
+    assert_eq!(
+        st.abort_or_tombstone(&missing, AbortReason::Operator, None),
+        kvguard_control::abort::AbortFound::NotFound
+    );
+    admitted(&st, "f");
+    let ended = RequestId::try_new(b"f").unwrap();
+    assert_eq!(
+        st.abort_or_tombstone(&ended, AbortReason::Operator, None),
+        kvguard_control::abort::AbortFound::Ended
+    );
+    assert_eq!(
+        series(&st, "kvguard_control_tombstones_evicted_total").as_deref(),
+        Some("4")
+    );
 }
 
 #[tokio::test]

@@ -248,6 +248,11 @@ impl<E: Held + Clone> Inflight<E> {
         self.tombstones.len()
     }
 
+    /// Tombstones evicted early to make room, since the table was made.
+    pub fn tombstones_evicted(&self) -> u64 {
+        self.tombstones.evicted()
+    }
+
     /// Ends `entry` for `reason` at `now`: it leaves the table and its id is tombstoned.
     /// `None` if it was already being ended; else the tombstones evicted to make room.
     pub fn end(&mut self, entry: &E, reason: AbortReason, now: Instant) -> Option<u64> {
@@ -468,9 +473,11 @@ mod tests {
         let r = AbortReason::Stalled;
         assert_eq!(t.tombstone(h("a", 0).id().clone(), r, t0), 0);
         assert_eq!(t.tombstone(h("b", 0).id().clone(), r, t0), 0);
+        assert_eq!(t.tombstones_evicted(), 0);
         assert_eq!(t.tombstone(h("c", 0).id().clone(), r, t0), 1);
         assert_eq!(t.tombstone(h("c", 0).id().clone(), r, t0), 0, "a refresh");
         assert_eq!(t.tombstones(), 2);
+        assert_eq!(t.tombstones_evicted(), 1);
         assert!(
             t.tombstoned(h("a", 0).id(), t0).is_none(),
             "the oldest went"

@@ -228,10 +228,13 @@ impl AppState {
                 reason,
             });
         }
-        match inner.abort_here(id, reason, now, tombstone_missing) {
+        let evicted_before = inner.tombstones_evicted();
+        let outcome = inner.abort_here(id, reason, now, tombstone_missing);
+        let evicted = inner.tombstones_evicted() - evicted_before;
+        match outcome {
             AbortHere::End(entry) => {
                 self.metrics.inflight.set(inner.len() as i64);
-                self.count_tombstones(&inner, 0);
+                self.count_tombstones(&inner, evicted);
                 drop(inner);
                 self.finish_end(&entry, reason, "abort_api");
                 AbortFound::Ended
@@ -244,7 +247,7 @@ impl AppState {
             AbortHere::Already => AbortFound::Already,
             AbortHere::NotFound { tombstoned } => {
                 if tombstoned {
-                    self.count_tombstones(&inner, 0);
+                    self.count_tombstones(&inner, evicted);
                 } else if tombstone_missing {
                     drop(inner);
                     tracing::info!(request_id = %id, reason = %reason, outcome = outcome::DRY_RUN, "abort call for an id not in flight: would tombstone it (dry run)");
