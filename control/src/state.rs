@@ -272,7 +272,7 @@ impl AppState {
     /// gateway may still be draining it to a slow reader ([`AppState::defers`]).
     pub fn remove_ended(&self, entry: &Arc<Entry>, completed: bool) {
         let mut inner = self.inner();
-        inner.remove_ended(entry, completed, self.clock.now());
+        inner.remove_ended(entry, completed);
         self.metrics.inflight.set(inner.len() as i64);
     }
 

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 pub enum Here {
     /// In flight, with these clocks.
     InFlight(Times),
-    /// Completed here recently ([`crate::inflight::Inflight::completed_recently`]).
+    /// Completed here ([`crate::inflight::Inflight::completed`]).
     Completed,
     /// Neither.
     Unknown,

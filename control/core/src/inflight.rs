@@ -6,7 +6,7 @@
 //! Generic over the shell's handle of a request ([`Held`]): the table decides, the shell
 //! carries out (closes the engine connection, answers the client, counts).
 
-use crate::cut::{self, Ask, Cut, Deferral, Here};
+use crate::cut::{self, Ask, Cut, Here};
 use crate::limits::Limits;
 use crate::request::Times;
 use crate::tombstones::{Completions, Tombstone, Tombstones};
@@ -109,10 +109,7 @@ impl<E: Held + Clone> Inflight<E> {
             table: HashMap::new(),
             superseded: HashMap::new(),
             tombstones: Tombstones::new(cfg.tombstone_ttl, cfg.max_tombstones),
-            completions: Tombstones::new(
-                cfg.reader_timeout.unwrap_or_default(),
-                cfg.max_tombstones,
-            ),
+            completions: Completions::new(cfg.max_tombstones),
         }
     }
 
@@ -173,44 +170,36 @@ impl<E: Held + Clone> Inflight<E> {
         }
     }
 
-    /// Removes `entry`, whose response ended here at `now`; one that `completed` (the
-    /// engine's end passed on) is remembered for the reader timeout: its gateway may
-    /// still be draining it to a slow reader ([`Inflight::completed_recently`]).
-    pub fn remove_ended(&mut self, entry: &E, completed: bool, now: Instant) {
+    /// Removes `entry`, whose response ended here; one that `completed` (the engine's end
+    /// passed on) is remembered (at most `--max-tombstones` of them): its gateway may still
+    /// be draining it to a slow reader ([`Inflight::completed`]).
+    pub fn remove_ended(&mut self, entry: &E, completed: bool) {
         self.remove(entry);
         if completed && self.cfg.reader_timeout.is_some() {
-            self.completions.insert(entry.id().clone(), (), now);
+            self.completions.insert(entry.id().clone());
         }
     }
 
-    /// Whether `id` completed here within the reader timeout (or was last kept within
-    /// it: [`Inflight::keep_completion`]).
-    pub fn completed_recently(&self, id: &RequestId, now: Instant) -> bool {
-        self.completions.get(id, now).is_some()
+    /// Whether `id` completed here (among the newest `--max-tombstones` completions).
+    pub fn completed(&self, id: &RequestId) -> bool {
+        self.completions.contains(id)
     }
 
-    /// Keeps the completion of `id` one more reader timeout from `now` (its tail was
-    /// deferred: the reader still drains it).
-    pub fn keep_completion(&mut self, id: &RequestId, now: Instant) {
-        if self.completed_recently(id, now) {
-            self.completions.insert(id.clone(), (), now);
-        }
+    /// Completions forgotten to make room.
+    pub fn completions_evicted(&self) -> u64 {
+        self.completions.evicted()
     }
 
     /// May the request `id` be ended now, on `ask` ([`cut::may_end`] on what is known here:
-    /// in flight with its clocks, completed recently, or neither)? A deferred tail keeps its
-    /// completion one more reader timeout; nothing else changes.
-    pub fn judge(&mut self, id: &RequestId, ask: Ask, now: Instant, limits: &Limits) -> Cut {
+    /// in flight with its clocks, completed here, or neither)? Nothing changes: the answer
+    /// is only an answer.
+    pub fn judge(&self, id: &RequestId, ask: Ask, now: Instant, limits: &Limits) -> Cut {
         let here = match self.table.get(id) {
             Some(e) => Here::InFlight(e.times()),
-            None if self.completed_recently(id, now) => Here::Completed,
+            None if self.completed(id) => Here::Completed,
             None => Here::Unknown,
         };
-        let cut = cut::may_end(here, ask, now, limits);
-        if cut == Cut::Defer(Deferral::Tail) {
-            self.keep_completion(id, now);
-        }
-        cut
+        cut::may_end(here, ask, now, limits)
     }
 
     /// The reaper's pass at `now`: every request in flight that is due to be ended, and why.
@@ -299,6 +288,7 @@ impl<E: Held + Clone> Inflight<E> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cut::Deferral;
     use std::sync::{Arc, Mutex};
 
     #[derive(Debug, Clone)]
@@ -527,16 +517,15 @@ mod tests {
             t.due(t0 + s(90), &limits()),
             vec![(a.clone(), AbortReason::Stalled)]
         );
-        // Completed: its tail is deferred, and that keeps the completion.
-        t.remove_ended(&a, true, t0 + s(1));
-        assert_eq!(
-            t.judge(a.id(), stalled, t0 + s(80), &limits()),
-            Cut::Defer(Deferral::Tail)
-        );
-        assert!(
-            t.completed_recently(a.id(), t0 + s(169)),
-            "kept from the deferral"
-        );
+        // Completed: its tail is deferred on the sender's evidence alone, however long
+        // after the engine's end (a reader that paused 65 s, 40 s after it).
+        t.remove_ended(&a, true);
+        for at in [s(105), s(100_000)] {
+            assert_eq!(
+                t.judge(a.id(), stalled, t0 + at, &limits()),
+                Cut::Defer(Deferral::Tail)
+            );
+        }
         let silent = Ask::Abort {
             reason: AbortReason::Stalled,
             recheck: true,
@@ -545,10 +534,6 @@ mod tests {
         assert_eq!(
             t.judge(a.id(), silent, t0 + s(100), &limits()),
             Cut::End(AbortReason::Stalled)
-        );
-        assert!(
-            !t.completed_recently(a.id(), t0 + s(171)),
-            "an end is not a deferral"
         );
         assert_eq!(
             t.judge(h("z", 0).id(), stalled, t0, &limits()),
@@ -571,32 +556,36 @@ mod tests {
     }
 
     #[test]
-    fn a_completion_is_remembered_for_the_reader_timeout_and_keeping_it_moves_that_on() {
+    fn completions_are_remembered_by_count_not_time_and_only_with_a_reader_timeout() {
         let t0 = Instant::now();
-        let s = Duration::from_secs;
-        let mut t = Inflight::new(cfg());
-        let a = h("a", 1);
-        let b = h("b", 2);
-        t.admit(a.clone(), false, t0).unwrap();
-        t.admit(b.clone(), false, t0).unwrap();
-        t.remove_ended(&a, true, t0);
-        t.remove_ended(&b, false, t0);
+        let mut t = Inflight::new(InflightConfig {
+            max_tombstones: 2,
+            ..cfg()
+        });
+        let (a, b, c) = (h("a", 1), h("b", 2), h("c", 3));
+        for e in [&a, &b] {
+            t.admit(e.clone(), false, t0).unwrap();
+        }
+        t.remove_ended(&a, true);
+        t.remove_ended(&b, false);
         assert!(t.is_empty());
-        assert!(!t.completed_recently(b.id(), t0), "not completed");
-        t.keep_completion(b.id(), t0);
-        assert!(!t.completed_recently(b.id(), t0), "keeping adds nothing");
-        assert!(t.completed_recently(a.id(), t0 + s(89)));
-        assert!(!t.completed_recently(a.id(), t0 + s(90)));
-        t.keep_completion(a.id(), t0 + s(89));
-        assert!(t.completed_recently(a.id(), t0 + s(178)), "kept from then");
-        assert!(!t.completed_recently(a.id(), t0 + s(179)));
+        assert!(
+            t.completed(a.id()) && !t.completed(b.id()),
+            "b did not complete"
+        );
+        t.admit(c.clone(), false, t0).unwrap();
+        t.remove_ended(&c, true);
+        t.admit(b.clone(), false, t0).unwrap();
+        t.remove_ended(&b, true);
+        assert!(!t.completed(a.id()), "the oldest forgotten");
+        assert_eq!(t.completions_evicted(), 1);
         // No reader timeout: nothing remembered.
         let mut off = Inflight::new(InflightConfig {
             reader_timeout: None,
             ..cfg()
         });
         off.admit(a.clone(), false, t0).unwrap();
-        off.remove_ended(&a, true, t0);
-        assert!(!off.completed_recently(a.id(), t0));
+        off.remove_ended(&a, true);
+        assert!(!off.completed(a.id()));
     }
 }
