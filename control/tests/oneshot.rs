@@ -1885,6 +1885,73 @@ async fn an_abort_a_peer_answers_is_passed_on_and_tombstoned_here_but_not_in_a_d
     }
 }
 
+/// A peer that holds the stream and defers every abort it is forwarded (its reader drains).
+async fn deferring_peer() -> std::net::SocketAddr {
+    let app = axum::Router::new().route(
+        kvguard_contract::PEER_ABORT_PATH,
+        axum::routing::post(|| async {
+            axum::Json(json!({"request_id": "slow", "found": true, "deferred": true}))
+        }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    addr
+}
+
+/// A stall ask that lands on a replica that does not hold the stream is forwarded; the
+/// holder defers it. Nothing is tombstoned, here or (a forwarded deferrable ask) on any
+/// other non-holder, so the sender's next ask landing on either is deferred too, never
+/// answered `already_aborted`; the deferral is counted `deferred`.
+#[tokio::test]
+async fn a_forwarded_deferral_tombstones_the_id_nowhere_and_is_counted_deferred() {
+    let peer = deferring_peer().await;
+    let (st, clock) = state(|c| {
+        c.limits.reader_timeout = Some(Duration::from_secs(90));
+        c.peers = Some(kvguard_control::config::PeerConfig {
+            urls: vec![kvguard_control::config::parse_peer_url(&format!("http://{peer}")).unwrap()],
+            self_addr: "127.0.0.1:1".parse().unwrap(),
+        });
+    });
+    let key = Key::try_new(KEY).unwrap();
+    let ask = br#"{"request_id":"slow","reason":"stalled","age_ms":70000,"idle_ms":61000,"recheck_ms":3000}"#;
+    for _ in 0..2 {
+        let sig = signature::sign(Domain::Abort, &key, clock.unix_secs(), ask);
+        let (s, v) = call(admin::app(st.clone()), abort_req(ask, Some(sig))).await;
+        assert_eq!(
+            (s, v),
+            (
+                StatusCode::OK,
+                json!({"request_id": "slow", "found": true, "deferred": true})
+            )
+        );
+        assert_eq!(st.inner().tombstones(), 0, "a deferral tombstones nothing");
+        clock.advance(Duration::from_secs(1));
+    }
+    assert_eq!(
+        lease_metric(
+            &st,
+            "kvguard_control_abort_api_answers_total{result=\"deferred\"}"
+        )
+        .await,
+        2.0
+    );
+    // The same ask forwarded to this replica by another (it holds nothing): 404, and no
+    // tombstone either.
+    let (peer_st, _) = state(|c| c.limits.reader_timeout = Some(Duration::from_secs(90)));
+    let env = kvguard_contract::Forwarded::new("10.0.0.8:9902", ask)
+        .unwrap()
+        .to_json();
+    let sig = signature::sign(Domain::Envelope, &key, NOW, &env);
+    let req = Request::post(kvguard_contract::PEER_ABORT_PATH)
+        .header(kvguard_contract::SIGNATURE_HEADER, sig)
+        .body(Body::from(env))
+        .unwrap();
+    let (s, _) = call(admin::app(peer_st.clone()), req).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_eq!(peer_st.inner().tombstones(), 0);
+}
+
 /// An engine whose decode side answers the release request with `status` (or not at all),
 /// recording what it was sent.
 struct DecodeSide {

@@ -3,7 +3,7 @@
 //! legs each replica reports, and the answer's summary and count.
 
 use crate::pd::Release;
-use kvguard_contract::{AbortAnswer, Leg, LegResult};
+use kvguard_contract::{AbortAnswer, AbortReason, Leg, LegResult};
 
 /// What an abort found here ([`crate::inflight::Inflight::abort_here`], as answered).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +41,20 @@ pub fn route(pd: bool, peers: bool) -> Route {
         (true, true) => Route::EveryLeg,
         (true, false) => Route::HereThenPeer,
     }
+}
+
+/// Whether an abort may be answered `deferred` (a `stalled` abort whose sender allows it,
+/// `recheck_ms`). Such an abort never tombstones an id it does not find: it is asked about
+/// a stream that already flowed (no request can arrive after it), and a tombstone where the
+/// stream is not would answer the sender's next ask `already_aborted` while the replica
+/// that holds the stream defers it.
+pub fn deferrable(reason: AbortReason, recheck: bool) -> bool {
+    reason == AbortReason::Stalled && recheck
+}
+
+/// Whether a peer's answer (`body`) deferred the abort.
+pub fn answer_deferred(body: &[u8]) -> bool {
+    serde_json::from_slice::<AbortAnswer>(body).is_ok_and(|a| a.deferred)
 }
 
 /// This replica's leg of what it found (`None`: it did not hold the id).
@@ -136,6 +150,18 @@ mod tests {
         assert_eq!(route(true, false), Route::Here);
         assert_eq!(route(true, true), Route::EveryLeg);
         assert_eq!(route(false, true), Route::HereThenPeer);
+    }
+
+    #[test]
+    fn only_a_stalled_abort_that_allows_it_is_deferrable_and_a_peer_s_deferral_is_read() {
+        assert!(deferrable(AbortReason::Stalled, true));
+        assert!(!deferrable(AbortReason::Stalled, false));
+        assert!(!deferrable(AbortReason::DownstreamReset, true));
+        assert!(answer_deferred(
+            br#"{"request_id":"r","found":true,"deferred":true}"#
+        ));
+        assert!(!answer_deferred(br#"{"request_id":"r","found":true}"#));
+        assert!(!answer_deferred(b"not json"));
     }
 
     #[test]

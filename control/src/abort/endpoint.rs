@@ -86,11 +86,13 @@ pub async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
     let gone = abort
         .gone_ms
         .map(|ms| (std::time::Duration::from_millis(ms), abort.tokens));
-    match super::abort(&st, &id, reason, gone, &body).await {
+    let deferrable = super::deferrable(reason, abort.recheck_ms.is_some());
+    match super::abort(&st, &id, reason, gone, deferrable, &body).await {
         Decided::Here(found) => abort_answer(&st, &id, reason, &abort, found),
         Decided::Peer(a) => {
-            st.metrics.abort_api("forwarded");
-            tracing::info!(request_id = %id, reason = %reason, peer = %a.peer, "abort call for an id a peer holds: forwarded, answered by the peer");
+            st.metrics
+                .abort_api(if a.deferred { "deferred" } else { "forwarded" });
+            tracing::info!(request_id = %id, reason = %reason, peer = %a.peer, deferred = a.deferred, "abort call for an id a peer holds: forwarded, answered by the peer");
             let mut r = Response::new(Body::from(a.body));
             *r.status_mut() = a.status;
             r.headers_mut().insert(
@@ -369,7 +371,8 @@ pub async fn peer_abort(State(st): State<Arc<AppState>>, req: Request) -> Respon
         };
         return (status, Json(body)).into_response();
     }
-    match st.abort_or_tombstone(&id, reason, gone) {
+    let tomb = !super::deferrable(reason, abort.recheck_ms.is_some());
+    match st.abort_here(&id, reason, gone, tomb) {
         AbortFound::Observed => {
             st.metrics.peer.receive("abort", "dry_run");
             (StatusCode::OK, answer(&id, true, false, false)).into_response()

@@ -32,6 +32,7 @@ use crate::pd::PdLeg;
 use crate::state::AppState;
 use crate::table::{ClientGone, Entry};
 use kvguard_contract::{AbortReason, AbortRequest, Leg, RequestId};
+pub use kvguard_control_core::abort::deferrable;
 use kvguard_control_core::abort::{leg_result, release_result, route, Route};
 pub use kvguard_control_core::abort::{summary, AbortFound};
 use kvguard_control_core::cut::{Ask, Cut};
@@ -75,8 +76,11 @@ pub async fn abort(
     id: &RequestId,
     reason: AbortReason,
     gone: Option<(Duration, u64)>,
+    deferrable: bool,
     body: &[u8],
 ) -> Decided {
+    // A deferrable abort tombstones nothing it does not find ([`deferrable`]).
+    let tomb = !deferrable;
     let leg_here = st.leg_in_flight(id);
     let pd = st.cfg.pd_role != PdRole::None || leg_here.is_some() || st.holds_handoff(id);
     let peers = st.peers.clone();
@@ -86,7 +90,7 @@ pub async fn abort(
             let remote = peers.fan_out_abort(st, body).await;
             let here = match here {
                 // Decided again under the lock: ended if it arrived meanwhile.
-                AbortFound::NotFound => st.abort_or_tombstone(id, reason, gone),
+                AbortFound::NotFound => st.abort_here(id, reason, gone, tomb),
                 found => found,
             };
             let mut legs = st.legs_here(id, here, leg_here).await;
@@ -96,17 +100,19 @@ pub async fn abort(
         (Route::HereThenPeer, Some(peers)) => match st.abort_if_here(id, reason, gone) {
             AbortFound::NotFound => match peers.forward_abort(st, body).await {
                 Some(a) => {
-                    if !st.cfg.dry_run {
+                    // The holder ended it: a request the abort overtook is refused here
+                    // too. It deferred it: nothing changes anywhere.
+                    if !st.cfg.dry_run && !a.deferred {
                         st.tombstone(id.clone(), reason);
                     }
                     Decided::Peer(a)
                 }
-                None => Decided::Here(st.abort_or_tombstone(id, reason, gone)),
+                None => Decided::Here(st.abort_here(id, reason, gone, tomb)),
             },
             found => Decided::Here(found),
         },
         _ => {
-            let here = st.abort_or_tombstone(id, reason, gone);
+            let here = st.abort_here(id, reason, gone, tomb);
             if pd {
                 return Decided::Legs(st.legs_here(id, here, leg_here).await);
             }
@@ -212,7 +218,9 @@ impl AppState {
         self.abort_here(id, reason, gone, false)
     }
 
-    fn abort_here(
+    /// [`AppState::abort_or_tombstone`] (`tombstone_missing`) or
+    /// [`AppState::abort_if_here`].
+    pub fn abort_here(
         self: &Arc<Self>,
         id: &RequestId,
         reason: AbortReason,

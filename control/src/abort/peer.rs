@@ -9,7 +9,7 @@ use crate::state::AppState;
 use bytes::Bytes;
 use http::StatusCode;
 use kvguard_contract::{Leg, PEER_ABORT_PATH};
-use kvguard_control_core::abort::legs_of;
+use kvguard_control_core::abort::{answer_deferred, legs_of};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -23,6 +23,8 @@ pub struct PeerAnswer {
     pub status: StatusCode,
     /// Its JSON body.
     pub body: Bytes,
+    /// Whether it deferred the abort.
+    pub deferred: bool,
 }
 
 impl Peers {
@@ -59,6 +61,7 @@ impl Peers {
                         Some(PeerAnswer {
                             peer,
                             status: s,
+                            deferred: answer_deferred(&b),
                             body: b,
                         })
                     }
