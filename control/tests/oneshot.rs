@@ -2179,6 +2179,52 @@ async fn a_pd_abort_goes_to_every_peer_and_lists_their_legs() {
     assert!(st.inner().tombstones() == 1, "tombstoned here too");
 }
 
+/// P/D: a stall ask that lands on the prefill replica (it holds only the finished
+/// prefill's hand-off) is fanned out; the decode replica holds the stream and defers it.
+/// The answer is that deferral: nothing ended, the hand-off not released, nothing
+/// tombstoned, counted `deferred`.
+#[tokio::test]
+async fn a_deferral_by_the_decode_side_is_the_answer_of_a_fanned_out_stall_ask() {
+    let peer = deferring_peer().await;
+    let (st, clock, decode) = pd_state(Some(400), |c| {
+        c.pd_decode_url = decode_url();
+        c.limits.reader_timeout = Some(Duration::from_secs(90));
+        c.peers = Some(kvguard_control::config::PeerConfig {
+            urls: vec![kvguard_control::config::parse_peer_url(&format!("http://{peer}")).unwrap()],
+            self_addr: "127.0.0.1:1".parse().unwrap(),
+        });
+    });
+    let id = RequestId::try_new(b"slow").unwrap();
+    st.record_handoff(id.clone(), handoff_params());
+    let ask = br#"{"request_id":"slow","reason":"stalled","age_ms":70000,"idle_ms":61000,"recheck_ms":3000}"#;
+    let sig = signature::sign(
+        Domain::Abort,
+        &Key::try_new(KEY).unwrap(),
+        clock.unix_secs(),
+        ask,
+    );
+    let app = admin::app(st.clone());
+    let (s, v) = call(app.clone(), abort_req(ask, Some(sig))).await;
+    assert_eq!(
+        (s, v),
+        (
+            StatusCode::OK,
+            json!({"request_id": "slow", "found": true, "deferred": true})
+        )
+    );
+    assert!(st.holds_handoff(&id), "not released");
+    assert!(decode.sent.lock().unwrap().is_empty());
+    assert_eq!(st.inner().tombstones(), 0);
+    let m = metrics_text(app).await;
+    assert_eq!(
+        sample(
+            &m,
+            r#"kvguard_control_abort_api_answers_total{result="deferred"}"#
+        ),
+        1.0
+    );
+}
+
 #[tokio::test]
 async fn a_held_prefill_that_cannot_be_released_is_reported_held_until_the_lease() {
     // No decode URL: nothing is sent.

@@ -102,6 +102,11 @@ pub async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
             r
         }
         Decided::Legs(legs) => legs_answer(&st, &id, reason, legs, "abort call"),
+        Decided::Deferred => {
+            st.metrics.abort_api("deferred");
+            tracing::debug!(request_id = %id, "stalled abort of a disaggregated request deferred by the replica that holds its stream");
+            deferred(&id)
+        }
     }
 }
 
@@ -343,7 +348,8 @@ pub async fn peer_abort(State(st): State<Arc<AppState>>, req: Request) -> Respon
     let leg = st.leg_in_flight(&id);
     if st.cfg.pd_role != crate::config::PdRole::None || leg.is_some() || st.holds_handoff(&id) {
         // A leg of a disaggregated request: this replica's legs, released hand-off included.
-        let found = st.abort_or_tombstone(&id, reason, gone);
+        let tomb = !super::deferrable(reason, abort.recheck_ms.is_some());
+        let found = st.abort_here(&id, reason, gone, tomb);
         st.metrics.peer.receive(
             "abort",
             match found {

@@ -52,6 +52,9 @@ pub enum Decided {
     /// A leg of a disaggregated request: every holder's part, this replica's first
     /// (empty: nobody held it; it is tombstoned here and at every peer that answered).
     Legs(Vec<Leg>),
+    /// A leg of a disaggregated request whose holder deferred the abort (its reader
+    /// drains): nothing was ended, released or tombstoned here.
+    Deferred,
 }
 
 /// Decides and carries out a verified abort of `id` for `reason` (`body`: the call's body
@@ -87,7 +90,10 @@ pub async fn abort(
     match (route(pd, peers.is_some()), peers) {
         (Route::EveryLeg, Some(peers)) => {
             let here = st.abort_if_here(id, reason, gone);
-            let remote = peers.fan_out_abort(st, body).await;
+            let (remote, deferred) = peers.fan_out_abort(st, body).await;
+            if deferred && here == AbortFound::NotFound {
+                return Decided::Deferred;
+            }
             let here = match here {
                 // Decided again under the lock: ended if it arrived meanwhile.
                 AbortFound::NotFound => st.abort_here(id, reason, gone, tomb),

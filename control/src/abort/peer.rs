@@ -98,13 +98,18 @@ impl Peers {
     /// each (each call is bounded, 500 ms): the legs every peer that held the id reports
     /// (its answer's `legs`; an answer without them, from a peer that is not part of a
     /// disaggregated pair, is one leg with no role). Peers that did not hold it (404) or
-    /// failed (counted) add nothing.
-    pub async fn fan_out_abort(self: &Arc<Self>, st: &Arc<AppState>, body: &[u8]) -> Vec<Leg> {
+    /// failed (counted) add nothing. `true` with them: a peer deferred the abort (it holds
+    /// the stream, whose reader drains).
+    pub async fn fan_out_abort(
+        self: &Arc<Self>,
+        st: &Arc<AppState>,
+        body: &[u8],
+    ) -> (Vec<Leg>, bool) {
         let peers = self.addrs().await;
         let keys = st.keys();
         let Some((env, sig)) = self.envelope(keys.envelope_key(), st.clock.unix_secs(), body)
         else {
-            return Vec::new();
+            return (Vec::new(), false);
         };
         let mut calls = tokio::task::JoinSet::new();
         for peer in peers {
@@ -113,29 +118,34 @@ impl Peers {
                 match this.post(peer, PEER_ABORT_PATH, env, sig).await {
                     Ok((s, b)) if s == StatusCode::OK => {
                         st.metrics.peer.forward("abort", "ok");
-                        legs_of(&peer.to_string(), &b)
+                        if answer_deferred(&b) {
+                            return (Vec::new(), true);
+                        }
+                        (legs_of(&peer.to_string(), &b), false)
                     }
                     Ok((s, _)) if s == StatusCode::NOT_FOUND => {
                         st.metrics.peer.forward("abort", "not_found");
-                        Vec::new()
+                        (Vec::new(), false)
                     }
                     Ok((s, b)) => {
                         st.metrics.peer.forward("abort", "failed");
                         tracing::warn!(%peer, status = s.as_u16(), answer = %String::from_utf8_lossy(&b), "forwarded abort refused by the peer (check that every replica has the same keys and a clock within 30 s)");
-                        Vec::new()
+                        (Vec::new(), false)
                     }
                     Err(e) => {
                         st.metrics.peer.forward("abort", "failed");
                         tracing::warn!(%peer, error = %e, "forwarded abort: peer unreachable");
-                        Vec::new()
+                        (Vec::new(), false)
                     }
                 }
             });
         }
-        let mut legs = Vec::new();
+        let (mut legs, mut deferred) = (Vec::new(), false);
         while let Some(r) = calls.join_next().await {
-            legs.extend(r.unwrap_or_default());
+            let (l, d) = r.unwrap_or_default();
+            legs.extend(l);
+            deferred |= d;
         }
-        legs
+        (legs, deferred)
     }
 }
