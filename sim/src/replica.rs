@@ -11,7 +11,9 @@
 use kvguard_contract::{
     AbortAnswer, AbortReason, AbortRequest, InstanceId, Leg, RenewalBody, RequestId,
 };
-use kvguard_control_core::abort::{leg_result, legs_of, route, summary, AbortFound, Route};
+use kvguard_control_core::abort::{
+    answer_deferred, deferrable, leg_result, legs_of, route, summary, AbortFound, Route,
+};
 use kvguard_control_core::cut::{Ask, Cut, Deferral};
 use kvguard_control_core::inflight::{AbortHere, Held, Inflight, InflightConfig};
 use kvguard_control_core::lease::{Expiry, Leases};
@@ -184,7 +186,8 @@ impl Replica {
     /// (`completed`: the engine's end was handed on) or its client's side went away.
     pub fn remove_ended(&mut self, entry: &EntryRef, completed: bool, now_ms: u64) {
         let now = self.now(now_ms);
-        self.inflight.remove_ended(entry, completed, now);
+        let _ = now;
+        self.inflight.remove_ended(entry, completed);
     }
 
     /// `AppState::end_request` (enforce mode): leaves the table, tombstoned; `false`
@@ -405,6 +408,8 @@ pub fn abort_call(
         };
     };
     let reason = abort.reason;
+    // `abort::deferrable`: such an ask tombstones nothing it does not find.
+    let tomb = !deferrable(reason, abort.recheck_ms.is_some());
     if let Some(d) = replicas[here].defers(&id, &abort, now_ms) {
         return answer(
             &id,
@@ -436,15 +441,16 @@ pub fn abort_call(
                     }
                     match first {
                         Some((p, mut a)) => {
-                            replicas[here].tombstone(id.clone(), reason, now_ms);
-                            a.how = format!(
-                                "forwarded: replica{p} answered {}; tombstoned here",
-                                a.how
-                            );
+                            // The holder ended it: tombstoned here too; it deferred it:
+                            // nothing changes anywhere.
+                            if !answer_deferred(&a.body) {
+                                replicas[here].tombstone(id.clone(), reason, now_ms);
+                            }
+                            a.how = format!("forwarded: replica{p} answered {}", a.how);
                             a
                         }
                         None => {
-                            let found = replicas[here].abort_here(&id, reason, now_ms, true, ended);
+                            let found = replicas[here].abort_here(&id, reason, now_ms, tomb, ended);
                             found_answer(&id, found, "no peer holds it, decided here")
                         }
                     }
@@ -457,19 +463,35 @@ pub fn abort_call(
         // under the lock; `endpoint::legs_answer`.
         Route::EveryLeg => {
             let found = replicas[here].abort_here(&id, reason, now_ms, false, ended);
-            let mut remote = Vec::new();
+            let (mut remote, mut deferred) = (Vec::new(), false);
             if peers_up {
                 for p in 0..replicas.len() {
                     if p != here {
                         let a = peer_abort(replicas, p, &abort, &id, now_ms, ended);
                         if a.status == 200 {
-                            remote.extend(legs_of(&format!("replica{p}"), &a.body));
+                            if answer_deferred(&a.body) {
+                                deferred = true;
+                            } else {
+                                remote.extend(legs_of(&format!("replica{p}"), &a.body));
+                            }
                         }
                     }
                 }
             }
+            // `Decided::Deferred`: the stream's holder deferred it, nothing was ended here.
+            if deferred && found == AbortFound::NotFound {
+                return answer(
+                    &id,
+                    200,
+                    true,
+                    false,
+                    false,
+                    true,
+                    "deferred by a leg".into(),
+                );
+            }
             let found = match found {
-                AbortFound::NotFound => replicas[here].abort_here(&id, reason, now_ms, true, ended),
+                AbortFound::NotFound => replicas[here].abort_here(&id, reason, now_ms, tomb, ended),
                 f => f,
             };
             let mut legs = legs_here(&replicas[here], found);
@@ -477,7 +499,7 @@ pub fn abort_call(
             legs_answer(&id, legs)
         }
         Route::Here => {
-            let found = replicas[here].abort_here(&id, reason, now_ms, true, ended);
+            let found = replicas[here].abort_here(&id, reason, now_ms, tomb, ended);
             if replicas[here].pd_role.is_some() {
                 return legs_answer(&id, legs_here(&replicas[here], found));
             }
@@ -548,7 +570,8 @@ fn peer_abort(
             format!("deferred ({})", d.why()),
         );
     }
-    let found = replicas[at].abort_here(id, abort.reason, now_ms, true, ended);
+    let tomb = !deferrable(abort.reason, abort.recheck_ms.is_some());
+    let found = replicas[at].abort_here(id, abort.reason, now_ms, tomb, ended);
     if replicas[at].pd_role.is_some() {
         return legs_answer(id, legs_here(&replicas[at], found));
     }
