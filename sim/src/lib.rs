@@ -11,7 +11,9 @@
 //! - [`gateway`]: one Envoy process (filter core, renewer, simulated host).
 //! - [`replica`]: one kvguard-control replica (the control core, composed).
 //! - [`oracles`]: the promises and their bounds.
+//! - [`ablation`]: which mechanism each promise needs.
 
+pub mod ablation;
 pub mod findings;
 pub mod gateway;
 pub mod oracles;
@@ -22,7 +24,7 @@ pub mod shrink;
 pub mod timeline;
 pub mod world;
 
-pub use replica::Mutations;
+pub use ablation::{Mechanism, Mutations};
 pub use schedule::Schedule;
 pub use world::Report;
 

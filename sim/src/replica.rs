@@ -8,6 +8,7 @@
 //! Not modelled: signatures and the replay memory (every call is trusted), `--dry-run`,
 //! P/D hand-offs (held prefill blocks), replica restarts, the abort flush deadline.
 
+use crate::ablation::{Mechanism, Mutations};
 use kvguard_contract::{
     AbortAnswer, AbortReason, AbortRequest, InstanceId, Leg, RenewalBody, RequestId,
 };
@@ -83,13 +84,6 @@ pub struct Ended {
     pub via: &'static str,
 }
 
-/// Switches of the modelled composition, for the named mutations (all off: the product).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Mutations {
-    /// kvguard-control never defers a stall abort.
-    pub no_deferral: bool,
-}
-
 /// One replica.
 #[derive(Debug)]
 pub struct Replica {
@@ -122,7 +116,11 @@ impl Replica {
             inflight: Inflight::new(InflightConfig {
                 max_inflight: 4096,
                 dry_run: false,
-                tombstone_ttl: ms(flags::TOMBSTONE_TTL_MS),
+                tombstone_ttl: if mutations.off(Mechanism::Tombstones) {
+                    Duration::ZERO
+                } else {
+                    ms(flags::TOMBSTONE_TTL_MS)
+                },
                 max_tombstones: 100_000,
                 reader_timeout: reader,
             }),
@@ -187,6 +185,7 @@ impl Replica {
     pub fn remove_ended(&mut self, entry: &EntryRef, completed: bool, now_ms: u64) {
         let now = self.now(now_ms);
         let _ = now;
+        let completed = completed && !self.mutations.off(Mechanism::CompletionMemory);
         self.inflight.remove_ended(entry, completed);
     }
 
@@ -206,7 +205,7 @@ impl Replica {
         abort: &AbortRequest,
         now_ms: u64,
     ) -> Option<Deferral> {
-        if self.mutations.no_deferral {
+        if self.mutations.off(Mechanism::Deferral) {
             return None;
         }
         let now = self.now(now_ms);
@@ -257,7 +256,7 @@ impl Replica {
     /// ([`Inflight::due`]) is ended (`end_request`), then expired tombstones go.
     pub fn reap(&mut self, now_ms: u64, ended: &mut Vec<Ended>) {
         let now = self.now(now_ms);
-        for (e, reason) in self.inflight.due(now, &self.limits) {
+        for (e, reason) in self.inflight.due(now, &self.mutations.reaper(self.limits)) {
             if self.end_request(&e, reason, now_ms) {
                 ended.push(Ended {
                     stream: e.0.stream,

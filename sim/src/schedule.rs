@@ -130,6 +130,18 @@ pub enum Op {
 }
 
 impl Op {
+    /// A stream (for schedules written by hand).
+    pub fn stream(at: u64, gw: u8, replica: u8, client: Client, tokens: u32, token_ms: u32) -> Op {
+        Op::Stream {
+            at,
+            gw,
+            replica,
+            client,
+            tokens,
+            token_ms,
+        }
+    }
+
     /// When it happens.
     pub fn at(&self) -> u64 {
         match *self {

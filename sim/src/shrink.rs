@@ -3,8 +3,8 @@
 //! (the same finding, or unknown), as proptest shrinks a generated operation sequence.
 //! Deterministic: the run's own randomness comes from the schedule's seed.
 
+use crate::ablation::Mutations;
 use crate::oracles::{Promise, Violation};
-use crate::replica::Mutations;
 use crate::schedule::{Op, Schedule};
 
 /// What a failure is, for "the same failure".

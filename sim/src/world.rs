@@ -18,9 +18,10 @@
 //! - Calls from the filter (aborts, renewals) reach a replica (the control cluster
 //!   balances them) after 1–20 ms, may be lost, and time out on Envoy's timer.
 
+use crate::ablation::{Mechanism, Mutations};
 use crate::gateway::{self, Gateway};
 use crate::oracles::{Cause, Promise, Violation};
-use crate::replica::{abort_call, Ended, EntryRef, Mutations, Replica};
+use crate::replica::{abort_call, Ended, EntryRef, Replica};
 use crate::rng::Rng;
 use crate::schedule::{Client, Op, Schedule};
 use crate::timeline::Timeline;
@@ -29,6 +30,7 @@ use kvguard_contract::{AbortReason, InstanceId, RequestId, ABORT_PATH, DATA_LEAS
 use kvguard_control_core::lease::Expiry;
 use kvguard_control_core::scan::BodyKind;
 use kvguard_filter_core::engine::Action;
+use kvguard_filter_core::Engine;
 use kvguard_filter_core::OutcomeTag;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
@@ -298,6 +300,9 @@ pub struct World {
     violations: Vec<Violation>,
     slack: u64,
     last_op: u64,
+    mutations: Mutations,
+    /// With the mass-stall valve off: each stream's own VM, by its context id.
+    solo: HashMap<u32, Engine>,
 }
 
 impl World {
@@ -347,6 +352,8 @@ impl World {
             violations: Vec::new(),
             slack,
             last_op,
+            mutations,
+            solo: HashMap::new(),
         };
         for i in 0..w.sched.ops.len() {
             let at = w.sched.ops[i].at();
@@ -536,7 +543,13 @@ impl World {
         }
         let ctx = i as u32 + 2;
         g.host.now = self.now;
-        g.engine.on_request_headers(
+        if self.mutations.off(Mechanism::MassStallValve) {
+            let mut vm = Engine::new(g.engine.cfg.clone(), self.sched.seed ^ u64::from(ctx));
+            vm.keep_ticking(true);
+            self.solo.insert(ctx, vm);
+        }
+        let vm = self.solo.get_mut(&ctx).unwrap_or(&mut g.engine);
+        vm.on_request_headers(
             &mut g.host,
             ctx,
             Some(b"/v1/chat/completions"),
@@ -551,7 +564,8 @@ impl World {
             g.renewer.note_upstream(&g.engine.cfg, &mut g.host, &up);
         }
         let instance = g.renewer.instance();
-        g.engine.on_response_headers(
+        let vm = self.solo.get_mut(&ctx).unwrap_or(&mut g.engine);
+        vm.on_response_headers(
             &mut g.host,
             ctx,
             Some(b"text/event-stream"),
@@ -723,9 +737,8 @@ impl World {
                     s.pulled += n;
                     s.last_chunk = Some(now);
                     g.host.now = now;
-                    let out = g
-                        .engine
-                        .on_chunk(&mut g.host, s.ctx, n as usize, eos, move || Some(bytes));
+                    let vm = self.solo.get_mut(&s.ctx).unwrap_or(&mut g.engine);
+                    let out = vm.on_chunk(&mut g.host, s.ctx, n as usize, eos, move || Some(bytes));
                     if eos {
                         if matches!(out, Some(OutcomeTag::Aborted(_))) {
                             s.end_held = true;
@@ -752,7 +765,8 @@ impl World {
                     s.state = ClientState::Done;
                     s.gw_done = true;
                     g.host.now = now;
-                    g.engine.on_log(&mut g.host, s.ctx, b"via_upstream", 0);
+                    let vm = self.solo.get_mut(&s.ctx).unwrap_or(&mut g.engine);
+                    vm.on_log(&mut g.host, s.ctx, b"via_upstream", 0);
                     self.timeline.push(
                         now,
                         format!("client{i}"),
@@ -774,8 +788,42 @@ impl World {
         if !g.runs(now) {
             return;
         }
-        let actions = g.tick(now, jitter);
+        if self.mutations.off(Mechanism::MassStallValve) {
+            // The renewer asks the process's VM whether streams run (its in-band path is
+            // kept named while they do): a stand-in request there says so while a
+            // stream's own VM tracks one.
+            const STAND_IN: u32 = 1;
+            let busy = self.streams.iter().any(|s| {
+                s.gw == gw
+                    && s.gw_generation == g.generation
+                    && self.solo.get(&s.ctx).is_some_and(|vm| vm.tracked() > 0)
+            });
+            g.host.now = now;
+            if !busy {
+                g.engine.forget(&mut g.host, STAND_IN);
+            } else if g.engine.request(STAND_IN).is_none() {
+                let path = Some(&b"/v1/chat/completions"[..]);
+                g.engine
+                    .on_request_headers(&mut g.host, STAND_IN, path, Some(b"stand-in"), false);
+            }
+        }
+        let mut actions = g.tick(now, jitter);
         let generation = g.generation;
+        if self.mutations.off(Mechanism::SecondTick) {
+            // The first tick armed what this one confirms: idle is cut at once.
+            actions.extend(g.engine.tick(&mut g.host));
+        }
+        for s in &self.streams {
+            if s.gw != gw || s.gw_generation != generation {
+                continue;
+            }
+            if let Some(vm) = self.solo.get_mut(&s.ctx) {
+                actions.extend(vm.on_host_tick(&mut g.host));
+                if self.mutations.off(Mechanism::SecondTick) {
+                    actions.extend(vm.tick(&mut g.host));
+                }
+            }
+        }
         for a in actions {
             let Action::Close { ctx, tag } = a else {
                 continue;
@@ -806,7 +854,8 @@ impl World {
             }
             let g = &mut self.gateways[gw as usize];
             g.host.now = now;
-            g.engine.on_log(&mut g.host, ctx, b"filter_closed", 0);
+            let vm = self.solo.get_mut(&ctx).unwrap_or(&mut g.engine);
+            vm.on_log(&mut g.host, ctx, b"filter_closed", 0);
             self.upstream_gone(i);
         }
         self.drain_gateway(gw);
@@ -869,8 +918,8 @@ impl World {
             return;
         }
         g.host.now = now;
-        g.engine
-            .on_log(&mut g.host, s.ctx, b"downstream_remote_disconnect", 0);
+        let vm = self.solo.get_mut(&s.ctx).unwrap_or(&mut g.engine);
+        vm.on_log(&mut g.host, s.ctx, b"downstream_remote_disconnect", 0);
         let gw = s.gw;
         self.upstream_gone(i);
         self.drain_gateway(gw);
@@ -995,7 +1044,13 @@ impl World {
         let at = self.rng.range(0, n as u64 - 1) as usize;
         let (status, body) = if c.path == ABORT_PATH {
             let mut ended = Vec::new();
-            let a = abort_call(&mut self.replicas, at, &c.body, now, true, &mut ended);
+            let body = if self.mutations.off(Mechanism::StallAsks) {
+                without_recheck(&c.body)
+            } else {
+                c.body.clone()
+            };
+            let peers = !self.mutations.off(Mechanism::PeerForwarding);
+            let a = abort_call(&mut self.replicas, at, &body, now, peers, &mut ended);
             if let Some(i) = c.stream {
                 self.streams[i].last_answer = Some(format!("replica{at}: {}", a.how));
                 self.note(
@@ -1012,8 +1067,10 @@ impl World {
             (404, Vec::new())
         } else if let Some(r) = Renewal::parse(&c.body) {
             // Accepted on one replica, forwarded to every peer (`fan_out_renewal`).
-            for rep in &mut self.replicas {
-                rep.renew(&r, now);
+            for (i, rep) in self.replicas.iter_mut().enumerate() {
+                if i == at || !self.mutations.off(Mechanism::PeerForwarding) {
+                    rep.renew(&r, now);
+                }
             }
             (200, Vec::new())
         } else {
@@ -1070,6 +1127,15 @@ impl World {
         }
         self.answered.insert((gw, generation, token));
         g.answer(now, token, status, &body);
+        // With the valve off, the call may be a stream's own VM's (an unknown token is
+        // ignored).
+        for s in &self.streams {
+            if s.gw == gw && s.gw_generation == generation {
+                if let Some(vm) = self.solo.get_mut(&s.ctx) {
+                    vm.on_abort_answer(&mut g.host, token, status, &body);
+                }
+            }
+        }
         self.drain_gateway(gw);
     }
 
@@ -1120,7 +1186,11 @@ impl World {
         for r in 0..self.replicas.len() {
             let mut ended = Vec::new();
             self.replicas[r].reap(now, &mut ended);
-            let (expired, held) = self.replicas[r].judge_leases(now, &mut ended);
+            let (expired, held) = if self.mutations.off(Mechanism::Lease) {
+                (Vec::new(), 0)
+            } else {
+                self.replicas[r].judge_leases(now, &mut ended)
+            };
             if held > 0 {
                 let what = format!("{held} lease expiries held: no other gateway heard from");
                 self.note(format!("replica{r}"), None, what);
@@ -1257,6 +1327,18 @@ impl World {
     /// The streams, for the findings' classification and the tests.
     pub fn streams(&self) -> &[Stream] {
         &self.streams
+    }
+}
+
+/// An abort call's body without `recheck_ms`: the stall ask as a plain abort (the
+/// stall-asks switch; the simulated replicas check no signature).
+fn without_recheck(body: &[u8]) -> Vec<u8> {
+    match serde_json::from_slice::<serde_json::Value>(body) {
+        Ok(serde_json::Value::Object(mut o)) => {
+            o.remove("recheck_ms");
+            serde_json::to_vec(&o).unwrap_or_else(|_| body.to_vec())
+        }
+        _ => body.to_vec(),
     }
 }
 

@@ -2,9 +2,9 @@
 //! test fail: move the finding to the regression list), a seed campaign finds no unknown
 //! violation, and named mutations of the rules are caught.
 
+use kvguard_sim::ablation::slow_readers;
 use kvguard_sim::findings::{guards, known, regressions};
-use kvguard_sim::schedule::{Client, Op, Setup};
-use kvguard_sim::{run, Mutations, Schedule};
+use kvguard_sim::{run, Mechanism, Mutations, Schedule};
 
 /// Seeds the campaign runs here (`KVGUARD_SIM_SEEDS`, default 500: a debug build runs
 /// about 15 seeds a second); CI's release stage runs 10 000 (`scripts/sim --seeds 10000`).
@@ -53,25 +53,6 @@ fn a_seed_campaign_finds_no_unknown_violation() {
     );
 }
 
-/// Readers at the shipped defaults whose stall asks kvguard-control must defer.
-fn slow_readers() -> Schedule {
-    // Readers just above the floor of engines producing ten times faster: the filter sees
-    // a chunk only every G / rate (82 s and 73 s, over the 60 s idle timeout).
-    let stream = |at, bps, token_ms| Op::Stream {
-        at,
-        gw: 0,
-        replica: 0,
-        client: Client::Steady { bps },
-        tokens: 3_000,
-        token_ms,
-    };
-    Schedule {
-        seed: 7,
-        setup: Setup::default(),
-        ops: vec![stream(0, 400, 30), stream(1_000, 450, 40)],
-    }
-}
-
 #[test]
 fn slow_readers_at_the_shipped_defaults_are_never_cut() {
     let r = run(&slow_readers(), Mutations::default());
@@ -84,7 +65,7 @@ fn slow_readers_at_the_shipped_defaults_are_never_cut() {
 
 #[test]
 fn the_deferral_mutation_is_caught() {
-    let m = Mutations { no_deferral: true };
+    let m = Mutations::default().without(Mechanism::Deferral);
     let r = run(&slow_readers(), m);
     assert!(
         r.violations

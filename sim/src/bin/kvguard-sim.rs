@@ -7,9 +7,13 @@
 //! kvguard-sim --finding 36.1         print a known finding's schedule and timeline
 //! kvguard-sim --findings             list the known findings and whether each is still found
 //! kvguard-sim --guards               run the schedules that fail when a rule of the filter core is removed
+//! kvguard-sim --witness NAME        a mechanism's witness, with everything on, then with it off
+//! kvguard-sim --ablate [--seeds N]   run N seeds (default 1000) with each mechanism off in turn; print the table
 //! ```
-//! `--no-deferral` runs with kvguard-control's deferral switched off (a mutation).
+//! `--off NAME` (repeatable; `--no-deferral` is `--off deferral`) runs with a mechanism
+//! switched off ([`kvguard_sim::ablation`], `--ablate` lists the names).
 
+use kvguard_sim::ablation::{self, Mechanism};
 use kvguard_sim::findings::known;
 use kvguard_sim::shrink::shrink;
 use kvguard_sim::{run, Mutations, Report, Schedule};
@@ -36,9 +40,50 @@ fn print_report(sched: &Schedule, r: &Report) {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let m = Mutations {
-        no_deferral: args.iter().any(|a| a == "--no-deferral"),
-    };
+    let mut m = Mutations::default();
+    for (i, a) in args.iter().enumerate() {
+        let name = match a.as_str() {
+            "--no-deferral" => "deferral",
+            "--off" => args.get(i + 1).map_or("", String::as_str),
+            _ => continue,
+        };
+        let Some(mech) = Mechanism::parse(name) else {
+            let names: Vec<_> = ablation::ALL.iter().map(|m| m.name()).collect();
+            eprintln!(
+                "--off {name}: no such mechanism (one of {})",
+                names.join(", ")
+            );
+            return ExitCode::FAILURE;
+        };
+        m = m.without(mech);
+    }
+    if let Some(i) = args.iter().position(|a| a == "--witness") {
+        let name = args.get(i + 1).map_or("", String::as_str);
+        let Some((mech, (promise, s))) =
+            Mechanism::parse(name).and_then(|mech| Some((mech, mech.witness()?)))
+        else {
+            eprintln!("no witness for {name}");
+            return ExitCode::FAILURE;
+        };
+        println!("witness of {name}: breaks {promise:?} with it off\n\n--- everything on:");
+        print_report(&s, &run(&s, Mutations::default()));
+        println!("\n--- {name} off:");
+        print_report(&s, &run(&s, Mutations::default().without(mech)));
+        return ExitCode::SUCCESS;
+    }
+    if args.iter().any(|a| a == "--ablate") {
+        let n = arg(&args, "--seeds").unwrap_or(1000);
+        let from = arg(&args, "--from").unwrap_or(0);
+        let threads = std::thread::available_parallelism().map_or(1, usize::from);
+        let rows = ablation::ablate(from..from + n, &ablation::ALL, threads);
+        print!("{}", ablation::table(n, &ablation::ALL, &rows));
+        let witnesses_hold = rows.iter().all(|r| r.witness != Some(false));
+        return if witnesses_hold {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        };
+    }
     if let Some(seed) = arg(&args, "--seed") {
         let s = Schedule::generate(seed);
         print_report(&s, &run(&s, m));
