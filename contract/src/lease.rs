@@ -4,18 +4,24 @@
 //! (`POST /v1/kvguard/lease`, over its upstream cluster, answered by kvguard-control's
 //! proxy listener).
 
+use crate::domain::Domain;
 use crate::hex;
 use crate::key::Key;
 use core::fmt;
+use core::net::SocketAddr;
 use serde::Deserialize;
 
 /// The fixed key of [`HostKey::derive`] (domain separation, not a secret).
 const HOST_KEY_DOMAIN: &[u8] = b"kvguard.host-key.v1";
 
 /// The request header naming the gateway process that carries the request, and the
-/// worker VM within it: `<32 hex>` or `<32 hex>.<vm>` ([`InstanceTag`]). The filter
-/// overwrites any client copy on every tracked request (and strips it from the others).
+/// worker VM within it: `<32 hex>` or `<32 hex>.<vm>` ([`InstanceTag`]), from filters that
+/// prove their life on requests followed by a signed [`Proof`]. The filter overwrites any
+/// client copy on every tracked request (and strips it from the others).
 pub const INSTANCE_HEADER: &str = "x-kvguard-instance";
+
+/// Longest [`INSTANCE_HEADER`] value read (a longer one is no tag).
+pub const MAX_TAG_VALUE: usize = 256;
 
 /// Most VM ids one renewal lists (a longer list is unreadable).
 pub const MAX_VMS: usize = 1024;
@@ -37,10 +43,6 @@ pub const MAX_RENEWAL_BODY: usize = 2048;
 /// The shortest TTL kvguard-control accepts, in renewal periods: a lease survives two
 /// lost renewals in a row.
 pub const MIN_TTL_PERIODS: u32 = 3;
-
-/// Renewals of the data path an instance must have had accepted before its lease is
-/// enforced: proof that its hops carry a renewal at all.
-pub const DATA_RENEWALS_TO_ENFORCE: u32 = 3;
 
 /// A gateway process's 128-bit random id (32 lowercase hex digits on the wire).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -338,6 +340,134 @@ impl Renewal {
     }
 }
 
+/// A gateway's proof of life on a tracked request: the value of [`INSTANCE_HEADER`] is
+/// `<tag>;c=<counter>;h=<host key, 32 hex, or ->;a=<listener ip:port or ->;s=<64 hex>`,
+/// `s` being HMAC-SHA256 under the filter's first key of [`Domain::Proof`]'s prefix and
+/// everything before `;s=`. It is an in-band renewal that needs no path of its own: it
+/// travels on the requests themselves, through every hop that passes the header. The
+/// counter is the lease counter of the period (one proof per period: a repeated or older
+/// counter is no new evidence), so a captured value replayed proves nothing new.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Proof {
+    /// The process's lease counter when the proof was made (its last renewal slot).
+    pub counter: u64,
+    /// Its host key.
+    pub host: Option<HostKey>,
+    /// The gateway listener's own address, as a tracked request arrived on it (Envoy's
+    /// `destination.address`): where kvguard-control may ask the gateway's kernel
+    /// whether anything still listens.
+    pub listener: Option<SocketAddr>,
+}
+
+impl Proof {
+    /// The [`INSTANCE_HEADER`] value carrying `tag` and this proof, signed with `key`.
+    pub fn value(&self, tag: InstanceTag, key: &Key) -> String {
+        let mut s = format!("{tag};c={};h=", self.counter);
+        match self.host {
+            Some(h) => s.push_str(&h.to_string()),
+            None => s.push('-'),
+        }
+        s.push_str(";a=");
+        match self.listener {
+            Some(a) => s.push_str(&a.to_string()),
+            None => s.push('-'),
+        }
+        let mac = key.mac(Domain::Proof, &[s.as_bytes()]);
+        s.push_str(";s=");
+        s.push_str(&hex::encode(&mac));
+        s
+    }
+}
+
+/// A [`Proof`] as read from a header, with what its signature covers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SignedProof<'a> {
+    /// The proof.
+    pub proof: Proof,
+    /// The signed bytes (everything before `;s=`).
+    pub signed: &'a [u8],
+    /// The MAC.
+    pub mac: [u8; 32],
+}
+
+impl SignedProof<'_> {
+    /// Whether its MAC is right under one of `keys` (every key is tried: the time taken
+    /// does not say which one matched).
+    pub fn verify(&self, keys: &[Key]) -> bool {
+        let mut ok = false;
+        for k in keys {
+            ok |= k.verify(Domain::Proof, &[self.signed], &self.mac);
+        }
+        ok
+    }
+}
+
+/// A parsed [`INSTANCE_HEADER`] value: the tag, and the proof when the filter sent one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TagHeader<'a> {
+    /// The gateway process and worker VM.
+    pub tag: InstanceTag,
+    /// Its signed proof of life (`None` from filters that send the tag alone).
+    pub proof: Option<SignedProof<'a>>,
+}
+
+impl<'a> TagHeader<'a> {
+    /// Parses `<tag>` or `<tag>;c=..;h=..;a=..;s=..` (fields between the tag and `s` in
+    /// any order; unknown ones are signed and ignored). `None` for anything else.
+    pub fn parse(text: &'a [u8]) -> Option<TagHeader<'a>> {
+        let text = text.trim_ascii();
+        if text.len() > MAX_TAG_VALUE {
+            return None;
+        }
+        let Some(end) = text.iter().position(|b| *b == b';') else {
+            return Some(TagHeader {
+                tag: InstanceTag::parse(text)?,
+                proof: None,
+            });
+        };
+        let tag = InstanceTag::parse(&text[..end])?;
+        let at = text.windows(3).rposition(|w| w == b";s=")?;
+        let mac = hex::decode32(&text[at + 3..])?;
+        let signed = &text[..at];
+        let (mut counter, mut host, mut listener) = (None, None, None);
+        for field in signed[end + 1..].split(|b| *b == b';') {
+            let text = core::str::from_utf8(field).ok()?;
+            let (k, v) = text.split_once('=')?;
+            match k {
+                "c" if counter.is_none() => counter = Some(v.parse::<u64>().ok()?),
+                "h" if host.is_none() => {
+                    host = Some(if v == "-" {
+                        None
+                    } else {
+                        Some(HostKey::parse(v.as_bytes())?)
+                    })
+                }
+                "a" if listener.is_none() => {
+                    listener = Some(if v == "-" {
+                        None
+                    } else {
+                        Some(v.parse().ok()?)
+                    })
+                }
+                "c" | "h" | "a" => return None,
+                _ => {}
+            }
+        }
+        Some(TagHeader {
+            tag,
+            proof: Some(SignedProof {
+                proof: Proof {
+                    counter: counter?,
+                    host: host.flatten(),
+                    listener: listener.flatten(),
+                },
+                signed,
+                mac,
+            }),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -490,5 +620,95 @@ mod tests {
             Renewal::parse(&Renewal::new(id, 3).to_json()).unwrap().vms,
             None
         );
+    }
+    #[test]
+    fn a_proof_round_trips_and_verifies_under_its_key_only() {
+        let key = Key::try_new(b"0123456789abcdef-proof").unwrap();
+        let other = Key::try_new(b"another key, 16+ bytes").unwrap();
+        let tag = InstanceTag {
+            instance: InstanceId([0xab; 16]),
+            vm: Some(3),
+        };
+        let proof = Proof {
+            counter: 42,
+            host: Some(HostKey([7; 16])),
+            listener: Some("10.1.2.3:8080".parse().unwrap()),
+        };
+        let v = proof.value(tag, &key);
+        assert!(v.starts_with(&format!(
+            "{tag};c=42;h={};a=10.1.2.3:8080;s=",
+            "07".repeat(16)
+        )));
+        let h = TagHeader::parse(v.as_bytes()).unwrap();
+        assert_eq!(h.tag, tag);
+        let p = h.proof.unwrap();
+        assert_eq!(p.proof, proof);
+        assert!(p.verify(std::slice::from_ref(&key)));
+        assert!(p.verify(&[other.clone(), key.clone()]));
+        assert!(!p.verify(std::slice::from_ref(&other)));
+        assert!(!p.verify(&[]));
+        // Any change to what is signed breaks it.
+        let forged = v.replace(";c=42;", ";c=43;");
+        let f = TagHeader::parse(forged.as_bytes()).unwrap().proof.unwrap();
+        assert!(!f.verify(std::slice::from_ref(&key)));
+        // The MAC is under the proof's own domain.
+        let signed = v.split(";s=").next().unwrap();
+        assert_eq!(p.mac, key.mac(Domain::Proof, &[signed.as_bytes()]), "{v}");
+        assert_ne!(p.mac, key.mac(Domain::Renewal, &[signed.as_bytes()]));
+        // No host key, no listener; IPv6.
+        let bare = Proof {
+            counter: 0,
+            host: None,
+            listener: None,
+        };
+        let v = bare.value(tag, &key);
+        assert!(v.contains(";c=0;h=-;a=-;s="), "{v}");
+        let p = TagHeader::parse(v.as_bytes()).unwrap().proof.unwrap();
+        assert_eq!(p.proof, bare);
+        let six = Proof {
+            listener: Some("[fd00::1]:443".parse().unwrap()),
+            ..bare
+        };
+        let p6 = six.value(tag, &key);
+        assert_eq!(
+            TagHeader::parse(p6.as_bytes())
+                .unwrap()
+                .proof
+                .unwrap()
+                .proof,
+            six
+        );
+    }
+
+    #[test]
+    fn a_tag_header_is_the_plain_tag_or_a_well_formed_proof() {
+        let id = InstanceId([0xab; 16]);
+        let text = format!("{id}.2");
+        let plain = TagHeader::parse(text.as_bytes()).unwrap();
+        assert_eq!((plain.tag.vm, plain.proof), (Some(2), None));
+        let mac = "0".repeat(64);
+        let ok = |fields: &str| format!("{id}.1;{fields};s={mac}");
+        assert!(TagHeader::parse(ok("c=1;h=-;a=-").as_bytes()).is_some());
+        // Fields in any order, unknown ones ignored.
+        let text = ok("a=-;x=future;c=5");
+        let p = TagHeader::parse(text.as_bytes()).unwrap();
+        assert_eq!(p.proof.unwrap().proof.counter, 5);
+        for bad in [
+            ok("h=-;a=-"),
+            ok("c=x"),
+            ok("c=1;c=2"),
+            ok("c=1;h=zz"),
+            ok("c=1;a=nowhere"),
+            ok("c=1;novalue"),
+            format!("{id}.1;c=1;s=abc"),
+            format!("{id}.1;c=1"),
+            format!("{id}.0;c=1;s={mac}"),
+            format!("{};c=1;s={mac}", "x".repeat(32)),
+            format!("{id}.1;c=1;a={};s={mac}", "9".repeat(MAX_TAG_VALUE)),
+        ] {
+            assert_eq!(TagHeader::parse(bad.as_bytes()), None, "{bad}");
+        }
+        // An older reader sees no tag in the extended value (and so counts nothing).
+        assert_eq!(InstanceTag::parse(ok("c=1").as_bytes()), None);
     }
 }

@@ -618,19 +618,31 @@ mod tests {
 pub struct LeaseMetrics {
     /// Gateway instances holding a lease here.
     pub held: Gauge,
-    /// Of those, instances whose data path has carried enough renewals to be enforced.
+    /// Of those, instances whose silence ends their streams (an in-band renewal arrived,
+    /// or a proof and their listener answered a handshake).
     pub enforceable: Gauge,
     /// Renewals received from gateways, by `path` = `admin` | `data` and `result` =
     /// `accepted`, `duplicate` (the last accepted counter again: no effect), `replay`
     /// (counter not above the last accepted), `period_too_long`, `unauthorized`
     /// (signature), `bad_request` (body).
     pub renewals: Family<L2, Counter>,
-    /// Leases expired, by `mode` = `enforce` (its requests were ended) or `observe`, and
-    /// `why` = `silent` | `replaced` | `unproven` | `vm_lost` (one worker VM of a live
-    /// gateway).
+    /// Leases expired, by `mode` = `enforce` | `observe` (`--lease-mode`), and `why` =
+    /// `silent` | `dead` | `replaced` | `unproven` (counted, never ended) | `vm_lost` (one
+    /// worker VM of a live gateway).
     pub expiries: Family<L2, Counter>,
-    /// Expiries held because no other gateway was heard from since the silent one went silent.
+    /// Expiries held because no other gateway was heard from since the silent one went
+    /// silent, or because its listener still answered a handshake.
     pub held_expiries: Counter,
+    /// Proofs of life on requests (`x-kvguard-instance`), by `result` = `accepted`,
+    /// `duplicate` (the period's counter again: no new evidence), `replay`,
+    /// `unauthorized` (signature), `bad_request` (unreadable value).
+    pub proofs: Family<L1, Counter>,
+    /// Handshakes asked of gateways' listeners, by `answer` = `alive` | `refused` |
+    /// `timeout` (no answer within the bound, or unreachable).
+    pub probes: Family<L1, Counter>,
+    /// Instances found renewing with a host key another live instance renews with from
+    /// another listener (two gateways with one `node.id`): the key judges nothing.
+    pub shared_host_keys: Counter,
     /// In-flight requests ended (or, observe mode, that would have been) by an expiry, by
     /// `mode` and `why`.
     pub requests_ended: Family<L2, Counter>,
@@ -658,18 +670,33 @@ impl LeaseMetrics {
         );
         reg.register(
             "kvguard_control_lease_expiries",
-            "Gateway leases expired by mode (enforce: its requests were ended; observe: counted only) and why (silent, replaced, unproven, vm_lost: one worker VM of a live gateway)",
+            "Gateway leases expired by mode (enforce: its requests were ended; observe: counted only) and why (silent, dead, replaced, unproven: counted, never ended; vm_lost: one worker VM of a live gateway)",
             self.expiries.clone(),
         );
         reg.register(
             "kvguard_control_lease_held_expiries",
-            "Lease expiries held because no other gateway was heard from since the silent one went silent",
+            "Lease expiries held because no other gateway was heard from since the silent one went silent, or its listener still answered",
             self.held_expiries.clone(),
         );
         reg.register(
             "kvguard_control_lease_requests_ended",
-            "In-flight requests ended by a lease expiry (observe: that would have been), by mode and why",
+            "In-flight requests ended by a lease expiry (observe, and why=unproven: counted, not ended), by mode and why",
             self.requests_ended.clone(),
+        );
+        reg.register(
+            "kvguard_control_lease_proofs",
+            "Proofs of life on gateway requests by result (accepted, duplicate, replay, unauthorized, bad_request)",
+            self.proofs.clone(),
+        );
+        reg.register(
+            "kvguard_control_lease_probes",
+            "Handshakes asked of silent gateways' listeners by answer (alive, refused, timeout)",
+            self.probes.clone(),
+        );
+        reg.register(
+            "kvguard_control_lease_shared_host_keys",
+            "Gateway instances renewing with a host key another live gateway uses (give each gateway its own node.id)",
+            self.shared_host_keys.clone(),
         );
         reg.register(
             "kvguard_control_lease_loop_stalls",
@@ -690,8 +717,20 @@ impl LeaseMetrics {
                     .get_or_create(&[("path", path), ("result", r)]);
             }
         }
+        for r in [
+            "accepted",
+            "duplicate",
+            "replay",
+            "unauthorized",
+            "bad_request",
+        ] {
+            let _ = self.proofs.get_or_create(&[("result", r)]);
+        }
+        for a in ["alive", "refused", "timeout"] {
+            let _ = self.probes.get_or_create(&[("answer", a)]);
+        }
         for m in ["enforce", "observe"] {
-            for w in ["silent", "replaced", "unproven", "vm_lost"] {
+            for w in ["silent", "dead", "replaced", "unproven", "vm_lost"] {
                 let _ = self.expiries.get_or_create(&[("mode", m), ("why", w)]);
                 let _ = self
                     .requests_ended
@@ -704,6 +743,18 @@ impl LeaseMetrics {
     pub fn renewal(&self, path: &'static str, result: &'static str) {
         self.renewals
             .get_or_create(&[("path", path), ("result", result)])
+            .inc();
+    }
+
+    /// Counts a proof of life on a request.
+    pub fn proof(&self, result: &'static str) {
+        self.proofs.get_or_create(&[("result", result)]).inc();
+    }
+
+    /// Counts a probe's answer.
+    pub fn probe(&self, answer: kvguard_control_core::lease::ProbeAnswer) {
+        self.probes
+            .get_or_create(&[("answer", answer.as_str())])
             .inc();
     }
 

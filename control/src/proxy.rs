@@ -6,7 +6,8 @@
 
 use crate::config::AbortStrategy;
 use crate::downstream::Downstream;
-use crate::lease::LeaseMode;
+use crate::lease::{LeaseMode, RenewError};
+use crate::refusal::{REFUSALS, REFUSAL_LOG_PERIOD};
 use crate::scan::{BodyKind, Scanner};
 use crate::state::{AppState, Refusal};
 use crate::table::Entry;
@@ -22,7 +23,7 @@ use http_body_util::Limited;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use kvguard_contract::{
-    sse, stamp, AbortReason, InstanceTag, RequestId, CONTROL_HEADER, INSTANCE_HEADER,
+    sse, stamp, AbortReason, RequestId, TagHeader, CONTROL_HEADER, INSTANCE_HEADER,
     REQUEST_ID_HEADER,
 };
 use std::future::Future;
@@ -213,22 +214,53 @@ impl Drop for Guard {
 }
 
 /// Records the gateway instance a request came through (`x-kvguard-instance`, set by the
-/// filter) and counts the request as that instance's evidence of life (contract §8).
+/// filter) and takes it as that instance's evidence of life (contract §8): a signed proof
+/// is verified (once per value) and taken as an in-band renewal; a tag without one (an
+/// older filter) refreshes a lease already held; a value that is neither, or a proof
+/// that does not verify, tags nothing (counted).
 fn tag_instance(st: &AppState, entry: &Entry, headers: &axum::http::HeaderMap) {
     if st.cfg.lease_mode == LeaseMode::Off {
         return;
     }
-    let Some(tag) = headers
-        .get(INSTANCE_HEADER)
-        .and_then(|v| InstanceTag::parse(v.as_bytes()))
-    else {
+    let Some(value) = headers.get(INSTANCE_HEADER) else {
         return;
     };
-    entry.set_instance(tag);
-    st.leases
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .touch(tag, st.clock.now());
+    let Some(h) = TagHeader::parse(value.as_bytes()) else {
+        st.metrics.lease.proof("bad_request");
+        return;
+    };
+    let now = st.clock.now();
+    let Some(p) = &h.proof else {
+        entry.set_instance(h.tag);
+        st.leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .touch(h.tag, now);
+        return;
+    };
+    let keys = st.keys();
+    let mut leases = st.leases.lock().unwrap_or_else(|p| p.into_inner());
+    if !leases.verified(value.as_bytes(), || p.verify(&keys.accept)) {
+        drop(leases);
+        st.metrics.lease.proof("unauthorized");
+        let now_ms = st.clock.unix_secs().saturating_mul(1000);
+        if let Some(held) = REFUSALS.admit(now_ms, REFUSAL_LOG_PERIOD) {
+            tracing::warn!(instance = %h.tag.instance, refused_since_last_line = held, "a request's proof of life does not verify under any key: the request is not tagged (the filter's first key is not one of kvguard-control's keys, or the header was forged)");
+        }
+        return;
+    }
+    entry.set_instance(h.tag);
+    let taken = leases.prove(h.tag, &p.proof, now);
+    st.metrics.lease.census(leases.census());
+    drop(leases);
+    st.metrics.lease.proof(match taken {
+        Ok(_) => "accepted",
+        Err(RenewError::Duplicate) => "duplicate",
+        Err(_) => "replay",
+    });
+    if taken == Ok(true) {
+        tracing::info!(instance = %h.tag.instance, counter = p.proof.counter, host = ?p.proof.host.map(|h| h.to_string()), listener = ?p.proof.listener, "gateway lease taken (proof of life on a request)");
+    }
 }
 
 async fn proxy(State(st): State<Arc<AppState>>, req: Request) -> Response {

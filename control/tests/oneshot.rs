@@ -927,7 +927,7 @@ async fn a_gateway_whose_data_path_never_renewed_is_counted_not_ended() {
     assert_eq!(
         lease_metric(
             &st,
-            "kvguard_control_lease_requests_ended_total{mode=\"observe\",why=\"unproven\"}"
+            "kvguard_control_lease_requests_ended_total{mode=\"enforce\",why=\"unproven\"}"
         )
         .await,
         1.0

@@ -4,21 +4,31 @@
 //! The rule: **a gateway's streams are ended only on the silence of evidence that travels
 //! their own path, or on positive evidence that the gateway is dead.** So an instance has
 //! two kinds of evidence, kept apart: the *data path* (an in-band renewal, sent over the
-//! upstream cluster its streams use, or a request tagged with it) and the *admin path* (an
-//! out-of-band renewal). It expires when
+//! upstream cluster its streams use, or a verified [`Proof`] on a request it carries) and
+//! the *admin path* (an out-of-band renewal). A proof on a request counts exactly as an
+//! in-band renewal with its counter; a lease is *armed* by the first evidence its data path
+//! carries. It expires when
 //!
 //! - **replaced**: another instance renews with its host key (same Envoy node and VM:
 //!   a crash restart in place, a hot-restart child, a pod restarted with its identity)
 //!   while its own renewals have stopped for two of its periods — positive evidence,
-//!   whatever its hops; or
-//! - **silent**: both kinds of evidence are older than the TTL, its data path has carried
-//!   [`DATA_RENEWALS_TO_ENFORCE`] renewals (else the path cannot carry one and silence
-//!   proves nothing: it stays observe-only), and — when other instances hold leases —
-//!   another was heard from after this one went silent, at least a period and a half
-//!   ago (one that hears from nobody holds: the network or kvguard-control is the
-//!   suspect, whatever the phases of the renewals; and when the paths come back, every
-//!   live gateway's renewal is due within that time of the first one heard, so the
-//!   first back does not end the others).
+//!   whatever its hops — unless the key is **shared**: two instances on different
+//!   listeners were both heard while the other was (two gateways with one `node.id`);
+//!   such a key is counted, never used for a verdict;
+//! - **silent** / **dead**: both kinds of evidence are older than the TTL, and — when
+//!   other instances hold leases — another was heard from after this one went silent, at
+//!   least a period and a half ago (one that hears from nobody holds: the network or
+//!   kvguard-control is the suspect, whatever the phases of the renewals; and when the
+//!   paths come back, every live gateway's renewal is due within that time of the first
+//!   one heard, so the first back does not end the others). Then, where the gateway's
+//!   listener is known and has answered a handshake before (*trusted*), it is asked again
+//!   ([`Judgement::probes`]; the shell connects): refused or unanswered → **dead**; a
+//!   handshake → held (a frozen process's kernel still answers), asked again each period.
+//!   Without a trusted listener, silence is evidence only where it is of evidence that
+//!   flows on its own: a data path that carried in-band renewals → **silent**; a data
+//!   path that carried only proofs on requests (a hop that does not route the in-band
+//!   renewal: no new request is no evidence of death) → **unproven**, counted, never
+//!   ended; as is an instance whose data path carried nothing.
 //!
 //! Within a live instance, one **worker VM** can be gone (it trapped; Envoy cut its
 //! streams at their next callback) while the others renew. Renewals from filters that
@@ -37,10 +47,10 @@
 //! by the stall before anything is judged. An expired instance's counters are kept
 //! (bounded) so a captured renewal replayed cannot revive it.
 
-use kvguard_contract::lease::DATA_RENEWALS_TO_ENFORCE;
 use kvguard_contract::lease::MAX_VMS;
-use kvguard_contract::{HostKey, InstanceId, InstanceTag, RenewalBody, Via};
-use std::collections::HashMap;
+use kvguard_contract::{HostKey, InstanceId, InstanceTag, Proof, RenewalBody, Via};
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 /// Why a renewal was not taken.
@@ -70,9 +80,12 @@ pub enum Expiry {
     Silent,
     /// Another instance renews with its host key and its own renewals stopped.
     Replaced,
-    /// Silent for the TTL, but its data path never carried a renewal: its requests are
+    /// Silent for the TTL, but its silence proves nothing (its data path carried no
+    /// in-band renewal, and no trusted listener answered for it): its requests are
     /// counted, never ended.
     Unproven,
+    /// Silent for the TTL, and its listener refused a handshake or did not answer one.
+    Dead,
     /// One worker VM of a live instance: its renewals left it out for the TTL.
     VmLost,
 }
@@ -84,6 +97,7 @@ impl Expiry {
             Expiry::Silent => "silent",
             Expiry::Replaced => "replaced",
             Expiry::Unproven => "unproven",
+            Expiry::Dead => "dead",
             Expiry::VmLost => "vm_lost",
         }
     }
@@ -101,8 +115,19 @@ struct Lease {
     data: Option<Instant>,
     /// Last renewal of either path (the host-key rule's "its own renewals").
     renewed: Instant,
-    /// In-band renewals accepted (saturating).
-    data_renewals: u32,
+    /// Its first evidence (the shared-host-key rule's overlap).
+    first: Instant,
+    /// Whether its data path carried an in-band renewal (evidence that flows on its own).
+    inband: bool,
+    /// Whether its data path carried a proof on a request.
+    proved: bool,
+    /// Its listener, from a verified proof, and whether it completed a handshake.
+    listener: Option<(SocketAddr, bool)>,
+    /// The last probe asked, and the last answer with when it came.
+    asked: Option<Instant>,
+    answer: Option<(Instant, ProbeAnswer)>,
+    /// Its host key was found shared (counted once).
+    shared: bool,
     /// Held in the current silent spell (counted once).
     held: bool,
     /// The first evidence from another instance after this one's silence began (a period
@@ -119,6 +144,38 @@ struct Lease {
 struct Vm {
     seen: Instant,
     absent: Option<Instant>,
+}
+
+/// What a TCP connect to a gateway's listener found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeAnswer {
+    /// The handshake completed: the gateway's kernel still holds the listening socket
+    /// (a running or a frozen process).
+    Alive,
+    /// Refused: nothing listens there (the process is gone).
+    Refused,
+    /// No answer within [`probe_timeout`] (the host or pod is gone, or unreachable).
+    Timeout,
+}
+
+impl ProbeAnswer {
+    /// The metric label.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ProbeAnswer::Alive => "alive",
+            ProbeAnswer::Refused => "refused",
+            ProbeAnswer::Timeout => "timeout",
+        }
+    }
+}
+
+/// Most probes one judgement asks for.
+pub const MAX_PROBES: usize = 64;
+
+/// How long the shell waits for a probe's handshake: an eighth of the TTL, between
+/// 100 ms and 1 s.
+pub fn probe_timeout(ttl: Duration) -> Duration {
+    (ttl / 8).clamp(Duration::from_millis(100), Duration::from_secs(1))
 }
 
 impl Lease {
@@ -161,6 +218,44 @@ impl Lease {
 }
 
 impl Lease {
+    fn new(period: Duration, counter: [u64; 2], now: Instant) -> Lease {
+        Lease {
+            host: None,
+            period,
+            counter,
+            admin: None,
+            data: None,
+            renewed: now,
+            first: now,
+            inband: false,
+            proved: false,
+            listener: None,
+            asked: None,
+            answer: None,
+            shared: false,
+            held: false,
+            others_heard: None,
+            listed: None,
+            vms: HashMap::new(),
+        }
+    }
+
+    /// Whether its data path carried any evidence.
+    fn armed(&self) -> bool {
+        self.inband || self.proved
+    }
+
+    /// Its listener, if a handshake there has completed.
+    fn trusted(&self) -> Option<SocketAddr> {
+        self.listener.filter(|(_, t)| *t).map(|(a, _)| a)
+    }
+
+    /// Whether a probe may be asked at `now`: none asked within `every`.
+    fn may_ask(&self, now: Instant, every: Duration) -> bool {
+        self.asked
+            .is_none_or(|t| now.saturating_duration_since(t) >= every)
+    }
+
     fn last(&self) -> Instant {
         match (self.admin, self.data) {
             (Some(a), Some(d)) => a.max(d),
@@ -182,14 +277,35 @@ const fn slot(via: Via) -> usize {
     }
 }
 
+/// What a judgement does with one lease.
+#[derive(Debug, Clone, Copy)]
+enum Verdict {
+    /// Held (counted once per silent spell).
+    Hold,
+    /// Held, and its listener asked again.
+    HoldAndProbe(SocketAddr),
+    /// Its listener asked; judged on the answer.
+    Probe(SocketAddr),
+    /// A probe is on its way.
+    Wait,
+    /// Expired.
+    Expire(Expiry),
+}
+
 /// What one judgement found.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Judgement {
     /// Instances whose lease expired now, and why (they leave the table).
     pub expired: Vec<(InstanceId, Expiry)>,
-    /// Expiries held now because nobody else was heard from since (counted once per
-    /// silent spell).
+    /// Expiries held now because nobody else was heard from since, or because the
+    /// gateway's listener still answered (counted once per silent spell).
     pub held: usize,
+    /// Listeners to connect to (each from a verified proof), and the instance each
+    /// answers for: [`Leases::probed`] takes the answer.
+    pub probes: Vec<(InstanceId, SocketAddr)>,
+    /// Instances whose host key another live instance, on another listener, renews
+    /// with (found now; never used for a `replaced` verdict).
+    pub shared: Vec<(InstanceId, HostKey)>,
     /// Worker VMs of live instances lost now (they leave the instance's VM list).
     pub lost: Vec<(InstanceId, u32)>,
 }
@@ -199,12 +315,17 @@ pub struct Judgement {
 pub struct Census {
     /// Instances holding a lease.
     pub held: usize,
-    /// Of those, instances whose data path has carried enough renewals to be enforced.
+    /// Of those, instances whose silence ends their streams: their data path carried an
+    /// in-band renewal, or a proof and their listener answered a handshake.
     pub enforceable: usize,
 }
 
 /// Most expired instances whose counters are kept.
 pub const MAX_GONE: usize = 4096;
+
+/// Most verified proof values remembered (all forgotten at once beyond: each is good for
+/// one period of one worker VM).
+pub const MAX_VERIFIED: usize = 4096;
 
 /// Every lease this process holds.
 #[derive(Debug)]
@@ -213,6 +334,8 @@ pub struct Leases {
     table: HashMap<InstanceId, Lease>,
     /// Counters of expired instances, and when they expired.
     gone: HashMap<InstanceId, ([u64; 2], Instant)>,
+    /// `x-kvguard-instance` values whose proof verified.
+    verified: HashSet<Vec<u8>>,
 }
 
 impl Leases {
@@ -222,7 +345,25 @@ impl Leases {
             ttl,
             table: HashMap::new(),
             gone: HashMap::new(),
+            verified: HashSet::new(),
         }
+    }
+
+    /// Whether the proof in header value `value` is genuine: `check` verifies it the
+    /// first time (every tracked request of a worker VM carries the same value for a
+    /// period; it is verified once).
+    pub fn verified(&mut self, value: &[u8], check: impl FnOnce() -> bool) -> bool {
+        if self.verified.contains(value) {
+            return true;
+        }
+        if !check() {
+            return false;
+        }
+        if self.verified.len() >= MAX_VERIFIED {
+            self.verified.clear();
+        }
+        self.verified.insert(value.to_vec());
+        true
     }
 
     /// The TTL.
@@ -252,7 +393,7 @@ impl Leases {
             enforceable: self
                 .table
                 .values()
-                .filter(|l| l.data_renewals >= DATA_RENEWALS_TO_ENFORCE)
+                .filter(|l| l.armed() && (l.inband || l.trusted().is_some()))
                 .count(),
         }
     }
@@ -292,7 +433,7 @@ impl Leases {
                 Via::Admin => l.admin = Some(l.admin.map_or(now, |t| t.max(now))),
                 Via::Data => {
                     l.data = Some(l.data.map_or(now, |t| t.max(now)));
-                    l.data_renewals = l.data_renewals.saturating_add(1);
+                    l.inband = true;
                 }
             }
             l.renewed = l.renewed.max(now);
@@ -311,6 +452,9 @@ impl Leases {
                 return Err(RenewError::Replay);
             }
             if r.counter == l.counter[i] {
+                // No new evidence, but proof that the path carries in-band renewals (a
+                // proof on a request may have brought the counter first).
+                l.inband |= r.via == Via::Data;
                 return Err(RenewError::Duplicate);
             }
             l.counter[i] = r.counter;
@@ -327,23 +471,29 @@ impl Leases {
             self.gone.remove(&r.instance);
         }
         counter[i] = r.counter;
-        let mut l = Lease {
-            host: None,
-            period,
-            counter,
-            admin: None,
-            data: None,
-            renewed: now,
-            data_renewals: 0,
-            held: false,
-            others_heard: None,
-            listed: None,
-            vms: HashMap::new(),
-        };
+        let mut l = Lease::new(period, counter, now);
         fresh(&mut l);
         self.table.insert(r.instance, l);
         self.heard(r.instance, now);
         Ok(true)
+    }
+
+    /// Whether `l`'s host key is shared: another instance renews with it from another
+    /// listener, and each was heard while the other was (two gateways given one
+    /// `node.id`). A hot restart's parent and child share a listener; a process restarted
+    /// in place is heard only after the old one's last evidence.
+    fn shared_host(&self, id: &InstanceId, l: &Lease) -> bool {
+        let (Some(h), Some((a, _))) = (l.host, l.listener) else {
+            return false;
+        };
+        let last = l.last();
+        self.table.iter().any(|(o, ol)| {
+            o != id
+                && ol.host == Some(h)
+                && ol.listener.is_some_and(|(b, _)| b != a)
+                && ol.first < last
+                && l.first < ol.last()
+        })
     }
 
     /// Evidence from `from` accepted at `now`: for every other instance silent by then,
@@ -356,9 +506,84 @@ impl Leases {
         }
     }
 
-    /// A request tagged with `tag` arrived at `now`: data-path evidence of life for a
-    /// held lease, and of its VM (an instance never seen renewing gets none: it is
-    /// never judged).
+    /// A request tagged with `tag` carried `proof`, verified, at `now`: taken as an
+    /// in-band renewal with the proof's counter (a counter at or below the last accepted
+    /// on the data path is no new evidence), which also takes a lease for an instance
+    /// not held yet (the first tracked request arms it). `Ok(true)`: a lease was taken.
+    pub fn prove(
+        &mut self,
+        tag: InstanceTag,
+        proof: &Proof,
+        now: Instant,
+    ) -> Result<bool, RenewError> {
+        let i = slot(Via::Data);
+        let id = tag.instance;
+        let new = !self.table.contains_key(&id);
+        if new {
+            let mut counter = [0; 2];
+            if let Some((kept, _)) = self.gone.get(&id) {
+                if proof.counter <= kept[i] {
+                    return Err(RenewError::Replay);
+                }
+                counter = *kept;
+                self.gone.remove(&id);
+            }
+            let period = self.default_period();
+            self.table.insert(id, Lease::new(period, counter, now));
+        }
+        let Some(l) = self.table.get_mut(&id) else {
+            return Err(RenewError::Replay);
+        };
+        if !new && proof.counter < l.counter[i] {
+            return Err(RenewError::Replay);
+        }
+        // What the proof says of the gateway is its own (signed), fresh or not.
+        l.proved = true;
+        if proof.host.is_some() {
+            l.host = proof.host;
+        }
+        if let Some(a) = proof.listener {
+            // The first listener stays once a handshake there completed (a gateway with
+            // several listeners names each in turn; any of them answers for the process).
+            if !l.listener.is_some_and(|(_, t)| t) && l.listener.map(|(b, _)| b) != Some(a) {
+                l.listener = Some((a, false));
+            }
+        }
+        if !new && proof.counter == l.counter[i] {
+            return Err(RenewError::Duplicate);
+        }
+        l.counter[i] = proof.counter;
+        l.data = Some(l.data.map_or(now, |t| t.max(now)));
+        l.renewed = l.renewed.max(now);
+        l.held = false;
+        l.others_heard = None;
+        if let Some(vm) = tag.vm {
+            l.saw_vm(vm, now);
+        }
+        self.heard(id, now);
+        Ok(new)
+    }
+
+    /// The answer of a probe of `addr` for `id`, at `now`: a handshake makes the
+    /// listener trusted (its later silence can be told from death); any answer is kept
+    /// for the next judgement. An answer for another listener is ignored.
+    pub fn probed(&mut self, id: InstanceId, addr: SocketAddr, answer: ProbeAnswer, now: Instant) {
+        let Some(l) = self.table.get_mut(&id) else {
+            return;
+        };
+        let Some((mine, trusted)) = &mut l.listener else {
+            return;
+        };
+        if *mine != addr {
+            return;
+        }
+        *trusted |= answer == ProbeAnswer::Alive;
+        l.answer = Some((now, answer));
+    }
+
+    /// A request tagged with `tag` arrived at `now`, with no proof (an older filter):
+    /// data-path evidence of life for a held lease, and of its VM (an instance never
+    /// seen renewing gets none: it is never judged).
     pub fn touch(&mut self, tag: impl Into<InstanceTag>, now: Instant) {
         let tag = tag.into();
         if let Some(l) = self.table.get_mut(&tag.instance) {
@@ -374,27 +599,14 @@ impl Leases {
 
     /// An instance judged expired at `judged` had a request admitted at `at`, after the
     /// judgement: evidence of life after all, so its lease is taken back (with its
-    /// counters, and not enforceable until its data path renews again).
+    /// counters, and not armed until its data path carries new evidence).
     pub fn revive(&mut self, id: InstanceId, at: Instant) {
         let Some((counter, _)) = self.gone.remove(&id) else {
             return;
         };
-        self.table.insert(
-            id,
-            Lease {
-                host: None,
-                period: self.default_period(),
-                counter,
-                admin: None,
-                data: Some(at),
-                renewed: at,
-                data_renewals: 0,
-                held: false,
-                others_heard: None,
-                listed: None,
-                vms: HashMap::new(),
-            },
-        );
+        let mut l = Lease::new(self.default_period(), counter, at);
+        l.data = Some(at);
+        self.table.insert(id, l);
     }
 
     /// kvguard-control's own loop stalled for `stall`: every lease is extended by it
@@ -405,6 +617,8 @@ impl Leases {
             l.data = l.data.map(|t| t + stall);
             l.renewed += stall;
             l.others_heard = l.others_heard.map(|t| t + stall);
+            l.asked = l.asked.map(|t| t + stall);
+            l.answer = l.answer.map(|(t, a)| (t + stall, a));
             // A VM left out before the stall: the renewals that might list it again may
             // not have been read yet.
             for v in l.vms.values_mut() {
@@ -417,7 +631,10 @@ impl Leases {
     /// table; their counters are kept.
     pub fn judge(&mut self, now: Instant) -> Judgement {
         let mut j = Judgement::default();
-        let ids: Vec<InstanceId> = self.table.keys().copied().collect();
+        let mut ids: Vec<InstanceId> = self.table.keys().copied().collect();
+        // In id order: the probes asked within the bound, and every list, do not depend
+        // on the table's order.
+        ids.sort_unstable();
         let mut verdicts = Vec::new();
         for id in ids {
             let Some(l) = self.table.get(&id) else {
@@ -425,17 +642,29 @@ impl Leases {
             };
             let last = l.last();
             let silent_for = now.saturating_duration_since(last);
-            let replaced = l.host.is_some()
+            let shared = self.shared_host(&id, l);
+            if let (true, Some(h)) = (shared && !l.shared, l.host) {
+                j.shared.push((id, h));
+            }
+            let replaced = !shared
+                && l.host.is_some()
                 && silent_for > l.period * 2
                 && self
                     .table
                     .iter()
                     .any(|(o, ol)| *o != id && ol.host == l.host && ol.renewed > last);
             if replaced {
-                verdicts.push((id, Some(Expiry::Replaced)));
+                verdicts.push((id, Verdict::Expire(Expiry::Replaced)));
                 continue;
             }
             if silent_for <= self.ttl {
+                // A listener not yet known to answer is asked while the gateway lives
+                // (once a TTL): only one that answered can tell its death later.
+                if let Some((a, false)) = l.listener {
+                    if l.may_ask(now, self.ttl) {
+                        verdicts.push((id, Verdict::Probe(a)));
+                    }
+                }
                 continue;
             }
             // Has anyone else been heard from since its silence began, long enough ago
@@ -444,29 +673,57 @@ impl Leases {
             let heard = l
                 .others_heard
                 .is_some_and(|t| now.saturating_duration_since(t) >= l.period * 3 / 2);
-            if others && !heard {
-                verdicts.push((id, None));
-            } else if l.data_renewals >= DATA_RENEWALS_TO_ENFORCE {
-                verdicts.push((id, Some(Expiry::Silent)));
+            let v = if others && !heard {
+                Verdict::Hold
+            } else if !l.armed() {
+                Verdict::Expire(Expiry::Unproven)
+            } else if let Some(a) = l.trusted() {
+                // Asked since the silence reached the TTL: the kernel's answer decides.
+                let answer = l.answer.filter(|(t, _)| *t >= last + self.ttl);
+                match answer {
+                    Some((_, ProbeAnswer::Alive)) if l.may_ask(now, l.period) => {
+                        Verdict::HoldAndProbe(a)
+                    }
+                    Some((_, ProbeAnswer::Alive)) => Verdict::Hold,
+                    Some(_) => Verdict::Expire(Expiry::Dead),
+                    None if l.may_ask(now, l.period) => Verdict::Probe(a),
+                    None => Verdict::Wait,
+                }
+            } else if l.inband {
+                Verdict::Expire(Expiry::Silent)
             } else {
-                verdicts.push((id, Some(Expiry::Unproven)));
-            }
+                Verdict::Expire(Expiry::Unproven)
+            };
+            verdicts.push((id, v));
         }
         for (id, v) in verdicts {
-            match v {
-                None => {
-                    if let Some(l) = self.table.get_mut(&id) {
-                        if !l.held {
-                            l.held = true;
-                            j.held += 1;
-                        }
-                    }
-                }
-                Some(why) => {
+            let Some(l) = self.table.get_mut(&id) else {
+                continue;
+            };
+            if j.shared.iter().any(|(s, _)| *s == id) {
+                l.shared = true;
+            }
+            let (hold, probe) = match v {
+                Verdict::Hold => (true, None),
+                Verdict::HoldAndProbe(a) => (true, Some(a)),
+                Verdict::Probe(a) => (false, Some(a)),
+                Verdict::Wait => (false, None),
+                Verdict::Expire(why) => {
                     if let Some(l) = self.table.remove(&id) {
                         self.keep_gone(id, l.counter, now);
                     }
                     j.expired.push((id, why));
+                    continue;
+                }
+            };
+            if hold && !l.held {
+                l.held = true;
+                j.held += 1;
+            }
+            if let Some(a) = probe {
+                if j.probes.len() < MAX_PROBES {
+                    l.asked = Some(now);
+                    j.probes.push((id, a));
                 }
             }
         }

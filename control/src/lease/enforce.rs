@@ -1,8 +1,9 @@
 //! The lease loop: every [`lease_tick`] it takes kvguard-control's own stall into
-//! account, judges every lease ([`super::Leases::judge`]) and ends (`enforce`) or counts
-//! (`observe`) the in-flight requests of each expired instance, reason `gateway_lost`.
+//! account, judges every lease ([`super::Leases::judge`]), connects to the listeners the
+//! judgement asks about ([`probe`]) and ends (`enforce`) or counts (`observe`) the
+//! in-flight requests of each expired instance, reason `gateway_lost`.
 
-use super::{Expiry, LeaseMode};
+use super::{Expiry, LeaseMode, ProbeAnswer};
 use crate::state::AppState;
 use kvguard_contract::AbortReason;
 use std::sync::Arc;
@@ -59,7 +60,14 @@ pub fn judge(st: &Arc<AppState>) {
     };
     if j.held > 0 {
         st.metrics.lease.held_expiries.inc_by(j.held as u64);
-        tracing::warn!(held = j.held, "gateways went silent and no other gateway was heard from since: expiries held (suspect the network or kvguard-control)");
+        tracing::warn!(held = j.held, "gateways went silent past the TTL and no other gateway was heard from since, or their listener still answers (frozen): expiries held");
+    }
+    for (instance, host) in &j.shared {
+        st.metrics.lease.shared_host_keys.inc();
+        tracing::warn!(%instance, %host, "two live gateways renew with one host key (the same Envoy node.id and vm_id): the key is not used to judge either as replaced; give each gateway its own node.id (--service-node \"$HOSTNAME\", or Istio's)");
+    }
+    for (instance, addr) in j.probes {
+        probe(st, instance, addr);
     }
     if j.expired.is_empty() && j.lost.is_empty() {
         return;
@@ -91,13 +99,41 @@ pub fn judge(st: &Arc<AppState>) {
             Expiry::Replaced => {
                 tracing::warn!(%instance, mode, requests = ended, "gateway lease expired: a new process renews with its host key and its own renewals stopped (restarted or replaced)")
             }
+            Expiry::Dead => {
+                tracing::warn!(%instance, mode, requests = ended, ttl_ms, "gateway lease expired: silent for the TTL and its listener refused or did not answer a handshake")
+            }
             Expiry::Unproven => {
-                tracing::warn!(%instance, requests = ended, ttl_ms, "gateway lease expired without renewals on its data path (a hop that does not carry /v1/kvguard/lease): its requests are counted, not ended")
+                tracing::warn!(%instance, mode, requests = ended, ttl_ms, "gateway lease expired unproven: silent for the TTL, but its data path carried no in-band renewal (a hop that does not route /v1/kvguard/lease) and no listener of it answered a handshake before, so its silence is no evidence of death: its requests are counted, not ended")
             }
             // Judged per VM ([`end_vm`]), never for a whole instance.
             Expiry::VmLost => {}
         }
     }
+}
+
+/// Connects to `addr`, the listener of `instance` from its verified proof, within
+/// [`super::probe_timeout`], and gives the answer to the lease table; a refusal or no
+/// answer is judged at once.
+fn probe(st: &Arc<AppState>, instance: kvguard_contract::InstanceId, addr: std::net::SocketAddr) {
+    let st = Arc::clone(st);
+    tokio::spawn(async move {
+        let bound = super::probe_timeout(st.cfg.lease_ttl);
+        let answer = match tokio::time::timeout(bound, tokio::net::TcpStream::connect(addr)).await {
+            Ok(Ok(_)) => ProbeAnswer::Alive,
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => ProbeAnswer::Refused,
+            Ok(Err(_)) | Err(_) => ProbeAnswer::Timeout,
+        };
+        st.metrics.lease.probe(answer);
+        tracing::debug!(%instance, %addr, answer = answer.as_str(), "gateway listener probed");
+        {
+            let mut leases = st.leases.lock().unwrap_or_else(|p| p.into_inner());
+            leases.probed(instance, addr, answer, st.clock.now());
+            st.metrics.lease.census(leases.census());
+        }
+        if answer != ProbeAnswer::Alive {
+            judge(&st);
+        }
+    });
 }
 
 /// The latest admission among `mine` at or after the judgement at `now` (evidence of life
@@ -113,14 +149,15 @@ fn admitted_since(
 }
 
 /// Counts the expiry `why`, then ends `mine` (`enforce`, reason `gateway_lost`) or only
-/// counts them: the mode label and how many.
+/// counts them: the mode label (the `--lease-mode`; `why` says when an expiry ends
+/// nothing in either) and how many.
 fn end_or_count(
     st: &Arc<AppState>,
     mine: &[&Arc<crate::table::Entry>],
     why: Expiry,
     enforce: bool,
 ) -> (&'static str, u64) {
-    let mode = if enforce { "enforce" } else { "observe" };
+    let mode = st.cfg.lease_mode.as_str();
     st.metrics.lease.expired(mode, why);
     let mut ended = 0u64;
     for e in mine {

@@ -108,32 +108,31 @@ fn the_admin_path_silent_while_the_data_path_renews_expires_nothing() {
 }
 
 #[test]
-fn a_gateway_whose_data_path_never_carried_three_renewals_is_counted_never_enforced() {
+fn one_in_band_renewal_arms_the_lease_and_admin_renewals_alone_never_do() {
     let t0 = Instant::now();
     let mut l = Leases::new(TTL);
     l.renew(&body(A, 1, Via::Admin), t0).unwrap();
+    assert_eq!(l.census().enforceable, 0);
     l.renew(&body(A, 1, Via::Data), t0).unwrap();
-    l.renew(&body(A, 2, Via::Data), t0 + ms(P)).unwrap();
     assert_eq!(
         l.census(),
         Census {
             held: 1,
-            enforceable: 0
+            enforceable: 1
         }
     );
-    let last = t0 + ms(P);
-    assert!(expired(&mut l, last + TTL).is_empty());
-    assert_eq!(
-        expired(&mut l, last + TTL + ms(1)),
-        vec![(A, Expiry::Unproven)]
-    );
-    // Admin renewals alone never make it enforceable.
+    assert!(expired(&mut l, t0 + TTL).is_empty());
+    assert_eq!(expired(&mut l, t0 + TTL + ms(1)), vec![(A, Expiry::Silent)]);
+    // Admin renewals alone never arm it: its silence is unproven.
     let mut l = Leases::new(TTL);
     for c in 1..=10 {
         l.renew(&body(B, c, Via::Admin), t0 + ms(P * c)).unwrap();
     }
     assert_eq!(l.census().enforceable, 0);
-    assert_eq!(DATA_RENEWALS_TO_ENFORCE, 3);
+    assert_eq!(
+        expired(&mut l, t0 + ms(P * 10) + TTL + ms(1)),
+        vec![(B, Expiry::Unproven)]
+    );
 }
 
 #[test]
@@ -276,7 +275,7 @@ fn counters_refuse_replays_per_path_and_a_duplicate_is_no_evidence() {
         l.renew(&body(A, 3, Via::Data), later),
         Err(RenewError::Replay)
     );
-    assert_eq!(expired(&mut l, t0 + s(31)), vec![(A, Expiry::Unproven)]);
+    assert_eq!(expired(&mut l, t0 + s(31)), vec![(A, Expiry::Silent)]);
 }
 
 #[test]
@@ -638,4 +637,342 @@ fn a_renewal_that_leaves_a_vm_out_at_the_instant_it_was_seen_does_not_count_it_a
     l.renew(&with_vms(A, 4, Via::Data, &[1]), later + TTL + ms(1))
         .unwrap();
     assert_eq!(l.judge(later + TTL + ms(1)).lost, vec![(A, 2)]);
+}
+
+fn proof(counter: u64, host: Option<u8>, listener: Option<&str>) -> Proof {
+    Proof {
+        counter,
+        host: host.map(|h| HostKey([h; 16])),
+        listener: listener.map(|a| a.parse().unwrap()),
+    }
+}
+
+const L_A: &str = "10.0.0.1:8080";
+const L_B: &str = "10.0.0.2:8080";
+
+/// `id` proves its life on requests with counters 1..=n, one period apart from `t0`,
+/// from listener `listener`; returns the time of the last.
+fn prove_n(l: &mut Leases, id: InstanceId, n: u64, t0: Instant, listener: &str) -> Instant {
+    for c in 1..=n {
+        let t = t0 + ms(P * (c - 1));
+        let _ = l.prove(tagged(id, 1), &proof(c, None, Some(listener)), t);
+    }
+    t0 + ms(P * (n - 1))
+}
+
+/// Answers every probe the judgement at `now` asks with `answer`; returns the judgement.
+fn judge_answering(l: &mut Leases, now: Instant, answer: ProbeAnswer) -> Judgement {
+    let j = l.judge(now);
+    for (id, a) in &j.probes {
+        l.probed(*id, *a, answer, now);
+    }
+    j
+}
+
+#[test]
+fn the_first_proof_on_a_request_takes_and_arms_the_lease_and_a_replay_proves_nothing() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    assert_eq!(
+        l.prove(tagged(A, 2), &proof(0, Some(7), None), t0),
+        Ok(true)
+    );
+    assert!(l.holds(&A));
+    // The period's counter again (another request, another VM): no new evidence.
+    assert_eq!(
+        l.prove(tagged(A, 1), &proof(0, None, None), t0 + s(20)),
+        Err(RenewError::Duplicate)
+    );
+    // The in-band renewal of that counter is no new evidence either, but it shows the
+    // path carries in-band renewals: silence is evidence from then on.
+    assert_eq!(
+        l.renew(&body(A, 0, Via::Data), t0 + s(20)),
+        Err(RenewError::Duplicate)
+    );
+    assert_eq!(l.census().enforceable, 1);
+    assert!(expired(&mut l, t0 + TTL).is_empty());
+    assert_eq!(expired(&mut l, t0 + TTL + ms(1)), vec![(A, Expiry::Silent)]);
+    // Its counters are kept: a replayed proof cannot take the lease back, a newer one can.
+    assert_eq!(
+        l.prove(tagged(A, 1), &proof(0, None, None), t0 + s(40)),
+        Err(RenewError::Replay)
+    );
+    assert!(!l.holds(&A));
+    assert_eq!(
+        l.prove(tagged(A, 1), &proof(1, None, None), t0 + s(41)),
+        Ok(true)
+    );
+    // Older than the last accepted on the data path: a replay.
+    assert_eq!(
+        l.prove(tagged(A, 1), &proof(0, None, None), t0 + s(42)),
+        Err(RenewError::Replay)
+    );
+    // A newer counter is evidence, as an in-band renewal is.
+    assert_eq!(
+        l.prove(tagged(A, 1), &proof(2, None, None), t0 + s(50)),
+        Ok(false)
+    );
+    assert_eq!(
+        l.renew(&body(A, 2, Via::Data), t0 + s(50)),
+        Err(RenewError::Duplicate)
+    );
+    assert_eq!(l.renew(&body(A, 3, Via::Data), t0 + s(55)), Ok(false));
+}
+
+#[test]
+fn proofs_alone_without_a_trusted_listener_leave_silence_unproven() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    for c in 1..=5 {
+        l.prove(tagged(A, 1), &proof(c, None, None), t0 + ms(P * c))
+            .unwrap();
+    }
+    let last = t0 + ms(5 * P);
+    assert_eq!(
+        l.census().enforceable,
+        0,
+        "no request is no evidence of death"
+    );
+    let j = l.judge(last + TTL + ms(1));
+    assert!(j.probes.is_empty(), "no listener: nothing to ask");
+    assert_eq!(j.expired, vec![(A, Expiry::Unproven)]);
+}
+
+#[test]
+fn a_listener_is_asked_while_the_gateway_lives_and_trusted_once_it_answers() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    l.prove(tagged(A, 1), &proof(1, None, Some(L_A)), t0)
+        .unwrap();
+    let a: SocketAddr = L_A.parse().unwrap();
+    // Asked at once, then not again within the TTL while it does not answer.
+    let j = l.judge(t0);
+    assert_eq!(j.probes, vec![(A, a)]);
+    l.probed(A, a, ProbeAnswer::Refused, t0 + ms(1));
+    assert!(l.judge(t0 + TTL - ms(1)).probes.is_empty());
+    assert_eq!(
+        l.census().enforceable,
+        0,
+        "refused while alive: not trusted"
+    );
+    l.prove(tagged(A, 1), &proof(2, None, Some(L_A)), t0 + s(25))
+        .unwrap();
+    assert_eq!(l.judge(t0 + TTL).probes, vec![(A, a)]);
+    // An answer for another listener is not this one's.
+    l.probed(A, L_B.parse().unwrap(), ProbeAnswer::Alive, t0 + TTL);
+    l.probed(B, a, ProbeAnswer::Alive, t0 + TTL);
+    assert_eq!(l.census().enforceable, 0);
+    l.probed(A, a, ProbeAnswer::Alive, t0 + TTL);
+    assert_eq!(l.census().enforceable, 1);
+    // Trusted: never asked again while it lives, and its listener stays.
+    l.prove(tagged(A, 1), &proof(3, None, Some(L_B)), t0 + s(40))
+        .unwrap();
+    assert!(l.judge(t0 + s(41)).probes.is_empty());
+    assert!(l.judge(t0 + s(41) + TTL - s(1)).probes.is_empty());
+    // Silent past the TTL: asked, and the answer decides.
+    let silent = t0 + s(40) + TTL + ms(1);
+    let j = l.judge(silent);
+    assert_eq!((j.probes, j.expired), (vec![(A, a)], vec![]));
+    // Asked once a period while the answer is on its way.
+    assert!(l.judge(silent + ms(P - 1)).probes.is_empty());
+    l.probed(A, a, ProbeAnswer::Refused, silent + ms(5));
+    assert_eq!(expired(&mut l, silent + ms(10)), vec![(A, Expiry::Dead)]);
+}
+
+#[test]
+fn a_silent_gateway_whose_listener_does_not_answer_is_dead() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    let last = prove_n(&mut l, A, 2, t0, L_A);
+    judge_answering(&mut l, last, ProbeAnswer::Alive);
+    assert_eq!(l.census().enforceable, 1);
+    let j = judge_answering(&mut l, last + TTL + ms(1), ProbeAnswer::Timeout);
+    assert!(
+        j.expired.is_empty(),
+        "judged on the answer, at the next judgement"
+    );
+    assert_eq!(expired(&mut l, last + TTL + ms(2)), vec![(A, Expiry::Dead)]);
+    // An answer from before the silence reached the TTL decides nothing.
+    let mut l = Leases::new(TTL);
+    let last = prove_n(&mut l, A, 2, t0, L_A);
+    judge_answering(&mut l, last, ProbeAnswer::Alive);
+    l.probed(
+        A,
+        L_A.parse().unwrap(),
+        ProbeAnswer::Refused,
+        last + TTL - ms(1),
+    );
+    let j = l.judge(last + TTL + ms(1));
+    assert!(j.expired.is_empty() && j.probes.len() == 1, "{j:?}");
+}
+
+#[test]
+fn a_frozen_gateway_whose_kernel_answers_is_held_asked_each_period_and_kept_when_it_resumes() {
+    for inband in [false, true] {
+        let t0 = Instant::now();
+        let mut l = Leases::new(TTL);
+        let last = prove_n(&mut l, A, 2, t0, L_A);
+        if inband {
+            l.renew(&body(A, 3, Via::Data), last).unwrap();
+        }
+        judge_answering(&mut l, last, ProbeAnswer::Alive);
+        let mut now = last + TTL + ms(1);
+        let j = judge_answering(&mut l, now, ProbeAnswer::Alive);
+        assert!(j.expired.is_empty() && j.held == 0);
+        // Held, counted once for the spell, asked again each period.
+        now += ms(1);
+        let j = l.judge(now);
+        assert_eq!((j.held, j.probes.len(), j.expired.len()), (1, 0, 0));
+        let mut asked = 0;
+        for _ in 0..20 {
+            now += ms(P / 2);
+            let j = judge_answering(&mut l, now, ProbeAnswer::Alive);
+            assert!(j.expired.is_empty() && j.held == 0);
+            asked += j.probes.len();
+        }
+        assert_eq!(asked, 10, "one probe a period");
+        // It resumes: its evidence takes the lease on; a later death is judged anew.
+        l.prove(tagged(A, 1), &proof(9, None, Some(L_A)), now)
+            .unwrap();
+        assert!(l.judge(now + TTL).probes.is_empty());
+        judge_answering(&mut l, now + TTL + ms(1), ProbeAnswer::Refused);
+        assert_eq!(
+            expired(&mut l, now + TTL + ms(2)),
+            vec![(A, Expiry::Dead)],
+            "inband {inband}"
+        );
+    }
+}
+
+#[test]
+fn in_band_silence_without_a_trusted_listener_is_silent_and_others_still_hold_the_probe() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    let last = prove_n(&mut l, A, 2, t0, L_A);
+    l.renew(&body(A, 3, Via::Data), last).unwrap();
+    judge_answering(&mut l, last, ProbeAnswer::Timeout);
+    let j = l.judge(last + TTL + ms(1));
+    assert_eq!((j.expired, j.probes), (vec![(A, Expiry::Silent)], vec![]));
+    // With another gateway not heard since: held before anything is asked.
+    let mut l = Leases::new(TTL);
+    let last = prove_n(&mut l, A, 2, t0, L_A);
+    prove_n(&mut l, B, 2, t0, L_B);
+    judge_answering(&mut l, last, ProbeAnswer::Alive);
+    let j = l.judge(last + TTL + ms(1));
+    assert_eq!((j.held, j.probes.len(), j.expired.len()), (2, 0, 0));
+}
+
+#[test]
+fn probes_per_judgement_are_bounded() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    for i in 0..(MAX_PROBES as u8 + 5) {
+        let id = InstanceId([i; 16]);
+        let addr = format!("10.0.1.{i}:8080");
+        l.prove(tagged(id, 1), &proof(1, None, Some(&addr)), t0)
+            .unwrap();
+    }
+    let j = l.judge(t0);
+    assert_eq!(j.probes.len(), MAX_PROBES);
+    // The rest are asked at the next judgement.
+    assert_eq!(l.judge(t0 + ms(1)).probes.len(), 5);
+}
+
+#[test]
+fn a_host_key_two_live_gateways_share_from_two_listeners_judges_neither() {
+    let t0 = Instant::now();
+    let shared = |l: &mut Leases, a: InstanceId, b: InstanceId, la: &str, lb: &str| {
+        // Both renew with host 7, interleaved, for a while; then A falls silent.
+        for c in 1..=4 {
+            let t = t0 + ms(P * c);
+            l.prove(tagged(a, 1), &proof(c, Some(7), Some(la)), t)
+                .unwrap();
+            l.prove(tagged(b, 1), &proof(c, Some(7), Some(lb)), t + s(1))
+                .unwrap();
+        }
+        for c in 5..=8 {
+            l.prove(tagged(b, 1), &proof(c, Some(7), Some(lb)), t0 + ms(P * c))
+                .unwrap();
+        }
+    };
+    let mut l = Leases::new(TTL);
+    shared(&mut l, A, B, L_A, L_B);
+    let j = l.judge(t0 + ms(P * 8));
+    assert_eq!(j.shared, vec![(A, HostKey([7; 16])), (B, HostKey([7; 16]))]);
+    assert!(j.expired.is_empty(), "A silent for 4 periods: not replaced");
+    // Counted once.
+    assert!(l.judge(t0 + ms(P * 8 + 1)).shared.is_empty());
+    // The same listener (a hot restart's parent and child): replaced.
+    let mut l = Leases::new(TTL);
+    shared(&mut l, A, B, L_A, L_A);
+    let j = l.judge(t0 + ms(P * 8));
+    assert!(j.shared.is_empty());
+    assert_eq!(j.expired, vec![(A, Expiry::Replaced)]);
+    // A process restarted in place on another listener, heard only after the old one's
+    // last evidence: replaced.
+    let mut l = Leases::new(TTL);
+    l.prove(tagged(A, 1), &proof(1, Some(7), Some(L_A)), t0)
+        .unwrap();
+    l.prove(tagged(B, 1), &proof(1, Some(7), Some(L_B)), t0 + s(1))
+        .unwrap();
+    let j = l.judge(t0 + ms(2 * P + 1));
+    assert!(j.shared.is_empty());
+    assert_eq!(j.expired, vec![(A, Expiry::Replaced)]);
+}
+
+#[test]
+fn a_proof_value_is_verified_once_and_a_bad_one_never_remembered() {
+    let mut l = Leases::new(TTL);
+    let mut checks = 0;
+    assert!(l.verified(b"v1", || {
+        checks += 1;
+        true
+    }));
+    assert!(l.verified(b"v1", || {
+        checks += 1;
+        false
+    }));
+    assert_eq!(checks, 1);
+    assert!(!l.verified(b"bad", || false));
+    assert!(l.verified(b"bad", || true));
+    // Bounded: all forgotten at once beyond the bound.
+    for i in 0..MAX_VERIFIED {
+        l.verified(format!("x{i}").as_bytes(), || true);
+    }
+    assert!(!l.verified(b"v1", || false));
+    assert!(l.verified.len() <= MAX_VERIFIED);
+}
+
+#[test]
+fn the_probe_waits_an_eighth_of_the_ttl_between_100_ms_and_1_s() {
+    assert_eq!(probe_timeout(s(30)), s(1));
+    assert_eq!(probe_timeout(s(2)), ms(250));
+    assert_eq!(probe_timeout(ms(400)), ms(100));
+    assert_eq!(
+        [
+            ProbeAnswer::Alive,
+            ProbeAnswer::Refused,
+            ProbeAnswer::Timeout
+        ]
+        .map(ProbeAnswer::as_str),
+        ["alive", "refused", "timeout"]
+    );
+    assert_eq!(Expiry::Dead.as_str(), "dead");
+}
+
+#[test]
+fn a_stall_moves_the_probes_and_their_answers() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    let last = prove_n(&mut l, A, 1, t0, L_A);
+    judge_answering(&mut l, last, ProbeAnswer::Alive);
+    let silent = last + TTL + ms(1);
+    judge_answering(&mut l, silent, ProbeAnswer::Refused);
+    // Our own stall: every lease (and the answer) moves by it, so nothing is judged.
+    l.extend(s(60));
+    assert!(l.judge(silent + s(1)).expired.is_empty());
+    assert_eq!(
+        expired(&mut l, silent + s(60) + ms(1)),
+        vec![(A, Expiry::Dead)]
+    );
 }
