@@ -25,6 +25,7 @@
 use kvguard_integration::client::{self, SilentClient};
 use kvguard_integration::demo::stack::{self, Control, Stack, StackOptions, FILTER_TICK_MS};
 use kvguard_integration::envoy::{Envoy, EnvoyOptions};
+use kvguard_integration::receiver::{self, Behaviour, ReceiverConfig};
 use kvguard_integration::sim::{self, EndKind, SimConfig};
 use kvguard_integration::wait::bounded;
 use serde_json::{json, Value};
@@ -122,6 +123,11 @@ fn deferred_silences(log: &str) -> BTreeMap<String, u64> {
         }
     }
     m
+}
+
+/// The filter's abort counter for `reason` and `outcome`, as Envoy names it.
+fn aborts(reason: &str, outcome: &str) -> String {
+    format!("kvguard_filter_aborts_total_reason=.={reason};.;_outcome=.={outcome};.;")
 }
 
 /// A simulator at 100 tokens/s with room for streams of 30,000 tokens.
@@ -334,6 +340,109 @@ async fn a_silent_client_s_connection_is_closed_when_kvguard_control_ends_it_fir
             let read = String::from_utf8_lossy(c.bytes_read()).into_owned();
             assert!(!read.contains("[DONE]"), "{read}");
             eprintln!("closed after {n} bytes");
+        },
+    )
+    .await
+    .unwrap();
+}
+
+/// kvguard-control's admin path refuses the filter's first stall ask of a slow reader
+/// (503, as when all its admin work slots are busy), then answers again: the ask got no
+/// answer, so it is no verdict. The stream is kept, and the retry asks the same question
+/// (`recheck_ms` kept), which kvguard-control defers: the reader reads on, never cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_reader_whose_stall_ask_got_no_answer_is_asked_again_and_kept() {
+    const READ: Duration = Duration::from_secs(30);
+    bounded(
+        "an unanswered stall ask",
+        READ + Duration::from_secs(60),
+        async {
+            let sim = sim::spawn(long_streams()).await.unwrap();
+            let any = SocketAddr::from(([127, 0, 0, 1], 0));
+            let ctl = Control::start(
+                sim.addr(),
+                any,
+                any,
+                &[
+                    "--idle-timeout".into(),
+                    format!("{}s", IDLE.as_secs()),
+                    "--reader-timeout".into(),
+                    format!("{}s", READER.as_secs()),
+                ],
+            )
+            .await
+            .unwrap();
+            // A tap on the admin path: 503 until told to pass calls on.
+            let mut rc = ReceiverConfig::new(Vec::new());
+            rc.behaviour = Behaviour::Status(503);
+            let tap = receiver::spawn(rc).await.unwrap();
+            let cfg = stack::filter_config(IDLE.as_millis() as u64, 0);
+            let mut opts = EnvoyOptions::with_filter(ctl.proxy, tap.addr(), cfg)
+                .vm_env("KVGUARD_SECRET", stack::SECRET);
+            opts.per_connection_buffer_limit_bytes = Some(SHIPPED_BUFFER);
+            opts.downstream_sndbuf = Some(KERNEL_BUFFER);
+            let envoy = Envoy::start(opts).await.unwrap();
+            let body =
+                json!({"model": "tiny", "prompt": "x", "stream": true, "max_tokens": 30_000});
+            let c = client::silent_client(
+                envoy.listener_addr(),
+                "/v1/completions",
+                &body,
+                &[],
+                KERNEL_BUFFER,
+                true,
+            )
+            .await
+            .unwrap();
+            assert_eq!(c.status(), Some(200), "{:?}", c.head());
+            let id = request_id(&c);
+            let until = Instant::now() + READ;
+            let reader = tokio::spawn(async move { read_slowly(c, 200, until).await });
+            // The first ask arrives once the buffers are full and the filter sees an idle
+            // window of silence; it is refused.
+            let first = tap.wait_calls_for(&id, READ).await.unwrap();
+            let ask = first[0].abort.clone().unwrap();
+            assert_eq!(
+                (ask.reason.as_str(), ask.attempt, ask.recheck_ms.is_some()),
+                ("stalled", Some(1), true),
+                "{ask:?}"
+            );
+            tap.set_behaviour(Behaviour::Forward(ctl.admin));
+            let (c, n) = reader
+                .await
+                .unwrap()
+                .unwrap_or_else(|e| panic!("the reader was cut after its ask got no answer: {e}"));
+            drop(c);
+            assert!(
+                sim.state().request(&id).unwrap().ended.is_none(),
+                "its engine sequence was ended ({n} bytes read)"
+            );
+            let calls = tap.calls_for(&id);
+            let retried = calls
+                .iter()
+                .find(|c| {
+                    c.status == Some(200) && c.abort.as_ref().is_some_and(|a| a.attempt > Some(1))
+                })
+                .unwrap_or_else(|| panic!("no retry of the ask was answered: {calls:?}"));
+            let a = retried.abort.as_ref().unwrap();
+            assert_eq!(
+                a.recheck_ms, ask.recheck_ms,
+                "the retry did not ask the same question: {a:?}"
+            );
+            let deferred = envoy
+                .stat(&aborts("stalled", "deferred"))
+                .await
+                .unwrap()
+                .unwrap_or(0.0);
+            assert!(deferred >= 1.0, "no deferral counted at the filter");
+            assert_eq!(
+                envoy
+                    .stat(&aborts("stalled", "aborted"))
+                    .await
+                    .unwrap()
+                    .unwrap_or(0.0),
+                0.0
+            );
         },
     )
     .await

@@ -138,22 +138,6 @@ pub fn known() -> Vec<Finding> {
             },
         },
         Finding {
-            name: "36.4",
-            title: "a lost answer to a stall ask becomes a real end: the reader is cut",
-            schedule: Schedule {
-                seed: 1,
-                setup: Setup::default(),
-                ops: vec![
-                    stream(0, 0, 0, Client::Steady { bps: 450 }, 3_000, 30),
-                    // Its first stall ask goes at 64.96 s.
-                    Op::LoseCalls {
-                        at: 64_500,
-                        for_ms: 2_000,
-                    },
-                ],
-            },
-        },
-        Finding {
             name: "37.2",
             title: "a hop that answers 404 to /v1/kvguard/lease never arms the lease",
             schedule: Schedule {
@@ -283,6 +267,22 @@ pub fn guards() -> Vec<Guard> {
 /// all. A finding of [`known`] whose fix lands moves here, with its schedule.
 pub fn regressions() -> Vec<Finding> {
     vec![
+        Finding {
+            name: "36.4",
+            title: "a lost answer to a stall ask becomes a real end: the reader is cut",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup::default(),
+                ops: vec![
+                    stream(0, 0, 0, Client::Steady { bps: 450 }, 3_000, 30),
+                    // Its first stall ask goes at 64.96 s.
+                    Op::LoseCalls {
+                        at: 64_500,
+                        for_ms: 2_000,
+                    },
+                ],
+            },
+        },
         Finding {
             name: "36.1",
             title: "a reader draining the tail is cut once the completion memory expires",

@@ -46,8 +46,9 @@ pub struct Job {
     pub gone_at_ms: Option<u64>,
     /// The stream (context id) kept open until this abort's first answer, and its idle
     /// window: the call allows a deferral (`recheck_ms`, contract §3) and its first
-    /// outcome is reported back ([`AbortQueue::take_asks`]). `None` once reported, so
-    /// retries never allow one.
+    /// answer is reported back ([`AbortQueue::take_asks`]). A call that got no answer (a
+    /// timeout, a transient status, a lost answer, a refused dispatch) reports nothing:
+    /// its retries ask the same, until an answer or the deadline. `None` once reported.
     pub ask: Option<(u32, u32)>,
     queued_ms: u64,
     next_ms: u64,
@@ -112,8 +113,9 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
 
 /// The first answer to an abort that asked ([`Job::ask`]): the stream kept open for it
 /// (Envoy never reuses a context id), and whether kvguard-control deferred it (200
-/// `deferred`); anything else (ended, not found, an error, a timeout, no call possible)
-/// is no deferral.
+/// `deferred`). Any other answer (ended, not found, refused), no call possible, or no
+/// answer by the deadline ([`DEADLINE_MS`]: kvguard-control unreachable, the filter's
+/// own judgement stands) is no deferral.
 pub type Asked = (u32, bool);
 
 /// The per-VM abort queue.
@@ -322,9 +324,10 @@ impl AbortQueue {
         metrics: &mut M,
         finished: &mut Vec<Finished>,
     ) {
-        // An asking stream waits for no retry: it is cut, and the retries end it.
-        self.settle(&mut job, false);
-        if job.attempts > cfg.abort_retries {
+        // No answer is no verdict: an ask is retried as it was sent (its stream kept,
+        // `recheck_ms` kept, so kvguard-control judges the same question again) until an
+        // answer comes or the deadline passes; `abort_retries` bounds the other aborts.
+        if job.ask.is_none() && job.attempts > cfg.abort_retries {
             self.finish(job, Outcome::Failed, status, metrics, finished);
             return;
         }

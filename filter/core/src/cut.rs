@@ -32,10 +32,12 @@
 //!    kvguard-control, which sees the engine's side, ends the stream or answers
 //!    `deferred`. Deferred: the stream is kept and asked about again one idle
 //!    window later (new progress ends that wait). Any other answer — ended, not found
-//!    (kvguard-control is not on its path, or no longer holds it), an error, a timeout,
-//!    no call possible — cuts it at the next tick, as without kvguard-control: the ask
-//!    costs one round trip (at most `abort_timeout_ms`, plus the watchdog's slack if the
-//!    host loses the answer) and a tick. An upstream end that passes while the answer is
+//!    (kvguard-control is not on its path, or no longer holds it), refused — or no call
+//!    possible cuts it at the next tick, as without kvguard-control. No answer (a
+//!    timeout, a transient status, a lost answer) is no verdict: the ask is retried as it
+//!    was sent, the stream kept, until an answer or the abort deadline
+//!    ([`crate::aborts::DEADLINE_MS`]); a kvguard-control unreachable that long leaves
+//!    the filter's own verdict, and the stream is cut. An upstream end that passes while the answer is
 //!    awaited, or after one that did not defer, is held and the stream cut at the next
 //!    tick ([`crate::request::Request::end_held`]): kvguard-control's end of a stream it
 //!    ends must not complete it at Envoy for a client that reads nothing.

@@ -898,7 +898,7 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::aborts::BACKOFF_MAX_MS;
+    use crate::aborts::{BACKOFF_MAX_MS, DEADLINE_MS};
     use crate::request::flags;
     use crate::testing::{config, MockHost, SECRET};
     use kvguard_contract::{Key, RequestId};
@@ -2051,32 +2051,16 @@ mod tests {
 
     #[test]
     fn a_stall_kvguard_control_does_not_defer_is_cut_at_the_next_tick() {
-        // Not found (kvguard-control is not on its path), a transient error, a timeout,
-        // a call the host refuses: cut as without kvguard-control; retries go on.
-        for (status, answer) in [
-            (Some(404), &b""[..]),
-            (Some(503), b""),
-            (None, b""),
-            (Some(200), b"{}"),
-        ] {
+        // Ended, or not found (kvguard-control is not on its path): cut as without
+        // kvguard-control.
+        for (status, answer) in [(Some(404), &b""[..]), (Some(200), b"{}")] {
             let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
             stream(&mut e, &mut h, 1);
             let t = stall_asked(&mut e, &mut h);
             e.on_abort_answer(&mut h, t, status, answer);
             assert_eq!(e.tick(&mut h), stalled_cut(1), "{status:?}");
-            // A retry no longer allows a deferral.
-            h.now += BACKOFF_MAX_MS;
-            e.pump(&mut h);
-            if let Some(c) = h.calls.get(1).cloned() {
-                let b = String::from_utf8(c.3).unwrap();
-                assert!(!b.contains("recheck_ms"), "{b}");
-                e.on_abort_answer(&mut h, c.0, Some(200), DEFERRED);
-                assert_eq!(
-                    h.metric(Metric::Aborts(AbortReason::Stalled, Outcome::Aborted)),
-                    1
-                );
-            }
         }
+        // No call possible (the host refuses it): cut at the next tick.
         let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
         stream(&mut e, &mut h, 1);
         h.now += 100;
@@ -2084,6 +2068,69 @@ mod tests {
         h.refuse = Some(crate::host::DispatchError::BadArgument);
         assert_eq!(e.tick(&mut h).len(), 0, "asked: the call is refused");
         assert_eq!(e.tick(&mut h).len(), 1, "cut at the next tick");
+    }
+
+    #[test]
+    fn an_ask_that_got_no_answer_is_asked_again_as_it_was_and_the_stream_kept() {
+        // A timeout, or a transient refusal (all of kvguard-control's admin slots busy):
+        // no verdict. The stream stays open and the retry asks the same question, so
+        // kvguard-control's deferral of it still keeps it.
+        for status in [None, Some(503)] {
+            let (mut e, mut h) = engine(r#","idle_timeout_ms":100"#);
+            stream(&mut e, &mut h, 1);
+            let t = stall_asked(&mut e, &mut h);
+            e.on_abort_answer(&mut h, t, status, b"");
+            h.now += BACKOFF_MAX_MS;
+            assert!(
+                e.tick(&mut h).is_empty(),
+                "{status:?}: kept while asked again"
+            );
+            let c = h.calls[1].clone();
+            let b = String::from_utf8(c.3).unwrap();
+            assert!(
+                b.contains(r#""attempt":2"#) && b.ends_with(r#","recheck_ms":100}"#),
+                "{b}"
+            );
+            e.on_abort_answer(&mut h, c.0, Some(200), DEFERRED);
+            assert!(e.tick(&mut h).is_empty(), "{status:?}: deferred");
+            assert_eq!(
+                h.metric(Metric::Aborts(AbortReason::Stalled, Outcome::Deferred)),
+                1
+            );
+            assert_eq!(
+                h.metric(Metric::Aborts(AbortReason::Stalled, Outcome::Aborted)),
+                0
+            );
+        }
+    }
+
+    #[test]
+    fn an_ask_unanswered_until_the_deadline_is_cut_by_the_filters_own_judgement() {
+        // kvguard-control unreachable: the ask is retried past `abort_retries` (0 here),
+        // the stream kept, until the deadline; then the filter's idle verdict stands.
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100,"abort_retries":0"#);
+        stream(&mut e, &mut h, 1);
+        let mut t = stall_asked(&mut e, &mut h);
+        let asked_at = h.now;
+        let cut_at = loop {
+            e.on_abort_answer(&mut h, t, None, b"");
+            h.now += BACKOFF_MAX_MS;
+            let cut = e.tick(&mut h);
+            if !cut.is_empty() {
+                assert_eq!(cut, stalled_cut(1));
+                break h.now - asked_at;
+            }
+            t = h.calls.last().unwrap().0;
+        };
+        assert!(
+            (DEADLINE_MS - BACKOFF_MAX_MS..=DEADLINE_MS + BACKOFF_MAX_MS).contains(&cut_at),
+            "cut {cut_at} ms after the ask"
+        );
+        assert_eq!(
+            h.metric(Metric::Aborts(AbortReason::Stalled, Outcome::Failed)),
+            1
+        );
+        assert!(h.calls.len() > 2, "asked again past abort_retries");
     }
 
     #[test]
