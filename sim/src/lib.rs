@@ -12,9 +12,11 @@
 //! - [`replica`]: one kvguard-control replica (the control core, composed).
 //! - [`oracles`]: the promises and their bounds.
 //! - [`ablation`]: which mechanism each promise needs.
+//! - [`fleet`]: the messages each replica receives, and the abort latency, at fleet scale.
 
 pub mod ablation;
 pub mod findings;
+pub mod fleet;
 pub mod gateway;
 pub mod oracles;
 pub mod replica;
@@ -37,6 +39,7 @@ pub fn run(sched: &Schedule, mutations: Mutations) -> Report {
             timeline: timeline::Timeline::default(),
             simulated_ms: 0,
             streams: 0,
+            stats: world::Stats::default(),
         },
     }
 }

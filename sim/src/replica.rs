@@ -98,6 +98,8 @@ pub struct Replica {
     mutations: Mutations,
     /// `--pd-role` (`None`: none).
     pub pd_role: Option<&'static str>,
+    /// What it received, by kind (the fleet figures).
+    pub received: crate::fleet::Received,
 }
 
 /// A virtual millisecond as an `Instant` (the core takes `Instant`s; only differences
@@ -135,6 +137,7 @@ impl Replica {
             base,
             mutations,
             pd_role: None,
+            received: crate::fleet::Received::default(),
         }
     }
 
@@ -256,7 +259,10 @@ impl Replica {
     /// ([`Inflight::due`]) is ended (`end_request`), then expired tombstones go.
     pub fn reap(&mut self, now_ms: u64, ended: &mut Vec<Ended>) {
         let now = self.now(now_ms);
-        for (e, reason) in self.inflight.due(now, &self.mutations.reaper(self.limits)) {
+        let mut due = self.inflight.due(now, &self.mutations.reaper(self.limits));
+        // The table is a HashMap: in admission order, so that a seed replays alike.
+        due.sort_by_key(|(e, _)| e.0.seq);
+        for (e, reason) in due {
             if self.end_request(&e, reason, now_ms) {
                 ended.push(Ended {
                     stream: e.0.stream,
@@ -288,12 +294,14 @@ impl Replica {
         let j = self.leases.judge(now);
         let mut out = Vec::new();
         for (instance, why) in j.expired {
-            let mine: Vec<EntryRef> = self
+            let mut mine: Vec<EntryRef> = self
                 .inflight
                 .entries()
                 .filter(|e| e.0.instance == Some(instance))
                 .cloned()
                 .collect();
+            // The table is a HashMap: in admission order, so that a seed replays alike.
+            mine.sort_by_key(|e| e.0.seq);
             let late = mine
                 .iter()
                 .map(|e| e.0.progress.borrow().times().started)
@@ -432,6 +440,7 @@ pub fn abort_call(
                             if p == here {
                                 continue;
                             }
+                            replicas[p].received.peer_aborts += 1;
                             let a = peer_abort(replicas, p, &abort, &id, now_ms, ended);
                             if a.status == 200 && first.is_none() {
                                 first = Some((p, a));
@@ -466,6 +475,7 @@ pub fn abort_call(
             if peers_up {
                 for p in 0..replicas.len() {
                     if p != here {
+                        replicas[p].received.pd_fan_out += 1;
                         let a = peer_abort(replicas, p, &abort, &id, now_ms, ended);
                         if a.status == 200 {
                             if answer_deferred(&a.body) {

@@ -19,6 +19,7 @@
 //!   balances them) after 1–20 ms, may be lost, and time out on Envoy's timer.
 
 use crate::ablation::{Mechanism, Mutations};
+use crate::fleet::Received;
 use crate::gateway::{self, Gateway};
 use crate::oracles::{Cause, Promise, Violation};
 use crate::replica::{abort_call, Ended, EntryRef, Replica};
@@ -278,6 +279,28 @@ pub struct Report {
     pub simulated_ms: u64,
     /// Streams.
     pub streams: usize,
+    /// What each replica received and when each stream ended (for the fleet figures).
+    pub stats: Stats,
+}
+
+/// A run's figures ([`crate::fleet`]).
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Per replica, the messages it received.
+    pub received: Vec<Received>,
+    /// Per stream.
+    pub ends: Vec<StreamEnd>,
+}
+
+/// When a stream's reader went and its engine stopped.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamEnd {
+    /// Why and since when nobody reads it.
+    pub orphan: Option<(Cause, u64)>,
+    /// When and how its engine stopped.
+    pub engine_end: Option<(u64, EngineEnd)>,
+    /// When its gateway died under it.
+    pub gateway_died: Option<u64>,
 }
 
 /// The world.
@@ -303,6 +326,8 @@ pub struct World {
     mutations: Mutations,
     /// With the mass-stall valve off: each stream's own VM, by its context id.
     solo: HashMap<u32, Engine>,
+    /// Streams before this index were settled when last looked at ([`World::settled`]).
+    settled_to: usize,
 }
 
 impl World {
@@ -316,9 +341,12 @@ impl World {
         let mut replicas: Vec<Replica> = (0..sched.setup.replicas.max(1))
             .map(|r| Replica::new(r, base, mutations))
             .collect();
-        if sched.setup.pd && replicas.len() == 2 {
-            replicas[0].pd_role = Some("prefill");
-            replicas[1].pd_role = Some("decode");
+        if sched.setup.pd && replicas.len() >= 2 {
+            // The first half prefill, the rest decode (two: replica 0 and replica 1).
+            let half = replicas.len() / 2;
+            for (i, r) in replicas.iter_mut().enumerate() {
+                r.pd_role = Some(if i < half { "prefill" } else { "decode" });
+            }
         }
         // Faults stretch every bound by their length: a lease expiry is held while no
         // other gateway is heard from, an abort waits out lost calls.
@@ -354,6 +382,7 @@ impl World {
             last_op,
             mutations,
             solo: HashMap::new(),
+            settled_to: 0,
         };
         for i in 0..w.sched.ops.len() {
             let at = w.sched.ops[i].at();
@@ -391,25 +420,58 @@ impl World {
             self.handle(q.ev);
         }
         self.check_orphans();
+        let stats = Stats {
+            received: self.replicas.iter().map(|r| r.received).collect(),
+            ends: self
+                .streams
+                .iter()
+                .map(|s| StreamEnd {
+                    orphan: self.orphan_since(s),
+                    engine_end: s.engine_end,
+                    gateway_died: s.gateway_died,
+                })
+                .collect(),
+        };
         Report {
             violations: self.violations,
             timeline: self.timeline,
             simulated_ms: self.now,
             streams: self.streams.len(),
+            stats,
         }
     }
 
     /// Nothing left to happen: every stream's engine stopped and its client is done
-    /// with it, or its orphan bound has passed.
-    fn settled(&self) -> bool {
-        self.streams.iter().all(|s| {
-            let client_done = s.state != ClientState::Reading || s.client == Client::Silent;
-            let engine_done = s.engine_end.is_some()
-                || self.orphan_since(s).is_some_and(|(c, o)| {
-                    self.now > o + c.bound_ms(self.sched.setup.idle_ms) + self.slack
-                });
-            client_done && engine_done
-        })
+    /// with it, or its orphan bound has passed. A stream mostly stays so once it is, and
+    /// every stream has started by then (after the last operation): a cursor skips those
+    /// found so before, and the whole check confirms when it reaches the end.
+    fn settled(&mut self) -> bool {
+        while self
+            .streams
+            .get(self.settled_to)
+            .is_some_and(|s| self.stream_settled(s))
+        {
+            self.settled_to += 1;
+        }
+        if self.settled_to < self.streams.len() {
+            return false;
+        }
+        match self.streams.iter().position(|s| !self.stream_settled(s)) {
+            Some(i) => {
+                self.settled_to = i;
+                false
+            }
+            None => true,
+        }
+    }
+
+    fn stream_settled(&self, s: &Stream) -> bool {
+        let client_done = s.state != ClientState::Reading || s.client == Client::Silent;
+        let engine_done = s.engine_end.is_some()
+            || self.orphan_since(s).is_some_and(|(c, o)| {
+                self.now > o + c.bound_ms(self.sched.setup.idle_ms) + self.slack
+            });
+        client_done && engine_done
     }
 
     fn orphan_since(&self, s: &Stream) -> Option<(Cause, u64)> {
@@ -575,14 +637,20 @@ impl World {
         );
         let generation = g.generation;
         let now = self.now;
-        let replica = if self.sched.setup.pd && self.replicas.len() == 2 {
-            // The prefill leg (`max_tokens: 1`, a non-streaming answer) on replica 0: its
-            // Content-Length answer ends complete (`TrackedBody::complete`), so the
-            // prefill replica remembers a completion; then the decode leg streams on 1.
-            if let Some(p) = self.replicas[0].admit(i, id.clone(), instance, now) {
-                self.replicas[0].remove_ended(&p, true, now);
+        let replica = if self.sched.setup.pd && self.replicas.len() >= 2 {
+            // The prefill leg (`max_tokens: 1`, a non-streaming answer) on a prefill
+            // replica (0 of two): its Content-Length answer ends complete
+            // (`TrackedBody::complete`), so the prefill replica remembers a completion;
+            // then the decode leg streams on a decode replica (1 of two).
+            let (half, n) = (self.replicas.len() / 2, self.replicas.len());
+            let (p, d) = (
+                usize::from(replica) % half,
+                half + usize::from(replica) % (n - half),
+            );
+            if let Some(e) = self.replicas[p].admit(i, id.clone(), instance, now) {
+                self.replicas[p].remove_ended(&e, true, now);
             }
-            1
+            d as u8
         } else {
             replica
         };
@@ -813,7 +881,8 @@ impl World {
             // The first tick armed what this one confirms: idle is cut at once.
             actions.extend(g.engine.tick(&mut g.host));
         }
-        for s in &self.streams {
+        let solo = !self.solo.is_empty();
+        for s in self.streams.iter().filter(|_| solo) {
             if s.gw != gw || s.gw_generation != generation {
                 continue;
             }
@@ -824,6 +893,10 @@ impl World {
                 }
             }
         }
+        // In stream order (the filter's table is a hash map with a per-process seed).
+        actions.sort_by_key(|a| match a {
+            Action::Close { ctx, .. } | Action::Mark { ctx, .. } => *ctx,
+        });
         for a in actions {
             let Action::Close { ctx, tag } = a else {
                 continue;
@@ -983,7 +1056,10 @@ impl World {
     /// Sends what the gateway's filter dispatched and logs what it logged.
     fn drain_gateway(&mut self, gw: u8) {
         let g = &mut self.gateways[gw as usize];
-        let calls = std::mem::take(&mut g.host.outbox);
+        let mut calls = std::mem::take(&mut g.host.outbox);
+        // The filter's table is a hash map with a per-process seed: calls dispatched at
+        // one instant go in an order of their own, so that a seed replays alike.
+        calls.sort_by(|a, b| (&a.path, &a.body).cmp(&(&b.path, &b.body)));
         let logs = std::mem::take(&mut g.host.logs);
         let generation = g.generation;
         for l in logs {
@@ -1050,6 +1126,7 @@ impl World {
                 c.body.clone()
             };
             let peers = !self.mutations.off(Mechanism::PeerForwarding);
+            self.replicas[at].received.aborts += 1;
             let a = abort_call(&mut self.replicas, at, &body, now, peers, &mut ended);
             if let Some(i) = c.stream {
                 self.streams[i].last_answer = Some(format!("replica{at}: {}", a.how));
@@ -1068,9 +1145,14 @@ impl World {
         } else if let Some(r) = Renewal::parse(&c.body) {
             // Accepted on one replica, forwarded to every peer (`fan_out_renewal`).
             for (i, rep) in self.replicas.iter_mut().enumerate() {
-                if i == at || !self.mutations.off(Mechanism::PeerForwarding) {
-                    rep.renew(&r, now);
+                if i == at {
+                    rep.received.renewals += 1;
+                } else if self.mutations.off(Mechanism::PeerForwarding) {
+                    continue;
+                } else {
+                    rep.received.peer_renewals += 1;
                 }
+                rep.renew(&r, now);
             }
             (200, Vec::new())
         } else {
@@ -1129,7 +1211,8 @@ impl World {
         g.answer(now, token, status, &body);
         // With the valve off, the call may be a stream's own VM's (an unknown token is
         // ignored).
-        for s in &self.streams {
+        let solo = !self.solo.is_empty();
+        for s in self.streams.iter().filter(|_| solo) {
             if s.gw == gw && s.gw_generation == generation {
                 if let Some(vm) = self.solo.get_mut(&s.ctx) {
                     vm.on_abort_answer(&mut g.host, token, status, &body);

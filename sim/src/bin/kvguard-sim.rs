@@ -8,6 +8,9 @@
 //! kvguard-sim --findings             list the known findings and whether each is still found
 //! kvguard-sim --guards               run the schedules that fail when a rule of the filter core is removed
 //! kvguard-sim --witness NAME        a mechanism's witness, with everything on, then with it off
+//! kvguard-sim --fleet 1x1,10x10      fleets of G gateways x R replicas: messages per replica per second, abort latency
+//!                                    (--per-gateway N streams, default 20; --no-loss: no zone lost; --seed S;
+//!                                    --pd: half the replicas prefill, half decode)
 //! kvguard-sim --ablate [--seeds N]   run N seeds (default 1000) with each mechanism off in turn; print the table
 //! ```
 //! `--off NAME` (repeatable; `--no-deferral` is `--off deferral`) runs with a mechanism
@@ -36,6 +39,41 @@ fn print_report(sched: &Schedule, r: &Report) {
             println!("stream {i}:\n{}", r.timeline.story_of(i));
         }
     }
+}
+
+/// `--fleet GxR[,GxR...] [--per-gateway N] [--no-loss] [--seed S]`: one table row per size.
+fn fleet(args: &[String], sizes: &str) -> ExitCode {
+    let mut fleets = Vec::new();
+    for size in sizes.split(',') {
+        let Some((g, r)) = size
+            .split_once('x')
+            .and_then(|(g, r)| Some((g.parse().ok()?, r.parse().ok()?)))
+        else {
+            eprintln!(
+                "--fleet {size}: expected GxR (gateways x replicas, each 1 to 255), e.g. 10x10"
+            );
+            return ExitCode::FAILURE;
+        };
+        fleets.push(kvguard_sim::fleet::Fleet {
+            gateways: g,
+            replicas: r,
+            per_gateway: arg(args, "--per-gateway").unwrap_or(20) as u32,
+            zone_lost: !args.iter().any(|a| a == "--no-loss"),
+            pd: args.iter().any(|a| a == "--pd"),
+            seed: arg(args, "--seed").unwrap_or(1),
+        });
+    }
+    println!("{}", kvguard_sim::fleet::TABLE_HEAD);
+    let mut unknown = 0;
+    for f in &fleets {
+        let r = kvguard_sim::fleet::run(f);
+        unknown += r.violations.1;
+        println!("{r}");
+    }
+    if unknown > 0 {
+        return ExitCode::FAILURE;
+    }
+    ExitCode::SUCCESS
 }
 
 fn main() -> ExitCode {
@@ -70,6 +108,9 @@ fn main() -> ExitCode {
         println!("\n--- {name} off:");
         print_report(&s, &run(&s, Mutations::default().without(mech)));
         return ExitCode::SUCCESS;
+    }
+    if let Some(i) = args.iter().position(|a| a == "--fleet") {
+        return fleet(&args, args.get(i + 1).map_or("", String::as_str));
     }
     if args.iter().any(|a| a == "--ablate") {
         let n = arg(&args, "--seeds").unwrap_or(1000);
