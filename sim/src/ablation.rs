@@ -143,7 +143,26 @@ impl Mechanism {
                     .find(|f| f.name == "36.1")?
                     .schedule,
             ),
-            Mechanism::Tombstones => return None,
+            // The hop queues the request 1 s; its client leaves after 100 ms, and its
+            // abort arrives first: the tombstone refuses the request when it comes.
+            Mechanism::Tombstones => (
+                Promise::Invariant2,
+                one(
+                    Setup {
+                        hop_hides: true,
+                        hop_queue_ms: 1_000,
+                        ..Setup::default()
+                    },
+                    vec![Op::stream(
+                        0,
+                        0,
+                        0,
+                        Client::Leaves { after_ms: 100 },
+                        3_000,
+                        30,
+                    )],
+                ),
+            ),
             // Two replicas; the abort of a client that left reaches the one that does
             // not hold its stream (the seed's balancing), behind a hop that hides the
             // disconnect.
@@ -186,7 +205,32 @@ impl Mechanism {
                     ],
                 ),
             ),
-            Mechanism::ReaperIdle | Mechanism::ReaperReader => return None,
+            // Behind a hiding hop a client leaves while every call to kvguard-control is
+            // lost (the abort's whole retry window, finding sim.1's fault), and its
+            // engine hangs: nobody asks, nothing drains; only the engine's own silence
+            // ends it. (Without the hang the engine finishes: sim.1.)
+            Mechanism::ReaperIdle => (
+                Promise::Invariant2,
+                one(
+                    Setup {
+                        hop_hides: true,
+                        ..Setup::default()
+                    },
+                    vec![
+                        Op::stream(0, 0, 0, Client::Leaves { after_ms: 10_000 }, 3_000, 30),
+                        Op::LoseCalls {
+                            at: 9_000,
+                            for_ms: 8_000,
+                        },
+                        Op::EnginePause {
+                            at: 12_000,
+                            replica: 0,
+                            for_ms: 300_000,
+                        },
+                    ],
+                ),
+            ),
+            Mechanism::ReaperReader => return None,
         })
     }
 }

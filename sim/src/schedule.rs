@@ -26,6 +26,9 @@ pub struct Setup {
     /// `--pd-role decode` (peers of each other); each request's prefill leg runs on 0
     /// (a non-streaming answer), its decode leg, the stream, on 1.
     pub pd: bool,
+    /// The hop queues each request this long before it reaches kvguard-control (a
+    /// router's or LiteLLM's queue): a client may leave, and its abort arrive, first.
+    pub hop_queue_ms: u64,
 }
 
 impl Default for Setup {
@@ -39,6 +42,7 @@ impl Default for Setup {
             net_cap: 256 * 1024,
             idle_ms: 60_000,
             pd: false,
+            hop_queue_ms: 0,
         }
     }
 }
@@ -186,6 +190,7 @@ impl Schedule {
             net_cap: r.pick(&[64 * 1024, 256 * 1024, 1024 * 1024]),
             // Mostly the shipped 60 s; any route may set a shorter one.
             idle_ms: r.pick(&[60_000, 60_000, 60_000, 30_000]),
+            hop_queue_ms: 0,
         };
         let mut ops = Vec::new();
         for _ in 0..r.range(1, 6) {
@@ -246,6 +251,11 @@ impl Schedule {
                     for_ms: r.range(100, 10_000),
                 },
             });
+        }
+        // Drawn last, so that the rest of each seed's schedule is what it was before.
+        let mut setup = setup;
+        if r.chance(100) {
+            setup.hop_queue_ms = r.range(50, 2_000);
         }
         Schedule { seed, setup, ops }
     }
@@ -313,13 +323,14 @@ impl fmt::Display for Schedule {
         let s = &self.setup;
         writeln!(
             f,
-            "seed {}: {} gateway(s), {} replica(s){}, hop {} disconnects{}, sockets {} KiB, filter idle {} ms",
+            "seed {}: {} gateway(s), {} replica(s){}, hop {} disconnects{}{}, sockets {} KiB, filter idle {} ms",
             self.seed,
             s.gateways,
             s.replicas,
             if s.pd { " (prefill, decode)" } else { "" },
             if s.hop_hides { "hiding" } else { "passing" },
             if s.hop_routes_lease { "" } else { " and answering 404 to /v1/kvguard/lease" },
+            if s.hop_queue_ms > 0 { format!(", queueing each request {} ms", s.hop_queue_ms) } else { String::new() },
             s.net_cap / 1024,
             s.idle_ms
         )?;

@@ -85,6 +85,9 @@ pub enum EngineEnd {
     Ended(AbortReason),
     /// Its connection closed under it (the client's side went away).
     Disconnected,
+    /// It never reached the engine: refused by kvguard-control (a tombstone), or
+    /// dropped by a passing hop whose client left while it queued.
+    NotAdmitted,
 }
 
 /// One stream, across every actor.
@@ -103,6 +106,8 @@ pub struct Stream {
     /// Its id (`x-request-id`).
     pub id: RequestId,
     start: u64,
+    /// When kvguard-control admitted it (the engine starts then).
+    admitted: Option<u64>,
     tokens: u64,
     token_ms: u64,
     content_len: u64,
@@ -230,6 +235,7 @@ enum Ev {
     },
     Leave(usize),
     GwSeesReset(usize),
+    Admit(usize),
     Unfreeze(u8),
     Restart(u8),
 }
@@ -510,6 +516,7 @@ impl World {
                 stream,
             } => self.answer(gw, generation, token, (status, body), stream),
             Ev::Leave(s) => self.leave(s),
+            Ev::Admit(s) => self.admit(s),
             Ev::GwSeesReset(s) => self.gw_sees_reset(s),
             Ev::Unfreeze(g) => {
                 self.note(
@@ -638,30 +645,12 @@ impl World {
         let generation = g.generation;
         let now = self.now;
         let replica = if self.sched.setup.pd && self.replicas.len() >= 2 {
-            // The prefill leg (`max_tokens: 1`, a non-streaming answer) on a prefill
-            // replica (0 of two): its Content-Length answer ends complete
-            // (`TrackedBody::complete`), so the prefill replica remembers a completion;
-            // then the decode leg streams on a decode replica (1 of two).
+            // The decode leg streams on a decode replica (1 of two).
             let (half, n) = (self.replicas.len() / 2, self.replicas.len());
-            let (p, d) = (
-                usize::from(replica) % half,
-                half + usize::from(replica) % (n - half),
-            );
-            if let Some(e) = self.replicas[p].admit(i, id.clone(), instance, now) {
-                self.replicas[p].remove_ended(&e, true, now);
-            }
-            d as u8
+            (half + usize::from(replica) % (n - half)) as u8
         } else {
             replica
         };
-        let entry = self.replicas[replica as usize].admit(i, id.clone(), instance, now);
-        if let Some(e) = &entry {
-            e.0.progress.borrow_mut().record_response(
-                200,
-                BodyKind::Sse,
-                self.replicas[replica as usize].instant(now),
-            );
-        }
         let tokens = u64::from(tokens.max(1));
         let paused = self.engine_paused_until[usize::from(replica)].saturating_sub(now);
         self.streams.push(Stream {
@@ -673,12 +662,13 @@ impl World {
             replica,
             id,
             start: now,
+            admitted: None,
             tokens,
             token_ms: u64::from(token_ms.max(1)),
             content_len: tokens * EV_BYTES + DONE.len() as u64,
             instance,
             engine_end: None,
-            entry,
+            entry: None,
             handed: 0,
             upstream_end: None,
             hop_drains: false,
@@ -701,10 +691,81 @@ impl World {
             gateway_died: None,
         });
         self.note(format!("client{i}"), Some(i), format!("requests via gw{gw} to replica{replica}: {tokens} tokens every {token_ms} ms; client {client}"));
+        match self.sched.setup.hop_queue_ms {
+            0 => self.admit(i),
+            q => self.at(now + q, Ev::Admit(i)),
+        }
         if let Client::Leaves { after_ms } = client {
             self.at(now + after_ms, Ev::Leave(i));
         }
         self.drain_gateway(gw);
+    }
+
+    /// Stream `i` reaches kvguard-control (at once, or after the hop's queue): admitted,
+    /// its engine starts; or refused (a tombstone: its response is an error); or, behind
+    /// a passing hop whose client already left, dropped by the hop.
+    fn admit(&mut self, i: usize) {
+        let now = self.now;
+        let s = &self.streams[i];
+        let (id, instance, replica) = (s.id.clone(), s.instance, usize::from(s.replica));
+        if s.gw_done && !self.sched.setup.hop_hides {
+            self.streams[i].engine_end = Some((now, EngineEnd::NotAdmitted));
+            self.note("hop", Some(i), "drops the queued request: its client left");
+            return;
+        }
+        if self.sched.setup.pd && self.replicas.len() >= 2 {
+            // The prefill leg (`max_tokens: 1`, a non-streaming answer) on a prefill
+            // replica (0 of two): its Content-Length answer ends complete
+            // (`TrackedBody::complete`), so the prefill replica remembers a completion.
+            let p = usize::from(self.op_replica(i)) % (self.replicas.len() / 2);
+            if let Some(e) = self.replicas[p].admit(i, id.clone(), instance, now) {
+                self.replicas[p].remove_ended(&e, true, now);
+            }
+        }
+        let Some(e) = self.replicas[replica].admit(i, id, instance, now) else {
+            self.note(
+                format!("replica{replica}"),
+                Some(i),
+                "refuses the request (409: tombstoned)",
+            );
+            self.streams[i].engine_end = Some((now, EngineEnd::NotAdmitted));
+            self.kvguard_end(
+                i,
+                format!("replica{replica} (tombstone)"),
+                AbortReason::DownstreamReset,
+            );
+            let s = &mut self.streams[i];
+            if s.state == ClientState::Reading {
+                s.state = ClientState::Cut;
+            }
+            s.gw_done = true;
+            let g = &mut self.gateways[s.gw as usize];
+            if g.generation == s.gw_generation && g.alive {
+                g.host.now = now;
+                let vm = self.solo.get_mut(&s.ctx).unwrap_or(&mut g.engine);
+                vm.on_log(&mut g.host, s.ctx, b"via_upstream", 0);
+            }
+            return;
+        };
+        e.0.progress.borrow_mut().record_response(
+            200,
+            BodyKind::Sse,
+            self.replicas[replica].instant(now),
+        );
+        let s = &mut self.streams[i];
+        s.entry = Some(e);
+        s.admitted = Some(now);
+        if self.sched.setup.hop_queue_ms > 0 {
+            self.note(format!("replica{replica}"), Some(i), "admits the request");
+        }
+    }
+
+    /// The replica its operation named.
+    fn op_replica(&self, i: usize) -> u8 {
+        match self.streams[i].op {
+            Op::Stream { replica, .. } => replica,
+            _ => 0,
+        }
     }
 
     /// Bytes move one step: engines produce, proxies hand frames on, Envoy reads, clients
@@ -721,8 +782,11 @@ impl World {
         // The engine.
         let paused = now < self.engine_paused_until[self.streams[i].replica as usize];
         let s = &mut self.streams[i];
-        if !paused && s.engine_end.is_none() && now > s.start {
-            s.gen_ms += FLOW_MS.min(now - s.start);
+        if let Some(a) = s
+            .admitted
+            .filter(|a| !paused && s.engine_end.is_none() && now > *a)
+        {
+            s.gen_ms += FLOW_MS.min(now - a);
         }
         let due = (s.gen_ms / s.token_ms).min(s.tokens);
         let produced = match s.engine_end {
