@@ -298,7 +298,7 @@ pub const UNSWITCHED: [(&str, &str); 5] = [
     ),
     (
         "end held at the gateway",
-        "not switched: the world reads the filter's answer at the upstream's end; it exists so that kvguard-control's end of a stream it does not defer is not read as complete",
+        "the world takes the filter's verdict at the upstream's end as it comes; it exists so that kvguard-control's end of a stream it does not defer is not read as complete",
     ),
 ];
 
