@@ -148,7 +148,10 @@ impl Entry {
 
     /// The clocks.
     pub fn times(&self) -> Times {
-        self.progress().times()
+        Times {
+            gateway: self.instance.get().is_some(),
+            ..self.progress().times()
+        }
     }
 
     fn progress(&self) -> MutexGuard<'_, Progress> {

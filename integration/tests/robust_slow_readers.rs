@@ -54,13 +54,32 @@ const TAIL_TOKENS: u32 = 400;
 /// returns the client (still connected) and the bytes read, or why it stopped early
 /// (closed, an abort event).
 async fn read_slowly(
-    mut c: SilentClient,
+    c: SilentClient,
     chunk: usize,
     until: Instant,
 ) -> Result<(SilentClient, usize), String> {
-    let mut next = Instant::now();
+    read_pausing(c, chunk, until, &[]).await
+}
+
+/// [`read_slowly`], reading nothing during each `(from, length)` of `pauses` (offsets
+/// from the start).
+async fn read_pausing(
+    mut c: SilentClient,
+    chunk: usize,
+    until: Instant,
+    pauses: &[(Duration, Duration)],
+) -> Result<(SilentClient, usize), String> {
+    let start = Instant::now();
+    let mut next = start;
     while Instant::now() < until {
         next += Duration::from_millis(100);
+        if let Some((from, len)) = pauses.iter().find(|(from, len)| {
+            let t = next - start;
+            t >= *from && t < *from + *len
+        }) {
+            next = start + *from + *len;
+            tokio::time::sleep_until(next.into()).await;
+        }
         match c.read_up_to(chunk, Duration::from_secs(30)).await {
             Ok(0) => return Err(format!("closed after {} bytes", c.bytes_read().len())),
             Ok(_) => {}
@@ -128,6 +147,28 @@ fn deferred_silences(log: &str) -> BTreeMap<String, u64> {
 /// The filter's abort counter for `reason` and `outcome`, as Envoy names it.
 fn aborts(reason: &str, outcome: &str) -> String {
     format!("kvguard_filter_aborts_total_reason=.={reason};.;_outcome=.={outcome};.;")
+}
+
+/// kvguard-control counted each deferral it logged (at least one): the series is
+/// registered at 0, so its presence proves nothing.
+async fn assert_deferrals_counted(admin: SocketAddr, log: &str) {
+    let m = client::get(admin, "/metrics").await.unwrap().text();
+    let counted: f64 = m
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("kvguard_control_abort_api_answers_total{result=\"deferred\"} ")
+        })
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0);
+    let logged = log
+        .lines()
+        .filter(|l| l.contains("stalled abort deferred"))
+        .count();
+    assert!(counted >= 1.0, "no deferral counted");
+    assert!(
+        counted >= logged as f64,
+        "{logged} deferrals logged, {counted} counted"
+    );
 }
 
 /// A simulator at 100 tokens/s with room for streams of 30,000 tokens.
@@ -279,11 +320,7 @@ async fn slow_readers_are_never_cut_and_silent_ones_are_reaped() {
             });
             eprintln!("silent {id}: closed after {n} bytes");
         }
-        let m = client::get(ctl.admin, "/metrics").await.unwrap().text();
-        assert!(
-            m.lines().any(|l| l.starts_with("kvguard_control_abort_api_answers_total{result=\"deferred\"}")),
-            "no deferral counted"
-        );
+        assert_deferrals_counted(ctl.admin, &log).await;
         drop(silent);
     })
     .await
@@ -445,6 +482,155 @@ async fn a_slow_reader_whose_stall_ask_got_no_answer_is_asked_again_and_kept() {
             );
         },
     )
+    .await
+    .unwrap();
+}
+
+/// The shipped timings, scaled by a tenth with every ratio kept: the filter's idle
+/// timeout 60 s → 6 s (tick 250 ms, not scaled: coarser relative to the windows),
+/// kvguard-control's `--reader-timeout` 90 s → 9 s, `--idle-timeout` 120 s → 12 s,
+/// `--tombstone-ttl` 60 s → 6 s; the engine and every reader ten times faster, so the
+/// shipped 32 KiB buffers drain in a tenth of the time. Readers:
+///
+/// - at the floor: 4 KB/s (0.4 KB/s shipped, just above the documented 0.37 KB/s), its
+///   silences at the filter near the idle timeout, for the whole run;
+/// - pausing mid-generation: 20 KB/s, with pauses of 7.5 s (75 s shipped: over the
+///   idle timeout, under the reader timeout) every 20 s;
+/// - pausing in the tail: a 2,000-token generation (~520 KB, finished at the engine
+///   within seconds, the rest in the buffers) read at 20 KB/s with a pause of 7.5 s
+///   starting 8 s in, after its engine finished: asked about once the engine is done,
+///   which `--reader-timeout` after the engine's end no longer bounds;
+///
+/// and two silent clients, ended within the documented bound. Every reader is asked
+/// about at least once where the case says so, and none is cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_at_the_floor_and_pausing_readers_at_the_shipped_timings_scaled() {
+    const SCALE: u32 = 10;
+    let idle = Duration::from_secs(60) / SCALE;
+    let reader = Duration::from_secs(90) / SCALE;
+    let run = Duration::from_secs(60);
+    let pause = Duration::from_secs(75) / SCALE;
+    bounded("shipped timings, scaled", run + Duration::from_secs(60), async {
+        let sim = sim::spawn(SimConfig {
+            token_rate: 100.0 * f64::from(SCALE),
+            kv_blocks: 65_536,
+            max_model_len: 131_072,
+            ..SimConfig::default()
+        })
+        .await
+        .unwrap();
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        let mut ctl = Control::start(
+            sim.addr(),
+            any,
+            any,
+            &[
+                "--idle-timeout".into(),
+                format!("{}ms", (Duration::from_secs(120) / SCALE).as_millis()),
+                "--reader-timeout".into(),
+                format!("{}ms", reader.as_millis()),
+                "--tombstone-ttl".into(),
+                format!("{}ms", (Duration::from_secs(60) / SCALE).as_millis()),
+                "--log".into(),
+                "info,kvguard_control::abort=debug".into(),
+            ],
+        )
+        .await
+        .unwrap();
+        let cfg = stack::filter_config(idle.as_millis() as u64, 0);
+        let mut opts = EnvoyOptions::with_filter(ctl.proxy, ctl.admin, cfg)
+            .vm_env("KVGUARD_SECRET", stack::SECRET);
+        opts.per_connection_buffer_limit_bytes = Some(SHIPPED_BUFFER);
+        opts.downstream_sndbuf = Some(KERNEL_BUFFER);
+        let envoy = Envoy::start(opts).await.unwrap();
+        let at = envoy.listener_addr();
+        let open = |max_tokens: u32| async move {
+            let body = json!({"model": "tiny", "prompt": "x", "stream": true, "max_tokens": max_tokens});
+            let c = client::silent_client(at, "/v1/completions", &body, &[], KERNEL_BUFFER, true)
+                .await
+                .unwrap();
+            assert_eq!(c.status(), Some(200), "{:?}", c.head());
+            c
+        };
+        let until = Instant::now() + run;
+        let mut readers = tokio::task::JoinSet::new();
+        let mut names = BTreeMap::new();
+        let c = open(100_000).await;
+        let floor = request_id(&c);
+        names.insert(floor.clone(), "at the floor, 4 KB/s");
+        readers.spawn(async move { (request_id(&c), read_slowly(c, 400, until).await) });
+        let c = open(100_000).await;
+        let mid = request_id(&c);
+        names.insert(mid.clone(), "pausing mid-generation, 20 KB/s");
+        let pauses: Vec<_> = (1..3).map(|i| (Duration::from_secs(20) * i, pause)).collect();
+        readers.spawn(async move { (request_id(&c), read_pausing(c, 2_000, until, &pauses).await) });
+        let c = open(2_000).await;
+        let tail = request_id(&c);
+        names.insert(tail.clone(), "pausing in the tail, 20 KB/s");
+        let pauses = [(Duration::from_secs(8), pause)];
+        readers.spawn(async move { (request_id(&c), read_pausing(c, 2_000, until, &pauses).await) });
+        let mut silent = Vec::new();
+        for _ in 0..2 {
+            let c = open(100_000).await;
+            names.insert(request_id(&c), "silent");
+            silent.push(c);
+        }
+        let mut read = BTreeMap::new();
+        while let Some(r) = readers.join_next().await {
+            let (id, r) = r.unwrap();
+            read.insert(id, r);
+        }
+        let st = sim.state();
+        let log = ctl.guard().log();
+        let silences = deferred_silences(&log);
+        for (id, name) in &names {
+            let rec = st.request(id).unwrap();
+            eprintln!(
+                "{name}: read {:?} bytes; longest filter silence in a deferred abort {:?} ms; engine ended {:?} {:?} ms after arrival",
+                read.get(id).map(|r| r.as_ref().map(|(_, n)| *n)),
+                silences.get(id),
+                rec.ended,
+                rec.ended_ms.map(|e| e - rec.arrived_ms),
+            );
+        }
+        for (id, r) in &read {
+            let name = names[id];
+            let (c, n) = r.as_ref().unwrap_or_else(|e| panic!("the reader {name} was cut: {e}"));
+            let rec = st.request(id).unwrap();
+            if *id == tail {
+                assert_eq!(rec.ended, Some(EndKind::Length), "{name}: its engine did not finish");
+                assert!(c.bytes_read().windows(6).any(|w| w == b"[DONE]"), "{name}: did not reach the end ({n} bytes)");
+                assert!(
+                    log.lines().any(|l| l.contains(id.as_str()) && l.contains("drains its tail")),
+                    "{name}: no stall was deferred after its engine finished: the test did not reach the case"
+                );
+                continue;
+            }
+            assert_eq!(rec.ended, None, "{name}: its engine sequence was ended ({n} bytes read)");
+        }
+        assert!(
+            silences.get(&mid).is_some_and(|s| *s >= idle.as_millis() as u64),
+            "the reader pausing mid-generation was never deferred: the test did not reach the case"
+        );
+        // A silent client: asked at the idle timeout (deferred: under the reader timeout),
+        // asked again one window later and ended; plus the buffers' fill and the ticks.
+        let tick = Duration::from_millis(FILTER_TICK_MS);
+        for c in &mut silent {
+            let id = request_id(c);
+            let rec = st.request(&id).unwrap();
+            assert_eq!(rec.ended, Some(EndKind::Disconnected), "silent {id} not ended");
+            let after = Duration::from_millis(rec.ended_ms.unwrap() - rec.arrived_ms);
+            assert!(after >= reader, "silent {id} ended {after:?} after it arrived, before the reader timeout");
+            assert!(
+                after <= Duration::from_secs(1) + reader + idle + 4 * tick + Duration::from_secs(2),
+                "silent {id} ended {after:?} after it arrived"
+            );
+            c.read_to_close(Duration::from_secs(10))
+                .await
+                .unwrap_or_else(|e| panic!("silent {id}: its connection was not closed: {e:#}"));
+        }
+        assert_deferrals_counted(ctl.admin, &log).await;
+    })
     .await
     .unwrap();
 }

@@ -27,8 +27,15 @@ pub fn classify(
         .as_ref()
         .is_some_and(|(_, who, r)| who.contains("lease") && *r == AbortReason::GatewayLost);
     let gateway_gone = s.orphan.is_some_and(|(c, _)| c == Cause::GatewayGone);
+    let by_reaper = s
+        .kvguard_end
+        .as_ref()
+        .is_some_and(|(_, who, r)| who.contains("reaper") && *r == AbortReason::Stalled);
     match promise {
         Promise::Invariant1 if by_lease => Some("37.3"),
+        // kvguard-control's own wait on the reader, which lags the drain by a third of its
+        // socket, ended the stream of a client that reads.
+        Promise::Invariant1 if by_reaper => Some("36.7"),
         Promise::Invariant1 if by_gateway && s.last_call_lost => Some("36.4"),
         // The decode side's deferral became a `dry_run` leg of a 200 that defers nothing.
         Promise::Invariant1 if by_gateway && setup.pd && answer.contains("dry_run") => Some("36.2"),
@@ -267,6 +274,15 @@ pub fn guards() -> Vec<Guard> {
 /// all. A finding of [`known`] whose fix lands moves here, with its schedule.
 pub fn regressions() -> Vec<Finding> {
     vec![
+        Finding {
+            name: "36.7",
+            title: "kvguard-control's view of the drain lags by a third of its socket: its reaper ends a steady reader above the floor",
+            schedule: Schedule {
+                seed: 24,
+                setup: Setup::default(),
+                ops: vec![stream(0, 0, 0, Client::Steady { bps: 751 }, 1_952, 24)],
+            },
+        },
         Finding {
             name: "36.4",
             title: "a lost answer to a stall ask becomes a real end: the reader is cut",

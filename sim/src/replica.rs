@@ -69,7 +69,10 @@ impl Held for EntryRef {
         true
     }
     fn times(&self) -> Times {
-        self.0.progress.borrow().times()
+        Times {
+            gateway: self.0.instance.is_some(),
+            ..self.0.progress.borrow().times()
+        }
     }
 }
 

@@ -120,6 +120,9 @@ pub struct Stream {
     upstream_end: Option<u64>,
     hop_drains: bool,
     pulled: u64,
+    /// The proxy's socket toward the gateway filled, and its writer waits for Linux to
+    /// wake it.
+    socket_full: bool,
     envoy_reading: bool,
     eos_passed: bool,
     end_held: bool,
@@ -673,6 +676,7 @@ impl World {
             upstream_end: None,
             hop_drains: false,
             pulled: 0,
+            socket_full: false,
             envoy_reading: true,
             eos_passed: false,
             end_held: false,
@@ -813,7 +817,14 @@ impl World {
             if r.holds(&e) {
                 let mut complete = false;
                 loop {
-                    if s.handed - s.pulled >= net_cap {
+                    // Linux wakes a writer blocked on a full socket only once a third of
+                    // it drained (`sk_stream_min_wspace`): until then the proxy polls no
+                    // frame, however steadily the reader drains.
+                    if s.socket_full && s.handed - s.pulled > net_cap / 3 * 2 {
+                        break;
+                    }
+                    s.socket_full = s.handed - s.pulled >= net_cap;
+                    if s.socket_full {
                         break;
                     }
                     e.0.progress.borrow_mut().record_demand(t);

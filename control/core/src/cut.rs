@@ -131,6 +131,7 @@ mod tests {
             stalled: Duration::ZERO,
             flow: Some(Flow::Reader(t0)),
             drained: Duration::ZERO,
+            gateway: false,
         }
     }
 

@@ -483,6 +483,7 @@ mod tests {
             stalled: Duration::ZERO,
             flow: Some(crate::request::Flow::Reader(t0)),
             drained: Duration::ZERO,
+            gateway: false,
         }
     }
 

@@ -24,7 +24,9 @@ pub struct Limits {
 /// Whether a request is due to be ended at `now`, and why. Checked in order: max age
 /// (from the start), first-token timeout (from the start, until the first data event),
 /// then, after the first data event, `stalled` for either side ([`crate::request::Flow`]): the reader's
-/// wait against the reader timeout (from the last frame the gateway's side took), the
+/// wait against the reader timeout (from the last frame the gateway's side took; not for
+/// a request a kvguard gateway carries, [`Times::gateway`]: its stall aborts judge the
+/// reader), the
 /// engine's silence against the idle timeout ([`Times::engine_silence`]: since the last
 /// data event, less the time the response waited on its reader). A client that reads
 /// slower than the engine writes is therefore judged by the drain's progress, never by
@@ -44,7 +46,7 @@ pub fn verdict(t: &Times, now: Instant, limits: &Limits) -> Option<AbortReason> 
     };
     let silence = match limits.reader_timeout {
         Some(reader) => {
-            if t.reader_wait(now).is_some_and(|w| w >= reader) {
+            if !t.gateway && t.reader_wait(now).is_some_and(|w| w >= reader) {
                 return Some(AbortReason::Stalled);
             }
             t.engine_silence(now).unwrap_or_default()
@@ -65,7 +67,8 @@ pub fn verdict(t: &Times, now: Instant, limits: &Limits) -> Option<AbortReason> 
 ///
 /// - The sender saw nothing for the reader timeout or longer: not deferred (its reader
 ///   took nothing through the gateway for that long).
-/// - It has waited on its reader here for the reader timeout: not deferred.
+/// - It has waited on its reader here for the reader timeout, and no kvguard gateway
+///   carries it ([`Times::gateway`]): not deferred.
 /// - Otherwise deferred while the engine has been silent ([`Times::engine_silence`]) for
 ///   less than half of what the sender saw. An engine that stopped is silent here at
 ///   least as long as at the sender (the sender sees its last bytes later; keep-alives
@@ -85,7 +88,9 @@ pub fn defers(t: &Times, now: Instant, limits: &Limits, sender_idle: Option<Dura
     ) else {
         return false;
     };
-    idle < reader && t.reader_wait(now).is_none_or(|w| w < reader) && silence < idle / 2
+    idle < reader
+        && (t.gateway || t.reader_wait(now).is_none_or(|w| w < reader))
+        && silence < idle / 2
 }
 
 /// How often the reaper looks: a quarter of the smallest limit, between 10 ms and 1 s.
@@ -135,6 +140,7 @@ mod tests {
             stalled,
             flow: None,
             drained: Duration::ZERO,
+            gateway: false,
         }
     }
 
@@ -195,6 +201,36 @@ mod tests {
         let (t, l) = streaming(&c);
         c.advance(s(10));
         assert_eq!(verdict(&t, c.now(), &l), Some(AbortReason::Stalled));
+    }
+
+    #[test]
+    fn behind_a_kvguard_gateway_the_reader_is_judged_by_the_gateway_not_by_the_wait_here() {
+        // The wait here lags the drain by a third of the sockets between: it ends
+        // nothing and refuses no deferral; the gateway's silence does.
+        let c = ManualClock::new(0);
+        let s = Duration::from_secs;
+        let (mut t, l) = streaming(&c);
+        t.gateway = true;
+        t.flow = Some(Flow::Reader(c.now()));
+        c.advance(s(600));
+        assert_eq!(
+            verdict(&t, c.now(), &l),
+            None,
+            "600 s waiting on its reader"
+        );
+        assert!(defers(&t, c.now(), &l, Some(s(89))));
+        assert!(
+            !defers(&t, c.now(), &l, Some(s(90))),
+            "the gateway saw nothing for 90 s"
+        );
+        // Its other clocks still count: the engine's silence once it is asked, max age.
+        t.flow = Some(Flow::Engine(c.now()));
+        t.drained = s(600);
+        c.advance(s(10));
+        assert_eq!(verdict(&t, c.now(), &l), Some(AbortReason::Stalled));
+        t.flow = Some(Flow::Reader(c.now()));
+        c.advance(s(10_000));
+        assert_eq!(verdict(&t, c.now(), &l), Some(AbortReason::MaxAge));
     }
 
     #[test]

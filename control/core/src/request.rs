@@ -24,6 +24,13 @@ pub struct Times {
     /// How long the response waited on its reader since the last data event (waits that
     /// ended; the current one is in `flow`): none of it is the engine's silence.
     pub drained: Duration,
+    /// A kvguard gateway carries it (tagged with its instance): the gateway's silence,
+    /// which its stall aborts report, is the drain's evidence, and this replica's own wait
+    /// on the reader is none. That wait lags the drain by up to a third of the socket
+    /// buffers between (Linux wakes a writer blocked on a full socket only once a third
+    /// of it drained; they grow to megabytes), so a steady reader above the floor can
+    /// look idle here for minutes.
+    pub gateway: bool,
 }
 
 impl Times {
@@ -104,6 +111,7 @@ impl Progress {
             stalled: self.stalled,
             flow: self.flow,
             drained: self.drained,
+            gateway: false,
         }
     }
 
