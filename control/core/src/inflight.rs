@@ -580,6 +580,11 @@ mod tests {
         t.remove_ended(&b, true);
         assert!(!t.completed(a.id()), "the oldest forgotten");
         assert_eq!(t.completions_evicted(), 1);
+        let d = h("d", 4);
+        t.admit(d.clone(), false, t0).unwrap();
+        t.remove_ended(&d, true);
+        assert!(!t.completed(c.id()) && t.completed(d.id()));
+        assert_eq!(t.completions_evicted(), 2, "each eviction counted");
         // No reader timeout: nothing remembered.
         let mut off = Inflight::new(InflightConfig {
             reader_timeout: None,
