@@ -19,18 +19,15 @@ pub enum Domain {
     Envelope,
     /// The response stamp `x-kvguard-control`, signed by kvguard-control.
     Stamp,
-    /// A gateway's proof of life in `x-kvguard-instance`, signed by the filter.
-    Proof,
 }
 
 impl Domain {
     /// Every kind, for tests and documentation.
-    pub const ALL: [Domain; 5] = [
+    pub const ALL: [Domain; 4] = [
         Domain::Abort,
         Domain::Renewal,
         Domain::Envelope,
         Domain::Stamp,
-        Domain::Proof,
     ];
 
     /// The bytes the MAC input starts with.
@@ -40,7 +37,6 @@ impl Domain {
             Domain::Renewal => b"kvguard-renewal-v2\0",
             Domain::Envelope => b"kvguard-envelope-v2\0",
             Domain::Stamp => b"kvguard-stamp-v2\0",
-            Domain::Proof => b"kvguard-proof-v2\0",
         }
     }
 }

@@ -69,7 +69,8 @@ impl Key {
 
     /// HMAC-SHA256 over the concatenation of `parts`, with no domain prefix: only for the
     /// `v1=` field a signer adds for verifiers that predate the prefixes (contract §3),
-    /// and for hashing under a fixed public key.
+    /// for a proof of life (its prefix is among the parts), and for hashing under a fixed
+    /// public key.
     pub(crate) fn mac_unprefixed(&self, parts: &[&[u8]]) -> [u8; 32] {
         let mut mac = self.hmac();
         for p in parts {

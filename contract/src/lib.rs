@@ -25,8 +25,8 @@ pub use domain::Domain;
 pub use id::{IdError, RequestId, MAX_ID_LEN};
 pub use key::{Key, KeyError, MIN_KEY_LEN};
 pub use lease::{
-    HostKey, InstanceId, InstanceTag, Proof, Renewal, RenewalBody, SignedProof, TagHeader, Via,
-    DATA_LEASE_PATH, INSTANCE_HEADER, LEASE_PATH,
+    sign_proof, unsigned_proof, HostKey, InstanceId, InstanceTag, Proof, Renewal, RenewalBody,
+    SignedProof, TagHeader, Via, DATA_LEASE_PATH, INSTANCE_HEADER, LEASE_PATH,
 };
 pub use peer::{Forwarded, PEER_ABORT_PATH, PEER_LEASE_PATH};
 pub use reason::AbortReason;

@@ -218,7 +218,7 @@ impl Drop for Guard {
 /// is verified (once per value) and taken as an in-band renewal; a tag without one (an
 /// older filter) refreshes a lease already held; a value that is neither, or a proof
 /// that does not verify, tags nothing (counted).
-fn tag_instance(st: &AppState, entry: &Entry, headers: &axum::http::HeaderMap) {
+fn tag_instance(st: &Arc<AppState>, entry: &Entry, headers: &axum::http::HeaderMap) {
     if st.cfg.lease_mode == LeaseMode::Off {
         return;
     }
@@ -252,7 +252,12 @@ fn tag_instance(st: &AppState, entry: &Entry, headers: &axum::http::HeaderMap) {
     entry.set_instance(h.tag);
     let taken = leases.prove(h.tag, &p.proof, now);
     st.metrics.lease.census(leases.census());
+    // A listener not yet known to answer is asked at once, while the gateway surely lives.
+    let ask = leases.calibrate(h.tag.instance, now);
     drop(leases);
+    if let Some(addr) = ask {
+        crate::lease::enforce::probe(st, h.tag.instance, addr);
+    }
     st.metrics.lease.proof(match taken {
         Ok(_) => "accepted",
         Err(RenewError::Duplicate) => "duplicate",

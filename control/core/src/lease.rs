@@ -564,6 +564,22 @@ impl Leases {
         Ok(new)
     }
 
+    /// The listener of `id` to ask now, while the gateway lives, if one is known and not
+    /// yet known to answer (and none was asked within the TTL): the shell asks at once
+    /// when a proof takes a lease, so that a gateway that dies young is told from a
+    /// silent one. The judgement asks the same later.
+    pub fn calibrate(&mut self, id: InstanceId, now: Instant) -> Option<SocketAddr> {
+        let ttl = self.ttl;
+        let l = self.table.get_mut(&id)?;
+        match l.listener {
+            Some((a, false)) if l.may_ask(now, ttl) => {
+                l.asked = Some(now);
+                Some(a)
+            }
+            _ => None,
+        }
+    }
+
     /// The answer of a probe of `addr` for `id`, at `now`: a handshake makes the
     /// listener trusted (its later silence can be told from death); any answer is kept
     /// for the next judgement. An answer for another listener is ignored.

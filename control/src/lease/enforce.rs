@@ -114,7 +114,11 @@ pub fn judge(st: &Arc<AppState>) {
 /// Connects to `addr`, the listener of `instance` from its verified proof, within
 /// [`super::probe_timeout`], and gives the answer to the lease table; a refusal or no
 /// answer is judged at once.
-fn probe(st: &Arc<AppState>, instance: kvguard_contract::InstanceId, addr: std::net::SocketAddr) {
+pub fn probe(
+    st: &Arc<AppState>,
+    instance: kvguard_contract::InstanceId,
+    addr: std::net::SocketAddr,
+) {
     let st = Arc::clone(st);
     tokio::spawn(async move {
         let bound = super::probe_timeout(st.cfg.lease_ttl);
@@ -124,7 +128,11 @@ fn probe(st: &Arc<AppState>, instance: kvguard_contract::InstanceId, addr: std::
             Ok(Err(_)) | Err(_) => ProbeAnswer::Timeout,
         };
         st.metrics.lease.probe(answer);
-        tracing::debug!(%instance, %addr, answer = answer.as_str(), "gateway listener probed");
+        if answer == ProbeAnswer::Alive {
+            tracing::debug!(%instance, %addr, "gateway listener probed: it answers");
+        } else {
+            tracing::info!(%instance, %addr, answer = answer.as_str(), "gateway listener probed: no handshake");
+        }
         {
             let mut leases = st.leases.lock().unwrap_or_else(|p| p.into_inner());
             leases.probed(instance, addr, answer, st.clock.now());

@@ -745,9 +745,12 @@ fn a_listener_is_asked_while_the_gateway_lives_and_trusted_once_it_answers() {
     l.prove(tagged(A, 1), &proof(1, None, Some(L_A)), t0)
         .unwrap();
     let a: SocketAddr = L_A.parse().unwrap();
-    // Asked at once, then not again within the TTL while it does not answer.
-    let j = l.judge(t0);
-    assert_eq!(j.probes, vec![(A, a)]);
+    // Asked at once (the shell, on the proof; else the judgement), then not again
+    // within the TTL while it does not answer.
+    assert_eq!(l.calibrate(A, t0), Some(a));
+    assert_eq!(l.calibrate(A, t0), None);
+    assert!(l.judge(t0).probes.is_empty());
+    assert_eq!(l.calibrate(B, t0), None, "no lease");
     l.probed(A, a, ProbeAnswer::Refused, t0 + ms(1));
     assert!(l.judge(t0 + TTL - ms(1)).probes.is_empty());
     assert_eq!(
@@ -764,6 +767,7 @@ fn a_listener_is_asked_while_the_gateway_lives_and_trusted_once_it_answers() {
     assert_eq!(l.census().enforceable, 0);
     l.probed(A, a, ProbeAnswer::Alive, t0 + TTL);
     assert_eq!(l.census().enforceable, 1);
+    assert_eq!(l.calibrate(A, t0 + s(100)), None, "trusted: nothing to ask");
     // Trusted: never asked again while it lives, and its listener stays.
     l.prove(tagged(A, 1), &proof(3, None, Some(L_B)), t0 + s(40))
         .unwrap();
