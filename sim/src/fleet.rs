@@ -50,6 +50,9 @@ pub struct Fleet {
     /// The last third of the gateways (a zone; none of 1 or 2) killed for good at
     /// [`ZONE_LOST_AT_MS`].
     pub zone_lost: bool,
+    /// Replica 0 (of two or more) lost for good at [`ZONE_LOST_AT_MS`], its engine with
+    /// it.
+    pub replica_lost: bool,
     /// Prefill/decode: the first half of the replicas `--pd-role prefill`, the rest
     /// `decode`; each stream's prefill leg on one, its decode leg on another.
     pub pd: bool,
@@ -98,6 +101,12 @@ impl Fleet {
                     restart_ms: None,
                 });
             }
+        }
+        if self.replica_lost && rs >= 2 {
+            ops.push(Op::ReplicaLost {
+                at: ZONE_LOST_AT_MS,
+                replica: 0,
+            });
         }
         Schedule {
             seed: self.seed,
@@ -251,7 +260,12 @@ impl fmt::Display for FleetReport {
             "| {} × {}{} | {} | {:.0} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {} / {} |",
             self.fleet.gateways,
             self.fleet.replicas,
-            if self.fleet.pd { " P/D" } else { "" },
+            match (self.fleet.pd, self.fleet.replica_lost) {
+                (true, true) => " P/D, replica lost",
+                (true, false) => " P/D",
+                (false, true) => ", replica lost",
+                (false, false) => "",
+            },
             self.streams,
             self.simulated_s,
             self.wall_s,
@@ -291,6 +305,7 @@ pub fn known() -> Vec<ScaleFinding> {
         replicas: 4,
         per_gateway: 20,
         zone_lost: false,
+        replica_lost: false,
         pd: false,
         seed: 1,
     };

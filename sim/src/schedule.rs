@@ -131,6 +131,14 @@ pub enum Op {
         /// How long.
         for_ms: u64,
     },
+    /// Replica `replica`'s pod is lost for good, its engine with it: its streams are
+    /// reset, the control cluster and the hop route around it from then on.
+    ReplicaLost {
+        /// When.
+        at: u64,
+        /// Which.
+        replica: u8,
+    },
 }
 
 impl Op {
@@ -153,7 +161,8 @@ impl Op {
             | Op::Kill { at, .. }
             | Op::Freeze { at, .. }
             | Op::EnginePause { at, .. }
-            | Op::LoseCalls { at, .. } => at,
+            | Op::LoseCalls { at, .. }
+            | Op::ReplicaLost { at, .. } => at,
         }
     }
 }
@@ -314,6 +323,7 @@ impl fmt::Display for Op {
                 for_ms,
             } => write!(f, "{at:>9} the engine behind replica{replica} pauses {for_ms} ms"),
             Op::LoseCalls { at, for_ms } => write!(f, "{at:>9} calls to kvguard-control lost for {for_ms} ms"),
+            Op::ReplicaLost { at, replica } => write!(f, "{at:>9} replica{replica} lost for good (its engine with it)"),
         }
     }
 }

@@ -53,7 +53,7 @@ fn simpler_setups(s: &Schedule) -> Vec<Schedule> {
     let mut out = Vec::new();
     let used_gw = s.ops.iter().map(|op| match *op {
         Op::Stream { gw, .. } | Op::Kill { gw, .. } | Op::Freeze { gw, .. } => gw,
-        Op::LoseCalls { .. } | Op::EnginePause { .. } => 0,
+        Op::LoseCalls { .. } | Op::EnginePause { .. } | Op::ReplicaLost { .. } => 0,
     });
     let used_gw = used_gw.max().unwrap_or(0);
     if s.setup.gateways > used_gw + 1 {
@@ -65,7 +65,10 @@ fn simpler_setups(s: &Schedule) -> Vec<Schedule> {
         let mut c = s.clone();
         c.setup.replicas = 1;
         for op in &mut c.ops {
-            if let Op::Stream { replica, .. } | Op::EnginePause { replica, .. } = op {
+            if let Op::Stream { replica, .. }
+            | Op::EnginePause { replica, .. }
+            | Op::ReplicaLost { replica, .. } = op
+            {
                 *replica = 0;
             }
         }

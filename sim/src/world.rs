@@ -28,7 +28,7 @@ use crate::schedule::{Client, Op, Schedule};
 use crate::timeline::Timeline;
 use kvguard_contract::lease::Renewal;
 use kvguard_contract::{AbortReason, InstanceId, RequestId, ABORT_PATH, DATA_LEASE_PATH};
-use kvguard_control_core::lease::Expiry;
+use kvguard_control_core::lease::{Expiry, ProbeAnswer};
 use kvguard_control_core::scan::BodyKind;
 use kvguard_filter_core::engine::Action;
 use kvguard_filter_core::Engine;
@@ -88,6 +88,8 @@ pub enum EngineEnd {
     /// It never reached the engine: refused by kvguard-control (a tombstone), or
     /// dropped by a passing hop whose client left while it queued.
     NotAdmitted,
+    /// Its replica's pod was lost, the engine with it.
+    Lost,
 }
 
 /// One stream, across every actor.
@@ -113,6 +115,8 @@ pub struct Stream {
     content_len: u64,
     /// The gateway instance it came through.
     pub instance: Option<InstanceId>,
+    /// The `x-kvguard-instance` value it carried (the proof of life).
+    pub tag: Option<Vec<u8>>,
     /// When and how the engine stopped.
     pub engine_end: Option<(u64, EngineEnd)>,
     entry: Option<EntryRef>,
@@ -337,6 +341,8 @@ pub struct World {
     solo: HashMap<u32, Engine>,
     /// Streams before this index were settled when last looked at ([`World::settled`]).
     settled_to: usize,
+    /// Replicas lost for good ([`Op::ReplicaLost`]).
+    lost: Vec<bool>,
 }
 
 impl World {
@@ -392,6 +398,7 @@ impl World {
             mutations,
             solo: HashMap::new(),
             settled_to: 0,
+            lost: vec![false; replicas_n],
         };
         for i in 0..w.sched.ops.len() {
             let at = w.sched.ops[i].at();
@@ -430,7 +437,13 @@ impl World {
         }
         self.check_orphans();
         let stats = Stats {
-            received: self.replicas.iter().map(|r| r.received).collect(),
+            received: self
+                .replicas
+                .iter()
+                .zip(&self.lost)
+                .filter(|(_, lost)| !**lost)
+                .map(|(r, _)| r.received)
+                .collect(),
             ends: self
                 .streams
                 .iter()
@@ -578,6 +591,7 @@ impl World {
                     format!("the engine behind replica{r} pauses {for_ms} ms"),
                 );
             }
+            Op::ReplicaLost { replica, .. } => self.lose_replica(usize::from(replica)),
             Op::LoseCalls { for_ms, .. } => {
                 self.lose_until = self.lose_until.max(self.now + for_ms);
                 self.note(
@@ -633,9 +647,16 @@ impl World {
                 cluster: "engine".into(),
                 authority: "engine".into(),
             };
+            g.renewer
+                .note_listener(crate::gateway::listener(gw).as_bytes());
             g.renewer.note_upstream(&g.engine.cfg, &mut g.host, &up);
         }
         let instance = g.renewer.instance();
+        // `x-kvguard-instance`: the tag and the period's proof of life (one VM here).
+        let tag = g
+            .renewer
+            .tag_value(&g.engine.cfg.key, Some(1))
+            .map(<[u8]>::to_vec);
         let vm = self.solo.get_mut(&ctx).unwrap_or(&mut g.engine);
         vm.on_response_headers(
             &mut g.host,
@@ -654,6 +675,15 @@ impl World {
         } else {
             replica
         };
+        // The hop routes around a lost replica: the next one that is not.
+        let n = self.replicas.len();
+        let Some(replica) = (0..n)
+            .map(|k| (usize::from(replica) + k) % n)
+            .find(|r| !self.lost[*r])
+        else {
+            return;
+        };
+        let replica = replica as u8;
         let tokens = u64::from(tokens.max(1));
         let paused = self.engine_paused_until[usize::from(replica)].saturating_sub(now);
         self.streams.push(Stream {
@@ -670,6 +700,7 @@ impl World {
             token_ms: u64::from(token_ms.max(1)),
             content_len: tokens * EV_BYTES + DONE.len() as u64,
             instance,
+            tag,
             engine_end: None,
             entry: None,
             handed: 0,
@@ -711,7 +742,7 @@ impl World {
     fn admit(&mut self, i: usize) {
         let now = self.now;
         let s = &self.streams[i];
-        let (id, instance, replica) = (s.id.clone(), s.instance, usize::from(s.replica));
+        let (id, tag, replica) = (s.id.clone(), s.tag.clone(), usize::from(s.replica));
         if s.gw_done && !self.sched.setup.hop_hides {
             self.streams[i].engine_end = Some((now, EngineEnd::NotAdmitted));
             self.note("hop", Some(i), "drops the queued request: its client left");
@@ -722,11 +753,16 @@ impl World {
             // replica (0 of two): its Content-Length answer ends complete
             // (`TrackedBody::complete`), so the prefill replica remembers a completion.
             let p = usize::from(self.op_replica(i)) % (self.replicas.len() / 2);
-            if let Some(e) = self.replicas[p].admit(i, id.clone(), instance, now) {
+            let leg = (!self.lost[p])
+                .then(|| self.replicas[p].admit(i, id.clone(), tag.as_deref(), now));
+            if let Some(e) = leg.flatten() {
                 self.replicas[p].remove_ended(&e, true, now);
             }
+            self.answer_probes(p);
         }
-        let Some(e) = self.replicas[replica].admit(i, id, instance, now) else {
+        let admitted = self.replicas[replica].admit(i, id, tag.as_deref(), now);
+        self.answer_probes(replica);
+        let Some(e) = admitted else {
             self.note(
                 format!("replica{replica}"),
                 Some(i),
@@ -761,6 +797,50 @@ impl World {
         s.admitted = Some(now);
         if self.sched.setup.hop_queue_ms > 0 {
             self.note(format!("replica{replica}"), Some(i), "admits the request");
+        }
+    }
+
+    /// Replica `r`'s pod is lost: its engine stops, its in-flight table with it (a peer
+    /// that asks it finds nothing); each of its streams is reset toward its gateway,
+    /// whose filter sends its abort (`upstream_reset`).
+    fn lose_replica(&mut self, r: usize) {
+        let now = self.now;
+        if self.lost.get(r).copied().unwrap_or(true) {
+            return;
+        }
+        self.lost[r] = true;
+        self.note(
+            format!("replica{r}"),
+            None,
+            "lost for good, its engine with it",
+        );
+        for i in 0..self.streams.len() {
+            let s = &mut self.streams[i];
+            if usize::from(s.replica) != r || s.engine_end.is_some() {
+                continue;
+            }
+            if let Some(e) = s.entry.take() {
+                self.replicas[r].remove_ended(&e, false, now);
+            }
+            s.engine_end = Some((now, EngineEnd::Lost));
+            if s.state == ClientState::Reading {
+                s.state = ClientState::Dropped;
+            }
+            let g = &mut self.gateways[s.gw as usize];
+            if s.gw_done || g.generation != s.gw_generation || !g.alive {
+                continue;
+            }
+            s.gw_done = true;
+            g.host.now = now;
+            let vm = self.solo.get_mut(&s.ctx).unwrap_or(&mut g.engine);
+            vm.on_log(
+                &mut g.host,
+                s.ctx,
+                b"upstream_reset_after_response_started{connection_termination}",
+                0,
+            );
+            let gw = s.gw;
+            self.drain_gateway(gw);
         }
     }
 
@@ -1193,6 +1273,10 @@ impl World {
         let now = self.now;
         let n = self.replicas.len();
         let at = self.rng.range(0, n as u64 - 1) as usize;
+        // The control cluster routes around a lost replica.
+        let Some(at) = (0..n).map(|k| (at + k) % n).find(|r| !self.lost[*r]) else {
+            return;
+        };
         let (status, body) = if c.path == ABORT_PATH {
             let mut ended = Vec::new();
             let body = if self.mutations.off(Mechanism::StallAsks) {
@@ -1220,6 +1304,9 @@ impl World {
         } else if let Some(r) = Renewal::parse(&c.body) {
             // Accepted on one replica, forwarded to every peer (`fan_out_renewal`).
             for (i, rep) in self.replicas.iter_mut().enumerate() {
+                if self.lost[i] {
+                    continue;
+                }
                 if i == at {
                     rep.received.renewals += 1;
                 } else if self.mutations.off(Mechanism::PeerForwarding) {
@@ -1342,6 +1429,9 @@ impl World {
     fn control_tick(&mut self) {
         let now = self.now;
         for r in 0..self.replicas.len() {
+            if self.lost[r] {
+                continue;
+            }
             let mut ended = Vec::new();
             self.replicas[r].reap(now, &mut ended);
             let (expired, held) = if self.mutations.off(Mechanism::Lease) {
@@ -1349,8 +1439,11 @@ impl World {
             } else {
                 self.replicas[r].judge_leases(now, &mut ended)
             };
+            self.answer_probes(r);
             if held > 0 {
-                let what = format!("{held} lease expiries held: no other gateway heard from");
+                let what = format!(
+                    "{held} lease expiries held: no other gateway heard from, or its listener answers"
+                );
                 self.note(format!("replica{r}"), None, what);
             }
             for (instance, why, n) in expired {
@@ -1381,6 +1474,32 @@ impl World {
             for e in ended {
                 self.ended(e, r);
             }
+        }
+    }
+
+    /// `lease::enforce::probe` for replica `r`'s asks: a gateway's listener completes a
+    /// handshake while its process lives, frozen or not (its kernel answers), and refuses
+    /// once it is dead (a restart on the node listens there again). The shell judges at
+    /// once on a refusal; here the next judgement (a tick later) does.
+    fn answer_probes(&mut self, r: usize) {
+        let now = self.now;
+        for (id, addr) in std::mem::take(&mut self.replicas[r].probes) {
+            let alive = crate::gateway::listening(addr)
+                .and_then(|g| self.gateways.get(usize::from(g)))
+                .is_some_and(|g| g.alive);
+            let answer = if alive {
+                ProbeAnswer::Alive
+            } else {
+                ProbeAnswer::Refused
+            };
+            if !alive {
+                self.note(
+                    format!("replica{r}"),
+                    None,
+                    format!("asks {addr} ({}): refused", short(id)),
+                );
+            }
+            self.replicas[r].probed(id, addr, answer, now);
         }
     }
 

@@ -12,6 +12,7 @@ fn a_fleet_with_a_zone_lost_keeps_every_promise() {
             replicas: 6,
             per_gateway: 40,
             zone_lost: true,
+            replica_lost: pd,
             pd,
             seed: 1,
         });

@@ -10,7 +10,8 @@
 //! kvguard-sim --witness NAME        a mechanism's witness, with everything on, then with it off
 //! kvguard-sim --fleet 1x1,10x10      fleets of G gateways x R replicas: messages per replica per second, abort latency
 //!                                    (--per-gateway N streams, default 20; --no-loss: no zone lost; --seed S;
-//!                                    --pd: half the replicas prefill, half decode)
+//!                                    --pd: half the replicas prefill, half decode; --lose-replica: replica 0
+//!                                    lost at 2 minutes)
 //! kvguard-sim --ablate [--seeds N]   run N seeds (default 1000) with each mechanism off in turn; print the table
 //! ```
 //! `--off NAME` (repeatable; `--no-deferral` is `--off deferral`) runs with a mechanism
@@ -60,6 +61,7 @@ fn fleet(args: &[String], sizes: &str) -> ExitCode {
             per_gateway: arg(args, "--per-gateway").unwrap_or(20) as u32,
             zone_lost: !args.iter().any(|a| a == "--no-loss"),
             pd: args.iter().any(|a| a == "--pd"),
+            replica_lost: args.iter().any(|a| a == "--lose-replica"),
             seed: arg(args, "--seed").unwrap_or(1),
         });
     }
