@@ -205,31 +205,13 @@ impl Mechanism {
                     ],
                 ),
             ),
-            // Behind a hiding hop a client leaves while every call to kvguard-control is
-            // lost (the abort's whole retry window, finding sim.1's fault), and its
-            // engine hangs: nobody asks, nothing drains; only the engine's own silence
-            // ends it. (Without the hang the engine finishes: sim.1.)
-            Mechanism::ReaperIdle => (
-                Promise::Invariant2,
-                one(
-                    Setup {
-                        hop_hides: true,
-                        ..Setup::default()
-                    },
-                    vec![
-                        Op::stream(0, 0, 0, Client::Leaves { after_ms: 10_000 }, 3_000, 30),
-                        Op::LoseCalls {
-                            at: 9_000,
-                            for_ms: 8_000,
-                        },
-                        Op::EnginePause {
-                            at: 12_000,
-                            replica: 0,
-                            for_ms: 300_000,
-                        },
-                    ],
-                ),
-            ),
+            // None behind a kvguard gateway: an engine that hangs under a reading client
+            // is the filter's stall (asked, not deferred: ended); under a client that
+            // left, its abort ends it, or — every call lost for the abort's 9 attempts,
+            // which span about the lease TTL — the lease. The reaper's idle clock is for
+            // requests no kvguard gateway carries (direct clients, other gateways), which
+            // the simulator does not model.
+            Mechanism::ReaperIdle => return None,
             Mechanism::ReaperReader => return None,
         })
     }

@@ -88,6 +88,12 @@ pub struct TargetRoute {
 /// The default of `control_target_ports`: kvguard-control's default admin port.
 pub const DEFAULT_CONTROL_PORT: u16 = 9902;
 
+/// `abort_retries` when unset: with the backoff (200 ms doubling to 5 s) and a 1 s call
+/// timeout, 9 attempts span the 30 s abort deadline, so an abort outlives a
+/// kvguard-control unreachable for less than that (behind a hop that hides disconnects,
+/// nothing else would end the orphan).
+pub const DEFAULT_ABORT_RETRIES: u32 = 8;
+
 /// The validated configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -686,10 +692,10 @@ impl Config {
                 raw.get("abort_retries"),
                 0,
                 10,
-                3,
+                u64::from(DEFAULT_ABORT_RETRIES),
                 "",
             )?)
-            .unwrap_or(3),
+            .unwrap_or(DEFAULT_ABORT_RETRIES),
             max_pending_aborts: usize::try_from(int(
                 "max_pending_aborts",
                 raw.get("max_pending_aborts"),
@@ -796,7 +802,7 @@ mod tests {
         assert_eq!(c.tick_ms, 250);
         assert_eq!(c.paths, DEFAULT_PATHS.to_vec());
         assert_eq!(c.abort_timeout_ms, 1000);
-        assert_eq!(c.abort_retries, 3);
+        assert_eq!(c.abort_retries, 8);
         assert_eq!(c.max_pending_aborts, 10_000);
         assert_eq!(c.max_event_bytes, 65_536);
         assert!(c.target.is_none());
