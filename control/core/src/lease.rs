@@ -20,7 +20,8 @@
 //!   least a period and a half ago (one that hears from nobody holds: the network or
 //!   kvguard-control is the suspect, whatever the phases of the renewals; and when the
 //!   paths come back, every live gateway's renewal is due within that time of the first
-//!   one heard, so the first back does not end the others). Then, where the gateway's
+//!   one heard, so the first back does not end the others; a trusted listener that
+//!   refuses ends the hold: a reset comes from a reachable host). Then, where the gateway's
 //!   listener is known and has answered a handshake before (*trusted*), it is asked again
 //!   ([`Judgement::probes`]; the shell connects): refused or unanswered → **dead**; a
 //!   handshake → held (a frozen process's kernel still answers), asked again each period.
@@ -689,18 +690,27 @@ impl Leases {
             let heard = l
                 .others_heard
                 .is_some_and(|t| now.saturating_duration_since(t) >= l.period * 3 / 2);
+            // Asked since the silence reached the TTL: the kernel's answer.
+            let answer = l
+                .answer
+                .filter(|(t, _)| *t >= last + self.ttl)
+                .map(|(_, a)| a);
             let v = if others && !heard {
-                Verdict::Hold
+                // Nobody heard: the network may be the suspect, but not for a refusal (a
+                // host that answers with a reset is reachable, and nothing listens there).
+                match (l.trusted(), answer) {
+                    (Some(_), Some(ProbeAnswer::Refused)) => Verdict::Expire(Expiry::Dead),
+                    (Some(a), _) if l.may_ask(now, l.period) => Verdict::HoldAndProbe(a),
+                    _ => Verdict::Hold,
+                }
             } else if !l.armed() {
                 Verdict::Expire(Expiry::Unproven)
             } else if let Some(a) = l.trusted() {
-                // Asked since the silence reached the TTL: the kernel's answer decides.
-                let answer = l.answer.filter(|(t, _)| *t >= last + self.ttl);
                 match answer {
-                    Some((_, ProbeAnswer::Alive)) if l.may_ask(now, l.period) => {
+                    Some(ProbeAnswer::Alive) if l.may_ask(now, l.period) => {
                         Verdict::HoldAndProbe(a)
                     }
-                    Some((_, ProbeAnswer::Alive)) => Verdict::Hold,
+                    Some(ProbeAnswer::Alive) => Verdict::Hold,
                     Some(_) => Verdict::Expire(Expiry::Dead),
                     None if l.may_ask(now, l.period) => Verdict::Probe(a),
                     None => Verdict::Wait,

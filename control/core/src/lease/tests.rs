@@ -857,13 +857,25 @@ fn in_band_silence_without_a_trusted_listener_is_silent_and_others_still_hold_th
     judge_answering(&mut l, last, ProbeAnswer::Timeout);
     let j = l.judge(last + TTL + ms(1));
     assert_eq!((j.expired, j.probes), (vec![(A, Expiry::Silent)], vec![]));
-    // With another gateway not heard since: held before anything is asked.
+    // With another gateway not heard since: held (the network may be the suspect), the
+    // listeners asked; a timeout keeps the hold, a refusal (a reachable host where
+    // nothing listens) ends it.
     let mut l = Leases::new(TTL);
     let last = prove_n(&mut l, A, 2, t0, L_A);
     prove_n(&mut l, B, 2, t0, L_B);
     judge_answering(&mut l, last, ProbeAnswer::Alive);
-    let j = l.judge(last + TTL + ms(1));
-    assert_eq!((j.held, j.probes.len(), j.expired.len()), (2, 0, 0));
+    let silent = last + TTL + ms(1);
+    let j = l.judge(silent);
+    assert_eq!((j.held, j.probes.len(), j.expired.len()), (2, 2, 0));
+    l.probed(A, L_A.parse().unwrap(), ProbeAnswer::Refused, silent);
+    l.probed(B, L_B.parse().unwrap(), ProbeAnswer::Timeout, silent);
+    let j = l.judge(silent + ms(1));
+    assert_eq!(j.expired, vec![(A, Expiry::Dead)]);
+    assert_eq!((j.held, j.probes.len()), (0, 0));
+    assert!(l.holds(&B));
+    // Alone now, B's unanswered handshake decides.
+    let j = l.judge(silent + ms(2));
+    assert_eq!(j.expired, vec![(B, Expiry::Dead)]);
 }
 
 #[test]
