@@ -39,7 +39,7 @@ pub const LOAD_MS: u64 = 240_000;
 pub const ZONE_LOST_AT_MS: u64 = 120_000;
 
 /// A fleet to run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fleet {
     /// Gateways (at most 255).
     pub gateways: u8,
@@ -61,6 +61,16 @@ pub struct Fleet {
 }
 
 impl Fleet {
+    /// The same fleet with `k` times the gateways and replicas.
+    #[must_use]
+    pub fn times(self, k: u8) -> Fleet {
+        Fleet {
+            gateways: self.gateways.saturating_mul(k),
+            replicas: self.replicas.saturating_mul(k),
+            ..self
+        }
+    }
+
     /// The fleet's schedule: each gateway's streams at random times in [`LOAD_MS`], to
     /// a replica at random; 60 % read fast, 30 % leave after 1–20 s, 10 % read at
     /// 0.5–2 KB/s; 100–1500 tokens every 20–40 ms (slow readers' at most 300).
@@ -292,7 +302,7 @@ pub struct ScaleFinding {
     /// In a line.
     pub title: &'static str,
     /// The fleet that shows it, at its smaller size; it is run again at three times the
-    /// gateways and replicas.
+    /// gateways and replicas ([`Fleet::times`]).
     pub fleet: Fleet,
     /// The message, per replica per second.
     pub rate: fn(&FleetReport) -> f64,
@@ -301,8 +311,8 @@ pub struct ScaleFinding {
 /// The fleet's known findings.
 pub fn known() -> Vec<ScaleFinding> {
     let fleet = Fleet {
-        gateways: 4,
-        replicas: 4,
+        gateways: 3,
+        replicas: 3,
         per_gateway: 20,
         zone_lost: false,
         replica_lost: false,
@@ -329,16 +339,4 @@ pub fn known() -> Vec<ScaleFinding> {
             rate: |r| r.peer_renewals.mean,
         },
     ]
-}
-
-impl ScaleFinding {
-    /// Its message's rate per replica at the fleet's size and at three times it.
-    pub fn growth(&self) -> (f64, f64) {
-        let big = Fleet {
-            gateways: self.fleet.gateways * 3,
-            replicas: self.fleet.replicas * 3,
-            ..self.fleet
-        };
-        ((self.rate)(&run(&self.fleet)), (self.rate)(&run(&big)))
-    }
 }
