@@ -3,7 +3,7 @@
 //! included). How a request is ended is [`crate::abort`].
 
 use crate::clock::Clock;
-use crate::config::Config;
+use crate::config::{Config, PdRole};
 use crate::engine::Engine;
 use crate::expo::{EngineFigures, EngineFlavour};
 use crate::gpu::GpuTracker;
@@ -136,7 +136,14 @@ impl AppState {
             dry_run: cfg.dry_run,
             tombstone_ttl: cfg.tombstone_ttl,
             max_tombstones: cfg.max_tombstones,
-            reader_timeout: cfg.limits.reader_timeout,
+            // Beside a prefill engine a completion is the prefill leg's (one token), not
+            // the stream's: remembered, it would answer a stall ask about the stream
+            // `deferred` (its tail) here, where the stream's holder, the decode side, is
+            // the one to ask (the fan-out asks it).
+            reader_timeout: cfg
+                .limits
+                .reader_timeout
+                .filter(|_| cfg.pd_role != PdRole::Prefill),
         });
         let replay = Mutex::new(ReplayMemory::new(cfg.max_replay_entries));
         let keys = KeySet {

@@ -2666,3 +2666,26 @@ async fn stalled_aborts_of_a_request_completed_here_are_deferred_on_the_senders_
     let (s, _) = ask("done", 90_000, true).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
 }
+
+/// Beside a prefill engine a completion is the prefill leg's (one token), not the
+/// stream's: it is not remembered, so a stall ask about the stream is not answered
+/// `deferred` here (with peers it goes to the decode side, which holds the stream).
+#[tokio::test]
+async fn a_prefill_sides_completion_defers_no_stall_ask() {
+    let (st, clock, _decode) = pd_state(Some(400), |c| {
+        c.limits.reader_timeout = Some(Duration::from_secs(90));
+    });
+    let e = admitted(&st, "leg");
+    e.record_events(1, clock.now());
+    st.remove_ended(&e, true);
+    let ask = br#"{"request_id":"leg","reason":"stalled","age_ms":9000,"idle_ms":6000,"recheck_ms":3000}"#;
+    let sig = signature::sign(
+        Domain::Abort,
+        &Key::try_new(KEY).unwrap(),
+        clock.unix_secs(),
+        ask,
+    );
+    let (s, v) = call(admin::app(st.clone()), abort_req(ask, Some(sig))).await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    assert_eq!(st.inner().tombstones(), 0, "a stall ask tombstones nothing");
+}

@@ -20,7 +20,9 @@
 //!   nobody: `sim_pd.rs`);
 //! - through Envoy with the kvguard filter in front of the P/D proxy, the filter's own
 //!   aborts (to one replica, its `control_cluster`) free the prefill leg of a client gone
-//!   during prefill and the decode leg of one gone during decode.
+//!   during prefill and the decode leg of one gone during decode;
+//! - and its stall asks about a slow reader, sent to the prefill side's replica, are
+//!   deferred by the decode side that holds the stream: the reader is never cut.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use kvguard_contract::AbortReason;
@@ -58,12 +60,17 @@ struct Pd {
 /// P and D simulators, a kvguard-control beside each (peers of each other), the P/D
 /// proxy (hiding disconnects) in front of the two kvguard-controls.
 async fn pd(pull_ms: u64) -> Pd {
-    pd_held(pull_ms, None).await
+    pd_held(pull_ms, None, 20.0).await
 }
 
-/// [`pd`], the proxy holding each request between its legs until `hand_off` reads `true`.
-async fn pd_held(pull_ms: u64, hand_off: Option<tokio::sync::watch::Receiver<bool>>) -> Pd {
-    let (p, d) = sim::spawn_pd(LEASE_MS, pull_ms, 20.0).await.unwrap();
+/// [`pd`], the proxy holding each request between its legs until `hand_off` reads `true`,
+/// the engines generating `token_rate` tokens a second.
+async fn pd_held(
+    pull_ms: u64,
+    hand_off: Option<tokio::sync::watch::Receiver<bool>>,
+    token_rate: f64,
+) -> Pd {
+    let (p, d) = sim::spawn_pd(LEASE_MS, pull_ms, token_rate).await.unwrap();
     let (pc, dc) = Control::start_pd_pair(
         p.addr(),
         d.addr(),
@@ -216,7 +223,7 @@ async fn a_client_gone_between_prefill_and_decode_releases_the_held_blocks_at_on
     bounded("gone between prefill and decode", T, async {
         // The proxy holds each request at the hand-off (after P's answer, before D).
         let (_hold, hand_off) = tokio::sync::watch::channel(false);
-        let s = pd_held(20, Some(hand_off)).await;
+        let s = pd_held(20, Some(hand_off), 20.0).await;
         // Without kvguard: a finished prefill nobody reads is held until the lease.
         let mut body = completion(1);
         body["stream"] = json!(false);
@@ -496,6 +503,76 @@ async fn through_envoy_the_filters_aborts_free_the_leg_each_client_left() {
             )
             .await;
         assert_eq!(answered, 2.0);
+    })
+    .await
+    .unwrap();
+}
+
+/// A reader slower than its decode engine, behind Envoy with the filter (idle 3 s, the
+/// shipped 32 KiB buffers) in front of the P/D proxy, which builds its own response head
+/// (no stamp): each stall ask goes to the prefill side's replica, which no longer holds
+/// the request, and is fanned out; the decode side defers it (its engine produces, the
+/// reader drains), and that is the answer. The reader reads on, never cut, and the decode
+/// leg still runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_readers_stall_asks_are_deferred_by_the_decode_side() {
+    const READ: Duration = Duration::from_secs(25);
+    bounded("P/D slow reader", READ + T, async {
+        let s = pd_held(20, None, 40.0).await;
+        let mut opts =
+            EnvoyOptions::with_filter(s.proxy.addr(), s.pc.admin, stack::filter_config(3_000, 0))
+                .vm_env("KVGUARD_SECRET", stack::SECRET);
+        opts.per_connection_buffer_limit_bytes = Some(32 * 1024);
+        opts.downstream_sndbuf = Some(4096);
+        let envoy = Envoy::start(opts).await.unwrap();
+        let mut c = client::silent_client(
+            envoy.listener_addr(),
+            "/v1/completions",
+            &completion(1_700),
+            &[],
+            4096,
+            true,
+        )
+        .await
+        .unwrap();
+        assert_eq!(c.status(), Some(200), "{:?}", c.head());
+        let n = c
+            .read_paced(200, Instant::now() + READ, &[])
+            .await
+            .unwrap_or_else(|e| panic!("the slow reader was cut: {e}"));
+        let st = s.d.state();
+        let r = st.requests.first().unwrap();
+        assert_eq!(r.ended, None, "the decode leg was ended ({n} bytes read)");
+        let deferred = metric(
+            &s.pc,
+            "kvguard_control_abort_api_answers_total{result=\"deferred\"}",
+        )
+        .await;
+        assert!(
+            deferred >= 1.0,
+            "no stall ask was deferred: the test did not reach the case"
+        );
+        // The decode side, which holds the stream, decided each (the prefill side's own
+        // completion of its leg is not the stream's).
+        let by_decode = metric(
+            &s.dc,
+            "kvguard_control_peer_received_total{kind=\"abort\",result=\"deferred\"}",
+        )
+        .await;
+        assert_eq!(by_decode, deferred, "deferred by the decode side");
+        assert_eq!(
+            metric(
+                &s.pc,
+                "kvguard_control_abort_api_answers_total{result=\"aborted\"}"
+            )
+            .await
+                + metric(
+                    &s.dc,
+                    "kvguard_control_aborts_total{reason=\"stalled\",outcome=\"aborted\"}"
+                )
+                .await,
+            0.0
+        );
     })
     .await
     .unwrap();

@@ -50,9 +50,8 @@ const RUN: Duration = Duration::from_secs(75);
 /// The tail readers' generation.
 const TAIL_TOKENS: u32 = 400;
 
-/// Reads `chunk` bytes every 100 ms until `until` or the end of the response (`[DONE]`);
-/// returns the client (still connected) and the bytes read, or why it stopped early
-/// (closed, an abort event).
+/// Reads `chunk` bytes every 100 ms until `until` or the end of the response; returns the
+/// client (still connected) and the bytes read, or why it stopped early.
 async fn read_slowly(
     c: SilentClient,
     chunk: usize,
@@ -61,39 +60,14 @@ async fn read_slowly(
     read_pausing(c, chunk, until, &[]).await
 }
 
-/// [`read_slowly`], reading nothing during each `(from, length)` of `pauses` (offsets
-/// from the start).
+/// [`read_slowly`], reading nothing during each `(from, length)` of `pauses`.
 async fn read_pausing(
     mut c: SilentClient,
     chunk: usize,
     until: Instant,
     pauses: &[(Duration, Duration)],
 ) -> Result<(SilentClient, usize), String> {
-    let start = Instant::now();
-    let mut next = start;
-    while Instant::now() < until {
-        next += Duration::from_millis(100);
-        if let Some((from, len)) = pauses.iter().find(|(from, len)| {
-            let t = next - start;
-            t >= *from && t < *from + *len
-        }) {
-            next = start + *from + *len;
-            tokio::time::sleep_until(next.into()).await;
-        }
-        match c.read_up_to(chunk, Duration::from_secs(30)).await {
-            Ok(0) => return Err(format!("closed after {} bytes", c.bytes_read().len())),
-            Ok(_) => {}
-            Err(e) => return Err(format!("{e:#} after {} bytes", c.bytes_read().len())),
-        }
-        if c.bytes_read().windows(15).any(|w| w == b"kvguard_aborted") {
-            return Err(format!("abort event after {} bytes", c.bytes_read().len()));
-        }
-        if c.bytes_read().windows(6).any(|w| w == b"[DONE]") {
-            break;
-        }
-        tokio::time::sleep_until(next.into()).await;
-    }
-    let n = c.bytes_read().len();
+    let n = c.read_paced(chunk, until, pauses).await?;
     Ok((c, n))
 }
 

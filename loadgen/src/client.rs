@@ -690,6 +690,42 @@ pub async fn silent_client(
 }
 
 impl SilentClient {
+    /// Reads up to `chunk` bytes every 100 ms, and nothing during each `(from, length)`
+    /// of `pauses` (offsets from now), until `until` or the end of an SSE response
+    /// (`[DONE]`): a client that reads at a pace. Returns the bytes read so far, or why it
+    /// stopped early: its connection closed, a read error, or a `kvguard_aborted` event.
+    pub async fn read_paced(
+        &mut self,
+        chunk: usize,
+        until: std::time::Instant,
+        pauses: &[(Duration, Duration)],
+    ) -> std::result::Result<usize, String> {
+        let start = std::time::Instant::now();
+        let mut next = start;
+        while std::time::Instant::now() < until {
+            next += Duration::from_millis(100);
+            let t = next - start;
+            if let Some((from, len)) = pauses.iter().find(|(f, l)| t >= *f && t < *f + *l) {
+                next = start + *from + *len;
+                tokio::time::sleep_until(next.into()).await;
+            }
+            let n = self.read.len();
+            match self.read_up_to(chunk, DEFAULT_TIMEOUT).await {
+                Ok(0) => return Err(format!("closed after {n} bytes")),
+                Ok(_) => {}
+                Err(e) => return Err(format!("{e:#} after {n} bytes")),
+            }
+            if self.read.windows(15).any(|w| w == b"kvguard_aborted") {
+                return Err(format!("abort event after {} bytes", self.read.len()));
+            }
+            if self.read.windows(6).any(|w| w == b"[DONE]") {
+                break;
+            }
+            tokio::time::sleep_until(next.into()).await;
+        }
+        Ok(self.read.len())
+    }
+
     /// The response head (status line and headers), once read.
     pub fn head(&self) -> Option<&str> {
         self.head.as_deref()

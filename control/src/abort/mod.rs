@@ -180,9 +180,8 @@ impl AppState {
     }
 
     /// Whether a gateway's abort of `id` is deferred rather than carried out, and why (for
-    /// the log): [`cut::may_end`] on what is known here (in flight, or completed within the
-    /// reader timeout). Nothing is changed but the completion's memory, kept one more
-    /// reader timeout: a deferral is only an answer.
+    /// the log): [`cut::may_end`] on what is known here (in flight, or among the
+    /// completions remembered). Nothing changes: a deferral is only an answer.
     pub fn defers(&self, id: &RequestId, abort: &AbortRequest) -> Option<&'static str> {
         let ask = Ask::Abort {
             reason: abort.reason,
