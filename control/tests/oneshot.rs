@@ -2612,12 +2612,11 @@ async fn stalled_aborts_are_deferred_only_while_the_engine_produces() {
     assert_eq!(s, StatusCode::NOT_FOUND);
 }
 
-/// A request that completed here is remembered for the reader timeout since its
-/// completion or its last deferral: a `stalled` abort with `recheck_ms` whose sender saw
-/// no data for less than the reader timeout is answered `deferred` (its gateway may still
-/// drain the tail to a slow reader); 404 for one whose sender's silence reached it, one
-/// without `recheck_ms`, a request that ended otherwise, an id never seen, and once the
-/// reader timeout passed.
+/// A request that completed here is remembered (by count, never by a time): a `stalled`
+/// abort with `recheck_ms` whose sender saw no data for less than the reader timeout is
+/// answered `deferred` (its gateway may still drain the tail to a slow reader), however
+/// long after the completion; 404 for one whose sender's silence reached it, one without
+/// `recheck_ms`, a request that ended otherwise, and an id never seen.
 #[tokio::test]
 async fn stalled_aborts_of_a_request_completed_here_are_deferred_on_the_senders_evidence() {
     let reader = Duration::from_secs(90);
