@@ -22,9 +22,11 @@
 //!   paths come back, every live gateway's renewal is due within that time of the first
 //!   one heard, so the first back does not end the others; a trusted listener that
 //!   refuses ends the hold: a reset comes from a reachable host). Then, where the gateway's
-//!   listener is known and has answered a handshake before (*trusted*), it is asked again
-//!   ([`Judgement::probes`]; the shell connects): refused or unanswered → **dead**; a
-//!   handshake → held (a frozen process's kernel still answers), asked again each period.
+//!   listener is known and has answered a handshake before (*trusted*), and no other
+//!   instance proved its life there since (a hot restart's child listens on the parent's
+//!   socket), it is asked again ([`Judgement::probes`]; the shell connects): refused or
+//!   unanswered → **dead**; a handshake → held (a frozen process's kernel still answers),
+//!   asked again each period.
 //!   Without a trusted listener, silence is evidence only where it is of evidence that
 //!   flows on its own: a data path that carried in-band renewals → **silent**; a data
 //!   path that carried only proofs on requests (a hop that does not route the in-band
@@ -535,10 +537,8 @@ impl Leases {
         let Some(l) = self.table.get_mut(&id) else {
             return Err(RenewError::Replay);
         };
-        if !new && proof.counter < l.counter[i] {
-            return Err(RenewError::Replay);
-        }
-        // What the proof says of the gateway is its own (signed), fresh or not.
+        // What the proof says of the gateway is its own (signed), fresh or not (a hop that
+        // queues requests delivers a period's proof after the next period's renewal).
         l.proved = true;
         if proof.host.is_some() {
             l.host = proof.host;
@@ -549,6 +549,9 @@ impl Leases {
             if !l.listener.is_some_and(|(_, t)| t) && l.listener.map(|(b, _)| b) != Some(a) {
                 l.listener = Some((a, false));
             }
+        }
+        if !new && proof.counter < l.counter[i] {
+            return Err(RenewError::Replay);
         }
         if !new && proof.counter == l.counter[i] {
             return Err(RenewError::Duplicate);
@@ -690,6 +693,13 @@ impl Leases {
             let heard = l
                 .others_heard
                 .is_some_and(|t| now.saturating_duration_since(t) >= l.period * 3 / 2);
+            // Its listener speaks for it unless another instance proved its life there
+            // since (a hot restart's child, or a restart in place, on the same address).
+            let trusted = l.trusted().filter(|a| {
+                !self.table.iter().any(|(o, ol)| {
+                    *o != id && ol.listener.is_some_and(|(b, _)| b == *a) && ol.last() > last
+                })
+            });
             // Asked since the silence reached the TTL: the kernel's answer.
             let answer = l
                 .answer
@@ -698,14 +708,14 @@ impl Leases {
             let v = if others && !heard {
                 // Nobody heard: the network may be the suspect, but not for a refusal (a
                 // host that answers with a reset is reachable, and nothing listens there).
-                match (l.trusted(), answer) {
+                match (trusted, answer) {
                     (Some(_), Some(ProbeAnswer::Refused)) => Verdict::Expire(Expiry::Dead),
                     (Some(a), _) if l.may_ask(now, l.period) => Verdict::HoldAndProbe(a),
                     _ => Verdict::Hold,
                 }
             } else if !l.armed() {
                 Verdict::Expire(Expiry::Unproven)
-            } else if let Some(a) = l.trusted() {
+            } else if let Some(a) = trusted {
                 match answer {
                     Some(ProbeAnswer::Alive) if l.may_ask(now, l.period) => {
                         Verdict::HoldAndProbe(a)

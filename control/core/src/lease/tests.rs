@@ -702,11 +702,14 @@ fn the_first_proof_on_a_request_takes_and_arms_the_lease_and_a_replay_proves_not
         l.prove(tagged(A, 1), &proof(1, None, None), t0 + s(41)),
         Ok(true)
     );
-    // Older than the last accepted on the data path: a replay.
+    // Older than the last accepted on the data path: a replay, no evidence; but what it
+    // says of the gateway is signed (a queueing hop delivers a period's proof after the
+    // next period's renewal): its listener is taken, and asked.
     assert_eq!(
-        l.prove(tagged(A, 1), &proof(0, None, None), t0 + s(42)),
+        l.prove(tagged(A, 1), &proof(0, None, Some(L_A)), t0 + s(42)),
         Err(RenewError::Replay)
     );
+    assert_eq!(l.calibrate(A, t0 + s(42)), Some(L_A.parse().unwrap()));
     // A newer counter is evidence, as an in-band renewal is.
     assert_eq!(
         l.prove(tagged(A, 1), &proof(2, None, None), t0 + s(50)),
@@ -991,4 +994,28 @@ fn a_stall_moves_the_probes_and_their_answers() {
         expired(&mut l, silent + s(60) + ms(1)),
         vec![(A, Expiry::Dead)]
     );
+}
+
+#[test]
+fn a_listener_another_instance_proved_its_life_on_since_no_longer_speaks_for_this_one() {
+    // A hot restart without a node id: the child listens on the parent's socket, so a
+    // handshake there says nothing of the parent; its silence is judged without it.
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    let last = prove_n(&mut l, A, 2, t0, L_A);
+    l.renew(&body(A, 3, Via::Data), last).unwrap();
+    judge_answering(&mut l, last, ProbeAnswer::Alive);
+    // The child, on the same listener, renews and proves on.
+    let mut t = last;
+    for c in 1..=5 {
+        t = last + ms(P * c);
+        l.prove(tagged(B, 1), &proof(c, None, Some(L_A)), t)
+            .unwrap();
+        l.renew(&body(B, c, Via::Admin), t).unwrap();
+        judge_answering(&mut l, t, ProbeAnswer::Alive);
+    }
+    let j = judge_answering(&mut l, last + TTL + ms(1), ProbeAnswer::Alive);
+    assert!(j.probes.iter().all(|(id, _)| *id != A), "{j:?}");
+    assert_eq!(j.expired, vec![(A, Expiry::Silent)]);
+    assert!(l.holds(&B) && t < last + TTL);
 }
