@@ -14,6 +14,7 @@ use crate::oracles::Promise;
 use crate::schedule::{Client, Op, Schedule, Setup};
 use kvguard_control_core::limits::Limits;
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 
 /// A mechanism of the protocol that can be switched off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -47,7 +48,8 @@ pub enum Mechanism {
     /// The reaper's idle clock (`--idle-timeout`, the engine's silence). Off: no limit.
     ReaperIdle,
     /// The reaper's reader clock (`--reader-timeout`, a reader that takes nothing; the
-    /// deferral keeps its own). Off: no reader clock in the reaper's verdicts.
+    /// deferral keeps its own). Off: it never fires in the reaper's verdicts (the idle
+    /// clock still counts the engine's own silence).
     ReaperReader,
 }
 
@@ -254,7 +256,12 @@ impl Mutations {
             limits.idle_timeout = None;
         }
         if self.off(Mechanism::ReaperReader) {
-            limits.reader_timeout = None;
+            // A reader clock that never fires. (None would also change the idle clock:
+            // with no reader timeout it counts from the last data event, whoever is
+            // slow, instead of the engine's own silence.)
+            limits.reader_timeout = limits
+                .reader_timeout
+                .map(|_| Duration::from_secs(u64::from(u32::MAX)));
         }
         limits
     }
