@@ -18,7 +18,10 @@ use crate::host::{Call, Level, Platform, SharedData, SharedError};
 use crate::metrics::{LeaseResult, Metric};
 use crate::vms::{self, VMS_KEY};
 use core::net::SocketAddr;
-use kvguard_contract::{signature, Domain, HostKey, InstanceId, Renewal, Via, DATA_LEASE_PATH};
+use kvguard_contract::{
+    sign_proof, signature, unsigned_proof, Domain, HostKey, InstanceId, InstanceTag, Key, Renewal,
+    Via, DATA_LEASE_PATH,
+};
 
 /// Shared-data key of the instance id (value `v1:<32 hex>`).
 pub const INSTANCE_KEY: &str = "kvguard.instance.v1";
@@ -425,6 +428,21 @@ pub struct Renewer {
     upstream_wanted: bool,
     /// Whether the last answer on each path (out of band, in band) was 200 (for the log).
     last_ok: [Option<bool>; 2],
+    /// The last renewal counter this VM read or wrote (its proofs carry it).
+    counter: Option<u64>,
+    /// The gateway's listener as Envoy wrote it (`destination.address` of a tracked
+    /// request, sampled once a period with the upstream).
+    listener: Option<Vec<u8>>,
+    /// The tag of this period: what it was made of, and the header value.
+    tag: Option<(TagInputs, Vec<u8>)>,
+}
+
+/// What one [`INSTANCE_HEADER`](kvguard_contract::INSTANCE_HEADER) value is made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct TagInputs {
+    instance: InstanceId,
+    vm: Option<u32>,
+    counter: u64,
 }
 
 impl Renewer {
@@ -482,8 +500,41 @@ impl Renewer {
 
     /// Whether this VM should note the upstream of a tracked stream now: once per period
     /// (reading the cluster name and the authority costs host calls), set by the tick.
+    /// The gateway's listener is sampled with it.
     pub fn wants_upstream(&self) -> bool {
         self.upstream_wanted
+    }
+
+    /// Records the listener a tracked request arrived on (Envoy's `destination.address`,
+    /// as written; kept only if it is short and plain, and the next tag carries it).
+    pub fn note_listener(&mut self, addr: &[u8]) {
+        if addr.len() > 64 || addr.contains(&b';') || self.listener.as_deref() == Some(addr) {
+            return;
+        }
+        self.listener = Some(addr.to_vec());
+        self.tag = None;
+    }
+
+    /// The `x-kvguard-instance` value for a tracked request of worker VM `vm`: the tag
+    /// and its proof of life signed with `key` (contract §8). Made once per period (a new
+    /// counter, or a new listener) and reused for every request until then. `None`
+    /// without an instance id.
+    pub fn tag_value(&mut self, key: &Key, vm: Option<u32>) -> Option<&[u8]> {
+        let instance = self.instance?;
+        // Before this VM's first tick: 0 (a new process's first counter; a reloaded VM's
+        // first requests then prove nothing new until its tick reads the slot).
+        let counter = self.counter.unwrap_or(0);
+        let inputs = TagInputs {
+            instance,
+            vm,
+            counter,
+        };
+        if self.tag.as_ref().map(|(i, _)| *i) != Some(inputs) {
+            let tag = InstanceTag { instance, vm };
+            let unsigned = unsigned_proof(tag, counter, self.host, self.listener.as_deref());
+            self.tag = Some((inputs, sign_proof(key, unsigned)));
+        }
+        self.tag.as_ref().map(|(_, v)| v.as_slice())
     }
 
     /// Records the upstream cluster a tracked stream uses.
@@ -590,11 +641,14 @@ impl Renewer {
                 return;
             }
         };
+        if let Some(s) = current.as_deref().and_then(Slot::parse) {
+            self.counter = Some(s.counter);
+        }
         let Some(slot) = elect(current.as_deref(), now, period, jitter) else {
             return;
         };
         match h.shared_set(SLOT_KEY, &slot.value(), cas) {
-            Ok(()) => {}
+            Ok(()) => self.counter = Some(slot.counter),
             // Another worker renews this period.
             Err(SharedError::CasMismatch) => return,
             Err(SharedError::Other) => {
@@ -1274,5 +1328,79 @@ mod tests {
         let now = h.now;
         a.settle(&mut h, now, [0; 3]);
         assert_eq!(listed(&mut h, &mut r), vec![1]);
+    }
+
+    fn proof_of(v: &[u8], key: &Key) -> (InstanceTag, kvguard_contract::Proof) {
+        let h = kvguard_contract::TagHeader::parse(v)
+            .unwrap_or_else(|| panic!("{}", String::from_utf8_lossy(v)));
+        let p = h.proof.unwrap();
+        assert!(
+            p.verify(std::slice::from_ref(key)),
+            "signed with the first key"
+        );
+        (h.tag, p.proof)
+    }
+
+    #[test]
+    fn every_tracked_request_carries_the_periods_signed_proof_made_once_per_counter() {
+        let cfg = lease_config("");
+        let host = HostKey([7; 16]);
+        let mut h = MockHost::default();
+        let mut r = Renewer::new(Some(host));
+        assert_eq!(r.tag_value(&cfg.key, Some(1)), None, "no instance id yet");
+        r.sync_instance(&mut h, &mut ids());
+        let id = r.instance().unwrap();
+        // Before this VM's first tick: counter 0.
+        let first = r.tag_value(&cfg.key, Some(2)).unwrap().to_vec();
+        let (tag, proof) = proof_of(&first, &cfg.key);
+        assert_eq!(
+            tag,
+            InstanceTag {
+                instance: id,
+                vm: Some(2)
+            }
+        );
+        assert_eq!(
+            proof,
+            kvguard_contract::Proof {
+                counter: 0,
+                host: Some(host),
+                listener: None
+            }
+        );
+        // The listener sampled with the upstream joins the proof; one that is long or
+        // would add a field is not kept.
+        r.note_listener(b"10.1.2.3:8080");
+        let v = r.tag_value(&cfg.key, Some(2)).unwrap().to_vec();
+        let addr: SocketAddr = "10.1.2.3:8080".parse().unwrap();
+        assert_eq!(proof_of(&v, &cfg.key).1.listener, Some(addr));
+        r.note_listener(b"10.1.2.3:8080;c=9");
+        r.note_listener(&[b'1'; 65]);
+        assert_eq!(r.tag_value(&cfg.key, Some(2)).unwrap(), &v[..]);
+        let longest = "x".repeat(64);
+        r.note_listener(longest.as_bytes());
+        let v = r.tag_value(&cfg.key, Some(2)).unwrap().to_vec();
+        let (_, p) = proof_of(&v, &cfg.key);
+        assert_eq!(p.listener, None, "kept, but not an address: none");
+        assert!(String::from_utf8(v).unwrap().contains(&longest));
+        r.note_listener(b"10.1.2.3:8080");
+        // A tick that renews carries the new counter into the proofs.
+        let sent = renew_once(&mut r, &cfg, &mut h, &[]);
+        let renewed = Renewal::parse(&sent[0].3).unwrap().counter;
+        assert!(renewed > 0);
+        let v = r.tag_value(&cfg.key, Some(2)).unwrap().to_vec();
+        assert_eq!(proof_of(&v, &cfg.key).1.counter, renewed);
+        // Until the counter changes, every request carries the same value.
+        assert_eq!(r.tag_value(&cfg.key, Some(2)).unwrap(), &v[..]);
+        // Another VM's tag is its own.
+        let other = r.tag_value(&cfg.key, Some(3)).unwrap().to_vec();
+        assert_eq!(proof_of(&other, &cfg.key).0.vm, Some(3));
+        // A VM that loses the period's election reads the winner's counter.
+        let mut loser = Renewer::new(Some(host));
+        loser.sync_instance(&mut h, &mut ids());
+        h.now += 1;
+        loser.on_tick(&cfg, &mut h, (&[], false), 0, &mut ids());
+        let v = loser.tag_value(&cfg.key, Some(4)).unwrap().to_vec();
+        assert_eq!(proof_of(&v, &cfg.key).1.counter, renewed);
     }
 }

@@ -18,7 +18,7 @@ mod trap;
 
 use core::cell::RefCell;
 use kvguard_contract::signature::SIGNATURE_HEADER;
-use kvguard_contract::{InstanceId, InstanceTag, INSTANCE_HEADER};
+use kvguard_contract::{InstanceId, INSTANCE_HEADER};
 use kvguard_contract::{CONTROL_HEADER, REQUEST_ID_HEADER};
 use kvguard_filter_core::engine::{self, Engine, Streams, Verdict};
 use kvguard_filter_core::host::{Call, Clock, DispatchError, Host, Level, SharedData, SharedError};
@@ -950,43 +950,42 @@ impl HttpContext for Stream {
         let verdict = with_engine(&self.shared, |e, p| {
             e.on_request_headers(p, id, path.as_deref(), rid.as_deref(), !end_of_stream)
         });
-        let instance = match verdict {
-            Some(Verdict::Tracked) => {
-                self.tracked = true;
-                // The gateway process and worker VM that carry it (contract §8).
-                self.shared.try_borrow().ok().and_then(|s| {
-                    Some(InstanceTag {
-                        instance: s.renewer.instance()?,
-                        vm: s.member.id(),
-                    })
-                })
-            }
-            // Untracked: no filter state is written (contract §7: an access log shows
-            // `-`), which saves a host call on every request the filter does not track.
-            _ => None,
-        };
-        match instance {
-            Some(i) => {
-                let _ = abi::replace_header(
-                    abi::Map::RequestHeaders,
-                    INSTANCE_HEADER,
-                    i.to_string().as_bytes(),
-                );
-            }
-            None => {
-                let _ = abi::remove_header(abi::Map::RequestHeaders, INSTANCE_HEADER);
-            }
-        }
-        if self.tracked {
+        // The gateway process and worker VM that carry it, with the period's signed proof
+        // of life (contract §8); untracked: no filter state is written (contract §7: an
+        // access log shows `-`), which saves a host call on every request the filter does
+        // not track.
+        let mut tagged = false;
+        if verdict == Some(Verdict::Tracked) {
+            self.tracked = true;
             let sample = self
                 .shared
                 .try_borrow()
                 .is_ok_and(|s| s.renewer.wants_upstream());
+            // Once a period, with the upstream: the listener it arrived on, where
+            // kvguard-control may ask whether the gateway is still there.
+            let mut listener = None;
             if sample {
                 self.authority = abi::get_header(abi::Map::RequestHeaders, ":authority")
                     .ok()
                     .flatten();
+                listener = abi::get_property(&["destination", "address"])
+                    .ok()
+                    .flatten();
             }
+            tagged = with_lease(&self.shared, |e, r, p| {
+                if let Some(a) = &listener {
+                    r.note_listener(a);
+                }
+                let vm = p.member.id();
+                r.tag_value(&e.cfg.key, vm).is_some_and(|v| {
+                    abi::replace_header(abi::Map::RequestHeaders, INSTANCE_HEADER, v).is_ok()
+                })
+            }) == Some(true);
+        }
+        if !tagged {
+            let _ = abi::remove_header(abi::Map::RequestHeaders, INSTANCE_HEADER);
+        }
+        if self.tracked {
             sync_tick(&self.shared);
         }
         Action::Continue
