@@ -3,36 +3,23 @@
 //! is unknown and fails the seed campaign; a finding whose schedule no longer fails
 //! fails its test, telling the one who fixed it to move it to the regression list.
 
-use crate::oracles::{Cause, Promise};
+use crate::oracles::Promise;
 use crate::schedule::{Client, Op, Schedule, Setup};
-use crate::world::{EngineEnd, Stream};
-use kvguard_contract::{AbortReason, InstanceId};
-use kvguard_control_core::lease::Expiry;
-use std::collections::HashMap;
+use crate::world::Stream;
+use kvguard_contract::AbortReason;
 
 /// Which known finding a violation is, from what the world knows of its stream.
-pub fn classify(
-    promise: Promise,
-    s: &Stream,
-    setup: &Setup,
-    expiries: &HashMap<InstanceId, Expiry>,
-) -> Option<&'static str> {
+pub fn classify(promise: Promise, s: &Stream, setup: &Setup) -> Option<&'static str> {
     let answer = s.last_answer.as_deref().unwrap_or("");
     let by_gateway = s
         .kvguard_end
         .as_ref()
         .is_some_and(|(_, who, _)| who.starts_with("gw"));
-    let by_lease = s
-        .kvguard_end
-        .as_ref()
-        .is_some_and(|(_, who, r)| who.contains("lease") && *r == AbortReason::GatewayLost);
-    let gateway_gone = s.orphan.is_some_and(|(c, _)| c == Cause::GatewayGone);
     let by_reaper = s
         .kvguard_end
         .as_ref()
         .is_some_and(|(_, who, r)| who.contains("reaper") && *r == AbortReason::Stalled);
     match promise {
-        Promise::Invariant1 if by_lease => Some("37.3"),
         // kvguard-control's own wait on the reader, which lags the drain by a third of its
         // socket, ended the stream of a client that reads.
         Promise::Invariant1 if by_reaper => Some("36.7"),
@@ -47,8 +34,6 @@ pub fn classify(
         Promise::Invariant2 if setup.hop_hides && s.last_call_lost => Some("sim.1"),
         // The false `already_aborted` also leaves the holder's engine running.
         Promise::Invariant2 if answer.contains("already_aborted") => Some("36.5"),
-        // The lease ended a live (frozen) gateway's stream: counted `gateway_lost`.
-        Promise::Figures if by_lease && !gateway_gone => Some("37.3"),
         Promise::Invariant1
             if by_gateway
                 && s.completed_at.is_some()
@@ -57,25 +42,6 @@ pub fn classify(
             Some("36.1")
         }
         Promise::Invariant1 if by_gateway && answer.contains("already_aborted") => Some("36.5"),
-        Promise::Invariant2
-            if s.instance
-                .is_some_and(|i| expiries.get(&i) == Some(&Expiry::Unproven)) =>
-        {
-            Some(if setup.hop_routes_lease {
-                "37.1"
-            } else {
-                "37.2"
-            })
-        }
-        // Every gateway went silent at once: no other instance is heard from, so every
-        // expiry is held, for good.
-        Promise::Invariant2
-            if gateway_gone
-                && matches!(s.engine_end, None | Some((_, EngineEnd::Finished)))
-                && s.instance.is_some_and(|i| !expiries.contains_key(&i)) =>
-        {
-            Some("sim.2")
-        }
         _ => None,
     }
 }
@@ -106,89 +72,6 @@ fn stream(at: u64, gw: u8, replica: u8, client: Client, tokens: u32, token_ms: u
 /// campaign finds).
 pub fn known() -> Vec<Finding> {
     vec![
-        Finding {
-            name: "37.1",
-            title: "a gateway that dies young never ends its orphans",
-            schedule: Schedule {
-                seed: 1,
-                setup: Setup {
-                    hop_hides: true,
-                    ..Setup::default()
-                },
-                ops: vec![
-                    stream(0, 0, 0, Client::Fast, 3_000, 30),
-                    Op::Kill {
-                        at: 2_000,
-                        gw: 0,
-                        restart_ms: None,
-                    },
-                ],
-            },
-        },
-        Finding {
-            name: "37.3",
-            title: "a lone gateway frozen for the TTL loses every stream",
-            schedule: Schedule {
-                seed: 1,
-                setup: Setup {
-                    hop_hides: true,
-                    ..Setup::default()
-                },
-                ops: vec![
-                    stream(0, 0, 0, Client::Fast, 3_000, 30),
-                    Op::Freeze {
-                        at: 20_000,
-                        gw: 0,
-                        for_ms: 35_000,
-                    },
-                ],
-            },
-        },
-        Finding {
-            name: "37.2",
-            title: "a hop that answers 404 to /v1/kvguard/lease never arms the lease",
-            schedule: Schedule {
-                seed: 1,
-                setup: Setup {
-                    hop_hides: true,
-                    hop_routes_lease: false,
-                    ..Setup::default()
-                },
-                ops: vec![
-                    stream(0, 0, 0, Client::Fast, 3_000, 30),
-                    Op::Kill {
-                        at: 20_000,
-                        gw: 0,
-                        restart_ms: None,
-                    },
-                ],
-            },
-        },
-        Finding {
-            name: "sim.2",
-            title: "every gateway gone at once: each expiry is held for good, their orphans behind a hiding hop run to the end",
-            schedule: Schedule {
-                seed: 1,
-                setup: Setup {
-                    gateways: 2,
-                    hop_hides: true,
-                    ..Setup::default()
-                },
-                ops: vec![
-                    stream(0, 1, 0, Client::Fast, 3_000, 40),
-                    Op::Kill {
-                        at: 43_000,
-                        gw: 0,
-                        restart_ms: None,
-                    },
-                    Op::Kill {
-                        at: 46_000,
-                        gw: 1,
-                        restart_ms: None,
-                    },
-                ],
-            },
-        },
     ]
 }
 
@@ -270,6 +153,89 @@ pub fn regressions() -> Vec<Finding> {
                     Op::LoseCalls {
                         at: 9_000,
                         for_ms: 8_000,
+                    },
+                ],
+            },
+        },
+        Finding {
+            name: "37.1",
+            title: "a gateway that dies young never ends its orphans",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup {
+                    hop_hides: true,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(0, 0, 0, Client::Fast, 3_000, 30),
+                    Op::Kill {
+                        at: 2_000,
+                        gw: 0,
+                        restart_ms: None,
+                    },
+                ],
+            },
+        },
+        Finding {
+            name: "37.3",
+            title: "a lone gateway frozen for the TTL loses every stream",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup {
+                    hop_hides: true,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(0, 0, 0, Client::Fast, 3_000, 30),
+                    Op::Freeze {
+                        at: 20_000,
+                        gw: 0,
+                        for_ms: 35_000,
+                    },
+                ],
+            },
+        },
+        Finding {
+            name: "37.2",
+            title: "a hop that answers 404 to /v1/kvguard/lease never arms the lease",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup {
+                    hop_hides: true,
+                    hop_routes_lease: false,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(0, 0, 0, Client::Fast, 3_000, 30),
+                    Op::Kill {
+                        at: 20_000,
+                        gw: 0,
+                        restart_ms: None,
+                    },
+                ],
+            },
+        },
+        Finding {
+            name: "sim.2",
+            title: "every gateway gone at once: each expiry is held for good, their orphans behind a hiding hop run to the end",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup {
+                    gateways: 2,
+                    hop_hides: true,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(0, 1, 0, Client::Fast, 3_000, 40),
+                    Op::Kill {
+                        at: 43_000,
+                        gw: 0,
+                        restart_ms: None,
+                    },
+                    Op::Kill {
+                        at: 46_000,
+                        gw: 1,
+                        restart_ms: None,
                     },
                 ],
             },

@@ -115,6 +115,20 @@ pub fn config(idle_ms: u64) -> Option<Config> {
     Config::parse(json.as_bytes(), &|_| None).ok()
 }
 
+/// Gateway `index`'s listener as Envoy names it (`destination.address`): the same across
+/// its restarts, as a node's address is.
+pub fn listener(index: u8) -> String {
+    format!("10.0.0.{index}:8080")
+}
+
+/// The gateway whose listener is `addr` ([`listener`]).
+pub fn listening(addr: std::net::SocketAddr) -> Option<u8> {
+    match addr {
+        std::net::SocketAddr::V4(a) if a.port() == 8080 => Some(a.ip().octets()[3]),
+        _ => None,
+    }
+}
+
 /// One gateway process (its state is lost with it: a restart starts a new one).
 #[derive(Debug)]
 pub struct Gateway {

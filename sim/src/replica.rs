@@ -5,22 +5,24 @@
 //! names the shell function it mirrors; what the shell does with sockets (closing the
 //! engine connection, writing the final event) is returned for the world to carry out.
 //!
-//! Not modelled: signatures and the replay memory (every call is trusted), `--dry-run`,
+//! Not modelled: signatures and the replay memory (every call is trusted; the proof of
+//! life on a request is verified, with the gateways' one key), `--dry-run`,
 //! P/D hand-offs (held prefill blocks), replica restarts, the abort flush deadline.
 
 use crate::ablation::{Mechanism, Mutations};
 use kvguard_contract::{
-    AbortAnswer, AbortReason, AbortRequest, InstanceId, Leg, RenewalBody, RequestId,
+    AbortAnswer, AbortReason, AbortRequest, InstanceId, Key, Leg, RenewalBody, RequestId, TagHeader,
 };
 use kvguard_control_core::abort::{
     answer_deferred, deferrable, leg_result, legs_of, route, summary, AbortFound, Route,
 };
 use kvguard_control_core::cut::{Ask, Cut, Deferral};
 use kvguard_control_core::inflight::{AbortHere, Held, Inflight, InflightConfig};
-use kvguard_control_core::lease::{Expiry, Leases};
+use kvguard_control_core::lease::{Expiry, Leases, ProbeAnswer};
 use kvguard_control_core::limits::Limits;
 use kvguard_control_core::request::{Progress, Times};
 use std::cell::{Cell, RefCell};
+use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -103,6 +105,9 @@ pub struct Replica {
     pub pd_role: Option<&'static str>,
     /// What it received, by kind (the fleet figures).
     pub received: crate::fleet::Received,
+    /// Listeners its lease judgement or admission asked about (`lease::enforce::probe`:
+    /// the world connects and gives the answer to [`Replica::probed`]).
+    pub probes: Vec<(InstanceId, SocketAddr)>,
 }
 
 /// A virtual millisecond as an `Instant` (the core takes `Instant`s; only differences
@@ -141,6 +146,7 @@ impl Replica {
             mutations,
             pd_role: None,
             received: crate::fleet::Received::default(),
+            probes: Vec::new(),
         }
     }
 
@@ -148,16 +154,35 @@ impl Replica {
         at(self.base, ms)
     }
 
-    /// `proxy::proxy` admission with `tag_instance`: the request enters the table, its
-    /// instance's lease is touched. `None`: refused (tombstoned).
+    /// `proxy::proxy` admission with `tag_instance`: the request enters the table; its
+    /// `x-kvguard-instance` value, a proof verified with the gateways' key, is taken as an
+    /// in-band renewal (the first one takes the lease, and its listener is asked at once);
+    /// a plain tag touches a held lease. `None`: refused (tombstoned).
     pub fn admit(
         &mut self,
         stream: usize,
         id: RequestId,
-        instance: Option<InstanceId>,
+        tag: Option<&[u8]>,
         now_ms: u64,
     ) -> Option<EntryRef> {
         let now = self.now(now_ms);
+        let header = tag.and_then(TagHeader::parse);
+        let key = Key::try_new(crate::gateway::SECRET.as_bytes()).ok();
+        let instance = match &header {
+            Some(TagHeader {
+                tag,
+                proof: Some(p),
+            }) => {
+                let value = verdict_key(p);
+                let genuine = self.leases.verified(&value, || {
+                    key.as_ref()
+                        .is_some_and(|k| p.verify(std::slice::from_ref(k)))
+                });
+                genuine.then_some(*tag)
+            }
+            Some(h) => Some(h.tag),
+            None => None,
+        };
         self.next_seq += 1;
         let e = EntryRef(Rc::new(Entry {
             id,
@@ -165,13 +190,26 @@ impl Replica {
             stream,
             ended: Cell::new(None),
             progress: RefCell::new(Progress::new(now)),
-            instance,
+            instance: instance.map(|t| t.instance),
         }));
         self.inflight.admit(e.clone(), false, now).ok()?;
-        if let Some(i) = instance {
-            self.leases.touch(i, now);
+        match (instance, header.and_then(|h| h.proof)) {
+            (Some(t), Some(p)) => {
+                let _ = self.leases.prove(t, &p.proof, now);
+                if let Some(addr) = self.leases.calibrate(t.instance, now) {
+                    self.probes.push((t.instance, addr));
+                }
+            }
+            (Some(t), None) => self.leases.touch(t, now),
+            _ => {}
         }
         Some(e)
+    }
+
+    /// `lease::enforce::probe`'s answer: given to the lease table.
+    pub fn probed(&mut self, id: InstanceId, addr: SocketAddr, answer: ProbeAnswer, now_ms: u64) {
+        let now = self.now(now_ms);
+        self.leases.probed(id, addr, answer, now);
     }
 
     /// The instant of virtual ms `ms` on this replica's clock.
@@ -286,8 +324,9 @@ impl Replica {
 
     /// `lease::enforce::judge` (enforce mode): an expired instance's requests are ended
     /// `gateway_lost` unless the expiry is unproven (counted only); a request of it
-    /// admitted since the judgement revives it. Returns the expiries and how many were
-    /// held (nobody else heard from), for the timeline.
+    /// admitted since the judgement revives it; the listeners it asks about go to
+    /// [`Replica::probes`]. Returns the expiries and how many were held (nobody else
+    /// heard from, or a listener still answers), for the timeline.
     pub fn judge_leases(
         &mut self,
         now_ms: u64,
@@ -295,6 +334,7 @@ impl Replica {
     ) -> (Vec<(InstanceId, Expiry, usize)>, usize) {
         let now = self.now(now_ms);
         let j = self.leases.judge(now);
+        self.probes.extend(j.probes.iter().copied());
         let mut out = Vec::new();
         for (instance, why) in j.expired {
             let mut mine: Vec<EntryRef> = self
@@ -588,4 +628,12 @@ fn peer_abort(
         return legs_answer(id, legs_here(&replicas[at], found));
     }
     found_answer(id, found, "peer")
+}
+
+/// The key a proof's verdict is remembered under (the shell keys it on the header value:
+/// the signed text and its MAC are that value).
+fn verdict_key(p: &kvguard_contract::SignedProof<'_>) -> Vec<u8> {
+    let mut v = p.signed.to_vec();
+    v.extend_from_slice(&p.mac);
+    v
 }

@@ -28,7 +28,7 @@ use crate::schedule::{Client, Op, Schedule};
 use crate::timeline::Timeline;
 use kvguard_contract::lease::Renewal;
 use kvguard_contract::{AbortReason, InstanceId, RequestId, ABORT_PATH, DATA_LEASE_PATH};
-use kvguard_control_core::lease::Expiry;
+use kvguard_control_core::lease::{Expiry, ProbeAnswer};
 use kvguard_control_core::scan::BodyKind;
 use kvguard_filter_core::engine::Action;
 use kvguard_filter_core::Engine;
@@ -115,6 +115,8 @@ pub struct Stream {
     content_len: u64,
     /// The gateway instance it came through.
     pub instance: Option<InstanceId>,
+    /// The `x-kvguard-instance` value it carried (the proof of life).
+    pub tag: Option<Vec<u8>>,
     /// When and how the engine stopped.
     pub engine_end: Option<(u64, EngineEnd)>,
     entry: Option<EntryRef>,
@@ -328,7 +330,6 @@ pub struct World {
     lose_until: u64,
     engine_paused_until: Vec<u64>,
     stall_closes: Vec<(u8, u64, usize)>,
-    expiries: HashMap<InstanceId, Expiry>,
     /// Every event.
     pub timeline: Timeline,
     violations: Vec<Violation>,
@@ -388,7 +389,6 @@ impl World {
             lose_until: 0,
             engine_paused_until: vec![0; replicas_n],
             stall_closes: Vec::new(),
-            expiries: HashMap::new(),
             timeline: Timeline::default(),
             violations: Vec::new(),
             slack,
@@ -645,9 +645,16 @@ impl World {
                 cluster: "engine".into(),
                 authority: "engine".into(),
             };
+            g.renewer
+                .note_listener(crate::gateway::listener(gw).as_bytes());
             g.renewer.note_upstream(&g.engine.cfg, &mut g.host, &up);
         }
         let instance = g.renewer.instance();
+        // `x-kvguard-instance`: the tag and the period's proof of life (one VM here).
+        let tag = g
+            .renewer
+            .tag_value(&g.engine.cfg.key, Some(1))
+            .map(<[u8]>::to_vec);
         let vm = self.solo.get_mut(&ctx).unwrap_or(&mut g.engine);
         vm.on_response_headers(
             &mut g.host,
@@ -691,6 +698,7 @@ impl World {
             token_ms: u64::from(token_ms.max(1)),
             content_len: tokens * EV_BYTES + DONE.len() as u64,
             instance,
+            tag,
             engine_end: None,
             entry: None,
             handed: 0,
@@ -732,7 +740,7 @@ impl World {
     fn admit(&mut self, i: usize) {
         let now = self.now;
         let s = &self.streams[i];
-        let (id, instance, replica) = (s.id.clone(), s.instance, usize::from(s.replica));
+        let (id, tag, replica) = (s.id.clone(), s.tag.clone(), usize::from(s.replica));
         if s.gw_done && !self.sched.setup.hop_hides {
             self.streams[i].engine_end = Some((now, EngineEnd::NotAdmitted));
             self.note("hop", Some(i), "drops the queued request: its client left");
@@ -743,12 +751,16 @@ impl World {
             // replica (0 of two): its Content-Length answer ends complete
             // (`TrackedBody::complete`), so the prefill replica remembers a completion.
             let p = usize::from(self.op_replica(i)) % (self.replicas.len() / 2);
-            let leg = (!self.lost[p]).then(|| self.replicas[p].admit(i, id.clone(), instance, now));
+            let leg =
+                (!self.lost[p]).then(|| self.replicas[p].admit(i, id.clone(), tag.as_deref(), now));
             if let Some(e) = leg.flatten() {
                 self.replicas[p].remove_ended(&e, true, now);
             }
+            self.answer_probes(p);
         }
-        let Some(e) = self.replicas[replica].admit(i, id, instance, now) else {
+        let admitted = self.replicas[replica].admit(i, id, tag.as_deref(), now);
+        self.answer_probes(replica);
+        let Some(e) = admitted else {
             self.note(
                 format!("replica{replica}"),
                 Some(i),
@@ -1425,20 +1437,14 @@ impl World {
             } else {
                 self.replicas[r].judge_leases(now, &mut ended)
             };
+            self.answer_probes(r);
             if held > 0 {
-                let what = format!("{held} lease expiries held: no other gateway heard from");
+                let what = format!(
+                    "{held} lease expiries held: no other gateway heard from, or its listener answers"
+                );
                 self.note(format!("replica{r}"), None, what);
             }
             for (instance, why, n) in expired {
-                // Unproven anywhere is what leaves a stream running (replicas judge apart).
-                self.expiries
-                    .entry(instance)
-                    .and_modify(|e| {
-                        if why == Expiry::Unproven {
-                            *e = why;
-                        }
-                    })
-                    .or_insert(why);
                 self.note(
                     format!("replica{r}"),
                     None,
@@ -1457,6 +1463,32 @@ impl World {
             for e in ended {
                 self.ended(e, r);
             }
+        }
+    }
+
+    /// `lease::enforce::probe` for replica `r`'s asks: a gateway's listener completes a
+    /// handshake while its process lives, frozen or not (its kernel answers), and refuses
+    /// once it is dead (a restart on the node listens there again). The shell judges at
+    /// once on a refusal; here the next judgement (a tick later) does.
+    fn answer_probes(&mut self, r: usize) {
+        let now = self.now;
+        for (id, addr) in std::mem::take(&mut self.replicas[r].probes) {
+            let alive = crate::gateway::listening(addr)
+                .and_then(|g| self.gateways.get(usize::from(g)))
+                .is_some_and(|g| g.alive);
+            let answer = if alive {
+                ProbeAnswer::Alive
+            } else {
+                ProbeAnswer::Refused
+            };
+            if !alive {
+                self.note(
+                    format!("replica{r}"),
+                    None,
+                    format!("asks {addr} ({}): refused", short(id)),
+                );
+            }
+            self.replicas[r].probed(id, addr, answer, now);
         }
     }
 
@@ -1513,12 +1545,7 @@ impl World {
     }
 
     fn violation(&mut self, promise: Promise, stream: usize, what: String) {
-        let finding = crate::findings::classify(
-            promise,
-            &self.streams[stream],
-            &self.sched.setup,
-            &self.expiries,
-        );
+        let finding = crate::findings::classify(promise, &self.streams[stream], &self.sched.setup);
         self.violations.push(Violation {
             promise,
             stream,
