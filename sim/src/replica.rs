@@ -14,7 +14,8 @@ use kvguard_contract::{
     AbortAnswer, AbortReason, AbortRequest, InstanceId, Key, Leg, RenewalBody, RequestId, TagHeader,
 };
 use kvguard_control_core::abort::{
-    answer_deferred, deferrable, leg_result, legs_of, route, summary, AbortFound, Route,
+    after_fan_out, after_forward, answer_deferred, deferrable, leg_result, legs_of, route, summary,
+    AbortFound, FannedOut, Forwarded, Route,
 };
 use kvguard_control_core::cut::{Ask, Cut, Deferral};
 use kvguard_control_core::inflight::{AbortHere, Held, Inflight, InflightConfig};
@@ -490,17 +491,16 @@ pub fn abort_call(
                             }
                         }
                     }
-                    match first {
-                        Some((p, mut a)) => {
-                            // The holder ended it: tombstoned here too; it deferred it:
-                            // nothing changes anywhere.
-                            if !answer_deferred(&a.body) {
+                    let holder = first.as_ref().map(|(_, a)| answer_deferred(&a.body));
+                    match (after_forward(holder, false), first) {
+                        (Forwarded::Peer { tombstone_here }, Some((p, mut a))) => {
+                            if tombstone_here {
                                 replicas[here].tombstone(id.clone(), reason, now_ms);
                             }
                             a.how = format!("forwarded: replica{p} answered {}", a.how);
                             a
                         }
-                        None => {
+                        _ => {
                             let found = replicas[here].abort_here(&id, reason, now_ms, tomb, ended);
                             found_answer(&id, found, "no peer holds it, decided here")
                         }
@@ -530,21 +530,24 @@ pub fn abort_call(
                     }
                 }
             }
-            // `Decided::Deferred`: the stream's holder deferred it, nothing was ended here.
-            if deferred && found == AbortFound::NotFound {
-                return answer(
-                    &id,
-                    200,
-                    true,
-                    false,
-                    false,
-                    true,
-                    "deferred by a leg".into(),
-                );
-            }
-            let found = match found {
-                AbortFound::NotFound => replicas[here].abort_here(&id, reason, now_ms, tomb, ended),
-                f => f,
+            let found = match after_fan_out(found, deferred) {
+                // `Decided::Deferred`: the stream's holder deferred it, nothing was ended
+                // here.
+                FannedOut::Deferred => {
+                    return answer(
+                        &id,
+                        200,
+                        true,
+                        false,
+                        false,
+                        true,
+                        "deferred by a leg".into(),
+                    );
+                }
+                FannedOut::DecideHere => {
+                    replicas[here].abort_here(&id, reason, now_ms, tomb, ended)
+                }
+                FannedOut::Legs(f) => f,
             };
             let mut legs = legs_here(&replicas[here], found);
             legs.extend(remote);

@@ -67,6 +67,57 @@ pub fn leg_result(found: AbortFound) -> Option<LegResult> {
     }
 }
 
+/// What an abort that went to the peers ([`Route::HereThenPeer`]) does once they
+/// answered: `holder` is the first 200 (`Some(deferred)`: whether that holder deferred
+/// it), `None` when no peer holds the id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forwarded {
+    /// The holder's answer is the answer. `tombstone_here`: it ended the request, so a
+    /// request the abort overtook is refused here too; a deferral changes nothing
+    /// anywhere, and a dry run tombstones nothing.
+    Peer {
+        /// Tombstone the id here.
+        tombstone_here: bool,
+    },
+    /// Nobody holds it: decide here under the table's lock (ended if it arrived
+    /// meanwhile, else tombstoned unless the ask is [`deferrable`]).
+    DecideHere,
+}
+
+/// [`Forwarded`] for the peers' answer.
+pub fn after_forward(holder: Option<bool>, dry_run: bool) -> Forwarded {
+    match holder {
+        Some(deferred) => Forwarded::Peer {
+            tombstone_here: !dry_run && !deferred,
+        },
+        None => Forwarded::DecideHere,
+    }
+}
+
+/// What an abort of a disaggregated request ([`Route::EveryLeg`]) does once every peer
+/// answered: `here`, what it found here before the fan-out; `deferred`, whether a peer
+/// that holds the stream deferred it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FannedOut {
+    /// The stream's holder deferred it and nothing was ended here: the answer is
+    /// `deferred`, and nothing is ended, released or tombstoned.
+    Deferred,
+    /// Not found here before: decide here again under the table's lock, then answer the
+    /// legs.
+    DecideHere,
+    /// Answer the legs, this replica's being what it found.
+    Legs(AbortFound),
+}
+
+/// [`FannedOut`] for what was found here and the peers' deferral.
+pub fn after_fan_out(here: AbortFound, deferred: bool) -> FannedOut {
+    match here {
+        AbortFound::NotFound if deferred => FannedOut::Deferred,
+        AbortFound::NotFound => FannedOut::DecideHere,
+        found => FannedOut::Legs(found),
+    }
+}
+
 /// The leg of a held prefill hand-off, by what became of its blocks.
 pub fn release_result(r: Release) -> LegResult {
     match r {
@@ -135,6 +186,40 @@ pub fn legs_count(legs: &[Leg], me: &str) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn after_the_peers_answered_the_holder_decides_and_a_deferral_changes_nothing() {
+        assert_eq!(
+            after_forward(Some(false), false),
+            Forwarded::Peer {
+                tombstone_here: true
+            }
+        );
+        for (deferred, dry_run) in [(true, false), (false, true), (true, true)] {
+            assert_eq!(
+                after_forward(Some(deferred), dry_run),
+                Forwarded::Peer {
+                    tombstone_here: false
+                },
+                "deferred {deferred}, dry run {dry_run}"
+            );
+        }
+        assert_eq!(after_forward(None, false), Forwarded::DecideHere);
+        assert_eq!(
+            after_fan_out(AbortFound::NotFound, true),
+            FannedOut::Deferred
+        );
+        assert_eq!(
+            after_fan_out(AbortFound::NotFound, false),
+            FannedOut::DecideHere
+        );
+        // A leg ended here is ended, whatever another holder said.
+        for found in [AbortFound::Ended, AbortFound::Already, AbortFound::Observed] {
+            for deferred in [false, true] {
+                assert_eq!(after_fan_out(found, deferred), FannedOut::Legs(found));
+            }
+        }
+    }
 
     fn leg(replica: &str, result: LegResult) -> Leg {
         Leg {

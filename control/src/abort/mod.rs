@@ -12,7 +12,9 @@
 //!    ([`AppState::abort_or_tombstone`]): ended, already ended, or tombstoned so that the
 //!    request is refused if it arrives later. A leg of a prefill/decode disaggregated
 //!    request goes to every peer, and a held prefill hand-off is released
-//!    ([`crate::pd`]); the answer lists the legs.
+//!    ([`crate::pd`]); the answer lists the legs. Every decision on that way is the
+//!    control core's ([`kvguard_control_core::abort`]: the route, what follows the
+//!    peers' answers, the legs and the count); this module carries them out.
 //! 3. Ending ([`AppState::end_request`], and the abort API's own path) removes the
 //!    [`crate::table`] entry, tombstones the id ([`crate::tombstones`]), cancels the entry
 //!    (the [`crate::proxy`]'s response body sends the final SSE event), closes the engine
@@ -33,7 +35,9 @@ use crate::state::AppState;
 use crate::table::{ClientGone, Entry};
 use kvguard_contract::{AbortReason, AbortRequest, Leg, RequestId};
 pub use kvguard_control_core::abort::deferrable;
-use kvguard_control_core::abort::{leg_result, release_result, route, Route};
+use kvguard_control_core::abort::{
+    after_fan_out, after_forward, leg_result, release_result, route, FannedOut, Forwarded, Route,
+};
 pub use kvguard_control_core::abort::{summary, AbortFound};
 use kvguard_control_core::cut::{Ask, Cut};
 use kvguard_control_core::inflight::AbortHere;
@@ -91,30 +95,29 @@ pub async fn abort(
         (Route::EveryLeg, Some(peers)) => {
             let here = st.abort_if_here(id, reason, gone);
             let (remote, deferred) = peers.fan_out_abort(st, body).await;
-            if deferred && here == AbortFound::NotFound {
-                return Decided::Deferred;
-            }
-            let here = match here {
-                // Decided again under the lock: ended if it arrived meanwhile.
-                AbortFound::NotFound => st.abort_here(id, reason, gone, tomb),
-                found => found,
+            let here = match after_fan_out(here, deferred) {
+                FannedOut::Deferred => return Decided::Deferred,
+                FannedOut::DecideHere => st.abort_here(id, reason, gone, tomb),
+                FannedOut::Legs(found) => found,
             };
             let mut legs = st.legs_here(id, here, leg_here).await;
             legs.extend(remote);
             Decided::Legs(legs)
         }
         (Route::HereThenPeer, Some(peers)) => match st.abort_if_here(id, reason, gone) {
-            AbortFound::NotFound => match peers.forward_abort(st, body).await {
-                Some(a) => {
-                    // The holder ended it: a request the abort overtook is refused here
-                    // too. It deferred it: nothing changes anywhere.
-                    if !st.cfg.dry_run && !a.deferred {
-                        st.tombstone(id.clone(), reason);
+            AbortFound::NotFound => {
+                let holder = peers.forward_abort(st, body).await;
+                let next = after_forward(holder.as_ref().map(|a| a.deferred), st.cfg.dry_run);
+                match (next, holder) {
+                    (Forwarded::Peer { tombstone_here }, Some(a)) => {
+                        if tombstone_here {
+                            st.tombstone(id.clone(), reason);
+                        }
+                        Decided::Peer(a)
                     }
-                    Decided::Peer(a)
+                    _ => Decided::Here(st.abort_here(id, reason, gone, tomb)),
                 }
-                None => Decided::Here(st.abort_here(id, reason, gone, tomb)),
-            },
+            }
             found => Decided::Here(found),
         },
         _ => {
