@@ -656,9 +656,10 @@ async fn shipped_litellm_config_passes_the_request_id_and_kvguard_frees_the_requ
         assert!(evs.last().unwrap().is_done(), "{evs:?}");
         assert_eq!(control_aborts(&st, "downstream_reset").await, 1.0);
         // The in-band lease renewal (POST /v1/kvguard/lease over the upstream cluster) does
-        // not pass LiteLLM: behind it a gateway's lease is never enforceable, so a dead
-        // gateway's streams are counted, not ended, unless its restart proves it dead (the
-        // hop table in docs/DESIGN.md).
+        // not pass LiteLLM; the proof of life on each request does, and the gateway's
+        // listener answered a handshake: its lease is enforceable on the proof alone (a
+        // gateway gone for good is then told by its listener: `lease_hops.rs`, the hop
+        // table in docs/DESIGN.md).
         let failed = poll_until_async(
             "an in-band renewal answered",
             W,
@@ -676,7 +677,7 @@ async fn shipped_litellm_config_passes_the_request_id_and_kvguard_frees_the_requ
         assert_eq!(control_counter(&st, data).await, 0.0);
         assert_eq!(
             control_counter(&st, "kvguard_control_leases_enforceable").await,
-            0.0
+            1.0
         );
         let logs = st.logs(400);
         let why = logs

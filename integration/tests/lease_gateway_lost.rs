@@ -85,6 +85,19 @@ async fn control(engine: &sim::SimHandle, mode: &str) -> Control {
         .unwrap()
 }
 
+/// kvguard-control's lease `family` (`expiries`, `requests_ended`) under `mode` for a
+/// gateway gone: `silent` (its in-band renewals stopped) or `dead` (its listener, asked
+/// once while it lived, refused): which depends on whether it was asked before the kill.
+async fn gone(control: &Control, family: &str, mode: &str) -> f64 {
+    let mut n = 0.0;
+    for why in ["silent", "dead"] {
+        let series =
+            format!("kvguard_control_lease_{family}_total{{mode=\"{mode}\",why=\"{why}\"}}");
+        n += support::control_metric(control, &series).await;
+    }
+    n
+}
+
 /// kvguard-control's `gateway_lost` abort count.
 async fn gateway_lost(control: &Control) -> Option<f64> {
     control
@@ -130,14 +143,7 @@ async fn a_sigkilled_gateways_streams_end_within_the_ttl_and_only_its_own() {
         );
         let by_reason = control.aborts_by_reason().await.unwrap();
         assert_eq!(by_reason.get("gateway_lost"), Some(&200.0), "{by_reason:?}");
-        assert_eq!(
-            support::control_metric(
-                &control,
-                "kvguard_control_lease_expiries_total{mode=\"enforce\",why=\"silent\"}"
-            )
-            .await,
-            1.0
-        );
+        assert_eq!(gone(&control, "expiries", "enforce").await, 1.0);
         // B untouched: every one of its streams reaches [DONE].
         while let Some(r) = b_reads.join_next().await {
             assert!(
@@ -168,12 +174,7 @@ async fn observe_mode_counts_a_dead_gateways_streams_and_ends_none() {
         gw.guard().kill().unwrap();
         drop(streams);
         poll_until_async("the lease expiry", W, Duration::from_millis(50), || async {
-            let ended = support::control_metric(
-                &control,
-                "kvguard_control_lease_requests_ended_total{mode=\"observe\",why=\"silent\"}",
-            )
-            .await;
-            (ended >= 10.0).then_some(())
+            (gone(&control, "requests_ended", "observe").await >= 10.0).then_some(())
         })
         .await
         .unwrap();

@@ -116,7 +116,13 @@ async fn gateway(
 
 async fn wait_metric(control: &Control, series: &str, at_least: f64) {
     poll_until_async(series, W, Duration::from_millis(50), || async {
-        (support::control_metric(control, series).await >= at_least).then_some(())
+        // A labelled series appears with its first count.
+        let text = control.metrics_text().await.ok()?;
+        let n: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+            .unwrap_or(0.0);
+        (n >= at_least).then_some(())
     })
     .await
     .unwrap_or_else(|e| panic!("{e:#}\n{}", control.log()));
@@ -837,7 +843,10 @@ async fn a_draining_replica_still_takes_forwarded_renewals_and_aborts() {
         // Inference to replica B only; aborts and renewals to A (B is the backup).
         let g = gateway(&[hops[1].addr()], &admins, |_| {}).await;
         let mut streams = open(g.listener_addr(), 2, 1000, "5").await;
-        wait_metric(&controls[1], "kvguard_control_leases", 1.0).await;
+        // B holds the lease from the proofs on its requests, and takes A's forwarded
+        // renewals.
+        let series = "kvguard_control_peer_received_total{kind=\"renewal\",result=\"accepted\"}";
+        wait_metric(&controls[1], series, 1.0).await;
         assert_eq!(inflight(&controls).await, vec![0, 2]);
         // B is told to stop: not ready, draining its two streams.
         controls[1].guard().signal(libc::SIGTERM).unwrap();
@@ -848,7 +857,6 @@ async fn a_draining_replica_still_takes_forwarded_renewals_and_aborts() {
         .await
         .unwrap();
         // A still forwards each period's renewal to B, and B takes it.
-        let series = "kvguard_control_peer_received_total{kind=\"renewal\",result=\"accepted\"}";
         let taken = support::control_metric(&controls[1], series).await;
         wait_metric(&controls[1], series, taken + 3.0).await;
         // A client leaves: its abort goes to A, which forwards it to the draining B.
