@@ -122,8 +122,6 @@ struct Lease {
     first: Instant,
     /// Whether its data path carried an in-band renewal (evidence that flows on its own).
     inband: bool,
-    /// Whether its data path carried a proof on a request.
-    proved: bool,
     /// Its listener, from a verified proof, and whether it completed a handshake.
     listener: Option<(SocketAddr, bool)>,
     /// The last probe asked, and the last answer with when it came.
@@ -231,7 +229,6 @@ impl Lease {
             renewed: now,
             first: now,
             inband: false,
-            proved: false,
             listener: None,
             asked: None,
             answer: None,
@@ -241,11 +238,6 @@ impl Lease {
             listed: None,
             vms: HashMap::new(),
         }
-    }
-
-    /// Whether its data path carried any evidence.
-    fn armed(&self) -> bool {
-        self.inband || self.proved
     }
 
     /// Its listener, if a handshake there has completed.
@@ -396,7 +388,7 @@ impl Leases {
             enforceable: self
                 .table
                 .values()
-                .filter(|l| l.armed() && (l.inband || l.trusted().is_some()))
+                .filter(|l| l.inband || l.trusted().is_some())
                 .count(),
         }
     }
@@ -539,7 +531,6 @@ impl Leases {
         };
         // What the proof says of the gateway is its own (signed), fresh or not (a hop that
         // queues requests delivers a period's proof after the next period's renewal).
-        l.proved = true;
         if proof.host.is_some() {
             l.host = proof.host;
         }
@@ -713,8 +704,6 @@ impl Leases {
                     (Some(a), _) if l.may_ask(now, l.period) => Verdict::HoldAndProbe(a),
                     _ => Verdict::Hold,
                 }
-            } else if !l.armed() {
-                Verdict::Expire(Expiry::Unproven)
             } else if let Some(a) = trusted {
                 match answer {
                     Some(ProbeAnswer::Alive) if l.may_ask(now, l.period) => {

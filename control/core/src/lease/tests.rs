@@ -954,6 +954,8 @@ fn a_proof_value_is_verified_once_and_a_bad_one_never_remembered() {
     assert_eq!(checks, 1);
     assert!(!l.verified(b"bad", || false));
     assert!(l.verified(b"bad", || true));
+    // Below the bound, each stays remembered beside the others.
+    assert!(l.verified(b"v1", || false) && l.verified(b"bad", || false));
     // Bounded: all forgotten at once beyond the bound.
     for i in 0..MAX_VERIFIED {
         l.verified(format!("x{i}").as_bytes(), || true);
