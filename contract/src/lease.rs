@@ -744,6 +744,16 @@ mod tests {
         ] {
             assert_eq!(TagHeader::parse(bad.as_bytes()), None, "{bad}");
         }
+        // At most MAX_TAG_VALUE bytes are read.
+        let fill = |n: usize| format!("{id}.1;c=1;x={};s={mac}", "9".repeat(n));
+        let base = fill(0).len();
+        let longest = fill(MAX_TAG_VALUE - base);
+        assert_eq!(longest.len(), MAX_TAG_VALUE);
+        assert!(TagHeader::parse(longest.as_bytes()).is_some());
+        assert_eq!(
+            TagHeader::parse(fill(MAX_TAG_VALUE - base + 1).as_bytes()),
+            None
+        );
         // An older reader sees no tag in the extended value (and so counts nothing).
         assert_eq!(InstanceTag::parse(ok("c=1").as_bytes()), None);
     }

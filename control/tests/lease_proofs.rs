@@ -213,3 +213,27 @@ async fn a_lone_gateway_frozen_past_the_ttl_whose_kernel_answers_keeps_its_reque
     assert_eq!(proofs(&st, "accepted"), 2.0);
     drop(l);
 }
+
+#[tokio::test]
+async fn a_listener_that_cannot_be_reached_reads_as_no_answer_and_is_never_trusted() {
+    let (st, _clock) = state();
+    let id = InstanceId([3; 16]);
+    // The limited broadcast address: connect fails at once, not refused.
+    let nowhere: SocketAddr = "255.255.255.255:9".parse().unwrap();
+    request(&st, &value(id, 1, Some(nowhere), KEY)).await;
+    until("the listener asked", || {
+        metric(
+            &st,
+            "kvguard_control_lease_probes_total{answer=\"timeout\"}",
+        ) == 1.0
+    })
+    .await;
+    assert_eq!(
+        metric(
+            &st,
+            "kvguard_control_lease_probes_total{answer=\"refused\"}"
+        ),
+        0.0
+    );
+    assert_eq!(metric(&st, "kvguard_control_leases_enforceable"), 0.0);
+}

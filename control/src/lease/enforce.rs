@@ -128,11 +128,7 @@ pub fn probe(
             Ok(Err(_)) | Err(_) => ProbeAnswer::Timeout,
         };
         st.metrics.lease.probe(answer);
-        if answer == ProbeAnswer::Alive {
-            tracing::debug!(%instance, %addr, "gateway listener probed: it answers");
-        } else {
-            tracing::info!(%instance, %addr, answer = answer.as_str(), "gateway listener probed: no handshake");
-        }
+        tracing::debug!(%instance, %addr, answer = answer.as_str(), "gateway listener probed");
         {
             let mut leases = st.leases.lock().unwrap_or_else(|p| p.into_inner());
             leases.probed(instance, addr, answer, st.clock.now());
