@@ -1021,3 +1021,22 @@ fn a_listener_another_instance_proved_its_life_on_since_no_longer_speaks_for_thi
     assert_eq!(j.expired, vec![(A, Expiry::Silent)]);
     assert!(l.holds(&B) && t < last + TTL);
 }
+
+#[test]
+fn a_process_first_heard_at_the_instant_of_the_old_ones_last_evidence_succeeds_it() {
+    // Restart in place on another listener, the new process's first proof at the very
+    // instant of the old one's last: not both live, so the key is not shared.
+    let t0 = Instant::now() + s(1);
+    let mut l = Leases::new(TTL);
+    l.prove(tagged(A, 1), &proof(1, Some(7), Some(L_A)), t0 - s(1))
+        .unwrap();
+    l.prove(tagged(A, 1), &proof(2, Some(7), Some(L_A)), t0)
+        .unwrap();
+    l.prove(tagged(B, 1), &proof(1, Some(7), Some(L_B)), t0)
+        .unwrap();
+    l.prove(tagged(B, 1), &proof(2, Some(7), Some(L_B)), t0 + s(5))
+        .unwrap();
+    let j = l.judge(t0 + ms(2 * P + 1));
+    assert!(j.shared.is_empty(), "{j:?}");
+    assert_eq!(j.expired, vec![(A, Expiry::Replaced)]);
+}
