@@ -275,7 +275,7 @@ pub const UNSWITCHED: [(&str, &str); 5] = [
     ),
     (
         "lease hold",
-        "inside the control core's `Leases::judge`, which issue 37 is changing; it exists for every gateway's paths cut at once (docs/DESIGN.md \"held\"); finding sim.2 is its cost",
+        "inside the control core's `Leases::judge`, with no hook to switch it; it exists for every gateway's paths cut at once (docs/DESIGN.md \"held\")",
     ),
     (
         "P/D hand-off release",
