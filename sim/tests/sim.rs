@@ -81,6 +81,16 @@ fn a_run_is_deterministic() {
     let s = Schedule::generate(42);
     let (a, b) = (run(&s, Mutations::default()), run(&s, Mutations::default()));
     assert_eq!(a.timeline.lines, b.timeline.lines);
+    // Also where the order of the filter's own tables decides: which streams of a mass
+    // stall the valve cuts and which it holds.
+    let (_, valve) = kvguard_sim::ablation::Mechanism::MassStallValve
+        .witness()
+        .expect("the valve's witness");
+    let (a, b) = (
+        run(&valve, Mutations::default()),
+        run(&valve, Mutations::default()),
+    );
+    assert_eq!(a.timeline.lines, b.timeline.lines);
 }
 
 #[test]

@@ -123,7 +123,7 @@ pub type Asked = (u32, bool);
 pub struct AbortQueue {
     ready: VecDeque<Job>,
     backoff: Vec<Job>,
-    in_flight: hashbrown::HashMap<u32, Job>,
+    in_flight: crate::Map<u32, Job>,
     max_pending: usize,
     rng: u64,
     asks: Vec<Asked>,
@@ -135,7 +135,7 @@ impl AbortQueue {
         AbortQueue {
             ready: VecDeque::new(),
             backoff: Vec::new(),
-            in_flight: hashbrown::HashMap::new(),
+            in_flight: crate::Map::default(),
             max_pending,
             rng: seed | 1,
             asks: Vec::new(),

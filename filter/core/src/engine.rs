@@ -169,7 +169,7 @@ pub struct Engine {
     valve: Valve,
     /// Boxed: the table's slots stay small (its capacity grows in powers of two, so
     /// unboxed requests would cost up to twice their size per tracked stream).
-    table: hashbrown::HashMap<u32, Box<Request>>,
+    table: crate::Map<u32, Box<Request>>,
     queue: AbortQueue,
     /// The tick period the host was asked for (ms, 0 = off).
     tick_period: u64,
@@ -187,10 +187,7 @@ pub struct Engine {
 /// The tracked request of stream `ctx` in `table`, to change: one copy of the table's
 /// lookup for the calls off the per-chunk path (the module is size-bound).
 #[inline(never)]
-fn request_mut(
-    table: &mut hashbrown::HashMap<u32, Box<Request>>,
-    ctx: u32,
-) -> Option<&mut Request> {
+fn request_mut(table: &mut crate::Map<u32, Box<Request>>, ctx: u32) -> Option<&mut Request> {
     table.get_mut(&ctx).map(|r| &mut **r)
 }
 
@@ -289,7 +286,7 @@ impl Engine {
             mode: cfg.mode,
             cfg,
             valve: Valve::default(),
-            table: hashbrown::HashMap::new(),
+            table: crate::Map::default(),
             queue,
             tick_period: 0,
             tick_before: 0,

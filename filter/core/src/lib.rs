@@ -23,6 +23,10 @@ pub mod vms;
 #[cfg(test)]
 pub(crate) mod testing;
 
+/// The filter's tables: hashbrown with a fixed-seed hasher, so they iterate in one order
+/// on every run and the simulator replays a seed alike.
+pub(crate) type Map<K, V> = hashbrown::HashMap<K, V, foldhash::fast::FixedState>;
+
 pub use config::{Config, ConfigError, Limits, Mode};
 pub use engine::{Action, BodyNeed, Engine, Verdict};
 pub use request::OutcomeTag;
