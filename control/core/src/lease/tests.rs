@@ -1040,3 +1040,73 @@ fn a_process_first_heard_at_the_instant_of_the_old_ones_last_evidence_succeeds_i
     assert!(j.shared.is_empty(), "{j:?}");
     assert_eq!(j.expired, vec![(A, Expiry::Replaced)]);
 }
+
+#[test]
+fn another_gateway_heard_on_its_own_listener_leaves_this_ones_listener_speaking_for_it() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    let last = prove_n(&mut l, A, 2, t0, L_A);
+    judge_answering(&mut l, last, ProbeAnswer::Alive);
+    // B, on its own listener, lives on past A's silence.
+    let mut t = last;
+    for c in 1..=8 {
+        t = last + ms(P * c);
+        l.prove(tagged(B, 1), &proof(c, None, Some(L_B)), t)
+            .unwrap();
+    }
+    let silent = last + TTL + ms(1);
+    assert!(t > silent);
+    let j = l.judge(silent);
+    assert!(j.probes.contains(&(A, L_A.parse().unwrap())), "{j:?}");
+    l.probed(A, L_A.parse().unwrap(), ProbeAnswer::Refused, silent);
+    assert_eq!(expired(&mut l, silent + ms(1)), vec![(A, Expiry::Dead)]);
+    // One heard on the same listener only at the instant of A's last evidence took
+    // nothing over: A's listener is still asked for it.
+    let mut l = Leases::new(TTL);
+    let last = prove_n(&mut l, A, 2, t0, L_A);
+    judge_answering(&mut l, last, ProbeAnswer::Alive);
+    l.prove(tagged(C, 1), &proof(1, None, Some(L_A)), last)
+        .unwrap();
+    let j = l.judge(last + TTL + ms(1));
+    assert_eq!(j.probes, vec![(A, L_A.parse().unwrap())], "{j:?}");
+}
+
+#[test]
+fn a_stall_moves_the_last_probe_too() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    let last = prove_n(&mut l, A, 1, t0, L_A);
+    judge_answering(&mut l, last, ProbeAnswer::Alive);
+    let silent = last + TTL + ms(1);
+    assert_eq!(l.judge(silent).probes.len(), 1);
+    l.extend(s(60));
+    // Asked again a period after the moved ask, not before.
+    let asked = silent + s(60);
+    assert!(l.judge(asked + ms(P - 1)).probes.is_empty());
+    assert_eq!(l.judge(asked + ms(P)).probes.len(), 1);
+}
+
+#[test]
+fn a_gateway_that_joins_a_shared_host_key_later_is_counted_once_too() {
+    let t0 = Instant::now();
+    let mut l = Leases::new(TTL);
+    for c in 1..=3 {
+        let t = t0 + ms(P * c);
+        l.prove(tagged(A, 1), &proof(c, Some(7), Some(L_A)), t)
+            .unwrap();
+        l.prove(tagged(B, 1), &proof(c, Some(7), Some(L_B)), t)
+            .unwrap();
+    }
+    assert_eq!(l.judge(t0 + ms(P * 3)).shared.len(), 2);
+    let t = t0 + ms(P * 4);
+    l.prove(tagged(C, 1), &proof(1, Some(7), Some("10.0.0.3:8080")), t)
+        .unwrap();
+    for id in [A, B] {
+        l.prove(tagged(id, 1), &proof(4, Some(7), None), t + ms(1))
+            .unwrap();
+    }
+    l.prove(tagged(C, 1), &proof(2, Some(7), None), t + ms(1))
+        .unwrap();
+    assert_eq!(l.judge(t + ms(1)).shared, vec![(C, HostKey([7; 16]))]);
+    assert!(l.judge(t + ms(2)).shared.is_empty());
+}
