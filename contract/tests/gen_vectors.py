@@ -14,6 +14,8 @@ and recomputes every other value from docs/CONTRACT.md alone:
                     v2=<hex HMAC(key, prefix(kind) + "<t>.<body>")>
   stamp (§4)        x-kvguard-control: <ip>:<port>;t=<t>;v2=<hex
                     HMAC(key, "kvguard-stamp-v2\0" + "<ip>:<port>|<request_id>|<t>")>
+  proof (§8)        x-kvguard-instance: <instance>.<vm>;c=<counter>;h=<host or ->;a=<listener
+                    or ->;s=<hex HMAC(key, "kvguard-proof-v2\0" + everything before ";s=")>
   HMAC              HMAC-SHA256, lowercase hex
   key               surrounding ASCII whitespace trimmed, at least 16 bytes
 
@@ -142,11 +144,26 @@ def stamp_case(c):
     return {"key": c["key"], "addr": addr, "request_id": rid, "t": t, "header": header}
 
 
+def proof_case(c):
+    instance, host = c["instance"], c["host"]
+    for name, v in (("instance", instance), ("host", host)):
+        if v is not None and (len(v) != 32 or any(ch not in "0123456789abcdef" for ch in v)):
+            raise BadInput(f"{name} {v!r} is not 32 lowercase hex digits")
+    vm = check_uint("vm", c["vm"], 2**32 - 1)
+    counter = check_uint("counter", c["counter"], U64)
+    listener = c["listener"]
+    signed = f"{instance}.{vm};c={counter};h={host or '-'};a={listener or '-'}"
+    s = mac_hex(c["key"], b"kvguard-proof-v2\0" + signed.encode())
+    return {"key": c["key"], "instance": instance, "vm": vm, "counter": counter, "host": host,
+            "listener": listener, "header": f"{signed};s={s}"}
+
+
 def regenerate(doc):
     return {
         "comment": doc["comment"],
         "signature": [signature_case(c) for c in doc["signature"]],
         "stamp": [stamp_case(c) for c in doc["stamp"]],
+        "proof": [proof_case(c) for c in doc.get("proof", [])],
     }
 
 
@@ -163,13 +180,16 @@ def render(doc):
                      for c in doc["signature"])
     stp = ",\n".join(block(c, ["key", "addr", "request_id", "t"], ["header"])
                      for c in doc["stamp"])
+    prf = ",\n".join(block(c, ["key", "instance", "vm", "counter", "host", "listener"],
+                           ["header"])
+                     for c in doc["proof"])
     return (f'{{\n  "comment": {d(doc["comment"])},\n  "signature": [\n{sig}\n  ],\n'
-            f'  "stamp": [\n{stp}\n  ]\n}}\n')
+            f'  "stamp": [\n{stp}\n  ],\n  "proof": [\n{prf}\n  ]\n}}\n')
 
 
 def differences(committed, computed):
     out = []
-    for section in ("signature", "stamp"):
+    for section in ("signature", "stamp", "proof"):
         have, want = committed.get(section, []), computed[section]
         if len(have) != len(want):
             out.append(f"{section}: {len(have)} cases, expected {len(want)}")
@@ -202,7 +222,7 @@ def main(argv):
         print(f"{path}: {line}", file=sys.stderr)
     if diffs:
         return 1
-    n = len(computed["signature"]) + len(computed["stamp"])
+    n = len(computed["signature"]) + len(computed["stamp"]) + len(computed["proof"])
     print(f"{path}: {n} vectors agree with the independent computation")
     return 0
 

@@ -99,3 +99,37 @@ fn stamp_vectors() {
         );
     }
 }
+
+#[test]
+fn proof_vectors() {
+    use kvguard_contract::{sign_proof, unsigned_proof, HostKey, InstanceId, InstanceTag};
+    let v = vectors();
+    let cases = v["proof"].as_array().unwrap();
+    assert!(cases.len() >= 3);
+    for case in cases {
+        let key = Key::try_new(case["key"].as_str().unwrap().as_bytes()).unwrap();
+        let tag = InstanceTag {
+            instance: InstanceId::parse(case["instance"].as_str().unwrap().as_bytes()).unwrap(),
+            vm: Some(u32::try_from(case["vm"].as_u64().unwrap()).unwrap()),
+        };
+        let host = case["host"]
+            .as_str()
+            .map(|h| HostKey::parse(h.as_bytes()).unwrap());
+        let listener = case["listener"].as_str();
+        let counter = case["counter"].as_u64().unwrap();
+        let header = case["header"].as_str().unwrap();
+        // What the filter sends.
+        let sent = sign_proof(
+            &key,
+            unsigned_proof(tag, counter, host, listener.map(str::as_bytes)),
+        );
+        assert_eq!(sent, header.as_bytes());
+        // What kvguard-control reads.
+        let read = kvguard_contract::TagHeader::parse(header.as_bytes()).unwrap();
+        assert_eq!(read.tag, tag);
+        let p = read.proof.unwrap();
+        assert!(p.verify(std::slice::from_ref(&key)));
+        assert_eq!((p.proof.counter, p.proof.host), (counter, host));
+        assert_eq!(p.proof.listener, listener.map(|l| l.parse().unwrap()));
+    }
+}
