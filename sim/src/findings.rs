@@ -3,7 +3,7 @@
 //! is unknown and fails the seed campaign; a finding whose schedule no longer fails
 //! fails its test, telling the one who fixed it to move it to the regression list.
 
-use crate::oracles::Promise;
+use crate::oracles::{Cause, Promise};
 use crate::schedule::{Client, Op, Schedule, Setup};
 use crate::world::Stream;
 use kvguard_contract::AbortReason;
@@ -32,6 +32,13 @@ pub fn classify(promise: Promise, s: &Stream, setup: &Setup) -> Option<&'static 
             Some("36.2")
         }
         Promise::Invariant2 if setup.hop_hides && s.last_call_lost => Some("sim.1"),
+        // Its gateway gone with its pod: a listener that answers nothing keeps the hold
+        // (no other gateway heard from: kvguard-control may be the one cut off).
+        Promise::Invariant2
+            if setup.pods_deleted && s.orphan.is_some_and(|(c, _)| c == Cause::GatewayGone) =>
+        {
+            Some("sim.6")
+        }
         // The false `already_aborted` also leaves the holder's engine running.
         Promise::Invariant2 if answer.contains("already_aborted") => Some("36.5"),
         Promise::Invariant1
@@ -71,8 +78,32 @@ fn stream(at: u64, gw: u8, replica: u8, client: Client, tokens: u32, token_ms: u
 /// Every known finding, with a hand-written schedule (the shrunk form of what the seed
 /// campaign finds).
 pub fn known() -> Vec<Finding> {
-    vec![
-    ]
+    vec![Finding {
+        name: "sim.6",
+        title: "every gateway gone at once with its pod: no listener answers, so each expiry stays held (kvguard-control cannot tell it from being cut off); their orphans behind a hiding hop run to the end",
+        schedule: Schedule {
+            seed: 1,
+            setup: Setup {
+                gateways: 2,
+                hop_hides: true,
+                pods_deleted: true,
+                ..Setup::default()
+            },
+            ops: vec![
+                stream(0, 1, 0, Client::Fast, 3_000, 40),
+                Op::Kill {
+                    at: 43_000,
+                    gw: 0,
+                    restart_ms: None,
+                },
+                Op::Kill {
+                    at: 46_000,
+                    gw: 1,
+                    restart_ms: None,
+                },
+            ],
+        },
+    }]
 }
 
 /// A schedule that passes today and fails when the named rule is removed (how the
@@ -139,6 +170,27 @@ pub fn guards() -> Vec<Guard> {
 /// all. A finding of [`known`] whose fix lands moves here, with its schedule.
 pub fn regressions() -> Vec<Finding> {
     vec![
+        Finding {
+            name: "sim.7",
+            title: "a lone gateway gone with its pod 2 s after it started: its listener answers nothing, which ends its orphans",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup {
+                    hop_hides: true,
+                    hop_routes_lease: false,
+                    pods_deleted: true,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(0, 0, 0, Client::Fast, 3_000, 30),
+                    Op::Kill {
+                        at: 2_000,
+                        gw: 0,
+                        restart_ms: None,
+                    },
+                ],
+            },
+        },
         Finding {
             name: "sim.1",
             title: "an abort lost for its whole retry window leaves an orphan behind a hiding hop running to the end",

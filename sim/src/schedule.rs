@@ -29,6 +29,9 @@ pub struct Setup {
     /// The hop queues each request this long before it reaches kvguard-control (a
     /// router's or LiteLLM's queue): a client may leave, and its abort arrive, first.
     pub hop_queue_ms: u64,
+    /// A killed gateway goes with its pod: its listener's address answers nothing (a
+    /// probe times out) instead of refusing.
+    pub pods_deleted: bool,
 }
 
 impl Default for Setup {
@@ -43,6 +46,7 @@ impl Default for Setup {
             idle_ms: 60_000,
             pd: false,
             hop_queue_ms: 0,
+            pods_deleted: false,
         }
     }
 }
@@ -200,6 +204,7 @@ impl Schedule {
             // Mostly the shipped 60 s; any route may set a shorter one.
             idle_ms: r.pick(&[60_000, 60_000, 60_000, 30_000]),
             hop_queue_ms: 0,
+            pods_deleted: false,
         };
         let mut ops = Vec::new();
         for _ in 0..r.range(1, 6) {
@@ -266,6 +271,7 @@ impl Schedule {
         if r.chance(100) {
             setup.hop_queue_ms = r.range(50, 2_000);
         }
+        setup.pods_deleted = r.chance(300);
         Schedule { seed, setup, ops }
     }
 }
@@ -333,9 +339,10 @@ impl fmt::Display for Schedule {
         let s = &self.setup;
         writeln!(
             f,
-            "seed {}: {} gateway(s), {} replica(s){}, hop {} disconnects{}{}, sockets {} KiB, filter idle {} ms",
+            "seed {}: {} gateway(s){}, {} replica(s){}, hop {} disconnects{}{}, sockets {} KiB, filter idle {} ms",
             self.seed,
             s.gateways,
+            if s.pods_deleted { " (a killed one's address answers nothing)" } else { "" },
             s.replicas,
             if s.pd { " (prefill, decode)" } else { "" },
             if s.hop_hides { "hiding" } else { "passing" },

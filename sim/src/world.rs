@@ -1476,16 +1476,16 @@ impl World {
             let alive = crate::gateway::listening(addr)
                 .and_then(|g| self.gateways.get(usize::from(g)))
                 .is_some_and(|g| g.alive);
-            let answer = if alive {
-                ProbeAnswer::Alive
-            } else {
-                ProbeAnswer::Refused
+            let answer = match (alive, self.sched.setup.pods_deleted) {
+                (true, _) => ProbeAnswer::Alive,
+                (false, false) => ProbeAnswer::Refused,
+                (false, true) => ProbeAnswer::Timeout,
             };
             if !alive {
                 self.note(
                     format!("replica{r}"),
                     None,
-                    format!("asks {addr} ({}): refused", short(id)),
+                    format!("asks {addr} ({}): {}", short(id), answer.as_str()),
                 );
             }
             self.replicas[r].probed(id, addr, answer, now);
