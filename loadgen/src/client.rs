@@ -509,6 +509,51 @@ impl SseStream {
         }
     }
 
+    /// [`Self::wait_end`] for a stream that flows however slowly: it fails only when no
+    /// chunk came for `quiet`, or when the stream did not end within `cap` in all. A speed
+    /// a loaded machine can fall to is no failure; a stall is.
+    pub async fn wait_end_flowing(&mut self, quiet: Duration, cap: Duration) -> Result<Ended> {
+        let deadline = tokio::time::Instant::now() + cap;
+        let mut events = Vec::new();
+        loop {
+            if let Some(ev) = self.take_event() {
+                events.push(ev);
+                continue;
+            }
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match self.chunk(left.min(quiet)).await {
+                Ok(Some(c)) => self.pending.extend_from_slice(&c),
+                Ok(None) => {
+                    if !self.pending.iter().all(|b| b.is_ascii_whitespace()) {
+                        let rest = String::from_utf8_lossy(&self.pending).into_owned();
+                        events.push(SseEvent::parse(rest.trim_end()));
+                    }
+                    self.pending.clear();
+                    return Ok(Ended {
+                        events,
+                        reset: None,
+                    });
+                }
+                Err(ChunkError::Body(e)) => {
+                    return Ok(Ended {
+                        events,
+                        reset: Some(e.to_string()),
+                    })
+                }
+                Err(ChunkError::Timeout) if left <= quiet => bail!(
+                    "the stream did not end within {cap:?} ({} more events read, last {:?})",
+                    events.len(),
+                    events.last()
+                ),
+                Err(ChunkError::Timeout) => bail!(
+                    "the stream sent nothing for {quiet:?} ({} more events read, last {:?})",
+                    events.len(),
+                    events.last()
+                ),
+            }
+        }
+    }
+
     /// The next SSE event (comments included); `None` at the end of the body.
     pub async fn next_event(&mut self, timeout: Duration) -> Result<Option<SseEvent>> {
         let deadline = tokio::time::Instant::now() + timeout;
