@@ -943,9 +943,16 @@ impl HttpContext for Stream {
         let path = abi::get_header(abi::Map::RequestHeaders, ":path")
             .ok()
             .flatten();
-        let rid = abi::get_header(abi::Map::RequestHeaders, REQUEST_ID_HEADER)
-            .ok()
-            .flatten();
+        // The request id only for a path kvguard tracks: a header read (with its copy into
+        // the VM) less on every other request.
+        let tracks = |p: &[u8]| with_engine(&self.shared, |e, _| e.cfg.limits_for(p).is_some());
+        let rid = if path.as_deref().and_then(tracks).unwrap_or(false) {
+            abi::get_header(abi::Map::RequestHeaders, REQUEST_ID_HEADER)
+                .ok()
+                .flatten()
+        } else {
+            None
+        };
         let id = self.id;
         let verdict = with_engine(&self.shared, |e, p| {
             e.on_request_headers(p, id, path.as_deref(), rid.as_deref(), !end_of_stream)
