@@ -71,6 +71,32 @@ async fn read_pausing(
     Ok((c, n))
 }
 
+/// A real Envoy with the filter (idle timeout `idle`, aborts to `control`) in front of
+/// `upstream`, with the shipped 32 KiB buffers and small kernel buffers toward the
+/// clients.
+async fn envoy_with_shipped_buffers(
+    upstream: SocketAddr,
+    control: SocketAddr,
+    idle: Duration,
+) -> Envoy {
+    let cfg = stack::filter_config(idle.as_millis() as u64, 0);
+    let mut opts =
+        EnvoyOptions::with_filter(upstream, control, cfg).vm_env("KVGUARD_SECRET", stack::SECRET);
+    opts.per_connection_buffer_limit_bytes = Some(SHIPPED_BUFFER);
+    opts.downstream_sndbuf = Some(KERNEL_BUFFER);
+    Envoy::start(opts).await.unwrap()
+}
+
+/// A streaming completion of `max_tokens` through `at`, its response head read (200).
+async fn open_stream(at: SocketAddr, max_tokens: u32) -> SilentClient {
+    let body = json!({"model": "tiny", "prompt": "x", "stream": true, "max_tokens": max_tokens});
+    let c = client::silent_client(at, "/v1/completions", &body, &[], KERNEL_BUFFER, true)
+        .await
+        .unwrap();
+    assert_eq!(c.status(), Some(200), "{:?}", c.head());
+    c
+}
+
 /// The request id of a client's response (kvguard-control sets it).
 fn request_id(c: &SilentClient) -> String {
     c.head()
@@ -177,21 +203,8 @@ async fn slow_readers_are_never_cut_and_silent_ones_are_reaped() {
         )
         .await
         .unwrap();
-        let cfg = stack::filter_config(IDLE.as_millis() as u64, 0);
-        let mut opts = EnvoyOptions::with_filter(ctl.proxy, ctl.admin, cfg)
-            .vm_env("KVGUARD_SECRET", stack::SECRET);
-        opts.per_connection_buffer_limit_bytes = Some(SHIPPED_BUFFER);
-        opts.downstream_sndbuf = Some(KERNEL_BUFFER);
-        let envoy = Envoy::start(opts).await.unwrap();
-        let at = envoy.listener_addr();
-        let body = |max_tokens: u32| json!({"model": "tiny", "prompt": "x", "stream": true, "max_tokens": max_tokens});
-        let open = |max_tokens: u32| async move {
-            let c = client::silent_client(at, "/v1/completions", &body(max_tokens), &[], KERNEL_BUFFER, true)
-                .await
-                .unwrap();
-            assert_eq!(c.status(), Some(200), "{:?}", c.head());
-            c
-        };
+        let envoy = envoy_with_shipped_buffers(ctl.proxy, ctl.admin, IDLE).await;
+        let open = |max_tokens| open_stream(envoy.listener_addr(), max_tokens);
         let until = Instant::now() + RUN;
         // Bytes per 100 ms: 2 KB/s (the clients) and 0.5 KB/s.
         let rates = [200usize, 200, 50, 50];
@@ -387,25 +400,8 @@ async fn a_slow_reader_whose_stall_ask_got_no_answer_is_asked_again_and_kept() {
             let mut rc = ReceiverConfig::new(Vec::new());
             rc.behaviour = Behaviour::Status(503);
             let tap = receiver::spawn(rc).await.unwrap();
-            let cfg = stack::filter_config(IDLE.as_millis() as u64, 0);
-            let mut opts = EnvoyOptions::with_filter(ctl.proxy, tap.addr(), cfg)
-                .vm_env("KVGUARD_SECRET", stack::SECRET);
-            opts.per_connection_buffer_limit_bytes = Some(SHIPPED_BUFFER);
-            opts.downstream_sndbuf = Some(KERNEL_BUFFER);
-            let envoy = Envoy::start(opts).await.unwrap();
-            let body =
-                json!({"model": "tiny", "prompt": "x", "stream": true, "max_tokens": 30_000});
-            let c = client::silent_client(
-                envoy.listener_addr(),
-                "/v1/completions",
-                &body,
-                &[],
-                KERNEL_BUFFER,
-                true,
-            )
-            .await
-            .unwrap();
-            assert_eq!(c.status(), Some(200), "{:?}", c.head());
+            let envoy = envoy_with_shipped_buffers(ctl.proxy, tap.addr(), IDLE).await;
+            let c = open_stream(envoy.listener_addr(), 30_000).await;
             let id = request_id(&c);
             let until = Instant::now() + READ;
             let reader = tokio::spawn(async move { read_slowly(c, 200, until).await });
@@ -511,21 +507,8 @@ async fn readers_at_the_floor_and_pausing_readers_at_the_shipped_timings_scaled(
         )
         .await
         .unwrap();
-        let cfg = stack::filter_config(idle.as_millis() as u64, 0);
-        let mut opts = EnvoyOptions::with_filter(ctl.proxy, ctl.admin, cfg)
-            .vm_env("KVGUARD_SECRET", stack::SECRET);
-        opts.per_connection_buffer_limit_bytes = Some(SHIPPED_BUFFER);
-        opts.downstream_sndbuf = Some(KERNEL_BUFFER);
-        let envoy = Envoy::start(opts).await.unwrap();
-        let at = envoy.listener_addr();
-        let open = |max_tokens: u32| async move {
-            let body = json!({"model": "tiny", "prompt": "x", "stream": true, "max_tokens": max_tokens});
-            let c = client::silent_client(at, "/v1/completions", &body, &[], KERNEL_BUFFER, true)
-                .await
-                .unwrap();
-            assert_eq!(c.status(), Some(200), "{:?}", c.head());
-            c
-        };
+        let envoy = envoy_with_shipped_buffers(ctl.proxy, ctl.admin, idle).await;
+        let open = |max_tokens| open_stream(envoy.listener_addr(), max_tokens);
         let until = Instant::now() + run;
         let mut readers = tokio::task::JoinSet::new();
         let mut names = BTreeMap::new();

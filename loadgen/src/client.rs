@@ -473,40 +473,8 @@ impl SseStream {
     /// stream), within `timeout`. Errors only when it has not ended by then: a hung stream
     /// is a failure, never taken for an end.
     pub async fn wait_end(&mut self, timeout: Duration) -> Result<Ended> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        let mut events = Vec::new();
-        loop {
-            if let Some(ev) = self.take_event() {
-                events.push(ev);
-                continue;
-            }
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            match self.chunk(left).await {
-                Ok(Some(c)) => self.pending.extend_from_slice(&c),
-                Ok(None) => {
-                    if !self.pending.iter().all(|b| b.is_ascii_whitespace()) {
-                        let rest = String::from_utf8_lossy(&self.pending).into_owned();
-                        events.push(SseEvent::parse(rest.trim_end()));
-                    }
-                    self.pending.clear();
-                    return Ok(Ended {
-                        events,
-                        reset: None,
-                    });
-                }
-                Err(ChunkError::Body(e)) => {
-                    return Ok(Ended {
-                        events,
-                        reset: Some(e.to_string()),
-                    })
-                }
-                Err(ChunkError::Timeout) => bail!(
-                    "the stream did not end within {timeout:?} ({} more events read, last {:?})",
-                    events.len(),
-                    events.last()
-                ),
-            }
-        }
+        // A chunk may take the whole time: no quieter bound than the cap.
+        self.wait_end_flowing(timeout, timeout).await
     }
 
     /// [`Self::wait_end`] for a stream that flows however slowly: it fails only when no
