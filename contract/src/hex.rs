@@ -2,12 +2,17 @@
 
 const DIGITS: &[u8; 16] = b"0123456789abcdef";
 
+/// The lowercase hex digit of a nibble (its low 4 bits).
+pub(crate) fn digit(nibble: u8) -> u8 {
+    DIGITS[usize::from(nibble & 0x0f)]
+}
+
 /// Lowercase hex of `bytes`.
 pub(crate) fn encode(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(bytes.len() * 2);
     for b in bytes {
-        out.push(DIGITS[usize::from(b >> 4)] as char);
-        out.push(DIGITS[usize::from(b & 0x0f)] as char);
+        out.push(digit(b >> 4) as char);
+        out.push(digit(*b) as char);
     }
     out
 }

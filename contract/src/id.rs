@@ -61,6 +61,11 @@ impl RequestId {
         Ok(RequestId(bytes.iter().map(|b| char::from(*b)).collect()))
     }
 
+    /// The id of a UUID's 16 bytes ([`uuid_text`]): always valid.
+    pub fn from_uuid(raw: &[u8; 16]) -> Self {
+        RequestId(uuid_text(raw).iter().map(|b| char::from(*b)).collect())
+    }
+
     /// The id as text.
     pub fn as_str(&self) -> &str {
         &self.0
@@ -71,6 +76,43 @@ impl RequestId {
     pub fn vllm_engine_ids(&self) -> [String; 2] {
         [format!("cmpl-{}", self.0), format!("chatcmpl-{}", self.0)]
     }
+}
+
+/// The length of a hyphenated UUID.
+pub const UUID_LEN: usize = 36;
+
+/// Where a hyphenated UUID's hyphens are.
+const UUID_HYPHENS: [usize; 4] = [8, 13, 18, 23];
+
+/// The 16 bytes of `text` when it is a lowercase hyphenated UUID (`8-4-4-4-12` hex
+/// digits, as Envoy generates `x-request-id`): exactly the ids [`uuid_text`] writes back
+/// byte for byte. `None` for anything else (uppercase digits included).
+pub fn uuid_bytes(text: &[u8]) -> Option<[u8; 16]> {
+    if text.len() != UUID_LEN
+        || UUID_HYPHENS.iter().any(|&i| text.get(i) != Some(&b'-'))
+        || text.iter().any(u8::is_ascii_uppercase)
+    {
+        return None;
+    }
+    let mut digits = [0u8; 32];
+    let mut n = 0;
+    for &b in text.iter().filter(|&&b| b != b'-') {
+        *digits.get_mut(n)? = b;
+        n += 1;
+    }
+    crate::hex::decode16(digits.get(..n)?)
+}
+
+/// A UUID's 16 bytes as lowercase hyphenated hex (the inverse of [`uuid_bytes`]).
+pub fn uuid_text(raw: &[u8; 16]) -> [u8; UUID_LEN] {
+    let mut out = [b'-'; UUID_LEN];
+    let mut digits = raw.iter().flat_map(|b| [b >> 4, b & 0x0f]);
+    for (i, o) in out.iter_mut().enumerate() {
+        if !UUID_HYPHENS.contains(&i) {
+            *o = crate::hex::digit(digits.next().unwrap_or(0));
+        }
+    }
+    out
 }
 
 impl fmt::Display for RequestId {
@@ -159,7 +201,42 @@ mod tests {
         assert_eq!("a b".parse::<RequestId>(), Err(IdError::BadByte(1)));
     }
 
+    #[test]
+    fn a_lowercase_uuid_packs_into_16_bytes_and_reads_back_the_same() {
+        let text = b"3f1c2a4e-9b7d-4c1e-8a2b-1234567890ab";
+        let raw = uuid_bytes(text).unwrap();
+        assert_eq!(raw[0], 0x3f);
+        assert_eq!(raw[15], 0xab);
+        assert_eq!(&uuid_text(&raw), text);
+        assert_eq!(RequestId::from_uuid(&raw).as_str().as_bytes(), text);
+    }
+
+    #[test]
+    fn only_the_exact_lowercase_uuid_form_packs() {
+        for not in [
+            &b"3F1C2A4E-9B7D-4C1E-8A2B-1234567890AB"[..],
+            b"3f1c2a4e-9b7d-4c1e-8a2b-1234567890aB",
+            b"3f1c2a4e9b7d-4c1e-8a2b-1234567890ab-",
+            b"3f1c2a4e-9b7d-4c1e-8a2b-1234567890a",
+            b"3f1c2a4e-9b7d-4c1e-8a2b-1234567890abc",
+            b"3f1c2a4e-9b7d-4c1e-8a2b-1234567890ag",
+            b"3f1c2a4e-9b7d-4c1e-8a2b-12345678-0ab",
+            b"3f1c2a4e-9b7d-4c1e-8a2b-1234567890a.",
+            b"",
+        ] {
+            assert_eq!(uuid_bytes(not), None, "{}", String::from_utf8_lossy(not));
+        }
+    }
+
     proptest! {
+        #[test]
+        fn every_uuid_reads_back_and_every_packed_text_is_its_uuid(raw in any::<[u8; 16]>(), text in "[0-9a-fA-F-]{36}") {
+            prop_assert_eq!(uuid_bytes(&uuid_text(&raw)), Some(raw));
+            if let Some(r) = uuid_bytes(text.as_bytes()) {
+                prop_assert_eq!(&uuid_text(&r)[..], text.as_bytes());
+            }
+        }
+
         #[test]
         fn never_panics_and_valid_means_charset(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
             match RequestId::try_new(&bytes) {

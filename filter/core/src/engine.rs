@@ -10,7 +10,8 @@ use crate::host::{Level, Platform};
 use crate::metrics::{Anomaly, Ended, Metric, Outcome, StampRejected, Untracked};
 use crate::request::{classify_end, End, OutcomeTag, Request};
 use crate::scan::Framing;
-use kvguard_contract::{stamp, AbortReason, RequestId};
+use crate::tracked_id::TrackedId;
+use kvguard_contract::{stamp, AbortReason};
 
 /// Most requests tracked per VM; beyond, requests are not tracked (fail open).
 pub const MAX_TRACKED: usize = 100_000;
@@ -259,8 +260,15 @@ fn decide<P: Platform + ?Sized>(
     }
     let target = req.target.as_deref().copied();
     let gone = (via == Via::ClientGone).then_some(now_ms);
-    let mut job = Job::new(req.id.clone(), reason, age, req.events(), target, now_ms)
-        .with_times(req.last_event_ms(), gone);
+    let mut job = Job::new(
+        req.id.to_request_id(),
+        reason,
+        age,
+        req.events(),
+        target,
+        now_ms,
+    )
+    .with_times(req.last_event_ms(), gone);
     job.ask = ask;
     if let Err(job) = queue.push(job, p) {
         p.add(Metric::Aborts(reason, Outcome::Dropped), 1);
@@ -380,7 +388,7 @@ impl Engine {
         let Some(limits) = path.and_then(|path| self.cfg.limits_for(path)) else {
             return Verdict::NotMatching;
         };
-        let id = match request_id.map(RequestId::try_new) {
+        let id = match request_id.map(TrackedId::try_new) {
             None => {
                 p.add(Metric::RequestsUntracked(Untracked::NoRequestId), 1);
                 return Verdict::Untracked(Some(Untracked::NoRequestId));
@@ -441,7 +449,7 @@ impl Engine {
         }
         req.on_response_headers(framing, max_event_bytes, end_of_stream);
         if let (Some(target), Some(value)) = (self.cfg.target.as_ref(), stamp_value) {
-            match stamp::verify(&self.cfg.stamp_keys, value, &req.id) {
+            match stamp::verify(&self.cfg.stamp_keys, value, &req.id.to_request_id()) {
                 Ok(s) if !target.cidrs.iter().any(|c| c.contains(s.addr.ip())) => {
                     p.add(Metric::StampRejected(StampRejected::OutsideCidrs), 1);
                     p.log(

@@ -18,6 +18,7 @@ pub mod lease;
 pub mod metrics;
 pub mod request;
 pub mod scan;
+pub mod tracked_id;
 pub mod vms;
 
 #[cfg(test)]

@@ -4,7 +4,8 @@
 
 use crate::config::Limits;
 use crate::scan::{Fed, Framing, Scanner};
-use kvguard_contract::{AbortReason, RequestId};
+use crate::tracked_id::TrackedId;
+use kvguard_contract::AbortReason;
 use std::net::SocketAddr;
 
 /// The value written to filter state `kvguard.outcome`.
@@ -133,7 +134,7 @@ const IDLE_FLAGS: u8 = QUIET | ARMED;
 #[derive(Debug, Clone)]
 pub struct Request {
     /// The abort key.
-    pub id: RequestId,
+    pub id: TrackedId,
     /// When the request headers arrived (ms, monotonic host clock).
     pub start_ms: u64,
     /// The clocks count from no earlier than this (0, or the moment enforce mode came
@@ -175,7 +176,7 @@ pub struct Request {
 impl Request {
     /// A request whose headers arrived at `now_ms` (`None`: the host clock could not be
     /// read; the request then starts at the next reading).
-    pub fn new(id: RequestId, limits: Limits, now_ms: Option<u64>) -> Self {
+    pub fn new(id: TrackedId, limits: Limits, now_ms: Option<u64>) -> Self {
         Request {
             id,
             start_ms: now_ms.unwrap_or(START_UNKNOWN),
@@ -726,7 +727,18 @@ mod tests {
     }
 
     fn req(limits: Limits) -> Request {
-        Request::new(RequestId::try_new(b"r").unwrap(), limits, Some(1000))
+        Request::new(TrackedId::try_new(b"r").unwrap(), limits, Some(1000))
+    }
+
+    /// The boxed request is most of a tracked stream's memory (docs/BENCHMARKS.md, issue
+    /// 39): on wasm32 it fits wasi-libc's 112-byte block (a 4-byte header, 16-byte
+    /// granules), its id and its scanner inline (a UUID costs no block of its own).
+    #[cfg(target_pointer_width = "32")]
+    #[test]
+    fn a_tracked_request_fits_one_112_byte_block_on_wasm32() {
+        assert!(core::mem::size_of::<Request>() + 4 <= 112);
+        assert!(core::mem::size_of::<TrackedId>() <= 20);
+        assert!(core::mem::size_of::<Phase>() <= 24);
     }
 
     const L: Limits = Limits {
@@ -1111,7 +1123,7 @@ mod tests {
         // The VM's monotonic clock is past u32::MAX ms (49.7 days): relative u32 times
         // from the stream's own start still work.
         let start = u64::from(u32::MAX) + 123_456;
-        let mut r = Request::new(RequestId::try_new(b"w").unwrap(), L, Some(start));
+        let mut r = Request::new(TrackedId::try_new(b"w").unwrap(), L, Some(start));
         r.on_response_headers(Framing::Sse, 1024, false);
         body_at(&mut r, b"data: {}\n\n", 10, false, start + 50);
         assert_eq!(r.first_token_ms(), Some(50));
@@ -1134,7 +1146,7 @@ mod tests {
     #[test]
     fn a_stream_older_than_49_7_days_is_cut_only_when_its_clocks_say() {
         let idle_only = Limits { max_age_ms: 0, ..L };
-        let mut r = Request::new(RequestId::try_new(b"o").unwrap(), idle_only, Some(1_000));
+        let mut r = Request::new(TrackedId::try_new(b"o").unwrap(), idle_only, Some(1_000));
         r.on_response_headers(Framing::Sse, 1024, false);
         body_at(&mut r, b"data: {}\n\n", 10, false, 1_000);
         // A stream that keeps flowing, one event every 50 ms, stamped by ticks of 50 ms,
@@ -1159,7 +1171,7 @@ mod tests {
         assert_eq!(r.last_event_ms(), Some(t));
         assert_eq!(r.age_ms(t), t - 1_000);
         // First token time is measured from the start, whenever it comes.
-        let mut r = Request::new(RequestId::try_new(b"f").unwrap(), idle_only, Some(1_000));
+        let mut r = Request::new(TrackedId::try_new(b"f").unwrap(), idle_only, Some(1_000));
         r.on_response_headers(Framing::Sse, 1024, false);
         r.stamp(end - 10);
         body_at(&mut r, b"data: {}\n\n", 10, false, end);
@@ -1168,7 +1180,7 @@ mod tests {
         assert_eq!(r.due(end + 99), None);
         assert_eq!(r.due(end + 100), Some(AbortReason::Stalled));
         // Max age still fires once.
-        let mut r = Request::new(RequestId::try_new(b"m").unwrap(), L, Some(1_000));
+        let mut r = Request::new(TrackedId::try_new(b"m").unwrap(), L, Some(1_000));
         r.stamp(end);
         assert_eq!(r.due(end), Some(AbortReason::MaxAge));
     }
@@ -1282,7 +1294,7 @@ mod tests {
             first_token_timeout_ms: 300,
             ..L
         };
-        let mut r = Request::new(RequestId::try_new(b"u").unwrap(), l, None);
+        let mut r = Request::new(TrackedId::try_new(b"u").unwrap(), l, None);
         assert_eq!(r.age_ms(5_000_000), 0);
         assert_eq!(r.due(5_000_000), None);
         r.stamp(5_000_000);

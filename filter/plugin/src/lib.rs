@@ -60,6 +60,11 @@ struct Shared {
     /// Since when (monotonic ms) the host has been stopping this VM (`on_done`) while
     /// aborts were pending.
     stopping_since: Option<u64>,
+    /// The stream (context id) sampled for the lease's upstream and its `:authority`,
+    /// kept from its request headers to its response headers (where the cluster is
+    /// known); a later sample replaces it. Here rather than in every [`Stream`]: one
+    /// stream per period is sampled, and a stream context is kept to 12 bytes.
+    sampled: Option<(u32, Vec<u8>)>,
 }
 
 type SharedRef = Rc<RefCell<Shared>>;
@@ -558,6 +563,7 @@ fn init() {
                 renewer: lease::Renewer::default(),
                 member: vms::Member::default(),
                 stopping_since: None,
+                sampled: None,
             })),
         })
     });
@@ -890,7 +896,7 @@ impl RootContext for Root {
             id: context_id,
             shared: Rc::clone(&self.shared),
             tracked: false,
-            authority: None,
+            sampled: false,
         }))
     }
 
@@ -899,18 +905,34 @@ impl RootContext for Root {
     }
 }
 
+/// One HTTP stream: 12 bytes, a 16-byte block per stream (the SDK boxes every stream
+/// context); what only a few streams need lives in [`Shared`].
 struct Stream {
     id: u32,
     shared: SharedRef,
     tracked: bool,
-    /// Its `:authority`, kept only when the lease wants this period's upstream sample
-    /// (request headers are gone by the response, where the cluster is known).
-    authority: Option<Vec<u8>>,
+    /// Its `:authority` was sampled for the lease's upstream ([`Shared::sampled`]).
+    sampled: bool,
 }
 
 impl Context for Stream {}
 
 impl Stream {
+    /// This stream's `:authority`, if it is the one sampled for the lease's upstream.
+    fn take_sample(&mut self) -> Option<Vec<u8>> {
+        if !core::mem::take(&mut self.sampled) {
+            return None;
+        }
+        let mut s = self.shared.try_borrow_mut().ok()?;
+        match s.sampled.take() {
+            Some((id, a)) if id == self.id => Some(a),
+            other => {
+                s.sampled = other;
+                None
+            }
+        }
+    }
+
     /// The request body ended: the first-token clock starts.
     fn request_ended(&self) {
         let id = self.id;
@@ -972,9 +994,13 @@ impl HttpContext for Stream {
             // kvguard-control may ask whether the gateway is still there.
             let mut listener = None;
             if sample {
-                self.authority = abi::get_header(abi::Map::RequestHeaders, ":authority")
+                let authority = abi::get_header(abi::Map::RequestHeaders, ":authority")
                     .ok()
                     .flatten();
+                if let (Some(a), Ok(mut s)) = (authority, self.shared.try_borrow_mut()) {
+                    s.sampled = Some((self.id, a));
+                    self.sampled = true;
+                }
                 listener = abi::get_property(&["destination", "address"])
                     .ok()
                     .flatten();
@@ -1042,7 +1068,7 @@ impl HttpContext for Stream {
         });
         // One tracked stream per period per VM names its upstream cluster (the in-band
         // renewal goes over it); the replica a stamp names is renewed from the next tick.
-        if let Some(a) = self.authority.take() {
+        if let Some(a) = self.take_sample() {
             if let Ok(Some(c)) = abi::get_property(&["xds", "cluster_name"]) {
                 let up = lease::Upstream {
                     cluster: String::from_utf8_lossy(&c).into_owned(),
