@@ -12,6 +12,7 @@ pub mod cidr;
 pub mod config;
 pub mod cut;
 pub mod engine;
+pub mod header_map;
 pub mod host;
 pub mod json;
 pub mod lease;

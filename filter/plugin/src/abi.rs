@@ -81,6 +81,11 @@ mod imports {
             return_data: *mut *mut u8,
             return_size: *mut usize,
         ) -> u32;
+        pub fn proxy_get_header_map_pairs(
+            map_type: u32,
+            return_data: *mut *mut u8,
+            return_size: *mut usize,
+        ) -> u32;
         pub fn proxy_remove_header_map_value(
             map_type: u32,
             key_data: *const u8,
@@ -188,6 +193,9 @@ mod imports {
         _: *mut *mut u8,
         _: *mut usize,
     ) -> u32 {
+        NOT_FOUND
+    }
+    pub unsafe fn proxy_get_header_map_pairs(_: u32, _: *mut *mut u8, _: *mut usize) -> u32 {
         NOT_FOUND
     }
     pub unsafe fn proxy_remove_header_map_value(_: u32, _: *const u8, _: usize) -> u32 {
@@ -360,6 +368,20 @@ pub fn get_header(map: Map, key: &str) -> Result<Option<Vec<u8>>, Status> {
     match status {
         0 => Ok(Some(take(data, size))),
         NOT_FOUND => Ok(None),
+        s => Err(Status(s)),
+    }
+}
+
+/// A whole header map, serialized as the host writes it (read with
+/// [`kvguard_filter_core::header_map::values`]): one host call and one copy for several
+/// headers.
+pub fn get_header_pairs(map: Map) -> Result<Vec<u8>, Status> {
+    let mut data: *mut u8 = core::ptr::null_mut();
+    let mut size = 0usize;
+    // SAFETY: valid out-pointers; the returned buffer is taken over by `take`.
+    let status = unsafe { proxy_get_header_map_pairs(map as u32, &mut data, &mut size) };
+    match status {
+        0 => Ok(take(data, size)),
         s => Err(Status(s)),
     }
 }

@@ -24,7 +24,7 @@ use kvguard_filter_core::engine::{self, Engine, Streams, Verdict};
 use kvguard_filter_core::host::{Call, Clock, DispatchError, Host, Level, SharedData, SharedError};
 use kvguard_filter_core::metrics::{Kind, Metric, Metrics};
 use kvguard_filter_core::vms::{self, Share};
-use kvguard_filter_core::{config, lease, Config, Mode, OutcomeTag};
+use kvguard_filter_core::{config, header_map, lease, Config, Mode, OutcomeTag};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
 use std::hash::{BuildHasher, Hasher};
@@ -1039,32 +1039,36 @@ impl HttpContext for Stream {
     }
 
     fn on_http_response_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
-        // Always strip the control stamp, tracked or not, genuine or forged.
-        let stamp = abi::get_header(abi::Map::ResponseHeaders, CONTROL_HEADER)
-            .ok()
+        // The stamp, and for a tracked stream the body's type and encoding: read in one host
+        // call (one copy into the VM) instead of one per header; one by one if the map
+        // cannot be read or parsed.
+        let names = [CONTROL_HEADER, "content-type", "content-encoding"];
+        let map = self
+            .tracked
+            .then(|| abi::get_header_pairs(abi::Map::ResponseHeaders).ok())
             .flatten();
+        let singles: [Option<Vec<u8>>; 3];
+        let [stamp, ct, ce] = match map.as_deref().and_then(|m| header_map::values(m, names)) {
+            Some(found) => found,
+            None => {
+                singles = names.map(|h| {
+                    (self.tracked || h == CONTROL_HEADER)
+                        .then(|| abi::get_header(abi::Map::ResponseHeaders, h).ok().flatten())
+                        .flatten()
+                });
+                singles.each_ref().map(Option::as_deref)
+            }
+        };
+        // Always strip the control stamp, tracked or not, genuine or forged.
         if stamp.is_some() {
             let _ = abi::remove_header(abi::Map::ResponseHeaders, CONTROL_HEADER);
         }
         if !self.tracked {
             return Action::Continue;
         }
-        let ct = abi::get_header(abi::Map::ResponseHeaders, "content-type")
-            .ok()
-            .flatten();
-        let ce = abi::get_header(abi::Map::ResponseHeaders, "content-encoding")
-            .ok()
-            .flatten();
         let id = self.id;
         let _ = with_engine(&self.shared, |e, p| {
-            e.on_response_headers(
-                p,
-                id,
-                ct.as_deref(),
-                ce.as_deref(),
-                stamp.as_deref(),
-                end_of_stream,
-            );
+            e.on_response_headers(p, id, ct, ce, stamp, end_of_stream);
         });
         // One tracked stream per period per VM names its upstream cluster (the in-band
         // renewal goes over it); the replica a stamp names is renewed from the next tick.
