@@ -463,13 +463,14 @@ impl Metrics {
 }
 
 /// The abort API's `result` label values.
-pub const ABORT_API_RESULTS: [&str; 9] = [
+pub const ABORT_API_RESULTS: [&str; 10] = [
     "dry_run",
     "deferred",
     "forwarded",
     "aborted",
     "already_aborted",
     "not_found",
+    "peer_unanswered",
     "bad_request",
     "unauthorized",
     "replay",

@@ -195,7 +195,7 @@ impl Drop for Guard {
         } else {
             self.cause.unwrap_or("client_gone")
         };
-        self.state.remove_ended(&self.entry, cause == "complete");
+        self.state.remove(&self.entry);
         self.entry.close_engine_conn();
         self.state.count_orphan_cost(&self.entry);
         self.entry.finish();

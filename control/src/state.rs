@@ -3,7 +3,7 @@
 //! included). How a request is ended is [`crate::abort`].
 
 use crate::clock::Clock;
-use crate::config::{Config, PdRole};
+use crate::config::Config;
 use crate::engine::Engine;
 use crate::expo::{EngineFigures, EngineFlavour};
 use crate::gpu::GpuTracker;
@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-/// The in-flight table, tombstones and recent completions ([`Inflight`]), under one lock
+/// The in-flight table and tombstones ([`Inflight`]), under one lock
 /// so that admission and abort see one consistent view. The replay memory has its own
 /// lock ([`AppState::replay`]): checking a signature never holds up admission.
 pub type Inner = Inflight<Arc<Entry>>;
@@ -136,14 +136,6 @@ impl AppState {
             dry_run: cfg.dry_run,
             tombstone_ttl: cfg.tombstone_ttl,
             max_tombstones: cfg.max_tombstones,
-            // Beside a prefill engine a completion is the prefill leg's (one token), not
-            // the stream's: remembered, it would answer a stall ask about the stream
-            // `deferred` (its tail) here, where the stream's holder, the decode side, is
-            // the one to ask (the fan-out asks it).
-            reader_timeout: cfg
-                .limits
-                .reader_timeout
-                .filter(|_| cfg.pd_role != PdRole::Prefill),
         });
         let replay = Mutex::new(ReplayMemory::new(cfg.max_replay_entries));
         let keys = KeySet {
@@ -271,15 +263,6 @@ impl AppState {
     pub fn remove(&self, entry: &Arc<Entry>) {
         let mut inner = self.inner();
         inner.remove(entry);
-        self.metrics.inflight.set(inner.len() as i64);
-    }
-
-    /// Removes an entry whose response ended here; one that `completed` (the engine's
-    /// end passed on) is remembered for the reader timeout, under the same lock: its
-    /// gateway may still be draining it to a slow reader ([`AppState::defers`]).
-    pub fn remove_ended(&self, entry: &Arc<Entry>, completed: bool) {
-        let mut inner = self.inner();
-        inner.remove_ended(entry, completed);
         self.metrics.inflight.set(inner.len() as i64);
     }
 

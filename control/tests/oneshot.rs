@@ -1899,6 +1899,111 @@ async fn deferring_peer() -> std::net::SocketAddr {
     addr
 }
 
+/// A peer that answers every forwarded abort with `status`.
+async fn peer_answering(status: StatusCode) -> std::net::SocketAddr {
+    let app = axum::Router::new().route(
+        kvguard_contract::PEER_ABORT_PATH,
+        axum::routing::post(move || async move { status }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    addr
+}
+
+/// An address nothing listens on (bound, then closed): a peer that does not answer.
+async fn silent_peer() -> std::net::SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    l.local_addr().unwrap()
+}
+
+fn peers_at(peers: &[std::net::SocketAddr]) -> kvguard_control::config::PeerConfig {
+    kvguard_control::config::PeerConfig {
+        urls: peers
+            .iter()
+            .map(|p| kvguard_control::config::parse_peer_url(&format!("http://{p}")).unwrap())
+            .collect(),
+        self_addr: "127.0.0.1:1".parse().unwrap(),
+    }
+}
+
+/// An abort nobody was found holding while a peer did not answer (a partition, a peer
+/// restarting) is answered 503, so that its sender asks again: the silent peer may hold
+/// it, and a 404 would have the gateway cut a stall ask's reader, or give up on a gone
+/// client's engine. A disconnect's abort is tombstoned here all the same, a stall ask
+/// tombstones nothing; counted `peer_unanswered`. With every peer answering 404, the
+/// disconnect's abort is answered 404 (and the stall ask deferred: held nowhere).
+#[tokio::test]
+async fn an_abort_nobody_was_found_holding_asks_again_while_a_peer_did_not_answer() {
+    let (silent, not_here) = (
+        silent_peer().await,
+        peer_answering(StatusCode::NOT_FOUND).await,
+    );
+    let reader = Duration::from_secs(90);
+    for (peers, want) in [
+        (vec![silent, not_here], StatusCode::SERVICE_UNAVAILABLE),
+        (vec![not_here], StatusCode::NOT_FOUND),
+    ] {
+        // Held nowhere, a stall ask is deferred on its sender's silence instead.
+        let want_ask = if want == StatusCode::NOT_FOUND {
+            StatusCode::OK
+        } else {
+            want
+        };
+        let (st, clock) = state(|c| {
+            c.limits.reader_timeout = Some(reader);
+            c.peers = Some(peers_at(&peers));
+        });
+        let app = admin::app(st.clone());
+        let key = Key::try_new(KEY).unwrap();
+        let ask = br#"{"request_id":"slow","reason":"stalled","age_ms":70000,"idle_ms":61000,"recheck_ms":3000}"#;
+        let sig = signature::sign(Domain::Abort, &key, clock.unix_secs(), ask);
+        let (s, v) = call(app.clone(), abort_req(ask, Some(sig))).await;
+        assert_eq!(s, want_ask, "{peers:?}: {v}");
+        assert_eq!(st.inner().tombstones(), 0, "a stall ask tombstones nothing");
+        let (s, v) = signed_abort(app.clone(), "gone", clock.unix_secs()).await;
+        assert_eq!(s, want, "{peers:?}: {v}");
+        assert_eq!(
+            st.inner().tombstones(),
+            1,
+            "a disconnect's abort tombstones here"
+        );
+        let unanswered = lease_metric(
+            &st,
+            "kvguard_control_abort_api_answers_total{result=\"peer_unanswered\"}",
+        )
+        .await;
+        let expect = if want == StatusCode::SERVICE_UNAVAILABLE {
+            2.0
+        } else {
+            0.0
+        };
+        assert_eq!(unanswered, expect, "{peers:?}");
+        if want == StatusCode::SERVICE_UNAVAILABLE {
+            assert_eq!(v["error"], "peer_unanswered", "{v}");
+        }
+    }
+}
+
+/// An abort of a disaggregated request's leg asks every peer: while one did not answer,
+/// a leg may be missing, so the answer is 503 (ask again), whatever was done here.
+#[tokio::test]
+async fn a_fanned_out_abort_asks_again_while_a_leg_holder_did_not_answer() {
+    let silent = silent_peer().await;
+    let (st, clock, _decode) = pd_state(Some(400), |c| c.peers = Some(peers_at(&[silent])));
+    let leg = admitted(&st, "leg");
+    let (s, v) = signed_abort(admin::app(st.clone()), "leg", clock.unix_secs()).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    assert_eq!(
+        leg.ended(),
+        Some(AbortReason::DownstreamReset),
+        "ended here all the same"
+    );
+    clock.advance(Duration::from_secs(1));
+    let (s, v) = signed_abort(admin::app(st.clone()), "leg", clock.unix_secs()).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "asked again: {v}");
+}
+
 /// A stall ask that lands on a replica that does not hold the stream is forwarded; the
 /// holder defers it. Nothing is tombstoned, here or (a forwarded deferrable ask) on any
 /// other non-holder, so the sender's next ask landing on either is deferred too, never
@@ -1938,11 +2043,11 @@ async fn a_forwarded_deferral_tombstones_the_id_nowhere_and_is_counted_deferred(
     );
     // The same ask forwarded to this replica by another (it holds nothing): 404, and no
     // tombstone either.
-    let (peer_st, _) = state(|c| c.limits.reader_timeout = Some(Duration::from_secs(90)));
+    let (peer_st, peer_clock) = state(|c| c.limits.reader_timeout = Some(Duration::from_secs(90)));
     let env = kvguard_contract::Forwarded::new("10.0.0.8:9902", ask)
         .unwrap()
         .to_json();
-    let sig = signature::sign(Domain::Envelope, &key, NOW, &env);
+    let sig = signature::sign(Domain::Envelope, &key, peer_clock.unix_secs(), &env);
     let req = Request::post(kvguard_contract::PEER_ABORT_PATH)
         .header(kvguard_contract::SIGNATURE_HEADER, sig)
         .body(Body::from(env))
@@ -2583,7 +2688,7 @@ async fn stalled_aborts_are_deferred_only_while_the_engine_produces() {
             b["recheck_ms"] = 3000.into();
         }
         let b = serde_json::to_vec(&b).unwrap();
-        let sig = signature::sign(Domain::Abort, &key, NOW + 5, &b);
+        let sig = signature::sign(Domain::Abort, &key, clock.unix_secs(), &b);
         (app.clone(), abort_req(&b, Some(sig)))
     };
     let answer = |(app, req): (axum::Router, Request<Body>)| call(app, req);
@@ -2607,76 +2712,86 @@ async fn stalled_aborts_are_deferred_only_while_the_engine_produces() {
     assert_eq!(v["aborted"], true, "{v}");
     let (_, v) = answer(ask("gone", "downstream_reset", 10_000, true)).await;
     assert_eq!(v["aborted"], true, "{v}");
-    // Not in flight: 404 as ever.
-    let (s, _) = answer(ask("never", "stalled", 10_000, true)).await;
-    assert_eq!(s, StatusCode::NOT_FOUND);
+    // Held nowhere (no peers): judged on the sender's silence alone, as a tail.
+    let (s, v) = answer(ask("never", "stalled", 10_000, true)).await;
+    assert_eq!(v["deferred"], true, "{s}: {v}");
 }
 
-/// A request that completed here is remembered (by count, never by a time): a `stalled`
-/// abort with `recheck_ms` whose sender saw no data for less than the reader timeout is
-/// answered `deferred` (its gateway may still drain the tail to a slow reader), however
-/// long after the completion; 404 for one whose sender's silence reached it, one without
-/// `recheck_ms`, a request that ended otherwise, and an id never seen.
+/// A stall ask nobody holds (not here, and every peer answered 404) is judged on its
+/// sender's silence alone: nothing is held to free, and its gateway may still be draining
+/// a completed response's tail to a slow reader, however long after the engine's end.
+/// Deferred while the sender saw data within the reader timeout (a request that completed
+/// here, or one never seen: a restart forgets nothing that matters); 404 once its silence
+/// reached it, for a sender that allows no deferral, and for another reason.
 #[tokio::test]
-async fn stalled_aborts_of_a_request_completed_here_are_deferred_on_the_senders_evidence() {
+async fn a_stall_ask_held_nowhere_is_deferred_on_its_senders_silence() {
     let reader = Duration::from_secs(90);
-    let (st, clock) = state(|c| c.limits.reader_timeout = Some(reader));
-    let app = admin::app(st.clone());
-    let key = Key::try_new(KEY).unwrap();
-    let ended = |id: &str, completed: bool| {
-        let e = admitted(&st, id);
-        e.record_events(1, clock.now());
-        st.remove_ended(&e, completed);
-    };
-    for id in ["done", "done-2", "done-3"] {
-        ended(id, true);
-    }
-    ended("cut", false);
-    assert_eq!(st.inflight(), 0);
-    let ask = |id: &str, idle_ms: u64, recheck: bool| {
-        let mut b = json!({"request_id": id, "reason": "stalled", "age_ms": 9, "idle_ms": idle_ms});
-        if recheck {
-            b["recheck_ms"] = 3000.into();
+    let not_here = peer_answering(StatusCode::NOT_FOUND).await;
+    for peers in [None, Some(peers_at(&[not_here]))] {
+        let with_peers = peers.is_some();
+        let (st, clock) = state(|c| {
+            c.limits.reader_timeout = Some(reader);
+            c.peers = peers;
+        });
+        let app = admin::app(st.clone());
+        let key = Key::try_new(KEY).unwrap();
+        let ask = |id: &str, reason: &str, idle_ms: u64, recheck: bool| {
+            let mut b =
+                json!({"request_id": id, "reason": reason, "age_ms": 9, "idle_ms": idle_ms});
+            if recheck {
+                b["recheck_ms"] = 3000.into();
+            }
+            let b = serde_json::to_vec(&b).unwrap();
+            let sig = signature::sign(Domain::Abort, &key, clock.unix_secs(), &b);
+            call(app.clone(), abort_req(&b, Some(sig)))
+        };
+        let done = admitted(&st, "done");
+        done.record_events(1, clock.now());
+        st.remove(&done);
+        clock.advance(reader * 10);
+        for id in ["done", "never-seen"] {
+            assert_eq!(
+                ask(id, "stalled", 89_999, true).await,
+                (
+                    StatusCode::OK,
+                    json!({"request_id": id, "found": true, "deferred": true})
+                ),
+                "peers: {with_peers}"
+            );
         }
-        let b = serde_json::to_vec(&b).unwrap();
-        let sig = signature::sign(Domain::Abort, &key, clock.unix_secs(), &b);
-        call(app.clone(), abort_req(&b, Some(sig)))
-    };
-    let deferred = |id: &str| {
-        (
-            StatusCode::OK,
-            json!({"request_id": id, "found": true, "deferred": true}),
-        )
-    };
-    clock.advance(reader - Duration::from_millis(1));
-    assert_eq!(ask("done", 89_999, true).await, deferred("done"));
-    for (id, idle, recheck) in [
-        ("done-2", 90_000, true),
-        ("done-3", 10_000, false),
-        ("cut", 10_000, true),
-        ("never", 10_000, true),
-    ] {
-        let (s, v) = ask(id, idle, recheck).await;
-        assert_eq!(s, StatusCode::NOT_FOUND, "{id}: {v}");
+        assert_eq!(st.inner().tombstones(), 0, "a deferral tombstones nothing");
+        for (id, reason, idle, recheck) in [
+            ("silent-sender", "stalled", 90_000, true),
+            ("old-sender", "stalled", 10_000, false),
+            ("gone", "downstream_reset", 10_000, true),
+        ] {
+            let (s, v) = ask(id, reason, idle, recheck).await;
+            assert_eq!(s, StatusCode::NOT_FOUND, "{id}, peers: {with_peers}: {v}");
+        }
     }
-    // Judged on the sender's evidence alone, however long after the completion.
-    clock.advance(reader * 10);
-    assert_eq!(ask("done", 10_000, true).await, deferred("done"));
-    let (s, _) = ask("done", 90_000, true).await;
-    assert_eq!(s, StatusCode::NOT_FOUND);
 }
 
 /// Beside a prefill engine a completion is the prefill leg's (one token), not the
 /// stream's: it is not remembered, so a stall ask about the stream is not answered
-/// `deferred` here (with peers it goes to the decode side, which holds the stream).
+/// `deferred` here; it goes to the decode side, which holds the stream and ends it.
 #[tokio::test]
 async fn a_prefill_sides_completion_defers_no_stall_ask() {
+    let app = axum::Router::new().route(
+        kvguard_contract::PEER_ABORT_PATH,
+        axum::routing::post(|| async {
+            axum::Json(json!({"request_id": "leg", "found": true, "aborted": true}))
+        }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let decode_replica = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await });
     let (st, clock, _decode) = pd_state(Some(400), |c| {
         c.limits.reader_timeout = Some(Duration::from_secs(90));
+        c.peers = Some(peers_at(&[decode_replica]));
     });
     let e = admitted(&st, "leg");
     e.record_events(1, clock.now());
-    st.remove_ended(&e, true);
+    st.remove(&e);
     let ask = br#"{"request_id":"leg","reason":"stalled","age_ms":9000,"idle_ms":6000,"recheck_ms":3000}"#;
     let sig = signature::sign(
         Domain::Abort,
@@ -2685,6 +2800,12 @@ async fn a_prefill_sides_completion_defers_no_stall_ask() {
         ask,
     );
     let (s, v) = call(admin::app(st.clone()), abort_req(ask, Some(sig))).await;
-    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
-    assert_eq!(st.inner().tombstones(), 0, "a stall ask tombstones nothing");
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["deferred"], json!(null), "{v}");
+    assert_eq!(v["aborted"], true, "the decode side's leg: {v}");
+    assert_eq!(
+        st.inner().tombstones(),
+        0,
+        "a stall ask tombstones nothing here"
+    );
 }

@@ -301,11 +301,10 @@ async fn a_stall_abort_of_a_completed_request_is_deferred_while_its_sender_saw_d
         let deferred = json!({"request_id": "done", "found": true, "deferred": true});
         assert_eq!(stalled(admin, "done", 1_500, Some(500)).await, deferred);
         // Not when its gateway's silence reached the reader timeout, nor for a sender that
-        // does not allow a deferral, nor for an id never seen: 404 (and a tombstone).
+        // does not allow a deferral: 404 (and a tombstone).
         for (id, idle, recheck) in [
             ("done-2", reader.as_millis() as u64, Some(500)),
             ("done-3", 10, None),
-            ("never-seen", 10, Some(500)),
         ] {
             let (status, v) = stall_call(admin, id, idle, recheck).await;
             assert_eq!(

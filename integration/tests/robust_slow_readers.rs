@@ -273,7 +273,7 @@ async fn slow_readers_are_never_cut_and_silent_ones_are_reaped() {
                 );
                 // The case was reached: a stall abort came after the engine finished.
                 assert!(
-                    log.lines().any(|l| l.contains(id.as_str()) && l.contains("drains its tail")),
+                    log.lines().any(|l| l.contains(id.as_str()) && l.contains("held nowhere")),
                     "no stall of the {name} reader was deferred after its engine finished"
                 );
                 continue;
@@ -558,7 +558,7 @@ async fn readers_at_the_floor_and_pausing_readers_at_the_shipped_timings_scaled(
                 assert_eq!(rec.ended, Some(EndKind::Length), "{name}: its engine did not finish");
                 assert!(c.bytes_read().windows(6).any(|w| w == b"[DONE]"), "{name}: did not reach the end ({n} bytes)");
                 assert!(
-                    log.lines().any(|l| l.contains(id.as_str()) && l.contains("drains its tail")),
+                    log.lines().any(|l| l.contains(id.as_str()) && l.contains("held nowhere")),
                     "{name}: no stall was deferred after its engine finished: the test did not reach the case"
                 );
                 continue;

@@ -33,9 +33,6 @@ pub enum Mechanism {
     /// kvguard-control defers a stall ask whose engine produces and whose reader drains
     /// (`Inflight::judge` → `Cut::Defer`). Off: never deferred.
     Deferral,
-    /// kvguard-control remembers a completed response (`Inflight::remove_ended`, for
-    /// `--reader-timeout`) so that an ask about its tail is deferred. Off: forgotten.
-    CompletionMemory,
     /// Tombstones: an ended or aborted id is refused for `--tombstone-ttl`, and an abort
     /// that finds nothing tombstones the id. Off: a TTL of zero.
     Tombstones,
@@ -54,12 +51,11 @@ pub enum Mechanism {
 }
 
 /// Every switchable mechanism, in the table's order.
-pub const ALL: [Mechanism; 10] = [
+pub const ALL: [Mechanism; 9] = [
     Mechanism::SecondTick,
     Mechanism::MassStallValve,
     Mechanism::StallAsks,
     Mechanism::Deferral,
-    Mechanism::CompletionMemory,
     Mechanism::Tombstones,
     Mechanism::PeerForwarding,
     Mechanism::Lease,
@@ -75,7 +71,6 @@ impl Mechanism {
             Mechanism::MassStallValve => "valve",
             Mechanism::StallAsks => "stall-asks",
             Mechanism::Deferral => "deferral",
-            Mechanism::CompletionMemory => "completion-memory",
             Mechanism::Tombstones => "tombstones",
             Mechanism::PeerForwarding => "peer-forwarding",
             Mechanism::Lease => "lease",
@@ -136,15 +131,6 @@ impl Mechanism {
                 crate::findings::guards().into_iter().nth(1)?.schedule,
             ),
             Mechanism::StallAsks | Mechanism::Deferral => (Promise::Invariant1, slow_readers()),
-            // A reader draining the tail pauses 65 s after its engine finished (finding
-            // 36.1's schedule).
-            Mechanism::CompletionMemory => (
-                Promise::Invariant1,
-                crate::findings::regressions()
-                    .into_iter()
-                    .find(|f| f.name == "36.1")?
-                    .schedule,
-            ),
             // The hop queues the request 1 s; its client leaves after 100 ms, and its
             // abort arrives first: the tombstone refuses the request when it comes.
             Mechanism::Tombstones => (
@@ -271,7 +257,7 @@ impl Mutations {
 pub const UNSWITCHED: [(&str, &str); 5] = [
     (
         "replay memory",
-        "not modelled: the simulated replicas trust every call (no signatures); it exists against a captured signed call replayed within its ±30 s window",
+        "modelled (every abort call's signature is verified and remembered), not switched: no simulated actor replays a captured call; it exists against one replayed within its ±30 s window",
     ),
     (
         "lease hold",

@@ -20,6 +20,11 @@ pub fn classify(promise: Promise, s: &Stream, setup: &Setup) -> Option<&'static 
         .as_ref()
         .is_some_and(|(_, who, r)| who.contains("reaper") && *r == AbortReason::Stalled);
     match promise {
+        // A peer that did not answer was taken for one that does not hold the id.
+        Promise::Invariant1 | Promise::Invariant2 if s.peers_cut => Some("sim.9"),
+        // A restarted replica forgot the completion of a stream whose reader drains its
+        // tail, and answered its stall ask 404.
+        Promise::Invariant1 if by_gateway && s.completion_forgotten => Some("sim.8"),
         // kvguard-control's own wait on the reader, which lags the drain by a third of its
         // socket, ended the stream of a client that reads.
         Promise::Invariant1 if by_reaper => Some("36.7"),
@@ -73,6 +78,16 @@ fn stream(at: u64, gw: u8, replica: u8, client: Client, tokens: u32, token_ms: u
         tokens,
         token_ms,
     }
+}
+
+/// The reader of seed 144: 2.7 KB/s, pausing 60 s in its tail (sim.8, sim.10).
+fn tail_reader() -> Op {
+    let client = Client::Pausing {
+        bps: 2_700,
+        after_ms: 10_321,
+        pause_ms: 59_606,
+    };
+    stream(22_044, 0, 0, client, 277, 41)
 }
 
 /// Every known finding, with a hand-written schedule (the shrunk form of what the seed
@@ -170,6 +185,69 @@ pub fn guards() -> Vec<Guard> {
 /// all. A finding of [`known`] whose fix lands moves here, with its schedule.
 pub fn regressions() -> Vec<Finding> {
     vec![
+        Finding {
+            name: "sim.8",
+            title: "a replica restart forgets a completion: the stall ask of a reader draining its tail is answered 404, the reader cut",
+            schedule: Schedule {
+                seed: 144,
+                setup: Setup {
+                    hop_routes_lease: false,
+                    idle_ms: 30_000,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    tail_reader(),
+                    Op::ReplicaRestart {
+                        at: 64_581,
+                        replica: 0,
+                    },
+                ],
+            },
+        },
+        Finding {
+            name: "sim.10",
+            title: "a hop that sends an abort call twice: the second delivery is a replay (409), and the filter took that for a verdict: a deferred reader cut",
+            schedule: Schedule {
+                seed: 144,
+                setup: Setup {
+                    hop_routes_lease: false,
+                    idle_ms: 30_000,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    tail_reader(),
+                    Op::HopRetries {
+                        at: 55_696,
+                        for_ms: 19_500,
+                        retry_ms: 535,
+                    },
+                ],
+            },
+        },
+        Finding {
+            name: "sim.9",
+            title: "P/D: a peer that does not answer is taken for one that does not hold the id: a disconnect's abort is answered 404, the decode leg runs on",
+            schedule: Schedule {
+                seed: 2031,
+                setup: Setup {
+                    gateways: 2,
+                    replicas: 2,
+                    pd: true,
+                    hop_hides: true,
+                    hop_routes_lease: false,
+                    pods_deleted: true,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(27_491, 1, 1, Client::Steady { bps: 1_444 }, 2_154, 16),
+                    stream(36_723, 0, 0, Client::Leaves { after_ms: 30_942 }, 2_989, 24),
+                    Op::PartitionPeers {
+                        at: 61_772,
+                        for_ms: 15_135,
+                    },
+                ],
+            },
+        },
         Finding {
             name: "sim.7",
             title: "a lone gateway gone with its pod 2 s after it started: its listener answers nothing, which ends its orphans",

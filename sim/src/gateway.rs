@@ -16,9 +16,11 @@ use kvguard_filter_core::metrics::{Metric, Metrics};
 use kvguard_filter_core::Engine;
 use std::collections::BTreeMap;
 
-/// The secret the gateways sign with (the simulated kvguard-control trusts every call:
-/// signatures and replay memory are not what the simulation checks).
+/// The secret the gateways sign with (every replica's key).
 pub const SECRET: &str = "kvguard-sim-secret-0123456789abcdef";
+
+/// The wall clock's Unix seconds at virtual time 0 (every process's, unless stepped).
+pub const UNIX_AT_ZERO: u64 = 1_700_000_000;
 
 /// An HTTP call the filter dispatched, waiting for the world to deliver it.
 #[derive(Debug, Clone)]
@@ -31,6 +33,8 @@ pub struct Outgoing {
     pub path: String,
     /// Its body.
     pub body: Vec<u8>,
+    /// Its `x-kvguard-signature`.
+    pub signature: Option<String>,
     /// Envoy's timeout for it.
     pub timeout_ms: u64,
 }
@@ -40,6 +44,8 @@ pub struct Outgoing {
 pub struct SimHost {
     /// Virtual monotonic ms.
     pub now: u64,
+    /// How far the wall clock was stepped ([`crate::schedule::Op::ClockStep`]), seconds.
+    pub wall_step_s: i64,
     next_token: u32,
     /// Calls dispatched since the world last took them.
     pub outbox: Vec<Outgoing>,
@@ -53,7 +59,7 @@ impl Clock for SimHost {
         self.now
     }
     fn unix_secs(&self) -> u64 {
-        1_700_000_000 + self.now / 1000
+        (UNIX_AT_ZERO + self.now / 1000).saturating_add_signed(self.wall_step_s)
     }
 }
 
@@ -66,11 +72,17 @@ impl Host for SimHost {
             .find(|(k, _)| *k == ":path")
             .map(|(_, v)| v.clone())
             .unwrap_or_default();
+        let signature = call
+            .headers
+            .iter()
+            .find(|(k, _)| *k == kvguard_contract::SIGNATURE_HEADER)
+            .map(|(_, v)| v.clone());
         self.outbox.push(Outgoing {
             token: self.next_token,
             cluster: call.cluster.to_owned(),
             path,
             body: call.body.clone(),
+            signature,
             timeout_ms: call.timeout_ms,
         });
         Ok(self.next_token)

@@ -1,31 +1,36 @@
 //! A kvguard-control replica: the REAL control core (`kvguard-control-core`: the
-//! in-flight table with tombstones and completion memory and its judgement of an ask
+//! in-flight table with tombstones and its judgement of an ask
 //! ([`Inflight::judge`]) and of the reaper's pass ([`Inflight::due`]), the
 //! reaper's verdicts, leases) composed as the service's shell composes it. Each method
 //! names the shell function it mirrors; what the shell does with sockets (closing the
 //! engine connection, writing the final event) is returned for the world to carry out.
 //!
-//! Not modelled: signatures and the replay memory (every call is trusted; the proof of
-//! life on a request is verified, with the gateways' one key), `--dry-run`,
-//! P/D hand-offs (held prefill blocks), replica restarts, the abort flush deadline.
+//! Signatures are verified with the gateways' one key against this replica's wall clock,
+//! and remembered in the real replay memory. Not modelled: `--dry-run`,
+//! P/D hand-offs (held prefill blocks), the abort flush deadline.
 
 use crate::ablation::{Mechanism, Mutations};
+use kvguard_contract::{signature, Domain};
 use kvguard_contract::{
     AbortAnswer, AbortReason, AbortRequest, InstanceId, Key, Leg, RenewalBody, RequestId, TagHeader,
 };
 use kvguard_control_core::abort::{
-    after_fan_out, after_forward, answer_deferred, deferrable, leg_result, legs_of, route, summary,
-    AbortFound, FannedOut, Forwarded, Route,
+    after_fan_out, after_forward, answer_deferred, ask_again, deferrable, leg_result, legs_of,
+    route, summary, AbortFound, FannedOut, Forwarded, Route,
 };
-use kvguard_control_core::cut::{Ask, Cut, Deferral};
+use kvguard_control_core::cut::{may_end, Ask, Cut, Deferral, Here};
 use kvguard_control_core::inflight::{AbortHere, Held, Inflight, InflightConfig};
 use kvguard_control_core::lease::{Expiry, Leases, ProbeAnswer};
 use kvguard_control_core::limits::Limits;
+use kvguard_control_core::replay::{ReplayMemory, Seen};
 use kvguard_control_core::request::{Progress, Times};
 use std::cell::{Cell, RefCell};
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
+
+/// The replay memory's bound (`config::MAX_REPLAY_ENTRIES`).
+const MAX_REPLAY_ENTRIES: usize = 100_000;
 
 /// kvguard-control's shipped flags, as they matter here.
 pub mod flags {
@@ -109,6 +114,21 @@ pub struct Replica {
     /// Listeners its lease judgement or admission asked about (`lease::enforce::probe`:
     /// the world connects and gives the answer to [`Replica::probed`]).
     pub probes: Vec<(InstanceId, SocketAddr)>,
+    replay: ReplayMemory,
+}
+
+/// `peers::PEER_TIMEOUT`: how long the shell waits for a peer that does not answer.
+pub const PEER_TIMEOUT_MS: u64 = 500;
+
+/// How a replica's peer calls fare.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerPath {
+    /// Every peer answers.
+    Up,
+    /// Every peer call times out ([`crate::schedule::Op::PartitionPeers`]).
+    Cut,
+    /// No peer is asked (the peer-forwarding mutation).
+    Off,
 }
 
 /// A virtual millisecond as an `Instant` (the core takes `Instant`s; only differences
@@ -119,7 +139,12 @@ fn at(base: Instant, ms: u64) -> Instant {
 
 impl Replica {
     /// A replica started at virtual time 0 with the shipped flags.
-    pub fn new(index: u8, base: Instant, mutations: Mutations) -> Replica {
+    pub fn new(
+        index: u8,
+        base: Instant,
+        mutations: Mutations,
+        pd_role: Option<&'static str>,
+    ) -> Replica {
         let ms = Duration::from_millis;
         let reader = Some(ms(flags::READER_TIMEOUT_MS));
         Replica {
@@ -133,7 +158,6 @@ impl Replica {
                     ms(flags::TOMBSTONE_TTL_MS)
                 },
                 max_tombstones: 100_000,
-                reader_timeout: reader,
             }),
             leases: Leases::new(ms(flags::LEASE_TTL_MS)),
             limits: Limits {
@@ -145,14 +169,51 @@ impl Replica {
             next_seq: 0,
             base,
             mutations,
-            pd_role: None,
+            pd_role,
             received: crate::fleet::Received::default(),
             probes: Vec::new(),
+            replay: ReplayMemory::new(MAX_REPLAY_ENTRIES),
+        }
+    }
+
+    /// `endpoint::verify_fresh`: a signed call's signature (`t` within ±30 s of this
+    /// replica's wall clock, the gateways' key) remembered; the refusal's status if not:
+    /// 401, 409 (a replay), 503 (the memory full of live signatures).
+    pub fn verify_fresh(
+        &mut self,
+        domain: Domain,
+        header: Option<&str>,
+        body: &[u8],
+        now_ms: u64,
+    ) -> Result<(), u16> {
+        let now_unix = crate::gateway::UNIX_AT_ZERO + now_ms / 1000;
+        let key = Key::try_new(crate::gateway::SECRET.as_bytes()).map_err(|_| 401u16)?;
+        let sig = signature::verify(
+            domain,
+            std::slice::from_ref(&key),
+            header.map(str::as_bytes),
+            body,
+            now_unix,
+        )
+        .map_err(|_| 401u16)?;
+        match self.replay.check_and_remember(&sig, now_unix) {
+            Seen::Fresh => Ok(()),
+            Seen::Replay => Err(409),
+            Seen::Full => Err(503),
         }
     }
 
     fn now(&self, ms: u64) -> Instant {
         at(self.base, ms)
+    }
+
+    /// The same replica restarted: its flags and role, empty memory (what it received
+    /// stays counted).
+    pub fn restarted(&self) -> Replica {
+        Replica {
+            received: self.received,
+            ..Replica::new(self.index, self.base, self.mutations, self.pd_role)
+        }
     }
 
     /// `proxy::proxy` admission with `tag_instance`: the request enters the table; its
@@ -225,13 +286,10 @@ impl Replica {
             .is_some_and(|e| e.seq() == entry.seq())
     }
 
-    /// `proxy::Guard::drop` → `AppState::remove_ended`: the response ended here
-    /// (`completed`: the engine's end was handed on) or its client's side went away.
-    pub fn remove_ended(&mut self, entry: &EntryRef, completed: bool, now_ms: u64) {
-        let now = self.now(now_ms);
-        let _ = now;
-        let completed = completed && !self.mutations.off(Mechanism::CompletionMemory);
-        self.inflight.remove_ended(entry, completed);
+    /// `proxy::Guard::drop` → `AppState::remove`: the response ended here, or its
+    /// client's side went away.
+    pub fn remove(&mut self, entry: &EntryRef) {
+        self.inflight.remove(entry);
     }
 
     /// `AppState::end_request` (enforce mode): leaves the table, tombstoned; `false`
@@ -254,12 +312,21 @@ impl Replica {
             return None;
         }
         let now = self.now(now_ms);
-        let ask = Ask::Abort {
-            reason: abort.reason,
-            recheck: abort.recheck_ms.is_some(),
-            sender_idle: abort.idle_ms.map(Duration::from_millis),
-        };
+        let ask = Ask::of(abort);
         match self.inflight.judge(id, ask, now, &self.limits) {
+            Cut::Defer(d) => Some(d),
+            Cut::End(_) | Cut::Keep => None,
+        }
+    }
+
+    /// `abort::AppState::defers_held_nowhere`: an abort nobody holds (not here, every
+    /// peer answered so), judged on its sender's silence as a tail.
+    pub fn defers_held_nowhere(&self, abort: &AbortRequest, now_ms: u64) -> Option<Deferral> {
+        if self.mutations.off(Mechanism::Deferral) {
+            return None;
+        }
+        let ask = Ask::of(abort);
+        match may_end(Here::Nowhere, ask, self.now(now_ms), &self.limits) {
             Cut::Defer(d) => Some(d),
             Cut::End(_) | Cut::Keep => None,
         }
@@ -381,6 +448,8 @@ pub struct Answer {
     pub body: Vec<u8>,
     /// How it was decided, for the timeline.
     pub how: String,
+    /// Peers were asked (the answer waits for them).
+    pub waited_on_peers: bool,
 }
 
 fn answer(
@@ -404,6 +473,7 @@ fn answer(
         status,
         body: serde_json::to_vec(&a).unwrap_or_default(),
         how,
+        waited_on_peers: false,
     }
 }
 
@@ -441,21 +511,54 @@ fn found_answer(id: &RequestId, found: AbortFound, how: &str) -> Answer {
 }
 
 /// `abort::endpoint::abort` with `abort::abort` (no P/D): `POST /v1/abort` on replica
-/// `here` of `replicas` (peers: all the others, reached when `peers_up`). `ended`
+/// `here` of `replicas` (peers: all the others, reached as `peers` says). `ended`
 /// collects the requests ended, wherever.
 pub fn abort_call(
     replicas: &mut [Replica],
     here: usize,
     body: &[u8],
     now_ms: u64,
-    peers_up: bool,
+    peers: PeerPath,
     ended: &mut Vec<Ended>,
 ) -> Answer {
+    let mut asked = false;
+    let mut a = decide_abort(replicas, here, body, now_ms, peers, &mut asked, ended);
+    // `endpoint::abort`: `Decided::held_nowhere` (a 404: not here, every peer said so).
+    if a.status == 404 {
+        if let Ok((abort, id)) = AbortRequest::parse(body) {
+            if let Some(d) = replicas[here].defers_held_nowhere(&abort, now_ms) {
+                a = answer(
+                    &id,
+                    200,
+                    true,
+                    false,
+                    false,
+                    true,
+                    format!("deferred ({})", d.why()),
+                );
+            }
+        }
+    }
+    a.waited_on_peers = asked;
+    a
+}
+
+fn decide_abort(
+    replicas: &mut [Replica],
+    here: usize,
+    body: &[u8],
+    now_ms: u64,
+    peers_path: PeerPath,
+    asked: &mut bool,
+    ended: &mut Vec<Ended>,
+) -> Answer {
+    let peers_up = peers_path == PeerPath::Up;
     let Ok((abort, id)) = AbortRequest::parse(body) else {
         return Answer {
             status: 400,
             body: Vec::new(),
             how: "bad_request".into(),
+            waited_on_peers: false,
         };
     };
     let reason = abort.reason;
@@ -479,6 +582,7 @@ pub fn abort_call(
                 AbortFound::NotFound => {
                     // `Peers::forward_abort`: every peer at once; the first 200 answers.
                     let mut first = None;
+                    *asked = peers_path != PeerPath::Off;
                     if peers_up {
                         for p in 0..replicas.len() {
                             if p == here {
@@ -502,6 +606,10 @@ pub fn abort_call(
                         }
                         _ => {
                             let found = replicas[here].abort_here(&id, reason, now_ms, tomb, ended);
+                            let held = found != AbortFound::NotFound;
+                            if ask_again(Route::HereThenPeer, held, peers_path != PeerPath::Cut) {
+                                return ask_again_answer();
+                            }
                             found_answer(&id, found, "no peer holds it, decided here")
                         }
                     }
@@ -515,6 +623,7 @@ pub fn abort_call(
         Route::EveryLeg => {
             let found = replicas[here].abort_here(&id, reason, now_ms, false, ended);
             let (mut remote, mut deferred) = (Vec::new(), false);
+            *asked = peers_path != PeerPath::Off;
             if peers_up {
                 for p in 0..replicas.len() {
                     if p != here {
@@ -551,6 +660,9 @@ pub fn abort_call(
             };
             let mut legs = legs_here(&replicas[here], found);
             legs.extend(remote);
+            if ask_again(Route::EveryLeg, true, peers_path != PeerPath::Cut) {
+                return ask_again_answer();
+            }
             legs_answer(&id, legs)
         }
         Route::Here => {
@@ -560,6 +672,16 @@ pub fn abort_call(
             }
             found_answer(&id, found, "here")
         }
+    }
+}
+
+/// `endpoint::abort`'s `Decided::AskAgain`: 503, the sender asks again.
+fn ask_again_answer() -> Answer {
+    Answer {
+        status: 503,
+        body: Vec::new(),
+        how: "ask again: a peer did not answer".into(),
+        waited_on_peers: true,
     }
 }
 
@@ -602,6 +724,7 @@ fn legs_answer(id: &RequestId, legs: Vec<Leg>) -> Answer {
         status: if found { 200 } else { 404 },
         body: serde_json::to_vec(&a).unwrap_or_default(),
         how: format!("legs [{how}]"),
+        waited_on_peers: false,
     }
 }
 

@@ -143,6 +143,66 @@ pub enum Op {
         /// Which.
         replica: u8,
     },
+    /// The replicas cannot reach each other for `for_ms` (a NetworkPolicy, a partition
+    /// between zones): every peer call (forwarded abort, P/D fan-out, renewal fan-out)
+    /// times out.
+    PartitionPeers {
+        /// When.
+        at: u64,
+        /// How long.
+        for_ms: u64,
+    },
+    /// Replica `replica`'s process restarts (a crash, an OOM kill, a rollout): it comes
+    /// back at once with empty memory (no table, tombstones or leases); the
+    /// streams it relayed are reset both ways (its engine sees its client go).
+    ReplicaRestart {
+        /// When.
+        at: u64,
+        /// Which.
+        replica: u8,
+    },
+    /// A hop on the admin path retries every call for `for_ms`: each reaches
+    /// kvguard-control twice, the same bytes `retry_ms` apart, and the gateway gets the
+    /// second delivery's answer (the first's is lost with the attempt the hop gave up).
+    HopRetries {
+        /// When.
+        at: u64,
+        /// How long.
+        for_ms: u64,
+        /// How long after the first delivery the copy arrives.
+        retry_ms: u64,
+    },
+    /// kvguard-control's admin listener is saturated for `for_ms`: each call waits
+    /// `delay_ms` before it is handled (past the caller's 1 s timeout, it is handled
+    /// anyway, after the caller's retry may have been).
+    SlowAdmin {
+        /// When.
+        at: u64,
+        /// How long.
+        for_ms: u64,
+        /// Each call's wait.
+        delay_ms: u64,
+    },
+    /// The data path from replica `replica` toward the gateways is partitioned for
+    /// `for_ms`: no byte moves either way, no connection closes.
+    PartitionData {
+        /// When.
+        at: u64,
+        /// Whose.
+        replica: u8,
+        /// How long.
+        for_ms: u64,
+    },
+    /// Gateway `gw`'s wall clock steps by `step_s` seconds (NTP, a VM resumed); its
+    /// timers run on the monotonic clock, its signatures on the wall clock.
+    ClockStep {
+        /// When.
+        at: u64,
+        /// Which.
+        gw: u8,
+        /// By how much (negative: back).
+        step_s: i64,
+    },
 }
 
 impl Op {
@@ -166,7 +226,13 @@ impl Op {
             | Op::Freeze { at, .. }
             | Op::EnginePause { at, .. }
             | Op::LoseCalls { at, .. }
-            | Op::ReplicaLost { at, .. } => at,
+            | Op::ReplicaLost { at, .. }
+            | Op::PartitionPeers { at, .. }
+            | Op::ReplicaRestart { at, .. }
+            | Op::HopRetries { at, .. }
+            | Op::SlowAdmin { at, .. }
+            | Op::PartitionData { at, .. }
+            | Op::ClockStep { at, .. } => at,
         }
     }
 }
@@ -272,6 +338,54 @@ impl Schedule {
             setup.hop_queue_ms = r.range(50, 2_000);
         }
         setup.pods_deleted = r.chance(300);
+        if replicas > 1 && r.chance(150) {
+            ops.push(Op::PartitionPeers {
+                at: r.range(0, 90_000),
+                for_ms: r.range(500, 20_000),
+            });
+        }
+        if r.chance(100) {
+            ops.push(Op::ReplicaRestart {
+                at: r.range(0, 90_000),
+                replica: r.range(0, u64::from(replicas) - 1) as u8,
+            });
+        }
+        if r.chance(100) {
+            ops.push(Op::HopRetries {
+                at: r.range(0, 90_000),
+                for_ms: r.range(500, 20_000),
+                retry_ms: r.range(50, 900),
+            });
+        }
+        if r.chance(100) {
+            ops.push(Op::SlowAdmin {
+                at: r.range(0, 90_000),
+                for_ms: r.range(500, 20_000),
+                delay_ms: r.range(100, 3_000),
+            });
+        }
+        if r.chance(100) {
+            // Within the signatures' ±30 s window: a step there must change nothing.
+            let step = r.range(1, 25) as i64;
+            ops.push(Op::ClockStep {
+                at: r.range(0, 90_000),
+                gw: r.range(0, u64::from(gateways) - 1) as u8,
+                step_s: if r.chance(500) { step } else { -step },
+            });
+        }
+        if r.chance(100) {
+            // Short (under half the idle timeout: nothing may be cut) or long (past it: a
+            // stall to its readers).
+            ops.push(Op::PartitionData {
+                at: r.range(0, 90_000),
+                replica: r.range(0, u64::from(replicas) - 1) as u8,
+                for_ms: if r.chance(500) {
+                    r.range(100, setup.idle_ms / 2 - 1_000)
+                } else {
+                    r.range(setup.idle_ms + 5_000, 2 * setup.idle_ms)
+                },
+            });
+        }
         Schedule { seed, setup, ops }
     }
 }
@@ -330,6 +444,12 @@ impl fmt::Display for Op {
             } => write!(f, "{at:>9} the engine behind replica{replica} pauses {for_ms} ms"),
             Op::LoseCalls { at, for_ms } => write!(f, "{at:>9} calls to kvguard-control lost for {for_ms} ms"),
             Op::ReplicaLost { at, replica } => write!(f, "{at:>9} replica{replica} lost for good (its engine with it)"),
+            Op::PartitionPeers { at, for_ms } => write!(f, "{at:>9} the replicas cannot reach each other for {for_ms} ms"),
+            Op::ReplicaRestart { at, replica } => write!(f, "{at:>9} replica{replica} restarts with empty memory"),
+            Op::HopRetries { at, for_ms, retry_ms } => write!(f, "{at:>9} a hop on the admin path sends every call twice, {retry_ms} ms apart, for {for_ms} ms"),
+            Op::SlowAdmin { at, for_ms, delay_ms } => write!(f, "{at:>9} kvguard-control's admin listener saturated for {for_ms} ms: each call waits {delay_ms} ms"),
+            Op::ClockStep { at, gw, step_s } => write!(f, "{at:>9} gw{gw}'s wall clock steps {step_s:+} s"),
+            Op::PartitionData { at, replica, for_ms } => write!(f, "{at:>9} the data path from replica{replica} is partitioned for {for_ms} ms"),
         }
     }
 }

@@ -52,8 +52,18 @@ pub fn shrink(sched: &Schedule, mutations: Mutations, first: &Violation) -> Sche
 fn simpler_setups(s: &Schedule) -> Vec<Schedule> {
     let mut out = Vec::new();
     let used_gw = s.ops.iter().map(|op| match *op {
-        Op::Stream { gw, .. } | Op::Kill { gw, .. } | Op::Freeze { gw, .. } => gw,
-        Op::LoseCalls { .. } | Op::EnginePause { .. } | Op::ReplicaLost { .. } => 0,
+        Op::Stream { gw, .. }
+        | Op::Kill { gw, .. }
+        | Op::Freeze { gw, .. }
+        | Op::ClockStep { gw, .. } => gw,
+        Op::LoseCalls { .. }
+        | Op::EnginePause { .. }
+        | Op::ReplicaLost { .. }
+        | Op::PartitionPeers { .. }
+        | Op::ReplicaRestart { .. }
+        | Op::HopRetries { .. }
+        | Op::SlowAdmin { .. }
+        | Op::PartitionData { .. } => 0,
     });
     let used_gw = used_gw.max().unwrap_or(0);
     if s.setup.gateways > used_gw + 1 {
@@ -67,7 +77,9 @@ fn simpler_setups(s: &Schedule) -> Vec<Schedule> {
         for op in &mut c.ops {
             if let Op::Stream { replica, .. }
             | Op::EnginePause { replica, .. }
-            | Op::ReplicaLost { replica, .. } = op
+            | Op::ReplicaLost { replica, .. }
+            | Op::ReplicaRestart { replica, .. }
+            | Op::PartitionData { replica, .. } = op
             {
                 *replica = 0;
             }

@@ -22,11 +22,12 @@ use crate::ablation::{Mechanism, Mutations};
 use crate::fleet::Received;
 use crate::gateway::{self, Gateway};
 use crate::oracles::{Cause, Promise, Violation};
-use crate::replica::{abort_call, Ended, EntryRef, Replica};
+use crate::replica::{abort_call, Ended, EntryRef, PeerPath, Replica, PEER_TIMEOUT_MS};
 use crate::rng::Rng;
 use crate::schedule::{Client, Op, Schedule};
 use crate::timeline::Timeline;
 use kvguard_contract::lease::Renewal;
+use kvguard_contract::Domain;
 use kvguard_contract::{AbortReason, InstanceId, RequestId, ABORT_PATH, DATA_LEASE_PATH};
 use kvguard_control_core::lease::{Expiry, ProbeAnswer};
 use kvguard_control_core::scan::BodyKind;
@@ -154,6 +155,11 @@ pub struct Stream {
     gen_ms: u64,
     /// The longest pause of its engine.
     pub engine_paused_ms: u64,
+    /// Its replica restarted after it completed there (the completion forgotten).
+    pub completion_forgotten: bool,
+    /// The last abort call about it was decided while the replicas could not reach each
+    /// other.
+    pub peers_cut: bool,
 }
 
 impl Stream {
@@ -254,7 +260,11 @@ struct Call {
     token: u32,
     path: String,
     body: Vec<u8>,
+    signature: Option<String>,
     stream: Option<usize>,
+    /// A retrying hop's second delivery ([`Op::HopRetries`]): its answer is the one the
+    /// gateway gets.
+    copy: bool,
 }
 
 #[derive(Debug)]
@@ -342,6 +352,18 @@ pub struct World {
     settled_to: usize,
     /// Replicas lost for good ([`Op::ReplicaLost`]).
     lost: Vec<bool>,
+    /// Peer calls time out until then ([`Op::PartitionPeers`]).
+    peers_cut_until: u64,
+    /// A hop sends each call twice until then, the copy this long after
+    /// ([`Op::HopRetries`]).
+    hop_retries: (u64, u64),
+    /// Each call waits this long at kvguard-control's admin listener until then
+    /// ([`Op::SlowAdmin`]).
+    slow_admin: (u64, u64),
+    /// Each gateway's wall-clock step, seconds (its node's: a restart keeps it).
+    wall_steps: Vec<i64>,
+    /// Per replica, bytes it hands on do not move until then ([`Op::PartitionData`]).
+    data_cut_until: Vec<u64>,
 }
 
 impl World {
@@ -349,19 +371,18 @@ impl World {
     pub fn new(sched: Schedule, mutations: Mutations) -> Option<World> {
         let base = Instant::now();
         let cfg = gateway::config(sched.setup.idle_ms)?;
+        let w_gateways = sched.setup.gateways;
         let gateways = (0..sched.setup.gateways)
             .map(|g| Gateway::start(cfg.clone(), g, 0, sched.seed, 0))
             .collect();
-        let mut replicas: Vec<Replica> = (0..sched.setup.replicas.max(1))
-            .map(|r| Replica::new(r, base, mutations))
+        let n = sched.setup.replicas.max(1);
+        // With P/D the first half prefill, the rest decode (two: replica 0 and replica 1).
+        let role = |r: u8| {
+            (sched.setup.pd && n >= 2).then_some(if r < n / 2 { "prefill" } else { "decode" })
+        };
+        let replicas: Vec<Replica> = (0..n)
+            .map(|r| Replica::new(r, base, mutations, role(r)))
             .collect();
-        if sched.setup.pd && replicas.len() >= 2 {
-            // The first half prefill, the rest decode (two: replica 0 and replica 1).
-            let half = replicas.len() / 2;
-            for (i, r) in replicas.iter_mut().enumerate() {
-                r.pd_role = Some(if i < half { "prefill" } else { "decode" });
-            }
-        }
         // Faults stretch every bound by their length: a lease expiry is held while no
         // other gateway is heard from, an abort waits out lost calls.
         let slack = sched
@@ -370,7 +391,15 @@ impl World {
             .map(|op| match *op {
                 Op::Freeze { for_ms, .. }
                 | Op::LoseCalls { for_ms, .. }
+                | Op::PartitionPeers { for_ms, .. }
+                | Op::PartitionData { for_ms, .. }
                 | Op::EnginePause { for_ms, .. } => for_ms,
+                Op::HopRetries {
+                    for_ms, retry_ms, ..
+                } => for_ms + retry_ms,
+                Op::SlowAdmin {
+                    for_ms, delay_ms, ..
+                } => for_ms + delay_ms,
                 _ => 0,
             })
             .sum();
@@ -397,6 +426,11 @@ impl World {
             solo: HashMap::new(),
             settled_to: 0,
             lost: vec![false; replicas_n],
+            peers_cut_until: 0,
+            hop_retries: (0, 0),
+            slow_admin: (0, 0),
+            wall_steps: vec![0; usize::from(w_gateways)],
+            data_cut_until: vec![0; replicas_n],
         };
         for i in 0..w.sched.ops.len() {
             let at = w.sched.ops[i].at();
@@ -590,6 +624,65 @@ impl World {
                 );
             }
             Op::ReplicaLost { replica, .. } => self.lose_replica(usize::from(replica)),
+            Op::ReplicaRestart { replica, .. } => self.restart_replica(usize::from(replica)),
+            Op::HopRetries {
+                for_ms, retry_ms, ..
+            } => {
+                self.hop_retries = (self.now + for_ms, retry_ms);
+                self.note(
+                    "world",
+                    None,
+                    format!("a hop sends every call to kvguard-control twice, {retry_ms} ms apart, for {for_ms} ms"),
+                );
+            }
+            Op::SlowAdmin {
+                for_ms, delay_ms, ..
+            } => {
+                self.slow_admin = (self.now + for_ms, delay_ms);
+                self.note(
+                    "world",
+                    None,
+                    format!("kvguard-control's admin listener saturated for {for_ms} ms: each call waits {delay_ms} ms"),
+                );
+            }
+            Op::PartitionData {
+                replica, for_ms, ..
+            } => {
+                let r = usize::from(replica).min(self.data_cut_until.len() - 1);
+                self.data_cut_until[r] = self.data_cut_until[r].max(self.now + for_ms);
+                // Its clients get nothing meanwhile: their silence at the filter grows by
+                // it, and one as long as the idle timeout is a stall the filter cuts.
+                for s in &mut self.streams {
+                    if usize::from(s.replica) == r && !s.gw_done {
+                        s.frozen_ms += for_ms;
+                        s.engine_paused_ms = s.engine_paused_ms.max(for_ms);
+                    }
+                }
+                self.note(
+                    "world",
+                    None,
+                    format!("the data path from replica{r} is partitioned for {for_ms} ms"),
+                );
+            }
+            Op::ClockStep { gw, step_s, .. } => {
+                if let Some(g) = self.gateways.get_mut(usize::from(gw)) {
+                    self.wall_steps[usize::from(gw)] += step_s;
+                    g.host.wall_step_s = self.wall_steps[usize::from(gw)];
+                    self.note(
+                        format!("gw{gw}"),
+                        None,
+                        format!("its wall clock steps {step_s:+} s"),
+                    );
+                }
+            }
+            Op::PartitionPeers { for_ms, .. } => {
+                self.peers_cut_until = self.peers_cut_until.max(self.now + for_ms);
+                self.note(
+                    "world",
+                    None,
+                    format!("the replicas cannot reach each other for {for_ms} ms"),
+                );
+            }
             Op::LoseCalls { for_ms, .. } => {
                 self.lose_until = self.lose_until.max(self.now + for_ms);
                 self.note(
@@ -718,6 +811,8 @@ impl World {
             last_answer: None,
             completed_at: None,
             last_call_lost: false,
+            completion_forgotten: false,
+            peers_cut: false,
             frozen_ms: 0,
             gen_ms: 0,
             engine_paused_ms: paused,
@@ -748,13 +843,12 @@ impl World {
         }
         if self.sched.setup.pd && self.replicas.len() >= 2 {
             // The prefill leg (`max_tokens: 1`, a non-streaming answer) on a prefill
-            // replica (0 of two): its Content-Length answer ends complete
-            // (`TrackedBody::complete`), so the prefill replica remembers a completion.
+            // replica (0 of two): admitted (its proof of life taken), then complete.
             let p = usize::from(self.op_replica(i)) % (self.replicas.len() / 2);
             let leg =
                 (!self.lost[p]).then(|| self.replicas[p].admit(i, id.clone(), tag.as_deref(), now));
             if let Some(e) = leg.flatten() {
-                self.replicas[p].remove_ended(&e, true, now);
+                self.replicas[p].remove(&e);
             }
             self.answer_probes(p);
         }
@@ -802,7 +896,6 @@ impl World {
     /// that asks it finds nothing); each of its streams is reset toward its gateway,
     /// whose filter sends its abort (`upstream_reset`).
     fn lose_replica(&mut self, r: usize) {
-        let now = self.now;
         if self.lost.get(r).copied().unwrap_or(true) {
             return;
         }
@@ -812,15 +905,48 @@ impl World {
             None,
             "lost for good, its engine with it",
         );
+        self.reset_streams_of(r, EngineEnd::Lost);
+    }
+
+    /// Replica `r`'s process restarts: it comes back at once with empty memory; the
+    /// engine sees each stream's connection close (vLLM aborts a request whose client
+    /// went), its gateway an upstream reset.
+    fn restart_replica(&mut self, r: usize) {
+        if self.lost.get(r).copied().unwrap_or(true) {
+            return;
+        }
+        self.note(
+            format!("replica{r}"),
+            None,
+            "restarts: its table, tombstones and leases are gone",
+        );
+        self.reset_streams_of(r, EngineEnd::Disconnected);
+        for s in &mut self.streams {
+            if usize::from(s.replica) == r && s.completed_at.is_some() {
+                s.completion_forgotten = true;
+            }
+        }
+        self.replicas[r] = self.replicas[r].restarted();
+    }
+
+    /// Every stream replica `r` relays ends both ways: `how` at the engine, an upstream
+    /// reset at the gateway (whose filter sends its abort). A response the engine had
+    /// finished but the replica had not yet handed on whole is cut short too.
+    fn reset_streams_of(&mut self, r: usize, how: EngineEnd) {
+        let now = self.now;
         for i in 0..self.streams.len() {
             let s = &mut self.streams[i];
-            if usize::from(s.replica) != r || s.engine_end.is_some() {
+            let cut_short = matches!(s.engine_end, Some((_, EngineEnd::Finished)))
+                && s.upstream_end.is_none_or(|e| s.handed < e);
+            if usize::from(s.replica) != r || (s.engine_end.is_some() && !cut_short) {
                 continue;
             }
             if let Some(e) = s.entry.take() {
-                self.replicas[r].remove_ended(&e, false, now);
+                self.replicas[r].remove(&e);
             }
-            s.engine_end = Some((now, EngineEnd::Lost));
+            if s.engine_end.is_none() {
+                s.engine_end = Some((now, how));
+            }
             if s.state == ClientState::Reading {
                 s.state = ClientState::Dropped;
             }
@@ -924,7 +1050,7 @@ impl World {
                     }
                 }
                 if complete {
-                    r.remove_ended(&e, true, now);
+                    r.remove(&e);
                     s.entry = None;
                     s.upstream_end = Some(s.content_len);
                     s.completed_at = Some(now);
@@ -932,15 +1058,17 @@ impl World {
                         now,
                         format!("replica{}", s.replica),
                         Some(i),
-                        "response complete: completion remembered for --reader-timeout",
+                        "response complete",
                     );
                 }
             } else {
                 s.entry = None;
             }
         }
+        // A partition of the data path: nothing the replica handed on moves on.
+        let cut = now < self.data_cut_until[usize::from(self.streams[i].replica)];
         let s = &mut self.streams[i];
-        if s.hop_drains {
+        if s.hop_drains && !cut {
             s.pulled = s.handed;
         }
         // Envoy reads the upstream, the filter sees the chunk.
@@ -950,7 +1078,7 @@ impl World {
             if down <= LOW {
                 s.envoy_reading = true;
             }
-            if s.envoy_reading && !s.end_held {
+            if s.envoy_reading && !s.end_held && !cut {
                 let n = (s.handed - s.pulled).min(HIGH - down);
                 let eos = s.upstream_end == Some(s.pulled + n) && !s.eos_passed;
                 if n > 0 || eos {
@@ -1103,7 +1231,7 @@ impl World {
         if let Some(e) = s.entry.take() {
             let r = &mut self.replicas[s.replica as usize];
             if r.holds(&e) {
-                r.remove_ended(&e, false, now);
+                r.remove(&e);
                 if s.engine_end.is_none() {
                     s.engine_end = Some((now, EngineEnd::Disconnected));
                     self.timeline.push(
@@ -1199,6 +1327,7 @@ impl World {
         };
         let generation = self.gateways[gw as usize].generation + 1;
         self.gateways[gw as usize] = Gateway::start(cfg, gw, generation, self.sched.seed, self.now);
+        self.gateways[gw as usize].host.wall_step_s = self.wall_steps[gw as usize];
         self.note(
             format!("gw{gw}"),
             None,
@@ -1234,7 +1363,9 @@ impl World {
                 token: c.token,
                 path: c.path,
                 body: c.body,
+                signature: c.signature,
                 stream,
+                copy: false,
             };
             if stream.is_some() {
                 let body = String::from_utf8_lossy(&call.body).into_owned();
@@ -1249,7 +1380,10 @@ impl World {
                     self.note("world", stream, "the call is lost");
                 }
             } else {
-                let at = self.now + self.rng.range(1, 20);
+                let mut at = self.now + self.rng.range(1, 20);
+                if self.now < self.slow_admin.0 {
+                    at += self.slow_admin.1;
+                }
                 self.at(at, Ev::Deliver(call));
             }
             // Envoy's timer answers nothing after the timeout.
@@ -1269,23 +1403,52 @@ impl World {
 
     fn deliver(&mut self, c: Call) {
         let now = self.now;
+        // A retrying hop: this delivery's answer is lost with the attempt it gave up; the
+        // same bytes arrive again, and that answer goes back.
+        let answered = c.copy || now >= self.hop_retries.0;
+        if !answered {
+            let copy = Call {
+                copy: true,
+                ..c.clone()
+            };
+            self.at(now + self.hop_retries.1, Ev::Deliver(copy));
+        }
         let n = self.replicas.len();
         let at = self.rng.range(0, n as u64 - 1) as usize;
         // The control cluster routes around a lost replica.
         let Some(at) = (0..n).map(|k| (at + k) % n).find(|r| !self.lost[*r]) else {
             return;
         };
-        let (status, body) = if c.path == ABORT_PATH {
+        let mut late = 0;
+        let verified = if c.path == ABORT_PATH {
+            self.replicas[at].verify_fresh(Domain::Abort, c.signature.as_deref(), &c.body, now)
+        } else {
+            Ok(())
+        };
+        let (status, body) = if let Err(status) = verified {
+            if c.stream.is_some() {
+                let what = format!(
+                    "abort call refused {status} (signature: a replay, stale, or the memory full)"
+                );
+                self.note(format!("replica{at}"), c.stream, what);
+            }
+            (status, Vec::new())
+        } else if c.path == ABORT_PATH {
             let mut ended = Vec::new();
             let body = if self.mutations.off(Mechanism::StallAsks) {
                 without_recheck(&c.body)
             } else {
                 c.body.clone()
             };
-            let peers = !self.mutations.off(Mechanism::PeerForwarding);
+            let peers = self.peer_path();
             self.replicas[at].received.aborts += 1;
             let a = abort_call(&mut self.replicas, at, &body, now, peers, &mut ended);
+            // The shell waits out each unreachable peer's deadline.
+            if a.waited_on_peers && peers == PeerPath::Cut {
+                late = PEER_TIMEOUT_MS;
+            }
             if let Some(i) = c.stream {
+                self.streams[i].peers_cut = a.waited_on_peers && peers == PeerPath::Cut;
                 self.streams[i].last_answer = Some(format!("replica{at}: {}", a.how));
                 self.note(
                     format!("replica{at}"),
@@ -1301,13 +1464,14 @@ impl World {
             (404, Vec::new())
         } else if let Some(r) = Renewal::parse(&c.body) {
             // Accepted on one replica, forwarded to every peer (`fan_out_renewal`).
+            let peers = self.peer_path();
             for (i, rep) in self.replicas.iter_mut().enumerate() {
                 if self.lost[i] {
                     continue;
                 }
                 if i == at {
                     rep.received.renewals += 1;
-                } else if self.mutations.off(Mechanism::PeerForwarding) {
+                } else if peers != PeerPath::Up {
                     continue;
                 } else {
                     rep.received.peer_renewals += 1;
@@ -1318,7 +1482,10 @@ impl World {
         } else {
             (400, Vec::new())
         };
-        let back = now + self.rng.range(1, 20);
+        if !answered {
+            return;
+        }
+        let back = now + late + self.rng.range(1, 20);
         self.at(
             back,
             Ev::Answer {
@@ -1330,6 +1497,17 @@ impl World {
                 stream: c.stream,
             },
         );
+    }
+
+    /// How the replicas reach each other now.
+    fn peer_path(&self) -> PeerPath {
+        if self.mutations.off(Mechanism::PeerForwarding) {
+            PeerPath::Off
+        } else if self.now < self.peers_cut_until {
+            PeerPath::Cut
+        } else {
+            PeerPath::Up
+        }
     }
 
     fn answer(

@@ -124,3 +124,57 @@ fn every_regression_stays_fixed() {
         );
     }
 }
+
+/// An admin listener that answers late for 20 s, under the filter's 30 s abort deadline
+/// (each call handled 2.5 s after it came: past the filter's 1 s timeout, so it retries,
+/// and the late original is handled after its retry), and a gateway whose wall clock
+/// steps back 25 s (inside the signatures' window) change nothing: the pausing reader is
+/// kept, the client that leaves has its engine ended by its abort.
+#[test]
+fn a_late_admin_listener_and_a_stepped_wall_clock_change_nothing() {
+    use kvguard_sim::schedule::{Client, Op, Setup};
+    let s = Schedule {
+        seed: 7,
+        setup: Setup {
+            idle_ms: 30_000,
+            hop_hides: true,
+            ..Setup::default()
+        },
+        ops: vec![
+            Op::ClockStep {
+                at: 1_000,
+                gw: 0,
+                step_s: -25,
+            },
+            Op::SlowAdmin {
+                at: 30_000,
+                for_ms: 20_000,
+                delay_ms: 2_500,
+            },
+            Op::stream(
+                2_000,
+                0,
+                0,
+                Client::Pausing {
+                    bps: 2_700,
+                    after_ms: 10_000,
+                    pause_ms: 50_000,
+                },
+                277,
+                41,
+            ),
+            Op::stream(3_000, 0, 0, Client::Leaves { after_ms: 30_000 }, 3_000, 30),
+        ],
+    };
+    let r = run(&s, Mutations::default());
+    assert!(r.violations.is_empty(), "{:?}", r.violations);
+    let said = |what: &str| r.timeline.lines.iter().any(|l| l.what.contains(what));
+    assert!(
+        said("deferred"),
+        "the reader's stall ask was never answered"
+    );
+    assert!(
+        said("ends the request (downstream_reset"),
+        "the engine of the client that left was not ended by its abort"
+    );
+}

@@ -118,6 +118,16 @@ pub fn after_fan_out(here: AbortFound, deferred: bool) -> FannedOut {
     }
 }
 
+/// Whether an abort that went to the peers is answered 503 (ask again) instead of what
+/// was found, because a peer did not answer (a partition, a peer restarting) and its
+/// answer could change this one: on [`Route::HereThenPeer`] when nobody was found (the
+/// silent peer may hold the id; a 404 would have the sender cut a stall ask's reader, or
+/// give up on a gone client's engine); on [`Route::EveryLeg`] always (a leg may be
+/// missing). What was done here stays done; the sender's next attempt finds it ended.
+pub fn ask_again(route: Route, found: bool, every_peer_answered: bool) -> bool {
+    !every_peer_answered && (route == Route::EveryLeg || !found)
+}
+
 /// The leg of a held prefill hand-off, by what became of its blocks.
 pub fn release_result(r: Release) -> LegResult {
     match r {
@@ -218,6 +228,26 @@ mod tests {
             for deferred in [false, true] {
                 assert_eq!(after_fan_out(found, deferred), FannedOut::Legs(found));
             }
+        }
+    }
+
+    #[test]
+    fn a_peer_that_did_not_answer_makes_the_answer_ask_again_where_it_could_change_it() {
+        for route in [Route::Here, Route::HereThenPeer, Route::EveryLeg] {
+            for found in [false, true] {
+                assert!(!ask_again(route, found, true), "{route:?} {found}");
+            }
+        }
+        assert!(ask_again(Route::HereThenPeer, false, false));
+        assert!(
+            !ask_again(Route::HereThenPeer, true, false),
+            "one holder at most: the one found here"
+        );
+        for found in [false, true] {
+            assert!(
+                ask_again(Route::EveryLeg, found, false),
+                "a leg may be missing"
+            );
         }
     }
 

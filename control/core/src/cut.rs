@@ -8,14 +8,16 @@
 //! - **An abort** is carried out, unless it is a `stalled` abort whose sender allows a
 //!   deferral (`recheck_ms`, contract §3) for a stream that is only slow to drain
 //!   downstream: in flight here and producing while its reader drains
-//!   ([`crate::limits::defers`]), or completed here within the reader timeout while its
-//!   sender saw no data for less than it (its gateway still holds the last bytes for a
-//!   slow reader, and nothing is left to free at the engine). A deferral changes nothing:
-//!   it is only an answer.
+//!   ([`crate::limits::defers`]), or held nowhere (not here, and every peer answered that
+//!   it does not hold it) while its sender saw data within the reader timeout: nothing is
+//!   held to free, and its gateway may still be draining a completed response's last
+//!   bytes to a slow reader, however long after the engine's end (no memory of the
+//!   completion is needed, and none is kept: a restart or a bound would forget it). A
+//!   deferral changes nothing: it is only an answer.
 
 use crate::limits::{defers, verdict, Limits};
 use crate::request::Times;
-use kvguard_contract::AbortReason;
+use kvguard_contract::{AbortReason, AbortRequest};
 use std::time::{Duration, Instant};
 
 /// What is known here of the request an end is asked for.
@@ -23,10 +25,11 @@ use std::time::{Duration, Instant};
 pub enum Here {
     /// In flight, with these clocks.
     InFlight(Times),
-    /// Completed here ([`crate::inflight::Inflight::completed`]).
-    Completed,
-    /// Neither.
+    /// Not in flight here (the peers not asked yet).
     Unknown,
+    /// Held nowhere: not here, and every peer answered that it does not hold it. Nothing
+    /// is held to free; it may have completed, its reader draining the tail.
+    Nowhere,
 }
 
 /// Who asks for the end.
@@ -45,13 +48,25 @@ pub enum Ask {
     },
 }
 
+impl Ask {
+    /// A gateway's abort, as its body says it.
+    pub fn of(abort: &AbortRequest) -> Ask {
+        Ask::Abort {
+            reason: abort.reason,
+            recheck: abort.recheck_ms.is_some(),
+            sender_idle: abort.idle_ms.map(Duration::from_millis),
+        }
+    }
+}
+
 /// Why an abort is deferred.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Deferral {
     /// In flight: the engine produces, the reader drains.
     Draining,
-    /// Completed here: the reader drains its tail.
-    Tail,
+    /// Held nowhere: nothing to free, and its reader may drain a completed response's
+    /// tail.
+    Nowhere,
 }
 
 impl Deferral {
@@ -59,7 +74,7 @@ impl Deferral {
     pub const fn why(self) -> &'static str {
         match self {
             Deferral::Draining => "the engine produces, the reader drains",
-            Deferral::Tail => "the engine finished, the reader drains its tail",
+            Deferral::Nowhere => "held nowhere: nothing to free, its reader may drain the tail",
         }
     }
 }
@@ -81,7 +96,7 @@ pub fn may_end(here: Here, ask: Ask, now: Instant, limits: &Limits) -> Cut {
     match ask {
         Ask::Reaper => match here {
             Here::InFlight(t) => verdict(&t, now, limits).map_or(Cut::Keep, Cut::End),
-            Here::Completed | Here::Unknown => Cut::Keep,
+            Here::Unknown | Here::Nowhere => Cut::Keep,
         },
         Ask::Abort {
             reason,
@@ -93,9 +108,9 @@ pub fn may_end(here: Here, ask: Ask, now: Instant, limits: &Limits) -> Cut {
                 (true, Some(_), Here::InFlight(t)) => {
                     defers(&t, now, limits, sender_idle).then_some(Deferral::Draining)
                 }
-                (true, Some(reader), Here::Completed) => sender_idle
+                (true, Some(reader), Here::Nowhere) => sender_idle
                     .is_some_and(|i| i < reader)
-                    .then_some(Deferral::Tail),
+                    .then_some(Deferral::Nowhere),
                 _ => None,
             };
             deferral.map_or(Cut::End(reason), Cut::Defer)
@@ -156,7 +171,7 @@ mod tests {
             may_end(Here::InFlight(t), Ask::Reaper, t0 + s(90), &l),
             Cut::End(AbortReason::Stalled)
         );
-        for here in [Here::Completed, Here::Unknown] {
+        for here in [Here::Unknown, Here::Nowhere] {
             assert_eq!(may_end(here, Ask::Reaper, t0 + s(9999), &l), Cut::Keep);
         }
     }
@@ -200,16 +215,30 @@ mod tests {
     }
 
     #[test]
-    fn a_completed_stream_s_tail_is_deferred_while_its_sender_saw_data_within_the_reader_timeout() {
+    fn an_id_held_nowhere_is_judged_as_a_tail_on_its_senders_silence() {
         let t0 = Instant::now();
         let l = limits();
         assert_eq!(
-            may_end(Here::Completed, stalled(true, 89), t0, &l),
-            Cut::Defer(Deferral::Tail)
+            may_end(Here::Nowhere, stalled(true, 89), t0, &l),
+            Cut::Defer(Deferral::Nowhere)
         );
         assert_eq!(
-            may_end(Here::Completed, stalled(true, 90), t0, &l),
+            may_end(Here::Nowhere, stalled(true, 90), t0, &l),
             Cut::End(AbortReason::Stalled)
+        );
+        assert_eq!(
+            may_end(Here::Nowhere, stalled(false, 1), t0, &l),
+            Cut::End(AbortReason::Stalled),
+            "a sender that allows no deferral"
+        );
+        let off = Limits {
+            reader_timeout: None,
+            ..l
+        };
+        assert_eq!(
+            may_end(Here::Nowhere, stalled(true, 1), t0, &off),
+            Cut::End(AbortReason::Stalled),
+            "no reader timeout: no reader is waited for"
         );
         let silent = Ask::Abort {
             reason: AbortReason::Stalled,
@@ -217,8 +246,9 @@ mod tests {
             sender_idle: None,
         };
         assert_eq!(
-            may_end(Here::Completed, silent, t0, &l),
-            Cut::End(AbortReason::Stalled)
+            may_end(Here::Nowhere, silent, t0, &l),
+            Cut::End(AbortReason::Stalled),
+            "a sender that says nothing of its silence"
         );
         assert_eq!(
             may_end(Here::Unknown, stalled(true, 1), t0, &l),
@@ -226,10 +256,10 @@ mod tests {
             "nothing known here: the abort goes on (tombstone, peers)"
         );
         assert_eq!(
-            [Deferral::Draining, Deferral::Tail].map(Deferral::why),
+            [Deferral::Draining, Deferral::Nowhere].map(Deferral::why),
             [
                 "the engine produces, the reader drains",
-                "the engine finished, the reader drains its tail"
+                "held nowhere: nothing to free, its reader may drain the tail"
             ]
         );
     }

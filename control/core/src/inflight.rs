@@ -1,4 +1,4 @@
-//! The in-flight table with the tombstones and the recent completions: admission (a
+//! The in-flight table with the tombstones: admission (a
 //! superseding retry included), what an abort finds here, how a request leaves. One value,
 //! so that the shell keeps it under one lock and admission and abort see one view (an
 //! abort cannot slip between a tombstone check and an insert).
@@ -9,7 +9,7 @@
 use crate::cut::{self, Ask, Cut, Here};
 use crate::limits::Limits;
 use crate::request::Times;
-use crate::tombstones::{Completions, Tombstone, Tombstones};
+use crate::tombstones::{Tombstone, Tombstones};
 use kvguard_contract::{AbortReason, RequestId};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -54,11 +54,8 @@ pub struct InflightConfig {
     pub dry_run: bool,
     /// How long an aborted id is refused (`--tombstone-ttl`).
     pub tombstone_ttl: Duration,
-    /// Most tombstones, and most completions remembered (`--max-tombstones`).
+    /// Most tombstones (`--max-tombstones`).
     pub max_tombstones: usize,
-    /// How long a completion is remembered for a reader draining its tail
-    /// (`--reader-timeout`); `None`: completions are not remembered.
-    pub reader_timeout: Option<Duration>,
 }
 
 /// Why a request was not admitted.
@@ -89,7 +86,7 @@ pub enum AbortHere<E> {
     },
 }
 
-/// Requests in flight, refused ids and recent completions.
+/// Requests in flight and refused ids.
 #[derive(Debug)]
 pub struct Inflight<E> {
     cfg: InflightConfig,
@@ -98,7 +95,6 @@ pub struct Inflight<E> {
     /// running (a dry run ends nothing and forgets nothing), by their sequence number.
     superseded: HashMap<u64, E>,
     tombstones: Tombstones,
-    completions: Completions,
 }
 
 impl<E: Held + Clone> Inflight<E> {
@@ -109,7 +105,6 @@ impl<E: Held + Clone> Inflight<E> {
             table: HashMap::new(),
             superseded: HashMap::new(),
             tombstones: Tombstones::new(cfg.tombstone_ttl, cfg.max_tombstones),
-            completions: Completions::new(cfg.max_tombstones),
         }
     }
 
@@ -170,33 +165,11 @@ impl<E: Held + Clone> Inflight<E> {
         }
     }
 
-    /// Removes `entry`, whose response ended here; one that `completed` (the engine's end
-    /// passed on) is remembered (at most `--max-tombstones` of them): its gateway may still
-    /// be draining it to a slow reader ([`Inflight::completed`]).
-    pub fn remove_ended(&mut self, entry: &E, completed: bool) {
-        self.remove(entry);
-        if completed && self.cfg.reader_timeout.is_some() {
-            self.completions.insert(entry.id().clone());
-        }
-    }
-
-    /// Whether `id` completed here (among the newest `--max-tombstones` completions).
-    pub fn completed(&self, id: &RequestId) -> bool {
-        self.completions.contains(id)
-    }
-
-    /// Completions forgotten to make room.
-    pub fn completions_evicted(&self) -> u64 {
-        self.completions.evicted()
-    }
-
     /// May the request `id` be ended now, on `ask` ([`cut::may_end`] on what is known here:
-    /// in flight with its clocks, completed here, or neither)? Nothing changes: the answer
-    /// is only an answer.
+    /// in flight with its clocks, or not)? Nothing changes: the answer is only an answer.
     pub fn judge(&self, id: &RequestId, ask: Ask, now: Instant, limits: &Limits) -> Cut {
         let here = match self.table.get(id) {
             Some(e) => Here::InFlight(e.times()),
-            None if self.completed(id) => Here::Completed,
             None => Here::Unknown,
         };
         cut::may_end(here, ask, now, limits)
@@ -338,7 +311,6 @@ mod tests {
             dry_run: false,
             tombstone_ttl: Duration::from_secs(60),
             max_tombstones: 10,
-            reader_timeout: Some(Duration::from_secs(90)),
         }
     }
 
@@ -518,22 +490,11 @@ mod tests {
             t.due(t0 + s(90), &limits()),
             vec![(a.clone(), AbortReason::Stalled)]
         );
-        // Completed: its tail is deferred on the sender's evidence alone, however long
-        // after the engine's end (a reader that paused 65 s, 40 s after it).
-        t.remove_ended(&a, true);
-        for at in [s(105), s(100_000)] {
-            assert_eq!(
-                t.judge(a.id(), stalled, t0 + at, &limits()),
-                Cut::Defer(Deferral::Tail)
-            );
-        }
-        let silent = Ask::Abort {
-            reason: AbortReason::Stalled,
-            recheck: true,
-            sender_idle: Some(s(90)),
-        };
+        // Gone from here: nothing here defers it (held nowhere is the shell's to judge,
+        // once the peers answered).
+        t.remove(&a);
         assert_eq!(
-            t.judge(a.id(), silent, t0 + s(100), &limits()),
+            t.judge(a.id(), stalled, t0 + s(105), &limits()),
             Cut::End(AbortReason::Stalled)
         );
         assert_eq!(
@@ -554,44 +515,5 @@ mod tests {
         assert_eq!(*a.ended.lock().unwrap(), Some(AbortReason::Operator));
         assert!(!Held::mark_ended(&a, AbortReason::Stalled), "ended once");
         assert!(t.is_empty());
-    }
-
-    #[test]
-    fn completions_are_remembered_by_count_not_time_and_only_with_a_reader_timeout() {
-        let t0 = Instant::now();
-        let mut t = Inflight::new(InflightConfig {
-            max_tombstones: 2,
-            ..cfg()
-        });
-        let (a, b, c) = (h("a", 1), h("b", 2), h("c", 3));
-        for e in [&a, &b] {
-            t.admit(e.clone(), false, t0).unwrap();
-        }
-        t.remove_ended(&a, true);
-        t.remove_ended(&b, false);
-        assert!(t.is_empty());
-        assert!(
-            t.completed(a.id()) && !t.completed(b.id()),
-            "b did not complete"
-        );
-        t.admit(c.clone(), false, t0).unwrap();
-        t.remove_ended(&c, true);
-        t.admit(b.clone(), false, t0).unwrap();
-        t.remove_ended(&b, true);
-        assert!(!t.completed(a.id()), "the oldest forgotten");
-        assert_eq!(t.completions_evicted(), 1);
-        let d = h("d", 4);
-        t.admit(d.clone(), false, t0).unwrap();
-        t.remove_ended(&d, true);
-        assert!(!t.completed(c.id()) && t.completed(d.id()));
-        assert_eq!(t.completions_evicted(), 2, "each eviction counted");
-        // No reader timeout: nothing remembered.
-        let mut off = Inflight::new(InflightConfig {
-            reader_timeout: None,
-            ..cfg()
-        });
-        off.admit(a.clone(), false, t0).unwrap();
-        off.remove_ended(&a, true);
-        assert!(!off.completed(a.id()));
     }
 }

@@ -1,9 +1,8 @@
 //! Tombstones: ids that were aborted (or whose abort arrived before the request), refused
-//! if they arrive later. Bounded in number, each kept for a TTL. The same set, with no
-//! value, remembers recent completions ([`Completions`]).
+//! if they arrive later. Bounded in number, each kept for a TTL.
 
 use kvguard_contract::{AbortReason, RequestId};
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 /// Why an id is tombstoned (`V`: the abort's reason).
@@ -24,67 +23,6 @@ pub struct Tombstones<V = AbortReason> {
     map: HashMap<RequestId, Tombstone<V>>,
     order: VecDeque<(RequestId, Instant)>,
     evicted: u64,
-}
-
-/// Requests that completed here (the engine's end passed kvguard-control), the newest
-/// `cap` of them: a gateway may still be draining the last bytes to a slow reader, and
-/// nothing is left to free at the engine, so only the sender's evidence ends that (see
-/// [`crate::cut`]), never a time here that the reader's progress could not move.
-#[derive(Debug)]
-pub struct Completions {
-    cap: usize,
-    set: HashSet<RequestId>,
-    order: VecDeque<RequestId>,
-    evicted: u64,
-}
-
-impl Completions {
-    /// An empty set of at most `cap` ids.
-    pub fn new(cap: usize) -> Self {
-        Completions {
-            cap: cap.max(1),
-            set: HashSet::new(),
-            order: VecDeque::new(),
-            evicted: 0,
-        }
-    }
-
-    /// Remembers `id`; the oldest is forgotten when full.
-    pub fn insert(&mut self, id: RequestId) {
-        if !self.set.insert(id.clone()) {
-            return;
-        }
-        self.order.push_back(id);
-        while self.set.len() > self.cap {
-            match self.order.pop_front() {
-                Some(old) => {
-                    self.set.remove(&old);
-                    self.evicted += 1;
-                }
-                None => break,
-            }
-        }
-    }
-
-    /// Whether `id` is remembered.
-    pub fn contains(&self, id: &RequestId) -> bool {
-        self.set.contains(id)
-    }
-
-    /// Ids remembered.
-    pub fn len(&self) -> usize {
-        self.set.len()
-    }
-
-    /// Whether none is.
-    pub fn is_empty(&self) -> bool {
-        self.set.is_empty()
-    }
-
-    /// Ids forgotten to make room.
-    pub fn evicted(&self) -> u64 {
-        self.evicted
-    }
 }
 
 impl<V: Copy> Tombstones<V> {
@@ -173,20 +111,6 @@ mod tests {
 
     fn id(s: &str) -> RequestId {
         RequestId::try_new(s.as_bytes()).unwrap()
-    }
-
-    #[test]
-    fn completions_are_bounded_by_count_alone_oldest_forgotten_first() {
-        let mut c = Completions::new(2);
-        assert!(c.is_empty());
-        c.insert(id("a"));
-        c.insert(id("a"));
-        c.insert(id("b"));
-        assert_eq!((c.len(), c.evicted()), (2, 0), "a repeat takes no room");
-        c.insert(id("c"));
-        assert_eq!((c.len(), c.evicted()), (2, 1));
-        assert!(!c.contains(&id("a")) && c.contains(&id("b")) && c.contains(&id("c")));
-        assert!(!c.is_empty());
     }
 
     #[test]

@@ -87,7 +87,14 @@ pub async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
         .gone_ms
         .map(|ms| (std::time::Duration::from_millis(ms), abort.tokens));
     let deferrable = super::deferrable(reason, abort.recheck_ms.is_some());
-    match super::abort(&st, &id, reason, gone, deferrable, &body).await {
+    let mut decided = super::abort(&st, &id, reason, gone, deferrable, &body).await;
+    if decided.held_nowhere() {
+        if let Some(why) = st.defers_held_nowhere(&abort) {
+            tracing::debug!(request_id = %id, sender_idle_ms = abort.idle_ms, "stalled abort deferred: {why}");
+            decided = Decided::Deferred;
+        }
+    }
+    match decided {
         Decided::Here(found) => abort_answer(&st, &id, reason, &abort, found),
         Decided::Peer(a) => {
             st.metrics
@@ -104,8 +111,16 @@ pub async fn abort(State(st): State<Arc<AppState>>, req: Request) -> Response {
         Decided::Legs(legs) => legs_answer(&st, &id, reason, legs, "abort call"),
         Decided::Deferred => {
             st.metrics.abort_api("deferred");
-            tracing::debug!(request_id = %id, "stalled abort of a disaggregated request deferred by the replica that holds its stream");
             deferred(&id)
+        }
+        Decided::AskAgain => {
+            st.metrics.abort_api("peer_unanswered");
+            tracing::warn!(request_id = %id, reason = %reason, "abort call answered 503: a peer did not answer and may hold the request (kvguard_control_peer_forwards_total{{result=\"failed\"}}); the sender asks again");
+            refuse(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "peer_unanswered",
+                "a peer did not answer and may hold the request; ask again".to_owned(),
+            )
         }
     }
 }

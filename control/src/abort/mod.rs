@@ -36,10 +36,11 @@ use crate::table::{ClientGone, Entry};
 use kvguard_contract::{AbortReason, AbortRequest, Leg, RequestId};
 pub use kvguard_control_core::abort::deferrable;
 use kvguard_control_core::abort::{
-    after_fan_out, after_forward, leg_result, release_result, route, FannedOut, Forwarded, Route,
+    after_fan_out, after_forward, ask_again, leg_result, release_result, route, FannedOut,
+    Forwarded, Route,
 };
 pub use kvguard_control_core::abort::{summary, AbortFound};
-use kvguard_control_core::cut::{Ask, Cut};
+use kvguard_control_core::cut::{self, Ask, Cut, Here};
 use kvguard_control_core::inflight::AbortHere;
 use peer::PeerAnswer;
 use std::sync::Arc;
@@ -56,9 +57,25 @@ pub enum Decided {
     /// A leg of a disaggregated request: every holder's part, this replica's first
     /// (empty: nobody held it; it is tombstoned here and at every peer that answered).
     Legs(Vec<Leg>),
-    /// A leg of a disaggregated request whose holder deferred the abort (its reader
-    /// drains): nothing was ended, released or tombstoned here.
+    /// Deferred: a leg of a disaggregated request whose holder deferred the abort (its
+    /// reader drains), or a stall ask held nowhere
+    /// ([`AppState::defers_held_nowhere`]). Nothing was ended, released or tombstoned.
     Deferred,
+    /// A peer did not answer, and its answer could change this one
+    /// ([`kvguard_control_core::abort::ask_again`]): 503, the sender asks again. What was
+    /// found here was done all the same.
+    AskAgain,
+}
+
+impl Decided {
+    /// Nobody holds it: not here, and every peer answered so.
+    pub fn held_nowhere(&self) -> bool {
+        match self {
+            Decided::Here(found) => *found == AbortFound::NotFound,
+            Decided::Legs(legs) => legs.is_empty(),
+            Decided::Peer(_) | Decided::Deferred | Decided::AskAgain => false,
+        }
+    }
 }
 
 /// Decides and carries out a verified abort of `id` for `reason` (`body`: the call's body
@@ -94,28 +111,42 @@ pub async fn abort(
     match (route(pd, peers.is_some()), peers) {
         (Route::EveryLeg, Some(peers)) => {
             let here = st.abort_if_here(id, reason, gone);
-            let (remote, deferred) = peers.fan_out_abort(st, body).await;
-            let here = match after_fan_out(here, deferred) {
-                FannedOut::Deferred => return Decided::Deferred,
+            let remote = peers.fan_out_abort(st, body).await;
+            let here = match after_fan_out(here, remote.deferred) {
+                FannedOut::Deferred => {
+                    tracing::debug!(request_id = %id, "stalled abort of a disaggregated request deferred by the replica that holds its stream");
+                    return Decided::Deferred;
+                }
                 FannedOut::DecideHere => st.abort_here(id, reason, gone, tomb),
                 FannedOut::Legs(found) => found,
             };
             let mut legs = st.legs_here(id, here, leg_here).await;
-            legs.extend(remote);
+            legs.extend(remote.legs);
+            // (For every leg, what was found does not matter: a leg may be missing.)
+            if ask_again(Route::EveryLeg, true, remote.every_peer_answered) {
+                return Decided::AskAgain;
+            }
             Decided::Legs(legs)
         }
         (Route::HereThenPeer, Some(peers)) => match st.abort_if_here(id, reason, gone) {
             AbortFound::NotFound => {
-                let holder = peers.forward_abort(st, body).await;
-                let next = after_forward(holder.as_ref().map(|a| a.deferred), st.cfg.dry_run);
-                match (next, holder) {
+                let fwd = peers.forward_abort(st, body).await;
+                let next = after_forward(fwd.holder.as_ref().map(|a| a.deferred), st.cfg.dry_run);
+                match (next, fwd.holder) {
                     (Forwarded::Peer { tombstone_here }, Some(a)) => {
                         if tombstone_here {
                             st.tombstone(id.clone(), reason);
                         }
                         Decided::Peer(a)
                     }
-                    _ => Decided::Here(st.abort_here(id, reason, gone, tomb)),
+                    _ => {
+                        let found = st.abort_here(id, reason, gone, tomb);
+                        let here = found != AbortFound::NotFound;
+                        if ask_again(Route::HereThenPeer, here, fwd.every_peer_answered) {
+                            return Decided::AskAgain;
+                        }
+                        Decided::Here(found)
+                    }
                 }
             }
             found => Decided::Here(found),
@@ -183,16 +214,24 @@ impl AppState {
     }
 
     /// Whether a gateway's abort of `id` is deferred rather than carried out, and why (for
-    /// the log): [`cut::may_end`] on what is known here (in flight, or among the
-    /// completions remembered). Nothing changes: a deferral is only an answer.
+    /// the log): [`cut::may_end`] on what is known here (in flight, with its clocks).
+    /// Nothing changes: a deferral is only an answer.
     pub fn defers(&self, id: &RequestId, abort: &AbortRequest) -> Option<&'static str> {
-        let ask = Ask::Abort {
-            reason: abort.reason,
-            recheck: abort.recheck_ms.is_some(),
-            sender_idle: abort.idle_ms.map(Duration::from_millis),
-        };
+        let ask = Ask::of(abort);
         let now = self.clock.now();
         match self.inner().judge(id, ask, now, &self.cfg.limits) {
+            Cut::Defer(d) => Some(d.why()),
+            Cut::End(_) | Cut::Keep => None,
+        }
+    }
+
+    /// Whether an abort nobody holds (not here, and every peer answered so) is deferred
+    /// rather than answered 404, and why: [`cut::may_end`] on [`Here::Nowhere`]. Nothing
+    /// is held to free, and the stream may be a completed response whose gateway still
+    /// drains its tail to a slow reader: a 404 would have the gateway cut that reader.
+    pub fn defers_held_nowhere(&self, abort: &AbortRequest) -> Option<&'static str> {
+        let ask = Ask::of(abort);
+        match cut::may_end(Here::Nowhere, ask, self.clock.now(), &self.cfg.limits) {
             Cut::Defer(d) => Some(d.why()),
             Cut::End(_) | Cut::Keep => None,
         }

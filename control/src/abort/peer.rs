@@ -13,6 +13,27 @@ use kvguard_control_core::abort::{answer_deferred, legs_of};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+/// What the peers said to a forwarded abort ([`Peers::forward_abort`]).
+#[derive(Debug)]
+pub struct Forward {
+    /// The first peer that holds the id, if any.
+    pub holder: Option<PeerAnswer>,
+    /// Every peer answered (200 or 404) rather than failed; without a holder, whether
+    /// nobody holds the id is known ([`kvguard_control_core::abort::ask_again`]).
+    pub every_peer_answered: bool,
+}
+
+/// What the peers said to an abort fanned out to every leg ([`Peers::fan_out_abort`]).
+#[derive(Debug)]
+pub struct FanOut {
+    /// The legs every peer that held the id reported.
+    pub legs: Vec<Leg>,
+    /// A peer deferred the abort (it holds the stream, whose reader drains).
+    pub deferred: bool,
+    /// Every peer answered (200 or 404) rather than failed.
+    pub every_peer_answered: bool,
+}
+
 /// A peer's answer to a forwarded abort that found the id: status and body, passed on
 /// to the abort's sender as they are.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,18 +50,21 @@ pub struct PeerAnswer {
 
 impl Peers {
     /// Forwards an abort body (already verified here) to every peer at once; the first
-    /// peer that holds the id (200) answers for it. `None`: no peer holds it (each
-    /// answered 404, or failed: counted per peer).
-    pub async fn forward_abort(
-        self: &Arc<Self>,
-        st: &Arc<AppState>,
-        body: &[u8],
-    ) -> Option<PeerAnswer> {
+    /// peer that holds the id (200) answers for it. Without one: whether every peer
+    /// answered (404) rather than failed (counted per peer).
+    pub async fn forward_abort(self: &Arc<Self>, st: &Arc<AppState>, body: &[u8]) -> Forward {
+        let nobody = |every_peer_answered| Forward {
+            holder: None,
+            every_peer_answered,
+        };
         let peers = self.addrs().await;
         let keys = st.keys();
-        let (env, sig) = self.envelope(keys.envelope_key(), st.clock.unix_secs(), body)?;
+        let Some((env, sig)) = self.envelope(keys.envelope_key(), st.clock.unix_secs(), body)
+        else {
+            return nobody(false);
+        };
         if peers.is_empty() {
-            return None;
+            return nobody(true);
         }
         let (tx, mut rx) = tokio::sync::mpsc::channel(peers.len());
         for peer in peers {
@@ -55,41 +79,50 @@ impl Peers {
             // answered.
             tokio::spawn(async move {
                 let r = this.post(peer, PEER_ABORT_PATH, env, sig).await;
+                // `Err`: the peer did not answer.
                 let found = match r {
                     Ok((s, b)) if s == StatusCode::OK => {
                         st.metrics.peer.forward("abort", "ok");
-                        Some(PeerAnswer {
+                        Ok(Some(PeerAnswer {
                             peer,
                             status: s,
                             deferred: answer_deferred(&b),
                             body: b,
-                        })
+                        }))
                     }
                     Ok((s, _)) if s == StatusCode::NOT_FOUND => {
                         st.metrics.peer.forward("abort", "not_found");
-                        None
+                        Ok(None)
                     }
                     Ok((s, b)) => {
                         st.metrics.peer.forward("abort", "failed");
                         tracing::warn!(%peer, status = s.as_u16(), answer = %String::from_utf8_lossy(&b), "forwarded abort refused by the peer (check that every replica has the same keys and a clock within 30 s)");
-                        None
+                        Err(())
                     }
                     Err(e) => {
                         st.metrics.peer.forward("abort", "failed");
                         tracing::warn!(%peer, error = %e, "forwarded abort: peer unreachable");
-                        None
+                        Err(())
                     }
                 };
                 let _ = tx.send(found).await;
             });
         }
         drop(tx);
+        let mut every_peer_answered = true;
         while let Some(r) = rx.recv().await {
-            if r.is_some() {
-                return r;
+            match r {
+                Ok(Some(a)) => {
+                    return Forward {
+                        holder: Some(a),
+                        every_peer_answered,
+                    }
+                }
+                Ok(None) => {}
+                Err(()) => every_peer_answered = false,
             }
         }
-        None
+        nobody(every_peer_answered)
     }
 }
 
@@ -98,54 +131,62 @@ impl Peers {
     /// each (each call is bounded, 500 ms): the legs every peer that held the id reports
     /// (its answer's `legs`; an answer without them, from a peer that is not part of a
     /// disaggregated pair, is one leg with no role). Peers that did not hold it (404) or
-    /// failed (counted) add nothing. `true` with them: a peer deferred the abort (it holds
-    /// the stream, whose reader drains).
-    pub async fn fan_out_abort(
-        self: &Arc<Self>,
-        st: &Arc<AppState>,
-        body: &[u8],
-    ) -> (Vec<Leg>, bool) {
+    /// failed (counted) add nothing.
+    pub async fn fan_out_abort(self: &Arc<Self>, st: &Arc<AppState>, body: &[u8]) -> FanOut {
         let peers = self.addrs().await;
         let keys = st.keys();
         let Some((env, sig)) = self.envelope(keys.envelope_key(), st.clock.unix_secs(), body)
         else {
-            return (Vec::new(), false);
+            return FanOut {
+                legs: Vec::new(),
+                deferred: false,
+                every_peer_answered: false,
+            };
         };
         let mut calls = tokio::task::JoinSet::new();
         for peer in peers {
             let (this, st, env, sig) = (self.clone(), st.clone(), env.clone(), sig.clone());
+            // `None`: the peer did not answer.
             calls.spawn(async move {
                 match this.post(peer, PEER_ABORT_PATH, env, sig).await {
                     Ok((s, b)) if s == StatusCode::OK => {
                         st.metrics.peer.forward("abort", "ok");
                         if answer_deferred(&b) {
-                            return (Vec::new(), true);
+                            return Some((Vec::new(), true));
                         }
-                        (legs_of(&peer.to_string(), &b), false)
+                        Some((legs_of(&peer.to_string(), &b), false))
                     }
                     Ok((s, _)) if s == StatusCode::NOT_FOUND => {
                         st.metrics.peer.forward("abort", "not_found");
-                        (Vec::new(), false)
+                        Some((Vec::new(), false))
                     }
                     Ok((s, b)) => {
                         st.metrics.peer.forward("abort", "failed");
                         tracing::warn!(%peer, status = s.as_u16(), answer = %String::from_utf8_lossy(&b), "forwarded abort refused by the peer (check that every replica has the same keys and a clock within 30 s)");
-                        (Vec::new(), false)
+                        None
                     }
                     Err(e) => {
                         st.metrics.peer.forward("abort", "failed");
                         tracing::warn!(%peer, error = %e, "forwarded abort: peer unreachable");
-                        (Vec::new(), false)
+                        None
                     }
                 }
             });
         }
-        let (mut legs, mut deferred) = (Vec::new(), false);
+        let mut out = FanOut {
+            legs: Vec::new(),
+            deferred: false,
+            every_peer_answered: true,
+        };
         while let Some(r) = calls.join_next().await {
-            let (l, d) = r.unwrap_or_default();
-            legs.extend(l);
-            deferred |= d;
+            match r.ok().flatten() {
+                Some((legs, deferred)) => {
+                    out.legs.extend(legs);
+                    out.deferred |= deferred;
+                }
+                None => out.every_peer_answered = false,
+            }
         }
-        (legs, deferred)
+        out
     }
 }

@@ -397,9 +397,11 @@ impl AbortQueue {
             Disposition::NotFound => Outcome::NotFound,
             Disposition::BadRequest => Outcome::BadRequest,
             Disposition::Unauthorized => Outcome::Unauthorized,
-            Disposition::Replay => Outcome::Replay,
             Disposition::Unexpected => Outcome::Unexpected,
-            Disposition::Transient => {
+            // This very signed call reached kvguard-control before (a hop that retries
+            // sent it twice) and that answer was lost: no verdict, so it is asked again,
+            // signed anew, as after a timeout.
+            Disposition::Replay | Disposition::Transient => {
                 self.retry_or_fail(cfg, job, Some(code), now_ms, metrics, finished);
                 return;
             }
@@ -583,6 +585,40 @@ mod tests {
     }
 
     #[test]
+    fn a_replayed_call_is_asked_again_signed_anew() {
+        let cfg = config("");
+        let mut q = AbortQueue::new(10, 7);
+        let mut h = MockHost::default();
+        let mut fin = Vec::new();
+        q.push(job("r", 0), &mut h).unwrap();
+        q.pump(&cfg, 0, 1, &mut h, &mut fin);
+        // A hop sent it twice; the answer that got back is the second delivery's.
+        q.on_answer(&cfg, h.calls[0].0, Some(409), b"", 10, &mut h, &mut fin);
+        assert!(fin.is_empty(), "no verdict");
+        q.pump(&cfg, 10_000, 1, &mut h, &mut fin);
+        assert_eq!(h.calls.len(), 2, "asked again");
+        let sig = |i: usize| {
+            h.calls[i]
+                .2
+                .iter()
+                .find(|(k, _)| *k == signature::SIGNATURE_HEADER)
+                .map(|(_, v)| v.clone())
+        };
+        assert_ne!(sig(0), sig(1), "signed anew");
+        q.on_answer(
+            &cfg,
+            h.calls[1].0,
+            Some(200),
+            br#"{"aborted":true}"#,
+            20,
+            &mut h,
+            &mut fin,
+        );
+        assert_eq!(fin.len(), 1);
+        assert_eq!(fin[0].outcome, Outcome::Aborted);
+    }
+
+    #[test]
     fn bounded_queue_drops() {
         let cfg = config(r#","max_pending_aborts":2"#);
         let mut q = AbortQueue::new(cfg.max_pending_aborts, 7);
@@ -646,7 +682,6 @@ mod tests {
             ),
             (400, b"", Outcome::BadRequest),
             (401, b"", Outcome::Unauthorized),
-            (409, b"", Outcome::Replay),
             (302, b"", Outcome::Unexpected),
         ] {
             let mut q = AbortQueue::new(10, 1);

@@ -51,8 +51,6 @@ pub enum Outcome {
     BadRequest,
     /// 401.
     Unauthorized,
-    /// 409.
-    Replay,
     /// Any other status.
     Unexpected,
     /// Transient answers until retries or the deadline ran out.
@@ -68,13 +66,12 @@ pub enum Outcome {
 
 impl Outcome {
     /// Every outcome.
-    pub const ALL: [Outcome; 11] = [
+    pub const ALL: [Outcome; 10] = [
         Outcome::Aborted,
         Outcome::AlreadyAborted,
         Outcome::NotFound,
         Outcome::BadRequest,
         Outcome::Unauthorized,
-        Outcome::Replay,
         Outcome::Unexpected,
         Outcome::Failed,
         Outcome::Dropped,
@@ -89,7 +86,6 @@ impl Outcome {
             Outcome::NotFound => "not_found",
             Outcome::BadRequest => "bad_request",
             Outcome::Unauthorized => "unauthorized",
-            Outcome::Replay => "replay",
             Outcome::Unexpected => "unexpected",
             Outcome::Failed => "failed",
             Outcome::Dropped => "dropped",
