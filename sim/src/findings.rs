@@ -19,7 +19,23 @@ pub fn classify(promise: Promise, s: &Stream, setup: &Setup) -> Option<&'static 
         .kvguard_end
         .as_ref()
         .is_some_and(|(_, who, r)| who.contains("reaper") && *r == AbortReason::Stalled);
+    // Judged replaced by another live instance renewing with its host key.
+    let replaced = s
+        .kvguard_end
+        .as_ref()
+        .is_some_and(|(_, who, _)| who.contains("lease: replaced"));
     match promise {
+        // Two gateways share a host key, and the replica that judges knows the listener
+        // of only one (or none) of them, from the proofs on the requests it admitted: the
+        // detection of 37.4's fix cannot see the key shared, so a freeze or lost renewals
+        // of two periods make one `replaced` by the other's renewals.
+        Promise::Invariant1 | Promise::Figures if replaced && setup.shared_host_key => {
+            Some("sim.8")
+        }
+        // A hot restart's parent and child renew with one host key from one listener:
+        // while the parent drains, either one silent for two periods (a freeze, lost
+        // renewals) is judged `replaced` by the other's renewals.
+        Promise::Invariant1 | Promise::Figures if replaced => Some("sim.10"),
         // kvguard-control's own wait on the reader, which lags the drain by a third of its
         // socket, ended the stream of a client that reads.
         Promise::Invariant1 if by_reaper => Some("36.7"),
@@ -38,6 +54,14 @@ pub fn classify(promise: Promise, s: &Stream, setup: &Setup) -> Option<&'static 
             if setup.pods_deleted && s.orphan.is_some_and(|(c, _)| c == Cause::GatewayGone) =>
         {
             Some("sim.6")
+        }
+        // A shared host key is never used for `replaced`; a dead instance's listener is
+        // then answered by the process that took it over (a restart in place, a hot
+        // restart's child) before that one proved its life there: held for good.
+        Promise::Invariant2
+            if setup.shared_host_key && s.orphan.is_some_and(|(c, _)| c == Cause::GatewayGone) =>
+        {
+            Some("sim.9")
         }
         // The false `already_aborted` also leaves the holder's engine running.
         Promise::Invariant2 if answer.contains("already_aborted") => Some("36.5"),
@@ -78,7 +102,71 @@ fn stream(at: u64, gw: u8, replica: u8, client: Client, tokens: u32, token_ms: u
 /// Every known finding, with a hand-written schedule (the shrunk form of what the seed
 /// campaign finds).
 pub fn known() -> Vec<Finding> {
-    vec![Finding {
+    vec![
+        Finding {
+            name: "sim.10",
+            title: "a hot restart's child frozen for two periods while its parent drains is judged replaced by the parent's renewals: its read streams are ended",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup::default(),
+                ops: vec![
+                    Op::HotRestart {
+                        at: 10_000,
+                        gw: 0,
+                        parent_ms: 60_000,
+                    },
+                    stream(12_000, 0, 0, Client::Fast, 3_000, 30),
+                    Op::Freeze {
+                        at: 20_000,
+                        gw: 0,
+                        for_ms: 15_000,
+                    },
+                ],
+            },
+        },
+        Finding {
+            name: "sim.8",
+            title: "two gateways share a host key and one carried no request yet: its listener is unknown, the key is not seen shared, and the other, frozen for two periods, is judged replaced",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup {
+                    gateways: 2,
+                    shared_host_key: true,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(0, 1, 0, Client::Fast, 3_000, 30),
+                    Op::Freeze {
+                        at: 20_000,
+                        gw: 1,
+                        for_ms: 15_000,
+                    },
+                ],
+            },
+        },
+        Finding {
+            name: "sim.9",
+            title: "a shared host key is never used for replaced: a hot restart's parent that exits is asked at its listener, which its child (no request yet) answers; held for good, its orphans behind a hiding hop run to the end",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup {
+                    gateways: 2,
+                    shared_host_key: true,
+                    hop_hides: true,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(0, 0, 0, Client::Fast, 3_000, 30),
+                    stream(0, 1, 0, Client::Fast, 3_000, 30),
+                    Op::HotRestart {
+                        at: 10_000,
+                        gw: 0,
+                        parent_ms: 6_000,
+                    },
+                ],
+            },
+        },
+        Finding {
         name: "sim.6",
         title: "every gateway gone at once with its pod: no listener answers, so each expiry stays held (kvguard-control cannot tell it from being cut off); their orphans behind a hiding hop run to the end",
         schedule: Schedule {
@@ -103,7 +191,8 @@ pub fn known() -> Vec<Finding> {
                 },
             ],
         },
-    }]
+    },
+    ]
 }
 
 /// A schedule that passes today and fails when the named rule is removed (how the
@@ -170,6 +259,27 @@ pub fn guards() -> Vec<Guard> {
 /// all. A finding of [`known`] whose fix lands moves here, with its schedule.
 pub fn regressions() -> Vec<Finding> {
     vec![
+        Finding {
+            name: "37.4",
+            title: "two gateways started from one config share a host key: one frozen for three periods while the other renews is judged replaced, its read streams ended",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup {
+                    gateways: 2,
+                    shared_host_key: true,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(0, 0, 0, Client::Fast, 3_000, 30),
+                    stream(0, 1, 0, Client::Fast, 3_000, 30),
+                    Op::Freeze {
+                        at: 20_000,
+                        gw: 0,
+                        for_ms: 15_000,
+                    },
+                ],
+            },
+        },
         Finding {
             name: "sim.7",
             title: "a lone gateway gone with its pod 2 s after it started: its listener answers nothing, which ends its orphans",

@@ -52,7 +52,11 @@ pub fn shrink(sched: &Schedule, mutations: Mutations, first: &Violation) -> Sche
 fn simpler_setups(s: &Schedule) -> Vec<Schedule> {
     let mut out = Vec::new();
     let used_gw = s.ops.iter().map(|op| match *op {
-        Op::Stream { gw, .. } | Op::Kill { gw, .. } | Op::Freeze { gw, .. } => gw,
+        Op::Stream { gw, .. }
+        | Op::Kill { gw, .. }
+        | Op::Freeze { gw, .. }
+        | Op::HotRestart { gw, .. }
+        | Op::Trap { gw, .. } => gw,
         Op::LoseCalls { .. } | Op::EnginePause { .. } | Op::ReplicaLost { .. } => 0,
     });
     let used_gw = used_gw.max().unwrap_or(0);
