@@ -25,6 +25,19 @@ pub fn classify(promise: Promise, s: &Stream, setup: &Setup) -> Option<&'static 
         .as_ref()
         .is_some_and(|(_, who, _)| who.contains("lease: replaced"));
     match promise {
+        // A hot restart's parent and child renew with one host key from one listener:
+        // while the parent drains, either one silent for two periods (a freeze, lost
+        // renewals) is judged `replaced` by the other's renewals; and, if the key is also
+        // another gateway's (never used for `replaced`), silent past the TTL, its
+        // listener, where the other proved its life, no longer speaks for it: `silent`.
+        Promise::Invariant1 | Promise::Figures
+            if s.hot_restart
+                && s.kvguard_end.as_ref().is_some_and(|(_, who, _)| {
+                    who.contains("lease: replaced") || who.contains("lease: silent")
+                }) =>
+        {
+            Some("sim.10")
+        }
         // Two gateways share a host key, and the replica that judges knows the listener
         // of only one (or none) of them, from the proofs on the requests it admitted: the
         // detection of 37.4's fix cannot see the key shared, so a freeze or lost renewals
@@ -32,10 +45,18 @@ pub fn classify(promise: Promise, s: &Stream, setup: &Setup) -> Option<&'static 
         Promise::Invariant1 | Promise::Figures if replaced && setup.shared_host_key => {
             Some("sim.8")
         }
-        // A hot restart's parent and child renew with one host key from one listener:
-        // while the parent drains, either one silent for two periods (a freeze, lost
-        // renewals) is judged `replaced` by the other's renewals.
-        Promise::Invariant1 | Promise::Figures if replaced => Some("sim.10"),
+        // A live worker VM judged lost: the first renewal after a gateway's stall of 3
+        // periods lists none of its VMs (the renewing VM beats after it renews), which
+        // marks each absent; a second stall before the next renewal, to past the TTL,
+        // brings a renewal that leaves them out again, more than the TTL after.
+        Promise::Invariant1 | Promise::Figures
+            if s.vm_trapped.is_none()
+                && s.kvguard_end
+                    .as_ref()
+                    .is_some_and(|(_, who, _)| who.contains("lease: vm_lost")) =>
+        {
+            Some("sim.11")
+        }
         // kvguard-control's own wait on the reader, which lags the drain by a third of its
         // socket, ended the stream of a client that reads.
         Promise::Invariant1 if by_reaper => Some("36.7"),
@@ -120,6 +141,27 @@ pub fn known() -> Vec<Finding> {
                         at: 20_000,
                         gw: 0,
                         for_ms: 15_000,
+                    },
+                ],
+            },
+        },
+        Finding {
+            name: "sim.11",
+            title: "a gateway frozen past three periods, then again, a second after it resumed, for the TTL: its worker VM is judged lost and its read stream ended",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup::default(),
+                ops: vec![
+                    stream(0, 0, 0, Client::Fast, 3_000, 30),
+                    Op::Freeze {
+                        at: 10_000,
+                        gw: 0,
+                        for_ms: 20_000,
+                    },
+                    Op::Freeze {
+                        at: 31_000,
+                        gw: 0,
+                        for_ms: 31_000,
                     },
                 ],
             },

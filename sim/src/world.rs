@@ -154,8 +154,11 @@ pub struct Stream {
     gen_ms: u64,
     /// The longest pause of its engine.
     pub engine_paused_ms: u64,
-    /// When its worker VM trapped while its engine ran.
+    /// When its worker VM trapped before its response passed the filter.
     pub vm_trapped: Option<u64>,
+    /// Its gateway process ran beside a hot restart's parent or child (one host key,
+    /// one listener) while it ran.
+    pub hot_restart: bool,
 }
 
 impl Stream {
@@ -573,7 +576,11 @@ impl World {
                     _ => self.hot_restart(gw, parent_ms),
                 }
             }
-            Op::Trap { gw, vm, .. } => self.trap(gw, vm),
+            // A stopped process runs nothing, so traps nothing until it resumes.
+            Op::Trap { gw, vm, .. } => match self.gateways.get(gw as usize) {
+                Some(g) if g.frozen_until > self.now => self.at(g.frozen_until, Ev::Op(i)),
+                _ => self.trap(gw, vm),
+            },
             Op::Stream {
                 gw,
                 replica,
@@ -736,6 +743,7 @@ impl World {
             engine_paused_ms: paused,
             gateway_died: None,
             vm_trapped: None,
+            hot_restart: g.parent.is_some(),
         });
         self.note(format!("client{i}"), Some(i), format!("requests via gw{gw} to replica{replica}: {tokens} tokens every {token_ms} ms; client {client}"));
         match self.sched.setup.hop_queue_ms {
@@ -1302,6 +1310,9 @@ impl World {
         let child = gateway::process(&self.sched.setup, cfg, gw, generation, self.sched.seed, now);
         let parent = std::mem::replace(&mut self.gateways[gw as usize], child);
         let exiting = parent.generation;
+        for s in self.streams.iter_mut() {
+            s.hot_restart |= s.gw == gw && s.gw_generation == exiting && !s.gw_done;
+        }
         self.gateways[gw as usize].parent = Some((Box::new(parent), now + parent_ms));
         self.note(
             format!("gw{gw}"),
@@ -1384,8 +1395,9 @@ impl World {
             })
             .collect();
         for i in mine {
+            // Its response not all through the filter yet: Envoy will call into the VM.
             let s = &mut self.streams[i];
-            if s.engine_end.is_none() {
+            if !s.gw_done && !s.eos_passed {
                 s.vm_trapped = Some(now);
             }
         }
