@@ -154,7 +154,8 @@ pub struct Stream {
     gen_ms: u64,
     /// The longest pause of its engine.
     pub engine_paused_ms: u64,
-    /// When its worker VM trapped before its response passed the filter.
+    /// When its worker VM trapped before its response passed the filter, or while its
+    /// engine ran.
     pub vm_trapped: Option<u64>,
     /// Its gateway process ran beside a hot restart's parent or child (one host key,
     /// one listener) while it ran.
@@ -1395,9 +1396,10 @@ impl World {
             })
             .collect();
         for i in mine {
-            // Its response not all through the filter yet: Envoy will call into the VM.
+            // Its response not all through the filter yet (Envoy will call into the VM),
+            // or its engine still running (an abort the VM had queued dies with it).
             let s = &mut self.streams[i];
-            if !s.gw_done && !s.eos_passed {
+            if (!s.gw_done && !s.eos_passed) || s.engine_end.is_none() {
                 s.vm_trapped = Some(now);
             }
         }
