@@ -261,13 +261,13 @@ impl Gateway {
     }
 
     /// Puts stream context `ctx` on a worker VM (the kernel spreads connections over the
-    /// workers: here in turn, by context) that has not trapped; `None` when every VM
-    /// has (with `FAIL_OPEN` the request then passes untracked).
+    /// workers: here in turn, by context); `None` when that VM trapped: with the shipped
+    /// `FAIL_OPEN` its worker passes every later request untracked.
     pub fn assign(&mut self, ctx: u32) -> Option<usize> {
-        let live: Vec<usize> = (0..self.vms.len())
-            .filter(|k| !self.vms[*k].trapped)
-            .collect();
-        let k = *live.get(ctx as usize % live.len().max(1))?;
+        let k = ctx as usize % self.vms.len().max(1);
+        if self.vms.get(k)?.trapped {
+            return None;
+        }
         self.ctx_vm.insert(ctx, k);
         Some(k)
     }

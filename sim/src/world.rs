@@ -662,7 +662,7 @@ impl World {
         }
         let ctx = i as u32 + 2;
         g.host.now = self.now;
-        // Every VM trapped: with `FAIL_OPEN` the request passes untracked.
+        // On a worker whose VM trapped: with `FAIL_OPEN` the request passes untracked.
         let Some(k) = g.assign(ctx) else {
             return;
         };
