@@ -256,3 +256,27 @@ fn the_shared_host_key_detection_mutation_is_caught() {
         r.violations
     );
 }
+
+#[test]
+fn a_hot_restart_s_parent_keeps_a_slow_reader_through_envoy_s_default_drain() {
+    // Envoy's default --parent-shutdown-time-s (900 s): a reader above the floor of an
+    // engine ten times faster is served by the draining parent to its end, its stall
+    // asks deferred while the child renews with the same host key.
+    let r = clean_run(
+        kvguard_sim::schedule::Setup::default(),
+        vec![
+            Op::stream(0, 0, 0, Client::Steady { bps: 450 }, 1_000, 30),
+            Op::HotRestart {
+                at: 5_000,
+                gw: 0,
+                parent_ms: 900_000,
+            },
+        ],
+    );
+    read_in_full(&r.stats.ends);
+    assert!(
+        r.timeline.lines.iter().any(|l| l.what.contains("deferred")),
+        "no stall ask was deferred: the schedule does not exercise the drain's reader\n{}",
+        r.timeline.story(usize::MAX)
+    );
+}
