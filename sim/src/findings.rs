@@ -36,14 +36,14 @@ pub fn classify(promise: Promise, s: &Stream, setup: &Setup) -> Option<&'static 
                     who.contains("lease: replaced") || who.contains("lease: silent")
                 }) =>
         {
-            Some("sim.10")
+            Some("sim.13")
         }
         // Two gateways share a host key, and the replica that judges knows the listener
         // of only one (or none) of them, from the proofs on the requests it admitted: the
         // detection of 37.4's fix cannot see the key shared, so a freeze or lost renewals
         // of two periods make one `replaced` by the other's renewals.
         Promise::Invariant1 | Promise::Figures if replaced && setup.shared_host_key => {
-            Some("sim.8")
+            Some("sim.11")
         }
         // A live worker VM judged lost: the first renewal after a gateway's stall of 3
         // periods lists none of its VMs (the renewing VM beats after it renews), which
@@ -55,7 +55,7 @@ pub fn classify(promise: Promise, s: &Stream, setup: &Setup) -> Option<&'static 
                     .as_ref()
                     .is_some_and(|(_, who, _)| who.contains("lease: vm_lost")) =>
         {
-            Some("sim.11")
+            Some("sim.14")
         }
         // kvguard-control's own wait on the reader, which lags the drain by a third of its
         // socket, ended the stream of a client that reads.
@@ -82,7 +82,7 @@ pub fn classify(promise: Promise, s: &Stream, setup: &Setup) -> Option<&'static 
         Promise::Invariant2
             if setup.shared_host_key && s.orphan.is_some_and(|(c, _)| c == Cause::GatewayGone) =>
         {
-            Some("sim.9")
+            Some("sim.12")
         }
         // The false `already_aborted` also leaves the holder's engine running.
         Promise::Invariant2 if answer.contains("already_aborted") => Some("36.5"),
@@ -125,7 +125,7 @@ fn stream(at: u64, gw: u8, replica: u8, client: Client, tokens: u32, token_ms: u
 pub fn known() -> Vec<Finding> {
     vec![
         Finding {
-            name: "sim.10",
+            name: "sim.13",
             title: "a hot restart's child frozen for two periods while its parent drains is judged replaced by the parent's renewals: its read streams are ended",
             schedule: Schedule {
                 seed: 1,
@@ -146,7 +146,7 @@ pub fn known() -> Vec<Finding> {
             },
         },
         Finding {
-            name: "sim.11",
+            name: "sim.14",
             title: "a gateway frozen past three periods, then again, a second after it resumed, for the TTL: its worker VM is judged lost and its read stream ended",
             schedule: Schedule {
                 seed: 1,
@@ -167,7 +167,7 @@ pub fn known() -> Vec<Finding> {
             },
         },
         Finding {
-            name: "sim.8",
+            name: "sim.11",
             title: "two gateways share a host key and one carried no request yet: its listener is unknown, the key is not seen shared, and the other, frozen for two periods, is judged replaced",
             schedule: Schedule {
                 seed: 1,
@@ -187,7 +187,7 @@ pub fn known() -> Vec<Finding> {
             },
         },
         Finding {
-            name: "sim.9",
+            name: "sim.12",
             title: "a shared host key is never used for replaced: a hot restart's parent that exits is asked at its listener, which its child (no request yet) answers; held for good, its orphans behind a hiding hop run to the end",
             schedule: Schedule {
                 seed: 1,
