@@ -48,10 +48,16 @@ pub enum Mechanism {
     /// deferral keeps its own). Off: it never fires in the reaper's verdicts (the idle
     /// clock still counts the engine's own silence).
     ReaperReader,
+    /// The detection of a host key two live gateways renew with from two listeners
+    /// (`Leases::shared_host`: never used for a `replaced` verdict; finding 37.4's fix).
+    /// Off: the proofs reach the lease table without the listener they name, which is
+    /// what the detection reads (the listener's probes go with it, as before that fix,
+    /// which brought both).
+    SharedHostKey,
 }
 
 /// Every switchable mechanism, in the table's order.
-pub const ALL: [Mechanism; 9] = [
+pub const ALL: [Mechanism; 10] = [
     Mechanism::SecondTick,
     Mechanism::MassStallValve,
     Mechanism::StallAsks,
@@ -61,6 +67,7 @@ pub const ALL: [Mechanism; 9] = [
     Mechanism::Lease,
     Mechanism::ReaperIdle,
     Mechanism::ReaperReader,
+    Mechanism::SharedHostKey,
 ];
 
 impl Mechanism {
@@ -76,6 +83,7 @@ impl Mechanism {
             Mechanism::Lease => "lease",
             Mechanism::ReaperIdle => "reaper-idle",
             Mechanism::ReaperReader => "reaper-reader",
+            Mechanism::SharedHostKey => "shared-key",
         }
     }
 
@@ -201,6 +209,15 @@ impl Mechanism {
             // the simulator does not model.
             Mechanism::ReaperIdle => return None,
             Mechanism::ReaperReader => return None,
+            // Two gateways sharing one host key; one is frozen for three periods while
+            // the other renews (finding 37.4's schedule).
+            Mechanism::SharedHostKey => (
+                Promise::Invariant1,
+                crate::findings::regressions()
+                    .into_iter()
+                    .find(|f| f.name == "37.4")?
+                    .schedule,
+            ),
         })
     }
 }

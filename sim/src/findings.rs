@@ -19,12 +19,49 @@ pub fn classify(promise: Promise, s: &Stream, setup: &Setup) -> Option<&'static 
         .kvguard_end
         .as_ref()
         .is_some_and(|(_, who, r)| who.contains("reaper") && *r == AbortReason::Stalled);
+    // Judged replaced by another live instance renewing with its host key.
+    let replaced = s
+        .kvguard_end
+        .as_ref()
+        .is_some_and(|(_, who, _)| who.contains("lease: replaced"));
     match promise {
         // A peer that did not answer was taken for one that does not hold the id.
         Promise::Invariant1 | Promise::Invariant2 if s.peers_cut => Some("sim.9"),
         // A restarted replica forgot the completion of a stream whose reader drains its
         // tail, and answered its stall ask 404.
         Promise::Invariant1 if by_gateway && s.completion_forgotten => Some("sim.8"),
+        // A hot restart's parent and child renew with one host key from one listener:
+        // while the parent drains, either one silent for two periods (a freeze, lost
+        // renewals) is judged `replaced` by the other's renewals; and, if the key is also
+        // another gateway's (never used for `replaced`), silent past the TTL, its
+        // listener, where the other proved its life, no longer speaks for it: `silent`.
+        Promise::Invariant1 | Promise::Figures
+            if s.hot_restart
+                && s.kvguard_end.as_ref().is_some_and(|(_, who, _)| {
+                    who.contains("lease: replaced") || who.contains("lease: silent")
+                }) =>
+        {
+            Some("sim.13")
+        }
+        // Two gateways share a host key, and the replica that judges knows the listener
+        // of only one (or none) of them, from the proofs on the requests it admitted: the
+        // detection of 37.4's fix cannot see the key shared, so a freeze or lost renewals
+        // of two periods make one `replaced` by the other's renewals.
+        Promise::Invariant1 | Promise::Figures if replaced && setup.shared_host_key => {
+            Some("sim.11")
+        }
+        // A live worker VM judged lost: the first renewal after a gateway's stall of 3
+        // periods lists none of its VMs (the renewing VM beats after it renews), which
+        // marks each absent; a second stall before the next renewal, to past the TTL,
+        // brings a renewal that leaves them out again, more than the TTL after.
+        Promise::Invariant1 | Promise::Figures
+            if s.vm_trapped.is_none()
+                && s.kvguard_end
+                    .as_ref()
+                    .is_some_and(|(_, who, _)| who.contains("lease: vm_lost")) =>
+        {
+            Some("sim.14")
+        }
         // kvguard-control's own wait on the reader, which lags the drain by a third of its
         // socket, ended the stream of a client that reads.
         Promise::Invariant1 if by_reaper => Some("36.7"),
@@ -43,6 +80,14 @@ pub fn classify(promise: Promise, s: &Stream, setup: &Setup) -> Option<&'static 
             if setup.pods_deleted && s.orphan.is_some_and(|(c, _)| c == Cause::GatewayGone) =>
         {
             Some("sim.6")
+        }
+        // A shared host key is never used for `replaced`; a dead instance's listener is
+        // then answered by the process that took it over (a restart in place, a hot
+        // restart's child) before that one proved its life there: held for good.
+        Promise::Invariant2
+            if setup.shared_host_key && s.orphan.is_some_and(|(c, _)| c == Cause::GatewayGone) =>
+        {
+            Some("sim.12")
         }
         // The false `already_aborted` also leaves the holder's engine running.
         Promise::Invariant2 if answer.contains("already_aborted") => Some("36.5"),
@@ -93,7 +138,92 @@ fn tail_reader() -> Op {
 /// Every known finding, with a hand-written schedule (the shrunk form of what the seed
 /// campaign finds).
 pub fn known() -> Vec<Finding> {
-    vec![Finding {
+    vec![
+        Finding {
+            name: "sim.13",
+            title: "a hot restart's child frozen for two periods while its parent drains is judged replaced by the parent's renewals: its read streams are ended",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup::default(),
+                ops: vec![
+                    Op::HotRestart {
+                        at: 10_000,
+                        gw: 0,
+                        parent_ms: 60_000,
+                    },
+                    stream(12_000, 0, 0, Client::Fast, 3_000, 30),
+                    Op::Freeze {
+                        at: 20_000,
+                        gw: 0,
+                        for_ms: 15_000,
+                    },
+                ],
+            },
+        },
+        Finding {
+            name: "sim.14",
+            title: "a gateway frozen past three periods, then again, a second after it resumed, for the TTL: its worker VM is judged lost and its read stream ended",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup::default(),
+                ops: vec![
+                    stream(0, 0, 0, Client::Fast, 3_000, 30),
+                    Op::Freeze {
+                        at: 10_000,
+                        gw: 0,
+                        for_ms: 20_000,
+                    },
+                    Op::Freeze {
+                        at: 31_000,
+                        gw: 0,
+                        for_ms: 31_000,
+                    },
+                ],
+            },
+        },
+        Finding {
+            name: "sim.11",
+            title: "two gateways share a host key and one carried no request yet: its listener is unknown, the key is not seen shared, and the other, frozen for two periods, is judged replaced",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup {
+                    gateways: 2,
+                    shared_host_key: true,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(0, 1, 0, Client::Fast, 3_000, 30),
+                    Op::Freeze {
+                        at: 20_000,
+                        gw: 1,
+                        for_ms: 15_000,
+                    },
+                ],
+            },
+        },
+        Finding {
+            name: "sim.12",
+            title: "a shared host key is never used for replaced: a hot restart's parent that exits is asked at its listener, which its child (no request yet) answers; held for good, its orphans behind a hiding hop run to the end",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup {
+                    gateways: 2,
+                    shared_host_key: true,
+                    hop_hides: true,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(0, 0, 0, Client::Fast, 3_000, 30),
+                    stream(0, 1, 0, Client::Fast, 3_000, 30),
+                    Op::HotRestart {
+                        at: 10_000,
+                        gw: 0,
+                        parent_ms: 6_000,
+                    },
+                ],
+            },
+        },
+        Finding {
         name: "sim.6",
         title: "every gateway gone at once with its pod: no listener answers, so each expiry stays held (kvguard-control cannot tell it from being cut off); their orphans behind a hiding hop run to the end",
         schedule: Schedule {
@@ -118,7 +248,8 @@ pub fn known() -> Vec<Finding> {
                 },
             ],
         },
-    }]
+    },
+    ]
 }
 
 /// A schedule that passes today and fails when the named rule is removed (how the
@@ -186,6 +317,28 @@ pub fn guards() -> Vec<Guard> {
 pub fn regressions() -> Vec<Finding> {
     vec![
         Finding {
+            name: "sim.15",
+            title: "an abort decided just before its gateway froze past the abort deadline was given up unsent when it resumed: behind a hiding hop its engine ran to the end",
+            schedule: Schedule {
+                seed: 37106,
+                setup: Setup {
+                    hop_hides: true,
+                    pods_deleted: true,
+                    net_cap: 1024 * 1024,
+                    idle_ms: 30_000,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(21_731, 0, 0, Client::Leaves { after_ms: 2_299 }, 2_970, 34),
+                    Op::Freeze {
+                        at: 24_039,
+                        gw: 0,
+                        for_ms: 41_298,
+                    },
+                ],
+            },
+        },
+        Finding {
             name: "sim.8",
             title: "a replica restart forgets a completion: the stall ask of a reader draining its tail is answered 404, the reader cut",
             schedule: Schedule {
@@ -244,6 +397,27 @@ pub fn regressions() -> Vec<Finding> {
                     Op::PartitionPeers {
                         at: 61_772,
                         for_ms: 15_135,
+                    },
+                ],
+            },
+        },
+        Finding {
+            name: "37.4",
+            title: "two gateways started from one config share a host key: one frozen for three periods while the other renews is judged replaced, its read streams ended",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup {
+                    gateways: 2,
+                    shared_host_key: true,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(0, 0, 0, Client::Fast, 3_000, 30),
+                    stream(0, 1, 0, Client::Fast, 3_000, 30),
+                    Op::Freeze {
+                        at: 20_000,
+                        gw: 0,
+                        for_ms: 15_000,
                     },
                 ],
             },

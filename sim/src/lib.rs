@@ -8,7 +8,8 @@
 //!
 //! - [`schedule`]: a run's setup and operations, generated from a seed.
 //! - [`world`]: the event queue, the buffers, and how the actors meet.
-//! - [`gateway`]: one Envoy process (filter core, renewer, simulated host).
+//! - [`gateway`]: one Envoy process (per worker VM a filter core, a renewer and a VM-table
+//!   entry; the simulated host; a hot restart's draining parent).
 //! - [`replica`]: one kvguard-control replica (the control core, composed).
 //! - [`oracles`]: the promises and their bounds.
 //! - [`ablation`]: which mechanism each promise needs.

@@ -27,6 +27,8 @@ pub enum Cause {
     /// kvguard closed it at the gateway (the client may have been reading: that is
     /// invariant 1's business; the engine must still stop).
     Closed,
+    /// Its worker VM trapped, and Envoy cut it downstream.
+    VmLost,
 }
 
 impl Cause {
@@ -36,12 +38,22 @@ impl Cause {
     /// - left: the abort's round trips with retries, 10 s;
     /// - silent: `R` + one idle window + two ticks + one abort round trip (1 s) + 1 s;
     /// - gateway gone: the lease TTL + 5 s;
-    /// - closed by kvguard: 10 s, as left.
+    /// - closed by kvguard: 10 s, as left;
+    /// - its worker VM lost: the VM falls out of the renewals' list within
+    ///   [`SILENT_PERIODS`](kvguard_filter_core::vms::SILENT_PERIODS) periods and the next
+    ///   renewal, is ended once a renewal comes more than the TTL after that one (a
+    ///   period later at most): 3 periods + TTL + 2 periods + 5 s.
     pub fn bound_ms(self, idle_ms: u64) -> u64 {
         match self {
             Cause::Left | Cause::Closed => 10_000,
             Cause::Silent => flags::READER_TIMEOUT_MS + idle_ms + 2 * 250 + 1_000 + 1_000,
             Cause::GatewayGone => flags::LEASE_TTL_MS + 5_000,
+            Cause::VmLost => {
+                let period = kvguard_filter_core::config::DEFAULT_LEASE_RENEW_MS;
+                (kvguard_filter_core::vms::SILENT_PERIODS + 2) * period
+                    + flags::LEASE_TTL_MS
+                    + 5_000
+            }
         }
     }
 
@@ -50,7 +62,7 @@ impl Cause {
         match self {
             Cause::Left => Some(AbortReason::DownstreamReset),
             Cause::Silent => Some(AbortReason::Stalled),
-            Cause::GatewayGone => Some(AbortReason::GatewayLost),
+            Cause::GatewayGone | Cause::VmLost => Some(AbortReason::GatewayLost),
             Cause::Closed => None,
         }
     }

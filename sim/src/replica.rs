@@ -56,6 +56,8 @@ pub struct Entry {
     pub progress: RefCell<Progress>,
     /// The gateway instance it came through (`x-kvguard-instance`).
     pub instance: Option<InstanceId>,
+    /// The gateway's worker VM it came through (`<instance>.<vm>`).
+    pub vm: Option<u32>,
 }
 
 /// The shell's `Arc<Entry>`.
@@ -91,7 +93,7 @@ pub struct Ended {
     pub stream: usize,
     /// Why.
     pub reason: AbortReason,
-    /// Which path ended it (`abort_api`, `reaper`, `lease`).
+    /// Which path ended it (`abort_api`, `reaper`, `lease: <expiry>`).
     pub via: &'static str,
 }
 
@@ -253,11 +255,16 @@ impl Replica {
             ended: Cell::new(None),
             progress: RefCell::new(Progress::new(now)),
             instance: instance.map(|t| t.instance),
+            vm: instance.and_then(|t| t.vm),
         }));
         self.inflight.admit(e.clone(), false, now).ok()?;
         match (instance, header.and_then(|h| h.proof)) {
             (Some(t), Some(p)) => {
-                let _ = self.leases.prove(t, &p.proof, now);
+                let mut proof = p.proof;
+                if self.mutations.off(Mechanism::SharedHostKey) {
+                    proof.listener = None;
+                }
+                let _ = self.leases.prove(t, &proof, now);
                 if let Some(addr) = self.leases.calibrate(t.instance, now) {
                     self.probes.push((t.instance, addr));
                 }
@@ -390,6 +397,43 @@ impl Replica {
         let _ = self.leases.renew(r, now);
     }
 
+    /// The requests in flight here of `instance` (of its worker VM `vm`, if given), in
+    /// admission order (the table is a HashMap: so that a seed replays alike), and the
+    /// latest of them admitted at or after `now` (`admitted_since`).
+    fn of_instance(
+        &self,
+        instance: InstanceId,
+        vm: Option<u32>,
+        now: Instant,
+    ) -> (Vec<EntryRef>, Option<Instant>) {
+        let mut mine: Vec<EntryRef> = self
+            .inflight
+            .entries()
+            .filter(|e| e.0.instance == Some(instance) && vm.is_none_or(|v| e.0.vm == Some(v)))
+            .cloned()
+            .collect();
+        mine.sort_by_key(|e| e.0.seq);
+        let late = mine
+            .iter()
+            .map(|e| e.0.progress.borrow().times().started)
+            .filter(|t| *t >= now)
+            .max();
+        (mine, late)
+    }
+
+    /// `end_or_count` in enforce mode: `mine` are ended `gateway_lost` for expiry `why`.
+    fn end_lost(&mut self, mine: &[EntryRef], why: Expiry, now_ms: u64, ended: &mut Vec<Ended>) {
+        for e in mine {
+            if self.end_request(e, AbortReason::GatewayLost, now_ms) {
+                ended.push(Ended {
+                    stream: e.0.stream,
+                    reason: AbortReason::GatewayLost,
+                    via: lease_via(why),
+                });
+            }
+        }
+    }
+
     /// `lease::enforce::judge` (enforce mode): an expired instance's requests are ended
     /// `gateway_lost` unless the expiry is unproven (counted only); a request of it
     /// admitted since the judgement revives it; the listeners it asks about go to
@@ -404,38 +448,43 @@ impl Replica {
         let j = self.leases.judge(now);
         self.probes.extend(j.probes.iter().copied());
         let mut out = Vec::new();
+        // `end_vm`: a lost worker VM's requests (none here: nothing to do; one admitted
+        // since the judgement: the VM lives).
+        for (instance, vm) in j.lost {
+            let (mine, late) = self.of_instance(instance, Some(vm), now);
+            if mine.is_empty() {
+                continue;
+            }
+            if let Some(late) = late {
+                self.leases.revive_vm(instance, vm, late);
+                continue;
+            }
+            self.end_lost(&mine, Expiry::VmLost, now_ms, ended);
+            out.push((instance, Expiry::VmLost, mine.len()));
+        }
         for (instance, why) in j.expired {
-            let mut mine: Vec<EntryRef> = self
-                .inflight
-                .entries()
-                .filter(|e| e.0.instance == Some(instance))
-                .cloned()
-                .collect();
-            // The table is a HashMap: in admission order, so that a seed replays alike.
-            mine.sort_by_key(|e| e.0.seq);
-            let late = mine
-                .iter()
-                .map(|e| e.0.progress.borrow().times().started)
-                .filter(|t| *t >= now)
-                .max();
+            let (mine, late) = self.of_instance(instance, None, now);
             if let Some(late) = late {
                 self.leases.revive(instance, late);
                 continue;
             }
             if why != Expiry::Unproven {
-                for e in &mine {
-                    if self.end_request(e, AbortReason::GatewayLost, now_ms) {
-                        ended.push(Ended {
-                            stream: e.0.stream,
-                            reason: AbortReason::GatewayLost,
-                            via: "lease",
-                        });
-                    }
-                }
+                self.end_lost(&mine, why, now_ms, ended);
             }
             out.push((instance, why, mine.len()));
         }
         (out, j.held)
+    }
+}
+
+/// The path that ended a request for lease expiry `why`, for the timeline.
+fn lease_via(why: Expiry) -> &'static str {
+    match why {
+        Expiry::Silent => "lease: silent",
+        Expiry::Replaced => "lease: replaced",
+        Expiry::Unproven => "lease: unproven",
+        Expiry::Dead => "lease: dead",
+        Expiry::VmLost => "lease: vm_lost",
     }
 }
 

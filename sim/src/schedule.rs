@@ -32,6 +32,11 @@ pub struct Setup {
     /// A killed gateway goes with its pod: its listener's address answers nothing (a
     /// probe times out) instead of refusing.
     pub pods_deleted: bool,
+    /// Every gateway was started from one config with a static `node.id`: they renew
+    /// with one host key (finding 37.4's setup).
+    pub shared_host_key: bool,
+    /// Worker VMs per gateway process (Envoy `--concurrency`; 1: one).
+    pub vms: u8,
 }
 
 impl Default for Setup {
@@ -47,6 +52,8 @@ impl Default for Setup {
             pd: false,
             hop_queue_ms: 0,
             pods_deleted: false,
+            shared_host_key: false,
+            vms: 1,
         }
     }
 }
@@ -83,6 +90,29 @@ pub enum Client {
 /// One operation of a schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
+    /// Gateway `gw` is hot-restarted: a child process (a new instance, the same host
+    /// key, the same listener) takes the listen socket and every new request; the
+    /// parent serves its open streams on, renewing, and exits `parent_ms` later
+    /// (`--parent-shutdown-time-s`), its remaining streams cut downstream and the
+    /// aborts its filter decides for them unsent.
+    HotRestart {
+        /// When.
+        at: u64,
+        /// Which.
+        gw: u8,
+        /// When the parent exits, from the child's start.
+        parent_ms: u64,
+    },
+    /// Worker VM `vm` of gateway `gw` traps: nothing more runs in it, Envoy cuts each
+    /// of its streams downstream at its next callback; the other VMs go on.
+    Trap {
+        /// When.
+        at: u64,
+        /// Which gateway.
+        gw: u8,
+        /// Which of its VMs.
+        vm: u8,
+    },
     /// A client sends a streaming request through gateway `gw` to replica `replica`.
     Stream {
         /// When.
@@ -221,7 +251,9 @@ impl Op {
     /// When it happens.
     pub fn at(&self) -> u64 {
         match *self {
-            Op::Stream { at, .. }
+            Op::HotRestart { at, .. }
+            | Op::Trap { at, .. }
+            | Op::Stream { at, .. }
             | Op::Kill { at, .. }
             | Op::Freeze { at, .. }
             | Op::EnginePause { at, .. }
@@ -248,6 +280,12 @@ pub struct Schedule {
     pub ops: Vec<Op>,
 }
 
+/// `--parent-shutdown-time-s` of the generated hot restarts: `robust_hot_restart.rs`'s
+/// 6 s (with `--drain-time-s 4`), 60 s, and Envoy's default 900 s (with 600 s). The drain
+/// time only closes the parent's idle connections (each simulated stream is one request
+/// on its own connection), so it is not modelled.
+pub const PARENT_SHUTDOWN_MS: [u64; 3] = [6_000, 60_000, 900_000];
+
 /// Readers are generated at or above this rate: the documented floor is
 /// `G / max(R, idle)` ≈ 0.37 KB/s with the shipped buffers and `--reader-timeout`.
 pub const MIN_READER_BPS: u64 = 400;
@@ -271,6 +309,8 @@ impl Schedule {
             idle_ms: r.pick(&[60_000, 60_000, 60_000, 30_000]),
             hop_queue_ms: 0,
             pods_deleted: false,
+            shared_host_key: false,
+            vms: 1,
         };
         let mut ops = Vec::new();
         for _ in 0..r.range(1, 6) {
@@ -386,6 +426,27 @@ impl Schedule {
                 },
             });
         }
+        // The gateway-side faults of worker VMs, hot restarts and shared host keys,
+        // drawn after everything above.
+        setup.shared_host_key = gateways > 1 && r.chance(100);
+        if r.chance(100) {
+            setup.vms = r.range(2, 4) as u8;
+        }
+        if r.chance(100) {
+            ops.push(Op::HotRestart {
+                at: r.range(0, 90_000),
+                gw: r.range(0, u64::from(gateways) - 1) as u8,
+                // The real-process test's 6 s, and Envoy's default 900 s.
+                parent_ms: r.pick(&PARENT_SHUTDOWN_MS),
+            });
+        }
+        if setup.vms > 1 && r.chance(500) {
+            ops.push(Op::Trap {
+                at: r.range(0, 90_000),
+                gw: r.range(0, u64::from(gateways) - 1) as u8,
+                vm: r.range(0, u64::from(setup.vms) - 1) as u8,
+            });
+        }
         Schedule { seed, setup, ops }
     }
 }
@@ -421,6 +482,11 @@ impl fmt::Display for Client {
 impl fmt::Display for Op {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
+            Op::HotRestart { at, gw, parent_ms } => write!(
+                f,
+                "{at:>9} gw{gw} hot-restarted: the parent drains, exits {parent_ms} ms later"
+            ),
+            Op::Trap { at, gw, vm } => write!(f, "{at:>9} gw{gw}'s worker VM {vm} traps"),
             Op::Stream {
                 at,
                 gw,
@@ -459,9 +525,11 @@ impl fmt::Display for Schedule {
         let s = &self.setup;
         writeln!(
             f,
-            "seed {}: {} gateway(s){}, {} replica(s){}, hop {} disconnects{}{}, sockets {} KiB, filter idle {} ms",
+            "seed {}: {} gateway(s){}{}{}, {} replica(s){}, hop {} disconnects{}{}, sockets {} KiB, filter idle {} ms",
             self.seed,
             s.gateways,
+            if s.vms > 1 { format!(" of {} worker VMs", s.vms) } else { String::new() },
+            if s.shared_host_key { " sharing one host key" } else { "" },
             if s.pods_deleted { " (a killed one's address answers nothing)" } else { "" },
             s.replicas,
             if s.pd { " (prefill, decode)" } else { "" },

@@ -55,7 +55,9 @@ fn simpler_setups(s: &Schedule) -> Vec<Schedule> {
         Op::Stream { gw, .. }
         | Op::Kill { gw, .. }
         | Op::Freeze { gw, .. }
-        | Op::ClockStep { gw, .. } => gw,
+        | Op::ClockStep { gw, .. }
+        | Op::HotRestart { gw, .. }
+        | Op::Trap { gw, .. } => gw,
         Op::LoseCalls { .. }
         | Op::EnginePause { .. }
         | Op::ReplicaLost { .. }
@@ -69,6 +71,17 @@ fn simpler_setups(s: &Schedule) -> Vec<Schedule> {
     if s.setup.gateways > used_gw + 1 {
         let mut c = s.clone();
         c.setup.gateways = used_gw + 1;
+        out.push(c);
+    }
+    let traps = s.ops.iter().any(|op| matches!(op, Op::Trap { .. }));
+    if s.setup.vms > 1 && !traps {
+        let mut c = s.clone();
+        c.setup.vms = 1;
+        out.push(c);
+    }
+    if s.setup.shared_host_key {
+        let mut c = s.clone();
+        c.setup.shared_host_key = false;
         out.push(c);
     }
     if s.setup.replicas > 1 {

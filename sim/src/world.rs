@@ -160,6 +160,12 @@ pub struct Stream {
     /// The last abort call about it was decided while the replicas could not reach each
     /// other.
     pub peers_cut: bool,
+    /// When its worker VM trapped before its response passed the filter, or while its
+    /// engine ran.
+    pub vm_trapped: Option<u64>,
+    /// Its gateway process ran beside a hot restart's parent or child (one host key,
+    /// one listener) while it ran.
+    pub hot_restart: bool,
 }
 
 impl Stream {
@@ -233,6 +239,7 @@ fn event_byte(o: u64) -> u8 {
 /// What the event queue holds.
 #[derive(Debug, Clone)]
 enum Ev {
+    ParentExits(u8, u32),
     Op(usize),
     Flow,
     GwTick(u8),
@@ -373,7 +380,7 @@ impl World {
         let cfg = gateway::config(sched.setup.idle_ms)?;
         let w_gateways = sched.setup.gateways;
         let gateways = (0..sched.setup.gateways)
-            .map(|g| Gateway::start(cfg.clone(), g, 0, sched.seed, 0))
+            .map(|g| gateway::process(&sched.setup, cfg.clone(), g, 0, sched.seed, 0))
             .collect();
         let n = sched.setup.replicas.max(1);
         // With P/D the first half prefill, the rest decode (two: replica 0 and replica 1).
@@ -522,10 +529,24 @@ impl World {
     fn stream_settled(&self, s: &Stream) -> bool {
         let client_done = s.state != ClientState::Reading || s.client == Client::Silent;
         let engine_done = s.engine_end.is_some()
-            || self.orphan_since(s).is_some_and(|(c, o)| {
-                self.now > o + c.bound_ms(self.sched.setup.idle_ms) + self.slack
-            });
+            || self
+                .orphan_since(s)
+                .is_some_and(|(c, o)| self.now > o + self.orphan_bound(s, c, o));
         client_done && engine_done
+    }
+
+    /// How long after `since` the engine of `s`, which nobody reads for `cause`, must
+    /// have stopped: its cause's bound; if its gateway or its worker VM died since (with
+    /// the abort it had queued), the lease's bound from then; faults stretch either.
+    fn orphan_bound(&self, s: &Stream, cause: Cause, since: u64) -> u64 {
+        let idle = self.sched.setup.idle_ms;
+        let from = |at: u64, c: Cause| at.saturating_sub(since) + c.bound_ms(idle);
+        let bound = [
+            Some(cause.bound_ms(idle)),
+            s.gateway_died.map(|t| from(t, Cause::GatewayGone)),
+            s.vm_trapped.map(|t| from(t, Cause::VmLost)),
+        ];
+        bound.into_iter().flatten().max().unwrap_or(0) + self.slack
     }
 
     fn orphan_since(&self, s: &Stream) -> Option<(Cause, u64)> {
@@ -541,6 +562,7 @@ impl World {
 
     fn handle(&mut self, ev: Ev) {
         match ev {
+            Ev::ParentExits(g, generation) => self.parent_exits(g, generation),
             Ev::Op(i) => self.op(i),
             Ev::Flow => {
                 self.flow();
@@ -581,6 +603,19 @@ impl World {
     fn op(&mut self, i: usize) {
         let op = self.sched.ops[i];
         match op {
+            Op::HotRestart { gw, parent_ms, .. } => {
+                // The child starts once the parent answers its hot-restart RPC (passes
+                // its listen sockets): a stopped parent answers when it resumes.
+                match self.gateways.get(gw as usize).map(|g| g.frozen_until) {
+                    Some(until) if until > self.now => self.at(until, Ev::Op(i)),
+                    _ => self.hot_restart(gw, parent_ms),
+                }
+            }
+            // A stopped process runs nothing, so traps nothing until it resumes.
+            Op::Trap { gw, vm, .. } => match self.gateways.get(gw as usize) {
+                Some(g) if g.frozen_until > self.now => self.at(g.frozen_until, Ev::Op(i)),
+                _ => self.trap(gw, vm),
+            },
             Op::Stream {
                 gw,
                 replica,
@@ -720,43 +755,29 @@ impl World {
         }
         let ctx = i as u32 + 2;
         g.host.now = self.now;
+        // On a worker whose VM trapped: with `FAIL_OPEN` the request passes untracked.
+        let Some(k) = g.assign(ctx) else {
+            return;
+        };
         if self.mutations.off(Mechanism::MassStallValve) {
-            let mut vm = Engine::new(g.engine.cfg.clone(), self.sched.seed ^ u64::from(ctx));
+            let mut vm = Engine::new(g.cfg().clone(), self.sched.seed ^ u64::from(ctx));
             vm.keep_ticking(true);
             self.solo.insert(ctx, vm);
         }
-        let vm = self.solo.get_mut(&ctx).unwrap_or(&mut g.engine);
+        let (engine, host) = g.engine_for(ctx);
+        let vm = self.solo.get_mut(&ctx).unwrap_or(engine);
         vm.on_request_headers(
-            &mut g.host,
+            host,
             ctx,
             Some(b"/v1/chat/completions"),
             Some(id.as_str().as_bytes()),
             false,
         );
-        if g.renewer.wants_upstream() {
-            let up = kvguard_filter_core::lease::Upstream {
-                cluster: "engine".into(),
-                authority: "engine".into(),
-            };
-            g.renewer
-                .note_listener(crate::gateway::listener(gw).as_bytes());
-            g.renewer.note_upstream(&g.engine.cfg, &mut g.host, &up);
-        }
-        let instance = g.renewer.instance();
-        // `x-kvguard-instance`: the tag and the period's proof of life (one VM here).
-        let tag = g
-            .renewer
-            .tag_value(&g.engine.cfg.key, Some(1))
-            .map(<[u8]>::to_vec);
-        let vm = self.solo.get_mut(&ctx).unwrap_or(&mut g.engine);
-        vm.on_response_headers(
-            &mut g.host,
-            ctx,
-            Some(b"text/event-stream"),
-            None,
-            None,
-            false,
-        );
+        // `x-kvguard-instance`: the tag and the period's proof of life.
+        let (instance, tag) = g.tag(k, &crate::gateway::listener(gw));
+        let (engine, host) = g.engine_for(ctx);
+        let vm = self.solo.get_mut(&ctx).unwrap_or(engine);
+        vm.on_response_headers(host, ctx, Some(b"text/event-stream"), None, None, false);
         let generation = g.generation;
         let now = self.now;
         let replica = if self.sched.setup.pd && self.replicas.len() >= 2 {
@@ -817,6 +838,8 @@ impl World {
             gen_ms: 0,
             engine_paused_ms: paused,
             gateway_died: None,
+            vm_trapped: None,
+            hot_restart: g.parent.is_some(),
         });
         self.note(format!("client{i}"), Some(i), format!("requests via gw{gw} to replica{replica}: {tokens} tokens every {token_ms} ms; client {client}"));
         match self.sched.setup.hop_queue_ms {
@@ -871,11 +894,12 @@ impl World {
                 s.state = ClientState::Cut;
             }
             s.gw_done = true;
-            let g = &mut self.gateways[s.gw as usize];
-            if g.generation == s.gw_generation && g.alive {
+            let g = self.gateways[s.gw as usize].process_mut(s.gw_generation);
+            if let Some(g) = g.filter(|g| !g.trapped(s.ctx)) {
                 g.host.now = now;
-                let vm = self.solo.get_mut(&s.ctx).unwrap_or(&mut g.engine);
-                vm.on_log(&mut g.host, s.ctx, b"via_upstream", 0);
+                let (engine, host) = g.engine_for(s.ctx);
+                let vm = self.solo.get_mut(&s.ctx).unwrap_or(engine);
+                vm.on_log(host, s.ctx, b"via_upstream", 0);
             }
             return;
         };
@@ -950,15 +974,21 @@ impl World {
             if s.state == ClientState::Reading {
                 s.state = ClientState::Dropped;
             }
-            let g = &mut self.gateways[s.gw as usize];
-            if s.gw_done || g.generation != s.gw_generation || !g.alive {
+            let Some(g) = self.gateways[s.gw as usize].process_mut(s.gw_generation) else {
+                continue;
+            };
+            if s.gw_done {
                 continue;
             }
             s.gw_done = true;
+            if g.trapped(s.ctx) {
+                continue;
+            }
             g.host.now = now;
-            let vm = self.solo.get_mut(&s.ctx).unwrap_or(&mut g.engine);
+            let (engine, host) = g.engine_for(s.ctx);
+            let vm = self.solo.get_mut(&s.ctx).unwrap_or(engine);
             vm.on_log(
-                &mut g.host,
+                host,
                 s.ctx,
                 b"upstream_reset_after_response_started{connection_termination}",
                 0,
@@ -1071,9 +1101,13 @@ impl World {
         if s.hop_drains && !cut {
             s.pulled = s.handed;
         }
-        // Envoy reads the upstream, the filter sees the chunk.
-        let g = &mut self.gateways[s.gw as usize];
-        if !s.gw_done && g.generation == s.gw_generation && g.runs(now) {
+        // Envoy reads the upstream, the filter sees the chunk (a trapped VM's stream is
+        // cut at that callback).
+        let mut cut = false;
+        let done = s.gw_done;
+        let g = self.gateways[s.gw as usize].process_mut(s.gw_generation);
+        if let Some(g) = g.filter(|g| !done && g.runs(now)) {
+            let trapped = g.trapped(s.ctx);
             let down = s.pulled - s.read;
             if down <= LOW {
                 s.envoy_reading = true;
@@ -1081,13 +1115,16 @@ impl World {
             if s.envoy_reading && !s.end_held && !cut {
                 let n = (s.handed - s.pulled).min(HIGH - down);
                 let eos = s.upstream_end == Some(s.pulled + n) && !s.eos_passed;
-                if n > 0 || eos {
+                if (n > 0 || eos) && trapped {
+                    cut = true;
+                } else if n > 0 || eos {
                     let bytes = s.bytes(s.pulled, s.pulled + n);
                     s.pulled += n;
                     s.last_chunk = Some(now);
                     g.host.now = now;
-                    let vm = self.solo.get_mut(&s.ctx).unwrap_or(&mut g.engine);
-                    let out = vm.on_chunk(&mut g.host, s.ctx, n as usize, eos, move || Some(bytes));
+                    let (engine, host) = g.engine_for(s.ctx);
+                    let vm = self.solo.get_mut(&s.ctx).unwrap_or(engine);
+                    let out = vm.on_chunk(host, s.ctx, n as usize, eos, move || Some(bytes));
                     if eos {
                         if matches!(out, Some(OutcomeTag::Aborted(_))) {
                             s.end_held = true;
@@ -1107,15 +1144,16 @@ impl World {
                 }
             }
             // The client drains.
-            if s.state == ClientState::Reading {
+            if s.state == ClientState::Reading && !cut {
                 let n = (s.pulled - s.read).min(s.read_budget(now));
                 s.read += n;
                 if s.eos_passed && s.read == s.pulled {
                     s.state = ClientState::Done;
                     s.gw_done = true;
                     g.host.now = now;
-                    let vm = self.solo.get_mut(&s.ctx).unwrap_or(&mut g.engine);
-                    vm.on_log(&mut g.host, s.ctx, b"via_upstream", 0);
+                    let (engine, host) = g.engine_for(s.ctx);
+                    let vm = self.solo.get_mut(&s.ctx).unwrap_or(engine);
+                    vm.on_log(host, s.ctx, b"via_upstream", 0);
                     self.timeline.push(
                         now,
                         format!("client{i}"),
@@ -1125,13 +1163,30 @@ impl World {
                 }
             }
         }
+        if cut {
+            self.vm_cut(i);
+        }
         self.drain_gateway(self.streams[i].gw);
     }
 
+    /// Gateway `gw`'s tick: its process's, then a draining hot-restart parent's.
     fn gw_tick(&mut self, gw: u8) {
-        let now = self.now;
         let jitter = self.rng.next_u64();
-        let Some(g) = self.gateways.get_mut(gw as usize) else {
+        let Some(g) = self.gateways.get(gw as usize) else {
+            return;
+        };
+        let (generation, parent) = (g.generation, g.parent.as_ref().map(|(p, _)| p.generation));
+        self.tick_process(gw, generation, jitter);
+        if let Some(p) = parent {
+            let jitter = self.rng.next_u64();
+            self.tick_process(gw, p, jitter);
+        }
+        self.drain_gateway(gw);
+    }
+
+    fn tick_process(&mut self, gw: u8, generation: u32, jitter: u64) {
+        let now = self.now;
+        let Some(g) = self.gateways[gw as usize].process_mut(generation) else {
             return;
         };
         if !g.runs(now) {
@@ -1148,19 +1203,20 @@ impl World {
                     && self.solo.get(&s.ctx).is_some_and(|vm| vm.tracked() > 0)
             });
             g.host.now = now;
+            let (engine, host) = g.engine_for(STAND_IN);
             if !busy {
-                g.engine.forget(&mut g.host, STAND_IN);
-            } else if g.engine.request(STAND_IN).is_none() {
+                engine.forget(host, STAND_IN);
+            } else if engine.request(STAND_IN).is_none() {
                 let path = Some(&b"/v1/chat/completions"[..]);
-                g.engine
-                    .on_request_headers(&mut g.host, STAND_IN, path, Some(b"stand-in"), false);
+                engine.on_request_headers(host, STAND_IN, path, Some(b"stand-in"), false);
             }
         }
         let mut actions = g.tick(now, jitter);
-        let generation = g.generation;
         if self.mutations.off(Mechanism::SecondTick) {
             // The first tick armed what this one confirms: idle is cut at once.
-            actions.extend(g.engine.tick(&mut g.host));
+            for vm in g.vms.iter_mut().filter(|v| !v.trapped) {
+                actions.extend(vm.engine.tick(&mut g.host));
+            }
         }
         let solo = !self.solo.is_empty();
         for s in self.streams.iter().filter(|_| solo) {
@@ -1206,13 +1262,14 @@ impl World {
                 s.state = ClientState::Cut;
                 s.orphan = Some(before.unwrap_or((Cause::Closed, now)));
             }
-            let g = &mut self.gateways[gw as usize];
-            g.host.now = now;
-            let vm = self.solo.get_mut(&ctx).unwrap_or(&mut g.engine);
-            vm.on_log(&mut g.host, ctx, b"filter_closed", 0);
+            if let Some(g) = self.gateways[gw as usize].process_mut(generation) {
+                g.host.now = now;
+                let (engine, host) = g.engine_for(ctx);
+                let vm = self.solo.get_mut(&ctx).unwrap_or(engine);
+                vm.on_log(host, ctx, b"filter_closed", 0);
+            }
             self.upstream_gone(i);
         }
-        self.drain_gateway(gw);
     }
 
     /// The gateway's side of stream `i` is gone (its client left, it was closed, the
@@ -1253,17 +1310,21 @@ impl World {
         }
         s.state = ClientState::Left;
         s.orphan = Some((Cause::Left, now));
-        let gw = s.gw;
+        let (gw, generation) = (s.gw, s.gw_generation);
         self.note(format!("client{i}"), Some(i), "leaves (resets its stream)");
-        let until = self.gateways[gw as usize].frozen_until.max(now);
+        let until = self.gateways[gw as usize]
+            .process_mut(generation)
+            .map_or(now, |g| g.frozen_until.max(now));
         self.at(until, Ev::GwSeesReset(i));
     }
 
     fn gw_sees_reset(&mut self, i: usize) {
         let now = self.now;
         let s = &self.streams[i];
-        let g = &mut self.gateways[s.gw as usize];
-        if s.gw_done || g.generation != s.gw_generation || !g.alive {
+        let Some(g) = self.gateways[s.gw as usize].process_mut(s.gw_generation) else {
+            return;
+        };
+        if s.gw_done {
             return;
         }
         if !g.runs(now) {
@@ -1271,9 +1332,13 @@ impl World {
             self.at(until, Ev::GwSeesReset(i));
             return;
         }
-        g.host.now = now;
-        let vm = self.solo.get_mut(&s.ctx).unwrap_or(&mut g.engine);
-        vm.on_log(&mut g.host, s.ctx, b"downstream_remote_disconnect", 0);
+        // A trapped VM hears nothing of it: Envoy resets the upstream.
+        if !g.trapped(s.ctx) {
+            g.host.now = now;
+            let (engine, host) = g.engine_for(s.ctx);
+            let vm = self.solo.get_mut(&s.ctx).unwrap_or(engine);
+            vm.on_log(host, s.ctx, b"downstream_remote_disconnect", 0);
+        }
         let gw = s.gw;
         self.upstream_gone(i);
         self.drain_gateway(gw);
@@ -1297,6 +1362,16 @@ impl World {
                 None => "killed (SIGKILL) for good".to_owned(),
             },
         );
+        self.process_died(gw, generation);
+        if let Some(r) = restart_ms {
+            self.at(now + r, Ev::Restart(gw));
+        }
+    }
+
+    /// Process `generation` of gateway `gw` is gone: each of its streams' client
+    /// connections with it (its client sees a reset), with any abort it had queued.
+    fn process_died(&mut self, gw: u8, generation: u32) {
+        let now = self.now;
         for i in 0..self.streams.len() {
             let before = self.orphan_since(&self.streams[i]);
             let s = &mut self.streams[i];
@@ -1316,17 +1391,24 @@ impl World {
             s.orphan = Some(before.unwrap_or((Cause::GatewayGone, now)));
             self.upstream_gone(i);
         }
-        if let Some(r) = restart_ms {
-            self.at(now + r, Ev::Restart(gw));
-        }
     }
 
     fn restart(&mut self, gw: u8) {
         let Some(cfg) = gateway::config(self.sched.setup.idle_ms) else {
             return;
         };
-        let generation = self.gateways[gw as usize].generation + 1;
-        self.gateways[gw as usize] = Gateway::start(cfg, gw, generation, self.sched.seed, self.now);
+        let old = &mut self.gateways[gw as usize];
+        let (generation, parent) = (old.generation + 1, old.parent.take());
+        let mut new = gateway::process(
+            &self.sched.setup,
+            cfg,
+            gw,
+            generation,
+            self.sched.seed,
+            self.now,
+        );
+        new.parent = parent;
+        self.gateways[gw as usize] = new;
         self.gateways[gw as usize].host.wall_step_s = self.wall_steps[gw as usize];
         self.note(
             format!("gw{gw}"),
@@ -1335,15 +1417,167 @@ impl World {
         );
     }
 
-    /// Sends what the gateway's filter dispatched and logs what it logged.
-    fn drain_gateway(&mut self, gw: u8) {
+    /// Envoy's hot restart of gateway `gw`: the child (a new process: a new instance,
+    /// the same host key and listener) takes the listen socket, so every new request;
+    /// the parent drains its open streams, renewing, and exits `parent_ms` later. A
+    /// parent still draining from an earlier restart exits now (two epochs at most).
+    fn hot_restart(&mut self, gw: u8, parent_ms: u64) {
+        let Some(cfg) = gateway::config(self.sched.setup.idle_ms) else {
+            return;
+        };
+        let Some(old) = self.gateways.get(gw as usize) else {
+            return;
+        };
+        if !old.alive {
+            return;
+        }
+        if let Some((p, _)) = &old.parent {
+            let p = p.generation;
+            self.parent_exits(gw, p);
+        }
+        let now = self.now;
+        let generation = self.gateways[gw as usize].generation + 1;
+        let child = gateway::process(&self.sched.setup, cfg, gw, generation, self.sched.seed, now);
+        let parent = std::mem::replace(&mut self.gateways[gw as usize], child);
+        let exiting = parent.generation;
+        for s in self.streams.iter_mut() {
+            s.hot_restart |= s.gw == gw && s.gw_generation == exiting && !s.gw_done;
+        }
+        self.gateways[gw as usize].parent = Some((Box::new(parent), now + parent_ms));
+        self.note(
+            format!("gw{gw}"),
+            None,
+            format!("hot restart: a child process starts (same host key, same listener); the parent drains, exits in {parent_ms} ms"),
+        );
+        self.at(now + parent_ms, Ev::ParentExits(gw, exiting));
+    }
+
+    /// A hot restart's parent exits (`--parent-shutdown-time-s`): its filter sees each
+    /// open stream end (`downstream_local_disconnect`) and decides its abort, but the
+    /// process is gone before any leaves; each client sees a reset.
+    fn parent_exits(&mut self, gw: u8, generation: u32) {
+        let now = self.now;
         let g = &mut self.gateways[gw as usize];
+        if g.parent
+            .as_ref()
+            .is_none_or(|(p, _)| p.generation != generation)
+        {
+            return;
+        }
+        let Some((mut parent, exits)) = g.parent.take() else {
+            return;
+        };
+        let alive = parent.alive;
+        for s in self
+            .streams
+            .iter()
+            .filter(|s| s.gw == gw && s.gw_generation == generation && !s.gw_done && alive)
+        {
+            if parent.trapped(s.ctx) {
+                continue;
+            }
+            parent.host.now = now;
+            let (engine, host) = parent.engine_for(s.ctx);
+            let vm = self.solo.get_mut(&s.ctx).unwrap_or(engine);
+            vm.on_log(host, s.ctx, b"downstream_local_disconnect", 0);
+        }
+        let unsent = parent.host.outbox.len()
+            + parent
+                .vms
+                .iter()
+                .filter(|v| !v.trapped)
+                .map(|v| v.engine.pending_aborts())
+                .sum::<usize>();
+        self.note(
+            format!("gw{gw}"),
+            None,
+            format!("the hot restart's parent exits: its open streams are cut downstream; {unsent} abort(s) its filter decided never leave"),
+        );
+        // Back in place for a moment, so that its streams are found dead with it.
+        parent.host.outbox.clear();
+        parent.host.logs.clear();
+        self.gateways[gw as usize].parent = Some((parent, exits));
+        self.process_died(gw, generation);
+        self.gateways[gw as usize].parent = None;
+    }
+
+    /// Worker VM `vm` of gateway `gw` traps: nothing more runs in it; its streams are
+    /// cut at their next callback ([`World::vm_cut`]), their engines left to the lease's
+    /// `vm_lost`.
+    fn trap(&mut self, gw: u8, vm: u8) {
+        let now = self.now;
+        let Some(g) = self.gateways.get_mut(gw as usize) else {
+            return;
+        };
+        let Some(v) = g.vms.get_mut(usize::from(vm)) else {
+            return;
+        };
+        if !g.alive || v.trapped {
+            return;
+        }
+        v.trapped = true;
+        let generation = g.generation;
+        let k = usize::from(vm);
+        let mine: Vec<usize> = (0..self.streams.len())
+            .filter(|i| {
+                let s = &self.streams[*i];
+                s.gw == gw && s.gw_generation == generation && g.vm_of(s.ctx) == k
+            })
+            .collect();
+        for i in mine {
+            // Its response not all through the filter yet (Envoy will call into the VM),
+            // or its engine still running (an abort the VM had queued dies with it).
+            let s = &mut self.streams[i];
+            if (!s.gw_done && !s.eos_passed) || s.engine_end.is_none() {
+                s.vm_trapped = Some(now);
+            }
+        }
+        self.note(
+            format!("gw{gw}"),
+            None,
+            format!("worker VM {vm} traps: its streams are cut at their next callback"),
+        );
+    }
+
+    /// Stream `i`'s VM trapped, and Envoy called into it: the stream is reset both ways
+    /// (its client sees a reset, not kvguard's cut).
+    fn vm_cut(&mut self, i: usize) {
+        let now = self.now;
+        let before = self.orphan_since(&self.streams[i]);
+        let s = &mut self.streams[i];
+        if s.state == ClientState::Reading {
+            s.state = ClientState::Dropped;
+        }
+        s.orphan = Some(before.unwrap_or((Cause::VmLost, now)));
+        let gw = s.gw;
+        self.note(
+            format!("gw{gw}"),
+            Some(i),
+            "its VM trapped: Envoy cuts the stream downstream",
+        );
+        self.upstream_gone(i);
+    }
+
+    /// Sends what the gateway's filter dispatched and logs what it logged (its
+    /// process's, then a draining hot-restart parent's).
+    fn drain_gateway(&mut self, gw: u8) {
+        let g = &self.gateways[gw as usize];
+        let (generation, parent) = (g.generation, g.parent.as_ref().map(|(p, _)| p.generation));
+        self.drain_process(gw, generation);
+        if let Some(p) = parent {
+            self.drain_process(gw, p);
+        }
+    }
+
+    fn drain_process(&mut self, gw: u8, generation: u32) {
+        let Some(g) = self.gateways[gw as usize].process_mut(generation) else {
+            return;
+        };
         let mut calls = std::mem::take(&mut g.host.outbox);
         // The filter's table is a hash map with a per-process seed: calls dispatched at
         // one instant go in an order of their own, so that a seed replays alike.
         calls.sort_by(|a, b| (&a.path, &a.body).cmp(&(&b.path, &b.body)));
         let logs = std::mem::take(&mut g.host.logs);
-        let generation = g.generation;
         for l in logs {
             let stream = stream_of(&l);
             self.note(format!("gw{gw}"), stream, l);
@@ -1519,11 +1753,10 @@ impl World {
         stream: Option<usize>,
     ) {
         let now = self.now;
-        let g = &mut self.gateways[gw as usize];
-        if !g.alive
-            || g.generation != generation
-            || self.answered.contains(&(gw, generation, token))
-        {
+        let Some(g) = self.gateways[gw as usize].process_mut(generation) else {
+            return;
+        };
+        if self.answered.contains(&(gw, generation, token)) {
             return;
         }
         if !g.runs(now) {
@@ -1583,7 +1816,8 @@ impl World {
             .and_then(|(c, _)| c.reason())
         {
             let s = &self.streams[i];
-            let lost = e.reason == AbortReason::GatewayLost && s.gateway_died.is_some();
+            let lost = e.reason == AbortReason::GatewayLost
+                && (s.gateway_died.is_some() || s.vm_trapped.is_some());
             // An engine that stopped producing for an idle timeout is ended `stalled`.
             let stalled =
                 e.reason == AbortReason::Stalled && s.engine_paused_ms >= self.sched.setup.idle_ms;
@@ -1681,7 +1915,10 @@ impl World {
         // An engine that stopped producing for the idle timeout is cut: that is the
         // filter's job, whoever reads.
         let engine_stalled = s.engine_paused_ms >= self.sched.setup.idle_ms;
-        if s.is_reader() && s.state == ClientState::Reading && !engine_stalled {
+        // A stream whose worker VM trapped before its response passed is lost already:
+        // Envoy cuts it at its next callback.
+        let doomed = s.vm_trapped.is_some();
+        if s.is_reader() && s.state == ClientState::Reading && !engine_stalled && !doomed {
             let what = format!(
                 "{who} ended a stream its client reads ({}), {} of {} bytes read",
                 reason.as_str(),
@@ -1740,14 +1977,7 @@ impl World {
             let Some((cause, since)) = self.orphan_since(s) else {
                 continue;
             };
-            let mut bound = cause.bound_ms(self.sched.setup.idle_ms) + self.slack;
-            // Its gateway died since (with the abort it had queued): the lease's bound.
-            if let Some(died) = s.gateway_died {
-                let lease = died.saturating_sub(since)
-                    + Cause::GatewayGone.bound_ms(self.sched.setup.idle_ms)
-                    + self.slack;
-                bound = bound.max(lease);
-            }
+            let bound = self.orphan_bound(s, cause, since);
             let end = s.engine_end.map_or(self.now, |(t, _)| t);
             if end > since + bound {
                 let what = format!(

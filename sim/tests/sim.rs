@@ -2,8 +2,12 @@
 //! test fail: move the finding to the regression list), a seed campaign finds no unknown
 //! violation, and named mutations of the rules are caught.
 
+use kvguard_contract::AbortReason;
 use kvguard_sim::ablation::slow_readers;
 use kvguard_sim::findings::{guards, known, regressions};
+use kvguard_sim::oracles::{Cause, Promise};
+use kvguard_sim::schedule::{Client, Op};
+use kvguard_sim::world::EngineEnd;
 use kvguard_sim::{run, Mechanism, Mutations, Schedule};
 
 /// Seeds the campaign runs here (`KVGUARD_SIM_SEEDS`, default 500: a debug build runs
@@ -176,5 +180,157 @@ fn a_late_admin_listener_and_a_stepped_wall_clock_change_nothing() {
     assert!(
         said("ends the request (downstream_reset"),
         "the engine of the client that left was not ended by its abort"
+    );
+}
+
+/// Runs seed 1 of `setup` and `ops`; every promise must hold. Returns its report.
+fn clean_run(setup: kvguard_sim::schedule::Setup, ops: Vec<Op>) -> kvguard_sim::Report {
+    let s = Schedule {
+        seed: 1,
+        setup,
+        ops,
+    };
+    let r = run(&s, Mutations::default());
+    assert!(
+        r.violations.is_empty(),
+        "{:?}\n{}",
+        r.violations,
+        r.timeline.story(usize::MAX)
+    );
+    r
+}
+
+/// Each of `ends` was read to its end: nobody stopped reading, its engine finished.
+fn read_in_full(ends: &[kvguard_sim::world::StreamEnd]) {
+    for s in ends {
+        assert!(s.orphan.is_none(), "{s:?}");
+        assert!(
+            matches!(s.engine_end, Some((_, EngineEnd::Finished))),
+            "{s:?}"
+        );
+    }
+}
+
+#[test]
+fn a_hot_restart_s_parent_serves_its_streams_until_it_exits_and_the_lease_ends_the_rest() {
+    // Behind a hop that hides disconnects: only the lease can end what the parent's exit
+    // cut (its filter's aborts die with it).
+    let setup = kvguard_sim::schedule::Setup {
+        hop_hides: true,
+        ..Default::default()
+    };
+    let exits = 2_000 + 6_000;
+    let r = clean_run(
+        setup,
+        vec![
+            // Runs 90 s: cut when the parent exits.
+            Op::stream(0, 0, 0, Client::Fast, 3_000, 30),
+            // A reader that ends inside the drain: served in full by the parent.
+            Op::stream(0, 0, 0, Client::Steady { bps: 20_000 }, 200, 20),
+            Op::HotRestart {
+                at: 2_000,
+                gw: 0,
+                parent_ms: 6_000,
+            },
+            // After the restart: the child's.
+            Op::stream(3_000, 0, 0, Client::Fast, 300, 30),
+        ],
+    );
+    let ends = &r.stats.ends;
+    assert_eq!(ends.len(), 3);
+    let (cut, served, child) = (ends[0], ends[1], ends[2]);
+    match cut.engine_end {
+        Some((t, EngineEnd::Ended(AbortReason::GatewayLost))) => assert!(
+            t > exits && t <= exits + 35_000,
+            "ended at {t} ms, the parent exited at {exits} ms"
+        ),
+        other => panic!("the parent's cut stream: {other:?}"),
+    }
+    assert_eq!(cut.gateway_died, Some(exits));
+    assert!(
+        r.timeline
+            .lines
+            .iter()
+            .any(|l| l.what.contains("expired (replaced)")),
+        "{}",
+        r.timeline.story(usize::MAX)
+    );
+    read_in_full(&[served, child]);
+}
+
+#[test]
+fn a_trapped_worker_vm_s_orphans_end_by_vm_lost_and_the_other_vms_streams_run_on() {
+    let setup = kvguard_sim::schedule::Setup {
+        hop_hides: true,
+        vms: 3,
+        ..Default::default()
+    };
+    // One stream per VM (spread in turn: the second is on VM 0), each 90 s.
+    let ops = (0..3)
+        .map(|i| Op::stream(i * 100, 0, 0, Client::Fast, 3_000, 30))
+        .chain([Op::Trap {
+            at: 10_000,
+            gw: 0,
+            vm: 0,
+        }])
+        .collect();
+    let r = clean_run(setup, ops);
+    let ends = &r.stats.ends;
+    let lost = ends[1];
+    assert!(matches!(lost.orphan, Some((Cause::VmLost, _))), "{lost:?}");
+    match lost.engine_end {
+        Some((t, EngineEnd::Ended(AbortReason::GatewayLost))) => {
+            assert!(t < 10_000 + Cause::VmLost.bound_ms(60_000), "{t}")
+        }
+        other => panic!("the trapped VM's stream: {other:?}"),
+    }
+    assert!(r
+        .timeline
+        .lines
+        .iter()
+        .any(|l| l.what.contains("expired (vm_lost)")));
+    read_in_full(&[ends[0], ends[2]]);
+}
+
+#[test]
+fn the_shared_host_key_detection_mutation_is_caught() {
+    // Finding 37.4: passes with the product (every_regression_stays_fixed), and a live
+    // gateway's read stream is ended `replaced` without the detection.
+    let f = regressions()
+        .into_iter()
+        .find(|f| f.name == "37.4")
+        .expect("37.4");
+    let m = Mutations::default().without(Mechanism::SharedHostKey);
+    let r = run(&f.schedule, m);
+    assert!(
+        r.violations
+            .iter()
+            .any(|v| v.promise == Promise::Invariant1 && v.what.contains("lease: replaced")),
+        "{:?}",
+        r.violations
+    );
+}
+
+#[test]
+fn a_hot_restart_s_parent_keeps_a_slow_reader_through_envoy_s_default_drain() {
+    // Envoy's default --parent-shutdown-time-s (900 s): a reader above the floor of an
+    // engine ten times faster is served by the draining parent to its end, its stall
+    // asks deferred while the child renews with the same host key.
+    let r = clean_run(
+        kvguard_sim::schedule::Setup::default(),
+        vec![
+            Op::stream(0, 0, 0, Client::Steady { bps: 450 }, 1_000, 30),
+            Op::HotRestart {
+                at: 5_000,
+                gw: 0,
+                parent_ms: 900_000,
+            },
+        ],
+    );
+    read_in_full(&r.stats.ends);
+    assert!(
+        r.timeline.lines.iter().any(|l| l.what.contains("deferred")),
+        "no stall ask was deferred: the schedule does not exercise the drain's reader\n{}",
+        r.timeline.story(usize::MAX)
     );
 }

@@ -286,7 +286,10 @@ impl AbortQueue {
             let Some(mut job) = self.ready.pop_front() else {
                 break;
             };
-            if now_ms.saturating_sub(job.queued_ms) > DEADLINE_MS {
+            // Past the deadline only a job already sent is given up: one that waited in a
+            // stopped process (SIGSTOP, a stalled worker) is sent once when it resumes —
+            // never sent, its orphan would have no end but the lease's.
+            if job.attempts > 0 && now_ms.saturating_sub(job.queued_ms) > DEADLINE_MS {
                 self.finish(job, Outcome::Failed, None, host, finished);
                 continue;
             }
@@ -791,10 +794,14 @@ mod tests {
         let mut h = MockHost::default();
         let mut fin = Vec::new();
         q.push(job("r", 0), &mut h).unwrap();
-        // Queued long ago: given up before sending.
+        // Queued long ago (the process was stopped): sent once all the same, and given up
+        // on its first answer that is not a verdict.
         q.pump(&cfg, DEADLINE_MS + 1, 1, &mut h, &mut fin);
+        assert!(fin.is_empty());
+        assert_eq!(h.calls.len(), 1, "sent once");
+        q.on_answer(&cfg, h.calls[0].0, None, b"", DEADLINE_MS + 2, &mut h, &mut fin);
         assert_eq!(fin[0].outcome, Outcome::Failed);
-        assert!(h.calls.is_empty());
+        assert_eq!(fin[0].job.attempts, 1);
         // Unknown cluster: permanent.
         let mut h = MockHost {
             refuse: Some(DispatchError::BadArgument),

@@ -4,7 +4,8 @@
 //! kvguard-sim --seeds N [--from S]   run seeds S..S+N; shrink and print the first unknown violation
 //! kvguard-sim --seed S               print seed S's schedule, violations and their timelines
 //! kvguard-sim --shrink S             shrink seed S's first violation; print the schedule as Rust
-//! kvguard-sim --finding 36.1         print a known finding's schedule and timeline
+//! kvguard-sim --finding 36.1         print a known or fixed finding's schedule and timeline
+//!                                    (a fixed one with the mechanism that fixed it --off)
 //! kvguard-sim --findings             list the known findings and whether each is still found
 //! kvguard-sim --guards               run the schedules that fail when a rule of the filter core is removed
 //! kvguard-sim --witness NAME        a mechanism's witness, with everything on, then with it off
@@ -18,7 +19,7 @@
 //! switched off ([`kvguard_sim::ablation`], `--ablate` lists the names).
 
 use kvguard_sim::ablation::{self, Mechanism};
-use kvguard_sim::findings::known;
+use kvguard_sim::findings::{known, regressions};
 use kvguard_sim::shrink::shrink;
 use kvguard_sim::{run, Mutations, Report, Schedule};
 use std::collections::BTreeMap;
@@ -147,8 +148,12 @@ fn main() -> ExitCode {
     }
     if let Some(i) = args.iter().position(|a| a == "--finding") {
         let name = args.get(i + 1).map(String::as_str).unwrap_or("");
-        let Some(f) = known().into_iter().find(|f| f.name == name) else {
-            eprintln!("no known finding {name}");
+        let Some(f) = known()
+            .into_iter()
+            .chain(regressions())
+            .find(|f| f.name == name)
+        else {
+            eprintln!("no known or fixed finding {name}");
             return ExitCode::FAILURE;
         };
         println!("finding {}: {}", f.name, f.title);
