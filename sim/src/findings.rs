@@ -89,6 +89,12 @@ pub fn classify(promise: Promise, s: &Stream, setup: &Setup) -> Option<&'static 
         {
             Some("sim.12")
         }
+        // A hop queued the request past its gateway's death: the first proof of life
+        // reaches kvguard-control when the listener already refuses, so it is never
+        // trusted, and the lease expires `unproven` (counted, not ended).
+        Promise::Invariant2 if setup.hop_queue_ms > 0 && s.admitted_after_its_gateway_died() => {
+            Some("sim.17")
+        }
         // The false `already_aborted` also leaves the holder's engine running.
         Promise::Invariant2 if answer.contains("already_aborted") => Some("36.5"),
         Promise::Invariant1
@@ -139,6 +145,27 @@ fn tail_reader() -> Op {
 /// campaign finds).
 pub fn known() -> Vec<Finding> {
     vec![
+        Finding {
+            name: "sim.17",
+            title: "a hop queues a request past its gateway's death (killed 0.3 s after sending it): its first proof of life reaches kvguard-control when the listener already refuses, so the lease never trusts it and expires `unproven`; behind a hiding hop the orphan runs to its end",
+            schedule: Schedule {
+                seed: 42255,
+                setup: Setup {
+                    hop_hides: true,
+                    hop_queue_ms: 1_904,
+                    net_cap: 64 * 1024,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(10_191, 0, 0, Client::Steady { bps: 3_425 }, 1_130, 31),
+                    Op::Kill {
+                        at: 10_496,
+                        gw: 0,
+                        restart_ms: None,
+                    },
+                ],
+            },
+        },
         Finding {
             name: "sim.13",
             title: "a hot restart's child frozen for two periods while its parent drains is judged replaced by the parent's renewals: its read streams are ended",
@@ -316,6 +343,31 @@ pub fn guards() -> Vec<Guard> {
 /// all. A finding of [`known`] whose fix lands moves here, with its schedule.
 pub fn regressions() -> Vec<Finding> {
     vec![
+        Finding {
+            name: "sim.16",
+            title: "a disconnect's abort answered 503 (a peer did not answer) had tombstoned the id on the replica that got it: the retry landing there was answered already_aborted, the holder never asked, its engine ran on behind a hiding hop",
+            schedule: Schedule {
+                seed: 13090,
+                setup: Setup {
+                    replicas: 2,
+                    hop_hides: true,
+                    pods_deleted: true,
+                    net_cap: 1024 * 1024,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(96, 0, 0, Client::Pausing { bps: 1_605, after_ms: 72_657, pause_ms: 40_090 }, 2_129, 24),
+                    stream(12_820, 0, 1, Client::Leaves { after_ms: 25_479 }, 1_693, 43),
+                    stream(27_363, 0, 0, Client::Pausing { bps: 2_230, after_ms: 103_636, pause_ms: 66_167 }, 1_761, 30),
+                    Op::PartitionPeers {
+                        at: 28_002,
+                        for_ms: 13_175,
+                    },
+                    stream(30_860, 0, 1, Client::Fast, 1_088, 57),
+                    stream(55_722, 0, 1, Client::Steady { bps: 2_729 }, 894, 24),
+                ],
+            },
+        },
         Finding {
             name: "sim.15",
             title: "an abort decided just before its gateway froze past the abort deadline was given up unsent when it resumed: behind a hiding hop its engine ran to the end",

@@ -16,7 +16,7 @@ use kvguard_contract::{
 };
 use kvguard_control_core::abort::{
     after_fan_out, after_forward, answer_deferred, ask_again, deferrable, leg_result, legs_of,
-    route, summary, AbortFound, FannedOut, Forwarded, Route,
+    route, summary, tombstones_missing, AbortFound, FannedOut, Forwarded, Route,
 };
 use kvguard_control_core::cut::{may_end, Ask, Cut, Deferral, Here};
 use kvguard_control_core::inflight::{AbortHere, Held, Inflight, InflightConfig};
@@ -654,6 +654,8 @@ fn decide_abort(
                             a
                         }
                         _ => {
+                            let answered = peers_path != PeerPath::Cut;
+                            let tomb = tombstones_missing(!tomb, answered);
                             let found = replicas[here].abort_here(&id, reason, now_ms, tomb, ended);
                             let held = found != AbortFound::NotFound;
                             if ask_again(Route::HereThenPeer, held, peers_path != PeerPath::Cut) {
@@ -703,6 +705,7 @@ fn decide_abort(
                     );
                 }
                 FannedOut::DecideHere => {
+                    let tomb = tombstones_missing(!tomb, peers_path != PeerPath::Cut);
                     replicas[here].abort_here(&id, reason, now_ms, tomb, ended)
                 }
                 FannedOut::Legs(f) => f,

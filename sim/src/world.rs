@@ -172,6 +172,11 @@ impl Stream {
     /// Whether its client reads within the documented bound: at or above the floor,
     /// each silence at the filter — a pause, its gateway's freezes, and the time to
     /// drain [`G_BYTES`] — under `--reader-timeout` (with 2 s to spare).
+    /// It reached kvguard-control only after its gateway had died (a hop's queue).
+    pub fn admitted_after_its_gateway_died(&self) -> bool {
+        matches!((self.admitted, self.gateway_died), (Some(a), Some(d)) if a > d)
+    }
+
     fn is_reader(&self) -> bool {
         let drain = |bps: u64| G_BYTES * 1000 / bps.max(1);
         let silence = match self.client {
@@ -1378,8 +1383,9 @@ impl World {
             if s.gw != gw || s.gw_generation != generation {
                 continue;
             }
-            if s.engine_end.is_none() {
-                // With any abort it had queued for it.
+            if s.engine_end.is_none() || s.entry.is_some() {
+                // With any abort it had queued for it (a response the engine finished but
+                // the replica still holds, its data path stalled, is its gateway's too).
                 s.gateway_died = Some(now);
             }
             if s.gw_done {

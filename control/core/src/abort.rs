@@ -128,6 +128,15 @@ pub fn ask_again(route: Route, found: bool, every_peer_answered: bool) -> bool {
     !every_peer_answered && (route == Route::EveryLeg || !found)
 }
 
+/// Whether an abort that went to the peers and found nothing tombstones the id here: not
+/// a [`deferrable`] ask, and only once every peer answered. While one did not, the answer
+/// is 503 and the sender asks again ([`ask_again`]); a tombstone placed now would answer
+/// that retry `already_aborted` here, and the silent peer, which may hold the stream, would
+/// never be asked (simulator finding sim.16).
+pub fn tombstones_missing(deferrable: bool, every_peer_answered: bool) -> bool {
+    !deferrable && every_peer_answered
+}
+
 /// The leg of a held prefill hand-off, by what became of its blocks.
 pub fn release_result(r: Release) -> LegResult {
     match r {
@@ -249,6 +258,17 @@ mod tests {
                 "a leg may be missing"
             );
         }
+    }
+
+    #[test]
+    fn an_abort_that_found_nothing_tombstones_only_once_every_peer_answered() {
+        assert!(tombstones_missing(false, true));
+        assert!(
+            !tombstones_missing(false, false),
+            "a silent peer: asked again"
+        );
+        assert!(!tombstones_missing(true, true), "a deferrable ask");
+        assert!(!tombstones_missing(true, false));
     }
 
     fn leg(replica: &str, result: LegResult) -> Leg {

@@ -36,8 +36,8 @@ use crate::table::{ClientGone, Entry};
 use kvguard_contract::{AbortReason, AbortRequest, Leg, RequestId};
 pub use kvguard_control_core::abort::deferrable;
 use kvguard_control_core::abort::{
-    after_fan_out, after_forward, ask_again, leg_result, release_result, route, FannedOut,
-    Forwarded, Route,
+    after_fan_out, after_forward, ask_again, leg_result, release_result, route, tombstones_missing,
+    FannedOut, Forwarded, Route,
 };
 pub use kvguard_control_core::abort::{summary, AbortFound};
 use kvguard_control_core::cut::{self, Ask, Cut, Here};
@@ -117,7 +117,12 @@ pub async fn abort(
                     tracing::debug!(request_id = %id, "stalled abort of a disaggregated request deferred by the replica that holds its stream");
                     return Decided::Deferred;
                 }
-                FannedOut::DecideHere => st.abort_here(id, reason, gone, tomb),
+                FannedOut::DecideHere => st.abort_here(
+                    id,
+                    reason,
+                    gone,
+                    tombstones_missing(deferrable, remote.every_peer_answered),
+                ),
                 FannedOut::Legs(found) => found,
             };
             let mut legs = st.legs_here(id, here, leg_here).await;
@@ -140,6 +145,7 @@ pub async fn abort(
                         Decided::Peer(a)
                     }
                     _ => {
+                        let tomb = tombstones_missing(deferrable, fwd.every_peer_answered);
                         let found = st.abort_here(id, reason, gone, tomb);
                         let here = found != AbortFound::NotFound;
                         if ask_again(Route::HereThenPeer, here, fwd.every_peer_answered) {
