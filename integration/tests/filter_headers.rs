@@ -1,7 +1,8 @@
-//! Header hygiene and key rotation in a real Envoy: a client's `x-kvguard-control` and
-//! `x-kvguard-signature` request headers never reach the upstream; the response stamp
-//! never reaches the client; a stamp signed with the second key of the rotation list is
-//! used; a stamp naming a port outside `control_target_ports` is not.
+//! Header hygiene and key rotation in a real Envoy: a client's `x-kvguard-control`,
+//! `x-kvguard-signature` and `x-kvguard-instance` request headers never reach the
+//! upstream, on tracked and untracked paths; the response stamp never reaches the client;
+//! a stamp signed with the second key of the rotation list is used; a stamp naming a port
+//! outside `control_target_ports` is not.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 #[path = "filter_support.rs"]
@@ -189,6 +190,69 @@ async fn client_headers_are_stripped_and_stamps_follow_rotation_and_ports() {
             fallback.clear_calls();
             task.abort();
         }
+    })
+    .await
+    .unwrap();
+}
+
+/// A client's `x-kvguard-control`, `x-kvguard-signature` (twice) and `x-kvguard-instance`
+/// never reach the upstream, on a path kvguard tracks and on one it does not, over HTTP/1.1
+/// and HTTP/2 (contract §3, §8): the filter finds them in one copy of the request's header
+/// map and strips each it finds (the harness has no `header_mutation` doing it first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_kvguard_headers_are_stripped_on_tracked_and_untracked_paths() {
+    bounded("client headers", T, async {
+        let rx = receiver::spawn(ReceiverConfig::new(vec![key()]))
+            .await
+            .unwrap();
+        let (up, heads, task) = stamping_upstream(rx.addr(), key()).await;
+        let envoy = Envoy::start(options(up, rx.addr(), json!({})))
+            .await
+            .unwrap();
+        let hdrs = [
+            ("x-kvguard-control", "127.0.0.1:1;t=1;sig=00"),
+            ("x-kvguard-signature", "t=1,v1=00"),
+            ("x-kvguard-signature", "t=2,v1=11"),
+            ("x-kvguard-instance", "forged-instance-tag"),
+        ];
+        let mut sent = 0;
+        for http2 in [false, true] {
+            for path in ["/v1/completions", "/v1/untracked-by-kvguard"] {
+                let mut s = client::stream_sse(
+                    envoy.listener_addr(),
+                    path,
+                    &completion(8, true),
+                    &hdrs,
+                    http2,
+                )
+                .await
+                .unwrap();
+                let ev = s.collect(W).await.unwrap();
+                assert!(
+                    ev.last().is_some_and(|e| e.is_done()),
+                    "{path} (h2 {http2}): {ev:?}"
+                );
+                sent += 1;
+            }
+        }
+        let heads = heads.lock().unwrap().clone();
+        assert_eq!(heads.len(), sent, "{heads:?}");
+        for h in &heads {
+            for bad in [
+                "x-kvguard-control",
+                "x-kvguard-signature",
+                "forged-instance-tag",
+            ] {
+                assert!(!h.contains(bad), "{bad} reached the upstream: {h}");
+            }
+        }
+        // The tracked path was tracked (twice), the other one not.
+        envoy
+            .wait_stat("kvguard_filter_requests_tracked_total", W, |v| v == 2.0)
+            .await
+            .unwrap();
+        assert_vm_healthy(&envoy);
+        task.abort();
     })
     .await
     .unwrap();

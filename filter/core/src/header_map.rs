@@ -14,8 +14,13 @@ pub fn values<'a, const N: usize>(
     names: [&str; N],
 ) -> Option<[Option<&'a [u8]>; N]> {
     let mut out = [None; N];
+    fill(map, &names, &mut out).then_some(out)
+}
+
+/// [`values`] for any number of names (one copy of the code in the module).
+fn fill<'a>(map: &'a [u8], names: &[&str], out: &mut [Option<&'a [u8]>]) -> bool {
     if map.is_empty() {
-        return Some(out);
+        return true;
     }
     let word = |at: usize| -> Option<usize> {
         let b = map.get(at..at.checked_add(4)?)?;
@@ -27,19 +32,22 @@ pub fn values<'a, const N: usize>(
         let bytes = map.get(at..end)?;
         (map.get(end) == Some(&0)).then_some((bytes, end + 1))
     };
-    let count = word(0)?;
-    let mut at = count.checked_mul(8)?.checked_add(4)?;
-    for i in 0..count {
-        let (name, next) = field(at, word(4 + 8 * i)?)?;
-        let (value, next) = field(next, word(8 + 8 * i)?)?;
-        at = next;
-        for (slot, want) in out.iter_mut().zip(names) {
-            if slot.is_none() && name.eq_ignore_ascii_case(want.as_bytes()) {
-                *slot = Some(value);
+    let mut walk = || -> Option<usize> {
+        let count = word(0)?;
+        let mut at = count.checked_mul(8)?.checked_add(4)?;
+        for i in 0..count {
+            let (name, next) = field(at, word(4 + 8 * i)?)?;
+            let (value, next) = field(next, word(8 + 8 * i)?)?;
+            at = next;
+            for (slot, want) in out.iter_mut().zip(names) {
+                if slot.is_none() && name.eq_ignore_ascii_case(want.as_bytes()) {
+                    *slot = Some(value);
+                }
             }
         }
-    }
-    (at == map.len()).then_some(out)
+        Some(at)
+    };
+    walk() == Some(map.len())
 }
 
 #[cfg(test)]

@@ -27,6 +27,7 @@ use kvguard_filter_core::vms::{self, Share};
 use kvguard_filter_core::{config, header_map, lease, Config, Mode, OutcomeTag};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
+use std::borrow::Cow;
 use std::hash::{BuildHasher, Hasher};
 use std::rc::Rc;
 use std::time::Duration;
@@ -905,6 +906,33 @@ impl RootContext for Root {
     }
 }
 
+/// The request headers [`Stream::on_http_request_headers`] strips or reads, in the order
+/// it takes them from the map.
+const REQUEST_HEADERS: [&str; 6] = [
+    CONTROL_HEADER,
+    SIGNATURE_HEADER,
+    INSTANCE_HEADER,
+    ":path",
+    REQUEST_ID_HEADER,
+    ":authority",
+];
+
+/// Whether a header may be in the request: present in the map, or the map unread.
+fn sent(seen: Option<Option<&[u8]>>) -> bool {
+    seen.is_none_or(|v| v.is_some())
+}
+
+/// A request header's value: from the map, or read alone when the map was unread.
+fn value<'a>(seen: Option<Option<&'a [u8]>>, name: &str) -> Option<Cow<'a, [u8]>> {
+    match seen {
+        Some(v) => v.map(Cow::Borrowed),
+        None => abi::get_header(abi::Map::RequestHeaders, name)
+            .ok()
+            .flatten()
+            .map(Cow::Owned),
+    }
+}
+
 /// One HTTP stream: 12 bytes, a 16-byte block per stream (the SDK boxes every stream
 /// context); what only a few streams need lives in [`Shared`].
 struct Stream {
@@ -955,23 +983,30 @@ impl Drop for Stream {
 impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
         trap::on_request_headers(self.id);
+        // Every request header kvguard strips or reads, from one copy of the map (one host
+        // call instead of a read per value and a remove per header a client might have
+        // sent). Each: `None` when the map could not be read or parsed (then read and
+        // stripped one by one), `Some(None)` when absent.
+        let map = abi::get_header_pairs(abi::Map::RequestHeaders).ok();
+        let [control, signature, instance, path, rid, authority] = map
+            .as_deref()
+            .and_then(|m| header_map::values(m, REQUEST_HEADERS))
+            .map_or([None; 6], |found| found.map(Some));
         // A client never speaks for kvguard: its stamp or signature headers go, on every
         // request, tracked or not (the edge's header mutation does the same; this is the
         // belt under it). Its instance header goes too: replaced below on a tracked
         // request (one host call instead of two), removed on any other.
-        for h in [CONTROL_HEADER, SIGNATURE_HEADER] {
-            let _ = abi::remove_header(abi::Map::RequestHeaders, h);
+        for (seen, h) in [(control, CONTROL_HEADER), (signature, SIGNATURE_HEADER)] {
+            if sent(seen) {
+                let _ = abi::remove_header(abi::Map::RequestHeaders, h);
+            }
         }
-        let path = abi::get_header(abi::Map::RequestHeaders, ":path")
-            .ok()
-            .flatten();
+        let path = value(path, ":path");
         // The request id only for a path kvguard tracks: a header read (with its copy into
-        // the VM) less on every other request.
+        // the VM) less on every other request when the map could not be read.
         let tracks = |p: &[u8]| with_engine(&self.shared, |e, _| e.cfg.limits_for(p).is_some());
         let rid = if path.as_deref().and_then(tracks).unwrap_or(false) {
-            abi::get_header(abi::Map::RequestHeaders, REQUEST_ID_HEADER)
-                .ok()
-                .flatten()
+            value(rid, REQUEST_ID_HEADER)
         } else {
             None
         };
@@ -994,11 +1029,9 @@ impl HttpContext for Stream {
             // kvguard-control may ask whether the gateway is still there.
             let mut listener = None;
             if sample {
-                let authority = abi::get_header(abi::Map::RequestHeaders, ":authority")
-                    .ok()
-                    .flatten();
+                let authority = value(authority, ":authority");
                 if let (Some(a), Ok(mut s)) = (authority, self.shared.try_borrow_mut()) {
-                    s.sampled = Some((self.id, a));
+                    s.sampled = Some((self.id, a.into_owned()));
                     self.sampled = true;
                 }
                 listener = abi::get_property(&["destination", "address"])
@@ -1015,7 +1048,7 @@ impl HttpContext for Stream {
                 })
             }) == Some(true);
         }
-        if !tagged {
+        if !tagged && sent(instance) {
             let _ = abi::remove_header(abi::Map::RequestHeaders, INSTANCE_HEADER);
         }
         if self.tracked {

@@ -104,17 +104,22 @@ impl Reader {
 /// `target`, in lock step with the upstream (`x-bench-lockstep`): the client steps the
 /// upstream once it has the response head, then once per event read (each carries one
 /// `\n\n`), once more after `[DONE]`, and reads the end (`0\r\n\r\n`; Envoy relays the
-/// body chunked). Returns the requests completed.
+/// body chunked). `extra` more headers on each request (`x-bench-pad-<i>`, 40-byte
+/// values). Returns the requests completed.
 pub async fn lockstep(
     target: std::net::SocketAddr,
     up: &FastUpstream,
     events: u64,
     n: usize,
+    extra: usize,
 ) -> Result<u64> {
     use tokio::io::AsyncWriteExt;
     let body = br#"{"model":"bench","stream":true,"max_tokens":1,"messages":[{"role":"user","content":"hi"}]}"#;
+    let pad: String = (0..extra)
+        .map(|i| format!("x-bench-pad-{i}: {}\r\n", "p".repeat(40)))
+        .collect();
     let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\nx-bench-events: {events}\r\nx-bench-lockstep: 1\r\n\r\n",
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\nx-bench-events: {events}\r\nx-bench-lockstep: 1\r\n{pad}\r\n",
         body.len()
     );
     let mut req = head.into_bytes();
@@ -430,7 +435,8 @@ pub async fn instructions(opts: &BenchOptions) -> Result<Value> {
             envoy.listener_named(&requests::listener(v)).await?,
         );
     }
-    let load = |v: &str, events: u64, n: usize| lockstep(ports[v], &up, events, n);
+    let extra = opts.instruction_headers;
+    let load = |v: &str, events: u64, n: usize| lockstep(ports[v], &up, events, n, extra);
     // Warm-up: V8 compiles and tiers up the filters' hot code while it runs. Every filter
     // must be there: one that failed to load (FAIL_OPEN) would count as `none`.
     for v in &variants {

@@ -92,6 +92,8 @@ pub struct BenchOptions {
     pub kvguard_config: serde_json::Map<String, Value>,
     /// Rounds of the `instructions` section (each a zero/dump per listener and load).
     pub instruction_rounds: usize,
+    /// Headers added to every request of the `instructions` section.
+    pub instruction_headers: usize,
     /// Where the `instructions` section keeps its callgrind dumps and annotations.
     pub callgrind_dir: PathBuf,
 }
@@ -1231,7 +1233,8 @@ pub async fn run(opts: BenchOptions) -> Result<Value> {
         "machine": machine,
         "options": {"rounds": opts.rounds, "quick": opts.quick, "sections": opts.sections,
                     "disconnects": opts.disconnects, "memory_levels": opts.memory_levels,
-                    "memory_waves": opts.memory_waves, "pinning": pinning},
+                    "memory_waves": opts.memory_waves, "pinning": pinning,
+                    "instruction_headers": opts.instruction_headers},
     });
     if want("instructions") {
         res["instructions"] = instructions::instructions(&opts)

@@ -59,6 +59,10 @@ struct Args {
     /// counts agree).
     #[arg(long, default_value_t = 2)]
     instruction_rounds: usize,
+    /// Headers added to every request of the `instructions` section (`x-bench-pad-<i>`,
+    /// 40-byte values), for a client that sends more than the bench's five.
+    #[arg(long, default_value_t = 0)]
+    instruction_headers: usize,
     /// Run the soak instead of the benchmarks, for this many minutes (scripts/soak).
     #[arg(long)]
     soak_minutes: Option<f64>,
@@ -193,6 +197,7 @@ async fn main() -> Result<()> {
         request_clients: a.clients,
         kvguard_config: a.kvguard_config.unwrap_or_default(),
         instruction_rounds: a.instruction_rounds,
+        instruction_headers: a.instruction_headers,
         callgrind_dir: {
             let mut d = a.out.clone().into_os_string();
             d.push("-callgrind");
