@@ -252,6 +252,24 @@ async fn a_stopped_kvguard_control_is_not_credited_to_a_bound() {
         // runtime) is no credit: the bound fails.
         let from = Instant::now();
         c.guard().signal(libc::SIGSTOP).unwrap();
+        // Stopped once every thread is (a group stop completes thread by thread: one
+        // still running could answer the first probe).
+        let tasks = format!("/proc/{pid}/task");
+        kvguard_integration::wait::poll_until_blocking(
+            "every thread of kvguard-control stopped",
+            T,
+            Duration::from_millis(2),
+            || {
+                let stopped = std::fs::read_dir(&tasks).ok()?.all(|t| {
+                    t.ok()
+                        .and_then(|t| std::fs::read_to_string(t.path().join("stat")).ok())
+                        .and_then(|s| Some(s.rsplit_once(") ")?.1.starts_with(['T', 't'])))
+                        .unwrap_or(false)
+                });
+                stopped.then_some(())
+            },
+        )
+        .unwrap();
         let resume = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_secs(2));
             // SAFETY: kill(2) on the child's pid.

@@ -587,14 +587,20 @@ mod tests {
         assert_eq!(retried_to(Some(429)), "t");
     }
 
-    #[test]
-    fn a_replayed_call_is_asked_again_signed_anew() {
+    /// The shipped configuration, and a queue that sent job `r` at time 0.
+    fn one_job_sent() -> (Config, AbortQueue, MockHost, Vec<Finished>) {
         let cfg = config("");
         let mut q = AbortQueue::new(10, 7);
         let mut h = MockHost::default();
         let mut fin = Vec::new();
         q.push(job("r", 0), &mut h).unwrap();
         q.pump(&cfg, 0, 1, &mut h, &mut fin);
+        (cfg, q, h, fin)
+    }
+
+    #[test]
+    fn a_replayed_call_is_asked_again_signed_anew() {
+        let (cfg, mut q, mut h, mut fin) = one_job_sent();
         // A hop sent it twice; the answer that got back is the second delivery's.
         q.on_answer(&cfg, h.calls[0].0, Some(409), b"", 10, &mut h, &mut fin);
         assert!(fin.is_empty(), "no verdict");
@@ -619,6 +625,18 @@ mod tests {
         );
         assert_eq!(fin.len(), 1);
         assert_eq!(fin[0].outcome, Outcome::Aborted);
+    }
+
+    #[test]
+    fn a_retry_due_while_its_process_was_stopped_past_the_deadline_is_given_up() {
+        let (cfg, mut q, mut h, mut fin) = one_job_sent();
+        q.on_answer(&cfg, h.calls[0].0, None, b"", 1_000, &mut h, &mut fin);
+        assert!(fin.is_empty(), "retried");
+        // The worker ran again only past the deadline: sent once already, given up.
+        q.pump(&cfg, DEADLINE_MS + 1, 1, &mut h, &mut fin);
+        assert_eq!(h.calls.len(), 1, "not sent again");
+        assert_eq!(fin[0].outcome, Outcome::Failed);
+        assert_eq!(fin[0].job.attempts, 1);
     }
 
     #[test]
@@ -799,7 +817,15 @@ mod tests {
         q.pump(&cfg, DEADLINE_MS + 1, 1, &mut h, &mut fin);
         assert!(fin.is_empty());
         assert_eq!(h.calls.len(), 1, "sent once");
-        q.on_answer(&cfg, h.calls[0].0, None, b"", DEADLINE_MS + 2, &mut h, &mut fin);
+        q.on_answer(
+            &cfg,
+            h.calls[0].0,
+            None,
+            b"",
+            DEADLINE_MS + 2,
+            &mut h,
+            &mut fin,
+        );
         assert_eq!(fin[0].outcome, Outcome::Failed);
         assert_eq!(fin[0].job.attempts, 1);
         // Unknown cluster: permanent.
