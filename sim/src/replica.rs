@@ -501,6 +501,19 @@ pub struct Answer {
     pub waited_on_peers: bool,
 }
 
+/// `endpoint::deferred`: 200 `deferred`, and why, for the timeline.
+fn deferred_answer(id: &RequestId, d: Deferral) -> Answer {
+    answer(
+        id,
+        200,
+        true,
+        false,
+        false,
+        true,
+        format!("deferred ({})", d.why()),
+    )
+}
+
 fn answer(
     id: &RequestId,
     status: u16,
@@ -576,15 +589,7 @@ pub fn abort_call(
     if a.status == 404 {
         if let Ok((abort, id)) = AbortRequest::parse(body) {
             if let Some(d) = replicas[here].defers_held_nowhere(&abort, now_ms) {
-                a = answer(
-                    &id,
-                    200,
-                    true,
-                    false,
-                    false,
-                    true,
-                    format!("deferred ({})", d.why()),
-                );
+                a = deferred_answer(&id, d);
             }
         }
     }
@@ -614,15 +619,7 @@ fn decide_abort(
     // `abort::deferrable`: such an ask tombstones nothing it does not find.
     let tomb = !deferrable(reason, abort.recheck_ms.is_some());
     if let Some(d) = replicas[here].defers(&id, &abort, now_ms) {
-        return answer(
-            &id,
-            200,
-            true,
-            false,
-            false,
-            true,
-            format!("deferred ({})", d.why()),
-        );
+        return deferred_answer(&id, d);
     }
     let peers = replicas.len() > 1;
     match route(replicas[here].pd_role.is_some(), peers) {
@@ -790,15 +787,7 @@ fn peer_abort(
     ended: &mut Vec<Ended>,
 ) -> Answer {
     if let Some(d) = replicas[at].defers(id, abort, now_ms) {
-        return answer(
-            id,
-            200,
-            true,
-            false,
-            false,
-            true,
-            format!("deferred ({})", d.why()),
-        );
+        return deferred_answer(id, d);
     }
     let tomb = !deferrable(abort.reason, abort.recheck_ms.is_some());
     let found = replicas[at].abort_here(id, abort.reason, now_ms, tomb, ended);
