@@ -401,7 +401,12 @@ async fn self_watching_alerts_fire_on_failing_aborts_and_a_missing_scrape() {
         )
         .await
         .unwrap();
-        let mut opts = StackOptions::new(engine, Some(stack::filter_config(3000, 0)));
+        // The renewal period scaled down with the rules' windows (60 renewals in the
+        // shipped 5 min window, 20 in the scaled 5 s one): at the shipped 5 s period a
+        // scaled window held one renewal or none, and the in-band rate read 0 between.
+        let mut cfg = stack::filter_config(3000, 0);
+        cfg["lease_renew_ms"] = stack::FILTER_TICK_MS.into();
+        let mut opts = StackOptions::new(engine, Some(cfg));
         opts.control_args = vec![
             "--engine-pid".into(),
             sim_proc.pid().to_string(),
@@ -412,6 +417,17 @@ async fn self_watching_alerts_fire_on_failing_aborts_and_a_missing_scrape() {
         opts.abort_target = Some(stack::closed_port().await.unwrap());
         opts.envoy_extra_yaml = Some(observe::shipped_stats_config().unwrap());
         let mut st = Stack::start(opts).await.unwrap();
+        // Clients that leave mid-stream, one a second, from before the first scrape until
+        // the abort alert fires: the in-band renewals go over the upstream their streams
+        // use, so they land from the first period the out-of-band ones fail in.
+        let entry = st.entry();
+        leave_a_stream(entry).await;
+        let leavers = tokio::spawn(async move {
+            loop {
+                tokio::spawn(leave_a_stream(entry));
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
         let mut o = observe::Observer::start(&st, engine).await.unwrap();
         let t0 = Instant::now();
         // The engine-process panels have data: kvguard-control sums the simulator's one
@@ -460,15 +476,6 @@ async fn self_watching_alerts_fire_on_failing_aborts_and_a_missing_scrape() {
                 .unwrap(),
             1
         );
-        // Clients that leave mid-stream, one a second, until the alert fires (scaled: a
-        // 10 s rate window and a 10 s `for:`).
-        let entry = st.entry();
-        let leavers = tokio::spawn(async move {
-            loop {
-                tokio::spawn(leave_a_stream(entry));
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        });
         let a = o
             .wait_firing("KvguardAbortsFailing", &[], t0, Duration::from_secs(90))
             .await;
