@@ -6,8 +6,9 @@
 //!
 //! - A SIGKILLed gateway: its 20 streams are ended by kvguard-control within TTL + 2 s.
 //! - A gateway killed and restarted in place (the same Envoy node id): its old streams end
-//!   within two renewal periods of the new process's start (positive evidence: the new
-//!   process renews with the old one's host key), long before the TTL.
+//!   `replaced` within TTL + 2 s of the new process's start (positive evidence: a process
+//!   started after it renews with its host key, while the listener, which the new process
+//!   answers, cannot speak for the old one).
 //! - The admin path (out-of-band renewals) refused, and separately answering 403, for
 //!   three TTLs while the data path works: no stream is cut (the in-band renewals on the
 //!   data path keep the lease), and the filter's counters show the divergence the
@@ -29,8 +30,6 @@ use support::{open_streams as open, W};
 
 /// kvguard-control's default `--lease-ttl`.
 const TTL: Duration = Duration::from_secs(30);
-/// The filter's default `lease_renew_ms`.
-const PERIOD: Duration = Duration::from_secs(5);
 /// Three in-band renewals (one a period) make a lease enforceable; with the first
 /// renewal after the first tracked response, and a loaded machine: a bound, not a figure.
 const ENFORCEABLE_WITHIN: Duration = Duration::from_secs(40);
@@ -83,7 +82,7 @@ async fn wait_enforceable(control: &Control, n: f64) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn default_flags_a_sigkilled_gateways_streams_end_within_the_ttl_a_restarted_ones_sooner() {
+async fn default_flags_a_sigkilled_or_restarted_gateways_streams_end_within_the_ttl() {
     bounded("dead gateways", Duration::from_secs(150), async {
         let killed = async {
             let p = path().await;
@@ -138,7 +137,7 @@ async fn default_flags_a_sigkilled_gateways_streams_end_within_the_ttl_a_restart
             let new = gateway(p.hop.addr(), p.control.admin, Some(node)).await;
             let started = Instant::now();
             p.engine
-                .wait_state("the old process's streams ended", TTL, |s| {
+                .wait_state("the old process's streams ended", TTL + W, |s| {
                     s.running.is_empty()
                 })
                 .await
@@ -147,8 +146,8 @@ async fn default_flags_a_sigkilled_gateways_streams_end_within_the_ttl_a_restart
             eprintln!(
                 "restart in place: 20 old streams ended {took:?} after the new process was ready"
             );
-            // Two periods after the old one's last renewal, judged within a second.
-            assert!(took <= PERIOD * 2 + Duration::from_secs(2), "took {took:?}");
+            // The TTL after the old one's last renewal, judged within a second.
+            assert!(took <= TTL + Duration::from_secs(2), "took {took:?}");
             assert_eq!(
                 support::control_metric(
                     &p.control,

@@ -19,36 +19,23 @@ pub fn classify(promise: Promise, s: &Stream, setup: &Setup) -> Option<&'static 
         .kvguard_end
         .as_ref()
         .is_some_and(|(_, who, r)| who.contains("reaper") && *r == AbortReason::Stalled);
-    // Judged replaced by another live instance renewing with its host key.
-    let replaced = s
-        .kvguard_end
-        .as_ref()
-        .is_some_and(|(_, who, _)| who.contains("lease: replaced"));
     match promise {
         // A peer that did not answer was taken for one that does not hold the id.
         Promise::Invariant1 | Promise::Invariant2 if s.peers_cut => Some("sim.9"),
         // A restarted replica forgot the completion of a stream whose reader drains its
         // tail, and answered its stall ask 404.
         Promise::Invariant1 if by_gateway && s.completion_forgotten => Some("sim.8"),
-        // A hot restart's parent and child renew with one host key from one listener:
-        // while the parent drains, either one silent for two periods (a freeze, lost
-        // renewals) is judged `replaced` by the other's renewals; and, if the key is also
-        // another gateway's (never used for `replaced`), silent past the TTL, its
-        // listener, where the other proved its life, no longer speaks for it: `silent`.
-        Promise::Invariant1 | Promise::Figures
-            if s.hot_restart
-                && s.kvguard_end.as_ref().is_some_and(|(_, who, _)| {
-                    who.contains("lease: replaced") || who.contains("lease: silent")
-                }) =>
-        {
-            Some("sim.13")
-        }
         // Two gateways share a host key, and the replica that judges knows the listener
-        // of only one (or none) of them, from the proofs on the requests it admitted: the
-        // detection of 37.4's fix cannot see the key shared, so a freeze or lost renewals
-        // of two periods make one `replaced` by the other's renewals.
-        Promise::Invariant1 | Promise::Figures if replaced && setup.shared_host_key => {
-            Some("sim.11")
+        // of only one of them: it cannot see the key shared, and the one that started
+        // first, frozen past the TTL (its listener still answering), is `replaced` by
+        // the other's renewals, as a hot restart's parent that exited is by its child's.
+        Promise::Invariant1 | Promise::Figures
+            if setup.shared_host_key
+                && s.kvguard_end
+                    .as_ref()
+                    .is_some_and(|(_, who, _)| who.contains("lease: replaced")) =>
+        {
+            Some("sim.19")
         }
         // A live worker VM judged lost: the first renewal after a gateway's stall of 3
         // periods lists none of its VMs (the renewing VM beats after it renews), which
@@ -131,6 +118,15 @@ fn stream(at: u64, gw: u8, replica: u8, client: Client, tokens: u32, token_ms: u
     }
 }
 
+/// Two gateways given one host key (one Envoy `node.id` for both).
+fn two_sharing_a_key() -> Setup {
+    Setup {
+        gateways: 2,
+        shared_host_key: true,
+        ..Setup::default()
+    }
+}
+
 /// The reader of seed 144: 2.7 KB/s, pausing 60 s in its tail (sim.8, sim.10).
 fn tail_reader() -> Op {
     let client = Client::Pausing {
@@ -167,27 +163,6 @@ pub fn known() -> Vec<Finding> {
             },
         },
         Finding {
-            name: "sim.13",
-            title: "a hot restart's child frozen for two periods while its parent drains is judged replaced by the parent's renewals: its read streams are ended",
-            schedule: Schedule {
-                seed: 1,
-                setup: Setup::default(),
-                ops: vec![
-                    Op::HotRestart {
-                        at: 10_000,
-                        gw: 0,
-                        parent_ms: 60_000,
-                    },
-                    stream(12_000, 0, 0, Client::Fast, 3_000, 30),
-                    Op::Freeze {
-                        at: 20_000,
-                        gw: 0,
-                        for_ms: 15_000,
-                    },
-                ],
-            },
-        },
-        Finding {
             name: "sim.14",
             title: "a gateway frozen past three periods, then again, a second after it resumed, for the TTL: its worker VM is judged lost and its read stream ended",
             schedule: Schedule {
@@ -209,21 +184,21 @@ pub fn known() -> Vec<Finding> {
             },
         },
         Finding {
-            name: "sim.11",
-            title: "two gateways share a host key and one carried no request yet: its listener is unknown, the key is not seen shared, and the other, frozen for two periods, is judged replaced",
+            name: "sim.19",
+            title: "two gateways share a host key and a replica knows the listener of only one: the one that started first, frozen past the TTL, is judged replaced by the other's renewals",
             schedule: Schedule {
-                seed: 1,
+                seed: 49165,
                 setup: Setup {
-                    gateways: 2,
-                    shared_host_key: true,
-                    ..Setup::default()
+                    replicas: 2,
+                    ..two_sharing_a_key()
                 },
                 ops: vec![
-                    stream(0, 1, 0, Client::Fast, 3_000, 30),
+                    stream(35_078, 1, 1, Client::Fast, 1_840, 42),
+                    stream(43_873, 0, 0, Client::Fast, 2_426, 40),
                     Op::Freeze {
-                        at: 20_000,
-                        gw: 1,
-                        for_ms: 15_000,
+                        at: 74_516,
+                        gw: 0,
+                        for_ms: 31_884,
                     },
                 ],
             },
@@ -234,10 +209,8 @@ pub fn known() -> Vec<Finding> {
             schedule: Schedule {
                 seed: 1,
                 setup: Setup {
-                    gateways: 2,
-                    shared_host_key: true,
                     hop_hides: true,
-                    ..Setup::default()
+                    ..two_sharing_a_key()
                 },
                 ops: vec![
                     stream(0, 0, 0, Client::Fast, 3_000, 30),
@@ -343,6 +316,64 @@ pub fn guards() -> Vec<Guard> {
 /// all. A finding of [`known`] whose fix lands moves here, with its schedule.
 pub fn regressions() -> Vec<Finding> {
     vec![
+        Finding {
+            name: "sim.18",
+            title: "a hot restart's parent whose renewals are lost for two periods, its child first heard meanwhile, is judged replaced by the child: its read streams are ended",
+            schedule: Schedule {
+                seed: 2969,
+                setup: Setup::default(),
+                ops: vec![
+                    stream(21_645, 0, 0, Client::Fast, 3_000, 30),
+                    Op::LoseCalls {
+                        at: 29_221,
+                        for_ms: 8_064,
+                    },
+                    Op::HotRestart {
+                        at: 35_732,
+                        gw: 0,
+                        parent_ms: 900_000,
+                    },
+                    stream(39_537, 0, 0, Client::Fast, 399, 52),
+                ],
+            },
+        },
+        Finding {
+            name: "sim.13",
+            title: "a hot restart's child frozen for two periods while its parent drains is judged replaced by the parent's renewals: its read streams are ended",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup::default(),
+                ops: vec![
+                    Op::HotRestart {
+                        at: 10_000,
+                        gw: 0,
+                        parent_ms: 60_000,
+                    },
+                    stream(12_000, 0, 0, Client::Fast, 3_000, 30),
+                    Op::Freeze {
+                        at: 20_000,
+                        gw: 0,
+                        for_ms: 15_000,
+                    },
+                ],
+            },
+        },
+        Finding {
+            name: "sim.11",
+            title: "two gateways share a host key and one carried no request yet: its listener is unknown, the key is not seen shared, and the other, frozen for two periods, is judged replaced",
+            schedule: Schedule {
+                seed: 1,
+                setup: two_sharing_a_key(),
+                ops: vec![
+                    stream(0, 1, 0, Client::Fast, 3_000, 30),
+                    Op::Freeze {
+                        at: 20_000,
+                        gw: 1,
+                        for_ms: 15_000,
+                    },
+                ],
+            },
+        },
         Finding {
             name: "sim.16",
             title: "a disconnect's abort answered 503 (a peer did not answer) had tombstoned the id on the replica that got it: the retry landing there was answered already_aborted, the holder never asked, its engine ran on behind a hiding hop",
@@ -455,21 +486,24 @@ pub fn regressions() -> Vec<Finding> {
         },
         Finding {
             name: "37.4",
-            title: "two gateways started from one config share a host key: one frozen for three periods while the other renews is judged replaced, its read streams ended",
+            title: "two gateways started from one config share a host key: one frozen past the TTL while the other, restarted since, renews is judged replaced, its read streams ended",
             schedule: Schedule {
                 seed: 1,
-                setup: Setup {
-                    gateways: 2,
-                    shared_host_key: true,
-                    ..Setup::default()
-                },
+                setup: two_sharing_a_key(),
                 ops: vec![
                     stream(0, 0, 0, Client::Fast, 3_000, 30),
                     stream(0, 1, 0, Client::Fast, 3_000, 30),
+                    // gw1 restarted: a process started after gw0's, with its key.
+                    Op::HotRestart {
+                        at: 10_000,
+                        gw: 1,
+                        parent_ms: 60_000,
+                    },
+                    stream(12_000, 1, 0, Client::Fast, 3_000, 30),
                     Op::Freeze {
                         at: 20_000,
                         gw: 0,
-                        for_ms: 15_000,
+                        for_ms: 35_000,
                     },
                 ],
             },

@@ -9,12 +9,15 @@
 //! in-band renewal with its counter; a lease is *armed* by the first evidence its data path
 //! carries. It expires when
 //!
-//! - **replaced**: another instance renews with its host key (same Envoy node and VM:
-//!   a crash restart in place, a hot-restart child, a pod restarted with its identity)
-//!   while its own renewals have stopped for two of its periods — positive evidence,
-//!   whatever its hops — unless the key is **shared**: two instances on different
-//!   listeners were both heard while the other was (two gateways with one `node.id`);
-//!   such a key is counted, never used for a verdict;
+//! - **replaced**: a *successor* — an instance that started after it, as the counters
+//!   tell — renews with its host key (same Envoy node and VM: a crash restart in place, a
+//!   hot-restart child, a pod restarted with its identity) while it has been silent for the
+//!   TTL, heard as the *silent* rule below requires — positive evidence, whatever its hops
+//!   and listener. Not sooner: a hot restart's parent drains beside its child, and one
+//!   frozen or whose renewals were lost looks like one that exited. A predecessor's
+//!   renewals judge nothing (a child frozen while its parent drains). Nor does a
+//!   **shared** key: two instances on different listeners were both heard while the
+//!   other was (two gateways with one `node.id`); such a key is counted, never used;
 //! - **silent** / **dead**: both kinds of evidence are older than the TTL, and — when
 //!   other instances hold leases — another was heard from after this one went silent, at
 //!   least a period and a half ago (one that hears from nobody holds: the network or
@@ -22,9 +25,9 @@
 //!   paths come back, every live gateway's renewal is due within that time of the first
 //!   one heard, so the first back does not end the others; a trusted listener that
 //!   refuses ends the hold: a reset comes from a reachable host). Then, where the gateway's
-//!   listener is known and has answered a handshake before (*trusted*), and no other
-//!   instance proved its life there since (a hot restart's child listens on the parent's
-//!   socket), it is asked again ([`Judgement::probes`]; the shell connects): refused or
+//!   listener is known and has answered a handshake before (*trusted*), and no successor
+//!   proved its life there since (a hot restart's child listens on the parent's socket),
+//!   it is asked again ([`Judgement::probes`]; the shell connects): refused or
 //!   unanswered → **dead**; a handshake → held (a frozen process's kernel still answers),
 //!   asked again each period.
 //!   Without a trusted listener, silence is evidence only where it is of evidence that
@@ -81,7 +84,7 @@ pub enum RenewError {
 pub enum Expiry {
     /// Both kinds of evidence silent for the TTL.
     Silent,
-    /// Another instance renews with its host key and its own renewals stopped.
+    /// A successor renews with its host key and it has been silent for the TTL.
     Replaced,
     /// Silent for the TTL, but its silence proves nothing (its data path carried no
     /// in-band renewal, and no trusted listener answered for it): its requests are
@@ -120,6 +123,12 @@ struct Lease {
     renewed: Instant,
     /// Its first evidence (the shared-host-key rule's overlap).
     first: Instant,
+    /// When the process started, as its first renewal here tells: its receipt less its
+    /// counter's periods (the period it states; a proof states none). `None` until
+    /// then. Orders a hot restart's parent and child, also for a replica that restarted
+    /// and heard the child first: each estimate carries its own drift, the older
+    /// process's the larger.
+    born: Option<Instant>,
     /// Whether its data path carried an in-band renewal (evidence that flows on its own).
     inband: bool,
     /// Its listener, from a verified proof, and whether it completed a handshake.
@@ -228,6 +237,7 @@ impl Lease {
             data: None,
             renewed: now,
             first: now,
+            born: None,
             inband: false,
             listener: None,
             asked: None,
@@ -237,6 +247,30 @@ impl Lease {
             others_heard: None,
             listed: None,
             vms: HashMap::new(),
+        }
+    }
+
+    /// Renewal `counter`, received at `at`: the first one here dates the process.
+    fn counted(&mut self, counter: u64, at: Instant) {
+        if self.born.is_none() {
+            let ago = u32::try_from(counter)
+                .ok()
+                .and_then(|c| self.period.checked_mul(c));
+            self.born = ago.and_then(|d| at.checked_sub(d));
+        }
+    }
+
+    /// Whether this instance started after `older` did: a process that took over from it,
+    /// not one it took over from. By the renewals' dates where they are more than the
+    /// renewals' jitter (a fifth of a period) apart; otherwise (a process that lived a
+    /// moment, one not dated yet) by which was heard first.
+    fn succeeds(&self, older: &Lease) -> bool {
+        let margin = self.period.max(older.period) / 5;
+        let after = |x: Instant, y: Instant| y.checked_add(margin).is_some_and(|y| x > y);
+        match (self.born, older.born) {
+            (Some(b), Some(a)) if after(b, a) => true,
+            (Some(b), Some(a)) if after(a, b) => false,
+            _ => self.first > older.first,
         }
     }
 
@@ -454,6 +488,7 @@ impl Leases {
             }
             l.counter[i] = r.counter;
             fresh(l);
+            l.counted(r.counter, now);
             self.heard(r.instance, now);
             return Ok(false);
         }
@@ -468,6 +503,7 @@ impl Leases {
         counter[i] = r.counter;
         let mut l = Lease::new(period, counter, now);
         fresh(&mut l);
+        l.counted(r.counter, now);
         self.table.insert(r.instance, l);
         self.heard(r.instance, now);
         Ok(true)
@@ -577,8 +613,18 @@ impl Leases {
 
     /// The answer of a probe of `addr` for `id`, at `now`: a handshake makes the
     /// listener trusted (its later silence can be told from death); any answer is kept
-    /// for the next judgement. An answer for another listener is ignored.
+    /// for the next judgement. An answer for another listener is ignored. A refusal is
+    /// kept for every instance that proved its life on `addr`: nothing listens there.
     pub fn probed(&mut self, id: InstanceId, addr: SocketAddr, answer: ProbeAnswer, now: Instant) {
+        if answer == ProbeAnswer::Refused {
+            // Nothing listens at `addr`: that is also every other instance's answer there
+            // (a hot restart's parent whose child took the socket, then died).
+            for (o, l) in &mut self.table {
+                if *o != id && l.listener.is_some_and(|(a, _)| a == addr) {
+                    l.answer = Some((now, answer));
+                }
+            }
+        }
         let Some(l) = self.table.get_mut(&id) else {
             return;
         };
@@ -657,17 +703,6 @@ impl Leases {
             if let (true, Some(h)) = (shared && !l.shared, l.host) {
                 j.shared.push((id, h));
             }
-            let replaced = !shared
-                && l.host.is_some()
-                && silent_for > l.period * 2
-                && self
-                    .table
-                    .iter()
-                    .any(|(o, ol)| *o != id && ol.host == l.host && ol.renewed > last);
-            if replaced {
-                verdicts.push((id, Verdict::Expire(Expiry::Replaced)));
-                continue;
-            }
             if silent_for <= self.ttl {
                 // A listener not yet known to answer is asked while the gateway lives
                 // (once a TTL): only one that answered can tell its death later.
@@ -684,11 +719,30 @@ impl Leases {
             let heard = l
                 .others_heard
                 .is_some_and(|t| now.saturating_duration_since(t) >= l.period * 3 / 2);
-            // Its listener speaks for it unless another instance proved its life there
-            // since (a hot restart's child, or a restart in place, on the same address).
+            // A successor (a process that started after it, by the counters) renews with
+            // its host key: it was restarted in place, or it is a hot restart's parent
+            // that exited. Evidence of its end whatever its hops and listener (which its
+            // successor may answer); a predecessor's renewals say nothing of it (a hot
+            // restart's child frozen while its parent drains).
+            let replaced = heard
+                && !shared
+                && l.host.is_some()
+                && self.table.iter().any(|(o, ol)| {
+                    *o != id && ol.host == l.host && ol.renewed > last && ol.succeeds(l)
+                });
+            if replaced {
+                verdicts.push((id, Verdict::Expire(Expiry::Replaced)));
+                continue;
+            }
+            // Its listener speaks for it unless a successor proved its life there since
+            // (a hot restart's child, or a restart in place, on the same address): the
+            // socket is the newest process's.
             let trusted = l.trusted().filter(|a| {
                 !self.table.iter().any(|(o, ol)| {
-                    *o != id && ol.listener.is_some_and(|(b, _)| b == *a) && ol.last() > last
+                    *o != id
+                        && ol.listener.is_some_and(|(b, _)| b == *a)
+                        && ol.last() > last
+                        && ol.succeeds(l)
                 })
             });
             // Asked since the silence reached the TTL: the kernel's answer.
@@ -696,12 +750,16 @@ impl Leases {
                 .answer
                 .filter(|(t, _)| *t >= last + self.ttl)
                 .map(|(_, a)| a);
-            let v = if others && !heard {
-                // Nobody heard: the network may be the suspect, but not for a refusal (a
-                // host that answers with a reset is reachable, and nothing listens there).
-                match (trusted, answer) {
-                    (Some(_), Some(ProbeAnswer::Refused)) => Verdict::Expire(Expiry::Dead),
-                    (Some(a), _) if l.may_ask(now, l.period) => Verdict::HoldAndProbe(a),
+            // A refusal at the listener it proved (asked for it, or for a successor on the
+            // same socket) is unambiguous where a handshake is not: nothing listens there,
+            // and the host is reachable, so the network is not the suspect either.
+            let refused = l.trusted().is_some() && answer == Some(ProbeAnswer::Refused);
+            let v = if refused {
+                Verdict::Expire(Expiry::Dead)
+            } else if others && !heard {
+                // Nobody heard: the network may be the suspect.
+                match trusted {
+                    Some(a) if l.may_ask(now, l.period) => Verdict::HoldAndProbe(a),
                     _ => Verdict::Hold,
                 }
             } else if let Some(a) = trusted {

@@ -97,7 +97,7 @@ pub fn judge(st: &Arc<AppState>) {
                 tracing::warn!(%instance, mode, requests = ended, ttl_ms, "gateway lease expired: no renewal on either path and no request within the TTL")
             }
             Expiry::Replaced => {
-                tracing::warn!(%instance, mode, requests = ended, "gateway lease expired: a new process renews with its host key and its own renewals stopped (restarted or replaced)")
+                tracing::warn!(%instance, mode, requests = ended, "gateway lease expired: a process started after it renews with its host key, and it has been silent for the TTL (restarted in place, or a hot restart's parent that exited)")
             }
             Expiry::Dead => {
                 tracing::warn!(%instance, mode, requests = ended, ttl_ms, "gateway lease expired: silent for the TTL and its listener refused or did not answer a handshake")

@@ -206,18 +206,19 @@ fn a_silent_gateway_expires_a_period_and_a_half_after_another_is_heard_after_its
 }
 
 #[test]
-fn a_new_process_on_the_same_host_ends_the_old_one_two_periods_after_its_last_renewal() {
+fn a_new_process_on_the_same_host_ends_the_old_one_a_ttl_after_its_last_renewal() {
     let t0 = Instant::now();
     let mut l = Leases::new(TTL);
     l.renew(&on_host(A, 1, Via::Admin, 7), t0).unwrap();
-    // The new process (B, same host key) renews 1 s after A's last renewal.
-    l.renew(&on_host(B, 1, Via::Admin, 7), t0 + s(1)).unwrap();
-    assert!(expired(&mut l, t0 + ms(2 * P)).is_empty());
+    // The new process (B, same host key) renews from 1 s after A's last renewal; A's
+    // admin-path-only lease would otherwise expire `unproven` (counted, never ended).
+    let last_b = renew_on_host(&mut l, B, 1, 6, t0 + s(1));
+    assert!(expired(&mut l, t0 + TTL).is_empty());
     assert_eq!(
-        expired(&mut l, t0 + ms(2 * P + 1)),
+        expired(&mut l, t0 + TTL + ms(1)),
         vec![(A, Expiry::Replaced)]
     );
-    assert!(l.holds(&B));
+    assert!(l.holds(&B) && last_b < t0 + TTL);
 }
 
 #[test]
@@ -237,16 +238,22 @@ fn a_draining_hot_restart_parent_that_still_renews_is_not_replaced() {
     l.renew(&on_host(C, 1, Via::Admin, 8), t0 + s(1)).unwrap();
     l.renew(&on_host(C, 2, Via::Admin, 8), t0 + s(11)).unwrap();
     assert!(expired(&mut l, t0 + s(12)).is_empty());
-    // Two renewals at the same instant prove nothing of either.
+    // Two processes started at the same instant: neither is the other's successor.
     let mut l = Leases::new(TTL);
     l.renew(&on_host(A, 1, Via::Admin, 7), t0).unwrap();
-    l.renew(&on_host(B, 1, Via::Admin, 7), t0).unwrap();
-    assert!(expired(&mut l, t0 + s(11)).is_empty());
+    renew_on_host(&mut l, B, 1, 7, t0);
+    assert_eq!(
+        expired(&mut l, t0 + TTL + ms(1)),
+        vec![(A, Expiry::Unproven)]
+    );
     // The newer process replaces the older, never the reverse.
     let mut l = Leases::new(TTL);
     l.renew(&on_host(B, 1, Via::Admin, 7), t0).unwrap();
-    l.renew(&on_host(A, 1, Via::Admin, 7), t0 + s(1)).unwrap();
-    assert_eq!(expired(&mut l, t0 + s(12)), vec![(B, Expiry::Replaced)]);
+    renew_on_host(&mut l, A, 1, 7, t0 + s(1));
+    assert_eq!(
+        expired(&mut l, t0 + TTL + ms(1)),
+        vec![(B, Expiry::Replaced)]
+    );
     assert!(l.holds(&A));
 }
 
@@ -383,18 +390,18 @@ fn a_stall_extends_each_kind_of_evidence_and_the_host_key_rule() {
     l.extend(s(20));
     assert!(expired(&mut l, last + s(59)).is_empty());
     assert_eq!(expired(&mut l, last + s(61)), vec![(A, Expiry::Silent)]);
-    // A stall moves the replaced rule's clock too: B's renewal before the stall is not
-    // after A's last evidence once both moved.
+    // A stall moves the replaced rule's clock too: B renewed before a 20 s stall, its
+    // successor A renews after it.
     let mut l = Leases::new(TTL);
     l.renew(&on_host(B, 1, Via::Admin, 7), t0).unwrap();
-    l.renew(&on_host(A, 1, Via::Admin, 7), t0 + s(1)).unwrap();
     l.extend(s(20));
+    renew_on_host(&mut l, A, 1, 12, t0 + s(21));
     assert!(
-        expired(&mut l, t0 + s(30)).is_empty(),
-        "B is 10 s silent after the stall, not 30"
+        expired(&mut l, t0 + s(50)).is_empty(),
+        "B is 30 s silent after the stall, not 50"
     );
     assert_eq!(
-        expired(&mut l, t0 + s(30) + ms(1)),
+        expired(&mut l, t0 + s(50) + ms(1)),
         vec![(B, Expiry::Replaced)]
     );
 }
@@ -649,6 +656,22 @@ fn proof(counter: u64, host: Option<u8>, listener: Option<&str>) -> Proof {
 
 const L_A: &str = "10.0.0.1:8080";
 const L_B: &str = "10.0.0.2:8080";
+
+/// `id` proves its life on requests with counters `from..=to`, one period apart from
+/// `t0`, with host key `host`, from listener `listener`.
+fn prove_on_host(
+    l: &mut Leases,
+    id: InstanceId,
+    (from, to): (u64, u64),
+    t0: Instant,
+    (host, listener): (u8, &str),
+) {
+    for c in from..=to {
+        let t = t0 + ms(P * (c - from));
+        l.prove(tagged(id, 1), &proof(c, Some(host), Some(listener)), t)
+            .unwrap();
+    }
+}
 
 /// `id` proves its life on requests with counters 1..=n, one period apart from `t0`,
 /// from listener `listener`; returns the time of the last.
@@ -910,31 +933,52 @@ fn a_host_key_two_live_gateways_share_from_two_listeners_judges_neither() {
                 .unwrap();
         }
         for c in 5..=8 {
-            l.prove(tagged(b, 1), &proof(c, Some(7), Some(lb)), t0 + ms(P * c))
-                .unwrap();
+            l.prove(
+                tagged(b, 1),
+                &proof(c, Some(7), Some(lb)),
+                t0 + ms(P * c) + s(1),
+            )
+            .unwrap();
         }
     };
     let mut l = Leases::new(TTL);
     shared(&mut l, A, B, L_A, L_B);
-    let j = l.judge(t0 + ms(P * 8));
+    let j = judge_answering(&mut l, t0 + ms(P * 8) + s(1), ProbeAnswer::Alive);
     assert_eq!(j.shared, vec![(A, HostKey([7; 16])), (B, HostKey([7; 16]))]);
     assert!(j.expired.is_empty(), "A silent for 4 periods: not replaced");
     // Counted once.
-    assert!(l.judge(t0 + ms(P * 8 + 1)).shared.is_empty());
-    // The same listener (a hot restart's parent and child): replaced.
+    let j = judge_answering(&mut l, t0 + ms(P * 8 + 1) + s(1), ProbeAnswer::Alive);
+    assert!(j.shared.is_empty());
+    // Frozen past the TTL while B (started a second after it) renews on: neither replaced
+    // nor robbed of its listener by B's renewals; the listener answers, A is held.
+    for c in 9..=14 {
+        let t = t0 + ms(P * c) + s(1);
+        l.prove(tagged(B, 1), &proof(c, Some(7), Some(L_B)), t)
+            .unwrap();
+        let j = judge_answering(&mut l, t, ProbeAnswer::Alive);
+        assert!(j.expired.is_empty(), "{j:?}");
+    }
+    assert!(l.holds(&A) && t0 + ms(P * 14) > t0 + ms(P * 4) + TTL);
+    // The same listener (a hot restart's parent A and child B, both heard live): A is
+    // replaced once silent for the TTL (a draining parent may be frozen), not before.
     let mut l = Leases::new(TTL);
     shared(&mut l, A, B, L_A, L_A);
-    let j = l.judge(t0 + ms(P * 8));
+    let j = l.judge(t0 + ms(P * 8) + s(1));
     assert!(j.shared.is_empty());
-    assert_eq!(j.expired, vec![(A, Expiry::Replaced)]);
+    assert!(j.expired.is_empty(), "A silent for 4 periods: {j:?}");
+    let last_a = t0 + ms(P * 4);
+    assert!(expired(&mut l, last_a + TTL).is_empty());
+    assert_eq!(
+        expired(&mut l, last_a + TTL + ms(1)),
+        vec![(A, Expiry::Replaced)]
+    );
     // A process restarted in place on another listener, heard only after the old one's
-    // last evidence: replaced.
+    // last evidence: replaced once the old one is silent for the TTL.
     let mut l = Leases::new(TTL);
     l.prove(tagged(A, 1), &proof(1, Some(7), Some(L_A)), t0)
         .unwrap();
-    l.prove(tagged(B, 1), &proof(1, Some(7), Some(L_B)), t0 + s(1))
-        .unwrap();
-    let j = l.judge(t0 + ms(2 * P + 1));
+    prove_on_host(&mut l, B, (1, 6), t0 + s(1), (7, L_B));
+    let j = l.judge(t0 + TTL + ms(1));
     assert!(j.shared.is_empty());
     assert_eq!(j.expired, vec![(A, Expiry::Replaced)]);
 }
@@ -1034,9 +1078,8 @@ fn a_process_first_heard_at_the_instant_of_the_old_ones_last_evidence_succeeds_i
         .unwrap();
     l.prove(tagged(B, 1), &proof(1, Some(7), Some(L_B)), t0)
         .unwrap();
-    l.prove(tagged(B, 1), &proof(2, Some(7), Some(L_B)), t0 + s(5))
-        .unwrap();
-    let j = l.judge(t0 + ms(2 * P + 1));
+    prove_on_host(&mut l, B, (2, 6), t0 + ms(P), (7, L_B));
+    let j = l.judge(t0 + TTL + ms(1));
     assert!(j.shared.is_empty(), "{j:?}");
     assert_eq!(j.expired, vec![(A, Expiry::Replaced)]);
 }
@@ -1109,4 +1152,149 @@ fn a_gateway_that_joins_a_shared_host_key_later_is_counted_once_too() {
         .unwrap();
     assert_eq!(l.judge(t + ms(1)).shared, vec![(C, HostKey([7; 16]))]);
     assert!(l.judge(t + ms(2)).shared.is_empty());
+}
+
+/// `id` renews on the admin path with host key 7 and counters `from..=to`, one period
+/// apart from `t0`; returns the time of the last.
+fn renew_on_host(l: &mut Leases, id: InstanceId, from: u64, to: u64, t0: Instant) -> Instant {
+    for c in from..=to {
+        l.renew(&on_host(id, c, Via::Admin, 7), t0 + ms(P * (c - from)))
+            .unwrap();
+    }
+    t0 + ms(P * (to - from))
+}
+
+#[test]
+fn a_hot_restart_child_silent_while_its_parent_drains_is_never_replaced_by_the_parent() {
+    // The parent A has renewed 200 periods; its child B starts and renews 3, then is
+    // frozen while A drains on, renewing. A's renewals say nothing of B: A started first.
+    let t0 = Instant::now() + s(1);
+    let check = |l: &mut Leases, last_b: Instant| {
+        for k in 1..=12 {
+            let t = last_b + ms(P * k);
+            let j = l.judge(t);
+            assert!(
+                j.expired
+                    .iter()
+                    .all(|(id, why)| *id != B || *why != Expiry::Replaced),
+                "B judged replaced by its parent at +{k} periods: {j:?}"
+            );
+        }
+    };
+    let mut l = Leases::new(TTL);
+    let a = renew_on_host(&mut l, A, 1, 200, t0);
+    let last_b = renew_on_host(&mut l, B, 1, 3, a + s(1));
+    renew_on_host(&mut l, A, 201, 212, last_b + s(1));
+    check(&mut l, last_b);
+    // The same when this replica heard the child first (it restarted, forgetting both):
+    // the counters, not the order of receipt, tell which process is the older.
+    let mut l = Leases::new(TTL);
+    let last_b = renew_on_host(&mut l, B, 1, 3, t0);
+    renew_on_host(&mut l, A, 200, 212, t0 + s(1));
+    check(&mut l, last_b);
+    // A process restarted in place, its successor renewing on, is replaced once silent
+    // for the TTL.
+    let mut l = Leases::new(TTL);
+    let last_a = renew_on_host(&mut l, A, 1, 200, t0);
+    renew_on_host(&mut l, B, 1, 6, last_a + s(1));
+    assert!(expired(&mut l, last_a + TTL).is_empty());
+    assert_eq!(
+        expired(&mut l, last_a + TTL + ms(1)),
+        vec![(A, Expiry::Replaced)]
+    );
+}
+
+#[test]
+fn a_successor_replaces_only_on_evidence_heard_while_the_old_one_is_silent() {
+    let t0 = Instant::now() + s(1);
+    // kvguard-control cut off for 40 s: the first renewal back is the successor B's
+    // (the old A may be a hot restart's parent, its own renewal a moment behind).
+    let mut l = Leases::new(TTL);
+    let last_a = renew_on_host(&mut l, A, 1, 200, t0);
+    let back = last_a + s(40);
+    l.renew(&on_host(B, 8, Via::Admin, 7), back).unwrap();
+    assert!(expired(&mut l, back + ms(1)).is_empty(), "held");
+    l.renew(&on_host(A, 201, Via::Admin, 7), back + ms(500))
+        .unwrap();
+    assert!(expired(&mut l, back + ms(P * 2)).is_empty());
+    // A successor silent since the old one's last evidence proves nothing of it: another
+    // gateway (host key 8) renews on; A ends as its own silence says (`unproven` here).
+    let mut l = Leases::new(TTL);
+    let last_a = renew_on_host(&mut l, A, 1, 200, t0);
+    l.renew(&on_host(B, 3, Via::Admin, 7), last_a).unwrap();
+    for c in 1..=8 {
+        l.renew(&on_host(C, c, Via::Admin, 8), last_a + ms(P * c))
+            .unwrap();
+    }
+    let j = l.judge(last_a + TTL + ms(1));
+    assert!(j.expired.contains(&(A, Expiry::Unproven)), "{j:?}");
+}
+
+#[test]
+fn a_refusal_at_a_successors_socket_ends_the_silent_predecessor_there_too() {
+    // A hot restart: the parent B proved its life on L_A (trusted), its child C took the
+    // socket and proved its life there; B exits, C dies a moment later, before B's
+    // silence began, and another gateway A (L_B) freezes then: nobody is heard after, so
+    // every lease is held until a listener answers.
+    let t0 = Instant::now() + s(1);
+    let mut l = Leases::new(TTL);
+    prove_on_host(&mut l, B, (1, 100), t0, (7, L_A));
+    let last_b = t0 + ms(P * 99);
+    judge_answering(&mut l, last_b, ProbeAnswer::Alive);
+    for c in 1..=2 {
+        let t = last_b + ms(P * c - 4_000);
+        l.prove(tagged(C, 1), &proof(c, Some(7), Some(L_A)), t)
+            .unwrap();
+        l.prove(tagged(A, 1), &proof(c, Some(8), Some(L_B)), t)
+            .unwrap();
+    }
+    let last_c = last_b + ms(2 * P - 4_000);
+    judge_answering(&mut l, last_c, ProbeAnswer::Alive);
+    // B is past the TTL, held; its listener, which its successor proved, is not asked.
+    let j = judge_answering(&mut l, last_b + TTL + ms(1), ProbeAnswer::Alive);
+    assert!(j.expired.is_empty() && j.probes.is_empty(), "{j:?}");
+    // Then C's and A's listeners are asked: A's answers, C's refuses.
+    let at = last_c + TTL + ms(1);
+    let j = l.judge(at);
+    let (l_a, l_b) = (L_A.parse().unwrap(), L_B.parse().unwrap());
+    assert_eq!(j.probes, vec![(A, l_b), (C, l_a)]);
+    l.probed(A, l_b, ProbeAnswer::Alive, at);
+    l.probed(C, l_a, ProbeAnswer::Refused, at);
+    // The refusal at the socket is B's answer too, and nobody else's.
+    let mut gone = l.judge(at + ms(1)).expired;
+    gone.sort_unstable_by_key(|(id, _)| *id);
+    assert_eq!(gone, vec![(B, Expiry::Dead), (C, Expiry::Dead)]);
+    assert!(l.holds(&A));
+}
+
+#[test]
+fn processes_dated_more_than_the_jitter_apart_are_ordered_by_their_counters_closer_by_receipt() {
+    let t0 = Instant::now() + s(20);
+    // `a` first heard at t0 with counter 1 (dated a period before); `b` first heard `x`
+    // later with counter `cb`, renewing on; `a` falls silent. How `a` ends says whether
+    // `b` was taken for its successor.
+    let ends = |x: Duration, cb: u64| {
+        let mut l = Leases::new(TTL);
+        l.renew(&on_host(A, 1, Via::Admin, 7), t0).unwrap();
+        renew_on_host(&mut l, B, cb, cb + 7, t0 + x);
+        expired(&mut l, t0 + TTL + ms(1))
+    };
+    // b dated exactly the jitter (a fifth of a period, 1 s) before a: too close to tell,
+    // so the receipts order them (b heard after a: its successor).
+    assert_eq!(ends(s(4), 2), vec![(A, Expiry::Replaced)]);
+    // b dated 2 s before a: a predecessor, whatever the receipts.
+    assert_eq!(ends(s(3), 2), vec![(A, Expiry::Unproven)]);
+    // `b` heard first (counter 1 at t0), `a` `x` later with counter 2, and silent after.
+    let heard_first = |x: Duration| {
+        let mut l = Leases::new(TTL);
+        l.renew(&on_host(B, 1, Via::Admin, 7), t0).unwrap();
+        l.renew(&on_host(A, 2, Via::Admin, 7), t0 + x).unwrap();
+        renew_on_host(&mut l, B, 2, 9, t0 + x + ms(1));
+        expired(&mut l, t0 + x + TTL + ms(1))
+    };
+    // b dated exactly the jitter after a: too close, so b, heard first, is not a's
+    // successor.
+    assert_eq!(heard_first(s(4)), vec![(A, Expiry::Unproven)]);
+    // b dated 2 s after a, though heard first: its successor.
+    assert_eq!(heard_first(s(3)), vec![(A, Expiry::Replaced)]);
 }
