@@ -359,6 +359,18 @@ mod tests {
     }
 
     #[test]
+    fn a_request_a_gateway_tagged_is_judged_by_the_gateways_silence_not_the_wait_here() {
+        let e = completion(Instant::now());
+        assert!(!e.times().gateway);
+        e.set_instance(InstanceTag {
+            instance: InstanceId([7; 16]),
+            vm: Some(2),
+        });
+        assert!(e.times().gateway);
+        assert_eq!((e.instance(), e.vm()), (Some(InstanceId([7; 16])), Some(2)));
+    }
+
+    #[test]
     fn first_reason_wins_and_progress() {
         let t0 = Instant::now();
         let e = completion(t0);
