@@ -317,6 +317,40 @@ pub fn guards() -> Vec<Guard> {
 pub fn regressions() -> Vec<Finding> {
     vec![
         Finding {
+            name: "sim.20",
+            title: "a stall ask sent just before its gateway froze past the abort deadline: its answer lost with the freeze, the ask was given up on resuming and the filter cut a stream its client read",
+            schedule: Schedule {
+                seed: 94448,
+                setup: Setup {
+                    gateways: 2,
+                    replicas: 2,
+                    hop_hides: true,
+                    net_cap: 1024 * 1024,
+                    idle_ms: 30_000,
+                    pods_deleted: true,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(20_963, 0, 1, Client::Steady { bps: 988 }, 2_347, 41),
+                    Op::EnginePause {
+                        at: 45_235,
+                        replica: 1,
+                        for_ms: 5_936,
+                    },
+                    Op::SlowAdmin {
+                        at: 48_600,
+                        for_ms: 18_323,
+                        delay_ms: 1_428,
+                    },
+                    Op::Freeze {
+                        at: 59_895,
+                        gw: 0,
+                        for_ms: 40_712,
+                    },
+                ],
+            },
+        },
+        Finding {
             name: "sim.18",
             title: "a hot restart's parent whose renewals are lost for two periods, its child first heard meanwhile, is judged replaced by the child: its read streams are ended",
             schedule: Schedule {

@@ -1965,8 +1965,11 @@ impl World {
         }
     }
 
+    /// A violation, labelled with the open finding whose shape it has. The shape of a
+    /// fixed one is no label: that finding is back, and the campaign fails on it.
     fn violation(&mut self, promise: Promise, stream: usize, what: String) {
-        let finding = crate::findings::classify(promise, &self.streams[stream], &self.sched.setup);
+        let finding = crate::findings::classify(promise, &self.streams[stream], &self.sched.setup)
+            .filter(|name| crate::findings::known().iter().any(|f| f.name == *name));
         self.violations.push(Violation {
             promise,
             stream,

@@ -51,6 +51,8 @@ pub struct Job {
     /// its retries ask the same, until an answer or the deadline. `None` once reported.
     pub ask: Option<(u32, u32)>,
     queued_ms: u64,
+    /// [`DEADLINE_MS`] after it was decided, moved on by this worker's own stalls.
+    deadline_ms: u64,
     next_ms: u64,
     /// When its current call was dispatched (for the watchdog).
     sent_ms: u64,
@@ -82,6 +84,7 @@ impl Job {
             gone_at_ms: None,
             ask: None,
             queued_ms: now_ms,
+            deadline_ms: now_ms.saturating_add(DEADLINE_MS),
             next_ms: now_ms,
             sent_ms: now_ms,
         }
@@ -239,6 +242,17 @@ impl AbortQueue {
         )
     }
 
+    /// This worker did not run for `stall_ms` (its process stopped, starved of CPU): every
+    /// job's deadline moves on by it, since that silence was not kvguard-control's. A call
+    /// whose answer the stall lost is then asked again rather than given up (a stall ask
+    /// given up would cut a stream its client reads).
+    pub fn stalled(&mut self, stall_ms: u64) {
+        let jobs = self.ready.iter_mut().chain(self.backoff.iter_mut());
+        for job in jobs.chain(self.in_flight.values_mut()) {
+            job.deadline_ms = job.deadline_ms.saturating_add(stall_ms);
+        }
+    }
+
     /// Sends what is due, within the concurrency bound. Jobs past their deadline end
     /// as `failed`; calls the host refuses end as `dispatch_error` (unknown cluster) or
     /// are retried (any other refusal).
@@ -289,7 +303,7 @@ impl AbortQueue {
             // Past the deadline only a job already sent is given up: one that waited in a
             // stopped process (SIGSTOP, a stalled worker) is sent once when it resumes —
             // never sent, its orphan would have no end but the lease's.
-            if job.attempts > 0 && now_ms.saturating_sub(job.queued_ms) > DEADLINE_MS {
+            if job.attempts > 0 && now_ms > job.deadline_ms {
                 self.finish(job, Outcome::Failed, None, host, finished);
                 continue;
             }
@@ -341,7 +355,7 @@ impl AbortQueue {
             job.target = None;
         }
         let next = now_ms.saturating_add(self.backoff_ms(job.attempts));
-        if next.saturating_sub(job.queued_ms) > DEADLINE_MS {
+        if next > job.deadline_ms {
             self.finish(job, Outcome::Failed, status, metrics, finished);
             return;
         }
@@ -625,6 +639,23 @@ mod tests {
         );
         assert_eq!(fin.len(), 1);
         assert_eq!(fin[0].outcome, Outcome::Aborted);
+    }
+
+    #[test]
+    fn a_stall_of_the_worker_moves_every_deadline_on_by_it() {
+        let (cfg, mut q, mut h, mut fin) = one_job_sent();
+        q.push(job("waiting", 0), &mut h).unwrap();
+        q.on_answer(&cfg, h.calls[0].0, None, b"", 1_000, &mut h, &mut fin);
+        // The worker stopped 40 s: the retry, due meanwhile, goes when it resumes, and
+        // the deadline is 30 s of the worker's running time.
+        q.stalled(40_000);
+        q.pump(&cfg, DEADLINE_MS + 40_000, 1, &mut h, &mut fin);
+        assert!(fin.is_empty(), "{fin:?}");
+        assert_eq!(h.calls.len(), 3, "retried, and the waiting one sent");
+        let (t, at) = (h.calls[1].0, DEADLINE_MS + 40_001);
+        q.on_answer(&cfg, t, None, b"", at, &mut h, &mut fin);
+        assert_eq!(fin.len(), 1, "past the moved deadline: given up");
+        assert_eq!(fin[0].outcome, Outcome::Failed);
     }
 
     #[test]

@@ -684,8 +684,9 @@ impl Engine {
     ///
     /// A tick more than two periods after the previous one means the worker did not run
     /// meanwhile (descheduled, starved of CPU, throttled, stopped): counted
-    /// (`worker_stalls_total`) and logged. Nothing depends on it: idleness is confirmed by
-    /// a second tick ([`crate::cut`]), which a late tick delays but never switches off.
+    /// (`worker_stalls_total`), logged, and every abort's deadline moves on by the stall
+    /// ([`AbortQueue::stalled`]). Idleness does not depend on it: it is confirmed by a
+    /// second tick ([`crate::cut`]), which a late tick delays but never switches off.
     pub fn on_host_tick<P: Platform + ?Sized>(&mut self, p: &mut P) -> Vec<Action> {
         let now = p.now_ms();
         if let Some(prev) = self.last_host_tick.replace(now) {
@@ -700,6 +701,7 @@ impl Engine {
                         self.cfg.tick_ms
                     ),
                 );
+                self.queue.stalled(stall);
             }
         }
         self.tick(p)
@@ -1991,6 +1993,45 @@ mod tests {
             "{b}"
         );
         h.calls[calls].0
+    }
+
+    /// Simulator seed 94448: a stall ask sent just before the worker stops for past the
+    /// abort deadline. Its answer is lost with the stall; the ask goes again when the
+    /// worker resumes (its deadline moved on by the stall), and a deferral keeps the
+    /// stream.
+    #[test]
+    fn a_stall_ask_whose_answer_a_worker_stall_lost_is_asked_again() {
+        let (mut e, mut h) = engine(r#","idle_timeout_ms":100,"tick_ms":50"#);
+        stream(&mut e, &mut h, 1);
+        h.now += 100;
+        assert!(e.on_host_tick(&mut h).is_empty(), "armed");
+        assert!(e.on_host_tick(&mut h).is_empty(), "asked, not cut");
+        assert_eq!(h.calls.len(), 1);
+        // The worker does not run for 40 s.
+        h.now += 40_000;
+        assert!(e.on_host_tick(&mut h).is_empty(), "not cut on resuming");
+        assert_eq!(h.metric(Metric::WorkerStalls), 1);
+        for _ in 0..100 {
+            if h.calls.len() > 1 {
+                break;
+            }
+            h.now += 50;
+            assert!(e.on_host_tick(&mut h).is_empty());
+        }
+        assert_eq!(h.calls.len(), 2, "asked again");
+        assert!(
+            body(&h, 1).contains(r#""recheck_ms":100"#),
+            "{}",
+            body(&h, 1)
+        );
+        let t = h.calls[1].0;
+        e.on_abort_answer(&mut h, t, Some(200), DEFERRED);
+        h.now += 50;
+        assert!(e.on_host_tick(&mut h).is_empty(), "kept");
+        assert_eq!(
+            h.metric(Metric::Aborts(AbortReason::Stalled, Outcome::Deferred)),
+            1
+        );
     }
 
     #[test]
