@@ -404,6 +404,17 @@ fn a_stall_extends_each_kind_of_evidence_and_the_host_key_rule() {
         expired(&mut l, t0 + s(50) + ms(1)),
         vec![(B, Expiry::Replaced)]
     );
+    // The successor's renewal after A's last evidence is still after it once both moved:
+    // B renewed (8 s after A's last, once) before a 20 s stall; A is replaced at the TTL.
+    let mut l = Leases::new(TTL);
+    let last_a = renew_on_host(&mut l, A, 1, 3, t0);
+    l.renew(&on_host(B, 1, Via::Admin, 7), last_a + s(8))
+        .unwrap();
+    l.extend(s(20));
+    assert_eq!(
+        expired(&mut l, last_a + s(20) + TTL + ms(1)),
+        vec![(A, Expiry::Replaced)]
+    );
 }
 
 #[test]
