@@ -1,14 +1,17 @@
 //! The known findings: violations the simulator finds on today's code, each named by
-//! its issue and point, with the schedule that finds it. A violation that matches none
-//! is unknown and fails the seed campaign; a finding whose schedule no longer fails
-//! fails its test, telling the one who fixed it to move it to the regression list.
+//! its issue and point, with the schedule that finds it. A violation that matches none,
+//! or matches a fixed one (a regression), is unknown and fails the seed campaign; a
+//! finding whose schedule no longer fails fails its test, telling the one who fixed it to
+//! move it to the regression list.
 
 use crate::oracles::{Cause, Promise};
 use crate::schedule::{Client, Op, Schedule, Setup};
 use crate::world::Stream;
 use kvguard_contract::AbortReason;
 
-/// Which known finding a violation is, from what the world knows of its stream.
+/// Which finding, open or fixed, a violation's shape is, from what the world knows of its
+/// stream (the first arm that matches: a fixed finding's arm keeps its shape from being
+/// taken for a later, open one's). The world keeps the name of an open one only.
 pub fn classify(promise: Promise, s: &Stream, setup: &Setup) -> Option<&'static str> {
     let answer = s.last_answer.as_deref().unwrap_or("");
     let by_gateway = s

@@ -617,7 +617,8 @@ fn decide_abort(
     };
     let reason = abort.reason;
     // `abort::deferrable`: such an ask tombstones nothing it does not find.
-    let tomb = !deferrable(reason, abort.recheck_ms.is_some());
+    let deferrable = deferrable(reason, abort.recheck_ms.is_some());
+    let every_peer_answered = peers_path != PeerPath::Cut;
     if let Some(d) = replicas[here].defers(&id, &abort, now_ms) {
         return deferred_answer(&id, d);
     }
@@ -651,11 +652,10 @@ fn decide_abort(
                             a
                         }
                         _ => {
-                            let answered = peers_path != PeerPath::Cut;
-                            let tomb = tombstones_missing(!tomb, answered);
+                            let tomb = tombstones_missing(deferrable, every_peer_answered);
                             let found = replicas[here].abort_here(&id, reason, now_ms, tomb, ended);
                             let held = found != AbortFound::NotFound;
-                            if ask_again(Route::HereThenPeer, held, peers_path != PeerPath::Cut) {
+                            if ask_again(Route::HereThenPeer, held, every_peer_answered) {
                                 return ask_again_answer();
                             }
                             found_answer(&id, found, "no peer holds it, decided here")
@@ -702,20 +702,20 @@ fn decide_abort(
                     );
                 }
                 FannedOut::DecideHere => {
-                    let tomb = tombstones_missing(!tomb, peers_path != PeerPath::Cut);
+                    let tomb = tombstones_missing(deferrable, every_peer_answered);
                     replicas[here].abort_here(&id, reason, now_ms, tomb, ended)
                 }
                 FannedOut::Legs(f) => f,
             };
             let mut legs = legs_here(&replicas[here], found);
             legs.extend(remote);
-            if ask_again(Route::EveryLeg, true, peers_path != PeerPath::Cut) {
+            if ask_again(Route::EveryLeg, true, every_peer_answered) {
                 return ask_again_answer();
             }
             legs_answer(&id, legs)
         }
         Route::Here => {
-            let found = replicas[here].abort_here(&id, reason, now_ms, tomb, ended);
+            let found = replicas[here].abort_here(&id, reason, now_ms, !deferrable, ended);
             if replicas[here].pd_role.is_some() {
                 return legs_answer(&id, legs_here(&replicas[here], found));
             }

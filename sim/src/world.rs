@@ -169,14 +169,14 @@ pub struct Stream {
 }
 
 impl Stream {
-    /// Whether its client reads within the documented bound: at or above the floor,
-    /// each silence at the filter — a pause, its gateway's freezes, and the time to
-    /// drain [`G_BYTES`] — under `--reader-timeout` (with 2 s to spare).
     /// It reached kvguard-control only after its gateway had died (a hop's queue).
     pub fn admitted_after_its_gateway_died(&self) -> bool {
         matches!((self.admitted, self.gateway_died), (Some(a), Some(d)) if a > d)
     }
 
+    /// Whether its client reads within the documented bound: at or above the floor,
+    /// each silence at the filter — a pause, its gateway's freezes, and the time to
+    /// drain [`G_BYTES`] — under `--reader-timeout` (with 2 s to spare).
     fn is_reader(&self) -> bool {
         let drain = |bps: u64| G_BYTES * 1000 / bps.max(1);
         let silence = match self.client {

@@ -121,7 +121,8 @@ struct Lease {
     data: Option<Instant>,
     /// Last renewal of either path (the host-key rule's "its own renewals").
     renewed: Instant,
-    /// Its first evidence (the shared-host-key rule's overlap).
+    /// Its first evidence (the shared-host-key rule's overlap; the order of two processes
+    /// whose dates cannot tell).
     first: Instant,
     /// When the process started, as its first renewal here tells: its receipt less its
     /// counter's periods (the period it states; a proof states none). `None` until
