@@ -23,6 +23,16 @@ pub fn classify(promise: Promise, s: &Stream, setup: &Setup) -> Option<&'static 
         .as_ref()
         .is_some_and(|(_, who, r)| who.contains("reaper") && *r == AbortReason::Stalled);
     match promise {
+        // A prefill leg's content-length answer was never completed (hyper does not poll
+        // it to `Ready(None)`): counted `client_gone`, no hand-off recorded, its blocks
+        // held until the prefill engine's lease.
+        Promise::Figures | Promise::Invariant2 if s.miscounted == Some("prefill_end") => {
+            Some("36.3")
+        }
+        // A release cancelled with a caller that gave up: neither sent nor counted.
+        Promise::Figures | Promise::Invariant2 if s.miscounted == Some("release") => Some("36.6"),
+        // An `unproven` expiry counted `mode="observe"` under `--lease-mode enforce`.
+        Promise::Figures if s.miscounted == Some("expiry_mode") => Some("37.5"),
         // A peer that did not answer was taken for one that does not hold the id.
         Promise::Invariant1 | Promise::Invariant2 if s.peers_cut => Some("sim.9"),
         // A restarted replica forgot the completion of a stream whose reader drains its
@@ -144,6 +154,44 @@ fn tail_reader() -> Op {
 /// campaign finds).
 pub fn known() -> Vec<Finding> {
     vec![
+        Finding {
+            name: "36.3",
+            title: "a prefill leg's content-length answer read to its end is never completed: counted client_gone, its hand-off never recorded",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup {
+                    replicas: 2,
+                    pd: true,
+                    ..Setup::default()
+                },
+                ops: vec![stream(1_000, 0, 1, Client::Fast, 200, 20)],
+            },
+        },
+        Finding {
+            name: "37.5",
+            title: "an unproven lease expiry is counted mode=\"observe\" under --lease-mode enforce",
+            schedule: Schedule {
+                seed: 34,
+                setup: Setup {
+                    gateways: 2,
+                    replicas: 2,
+                    hop_routes_lease: false,
+                    net_cap: 64 * 1024,
+                    idle_ms: 30_000,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(11_698, 1, 1, Client::Fast, 259, 31),
+                    Op::Kill {
+                        at: 21_598,
+                        gw: 1,
+                        restart_ms: None,
+                    },
+                    // Keeps the world running past the lease's expiry.
+                    stream(39_112, 0, 1, Client::Fast, 2_685, 55),
+                ],
+            },
+        },
         Finding {
             name: "sim.17",
             title: "a hop queues a request past its gateway's death (killed 0.3 s after sending it): its first proof of life reaches kvguard-control when the listener already refuses, so the lease never trusts it and expires `unproven`; behind a hiding hop the orphan runs to its end",

@@ -6,8 +6,9 @@
 //! engine connection, writing the final event) is returned for the world to carry out.
 //!
 //! Signatures are verified with the gateways' one key against this replica's wall clock,
-//! and remembered in the real replay memory. Not modelled: `--dry-run`,
-//! P/D hand-offs (held prefill blocks), the abort flush deadline.
+//! and remembered in the real replay memory. P/D: a finished prefill's hand-off is
+//! recorded in the real hand-off table and released through the decode side, whose
+//! answer the world delivers. Not modelled: `--dry-run`, the abort flush deadline.
 
 use crate::ablation::{Mechanism, Mutations};
 use kvguard_contract::{signature, Domain};
@@ -16,12 +17,13 @@ use kvguard_contract::{
 };
 use kvguard_control_core::abort::{
     after_fan_out, after_forward, answer_deferred, ask_again, deferrable, leg_result, legs_of,
-    route, summary, tombstones_missing, AbortFound, FannedOut, Forwarded, Route,
+    release_result, route, summary, tombstones_missing, AbortFound, FannedOut, Forwarded, Route,
 };
 use kvguard_control_core::cut::{may_end, Ask, Cut, Deferral, Here};
 use kvguard_control_core::inflight::{AbortHere, Held, Inflight, InflightConfig};
 use kvguard_control_core::lease::{Expiry, Leases, ProbeAnswer};
 use kvguard_control_core::limits::Limits;
+use kvguard_control_core::pd::{Handoffs, Release};
 use kvguard_control_core::replay::{ReplayMemory, Seen};
 use kvguard_control_core::request::{Progress, Times};
 use std::cell::{Cell, RefCell};
@@ -42,6 +44,39 @@ pub mod flags {
     pub const TOMBSTONE_TTL_MS: u64 = 60_000;
     /// `--lease-ttl`.
     pub const LEASE_TTL_MS: u64 = 30_000;
+    /// `--pd-kv-lease` (and the prefill engine's own lease, vLLM `kv_lease_duration`).
+    pub const PD_KV_LEASE_MS: u64 = 30_000;
+}
+
+/// `engine::release_prefill`'s bound on the decode side's answer to a release.
+pub const RELEASE_TIMEOUT_MS: u64 = 2_000;
+
+/// The filter's `abort_timeout_ms` (shipped): how long a gateway waits for an answer.
+pub const FILTER_CALL_TIMEOUT_MS: u64 = 1_000;
+
+/// A hand-off's release on its way to the decode side (`pd::release_handoff`): the world
+/// delivers it (the decode engine rejects it and tells the prefill engine to let the
+/// blocks go) and the replica counts it then ([`Replica::released`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Releasing {
+    /// The world's index of the stream.
+    pub stream: usize,
+    /// When the decode side's answer comes back (virtual ms).
+    pub at_ms: u64,
+    /// Whether it rejects the request (within [`RELEASE_TIMEOUT_MS`]); `false`: the
+    /// release failed, the blocks are held until the prefill engine's lease.
+    pub rejected: bool,
+}
+
+/// What a replica counted on its `/metrics`, for the figures oracle.
+#[derive(Debug, Default, Clone)]
+pub struct Counted {
+    /// `request_ends_total{cause}` of each prefill leg: (stream, cause).
+    pub prefill_ends: Vec<(usize, &'static str)>,
+    /// Hand-offs taken from the table for a release (the streams').
+    pub taken: Vec<usize>,
+    /// `pd_releases_total{kind="handoff", result}`: (stream, result).
+    pub releases: Vec<(usize, &'static str)>,
 }
 
 /// One request in flight here (the shell's `table::Entry`, with what the table needs).
@@ -117,6 +152,11 @@ pub struct Replica {
     /// the world connects and gives the answer to [`Replica::probed`]).
     pub probes: Vec<(InstanceId, SocketAddr)>,
     replay: ReplayMemory,
+    handoffs: Handoffs,
+    /// Releases sent to the decode side, for the world to deliver.
+    pub releasing: Vec<Releasing>,
+    /// Its figures.
+    pub counted: Counted,
 }
 
 /// `peers::PEER_TIMEOUT`: how long the shell waits for a peer that does not answer.
@@ -175,6 +215,9 @@ impl Replica {
             received: crate::fleet::Received::default(),
             probes: Vec::new(),
             replay: ReplayMemory::new(MAX_REPLAY_ENTRIES),
+            handoffs: Handoffs::new(ms(flags::PD_KV_LEASE_MS), 100_000),
+            releasing: Vec::new(),
+            counted: Counted::default(),
         }
     }
 
@@ -214,6 +257,7 @@ impl Replica {
     pub fn restarted(&self) -> Replica {
         Replica {
             received: self.received,
+            counted: self.counted.clone(),
             ..Replica::new(self.index, self.base, self.mutations, self.pd_role)
         }
     }
@@ -365,6 +409,62 @@ impl Replica {
         }
     }
 
+    /// `proxy::TrackedBody` and `Guard::drop` for a prefill leg's answer (`max_tokens:
+    /// 1`, a content-length body of one frame) that its engine finished and the P/D proxy
+    /// read to its end: hyper stops polling a body whose length is written once it has
+    /// it all, so the shell sees that frame, then never `Ready(None)`. As before 72d78f4:
+    /// only `Ready(None)` completes the request; the guard, dropped when hyper is done
+    /// with the body, counts it `client_gone`, and no hand-off is recorded. Returns the
+    /// cause counted.
+    pub fn prefill_answered(&mut self, entry: &EntryRef, now_ms: u64) -> &'static str {
+        let now = self.now(now_ms);
+        entry.0.progress.borrow_mut().record_handed(now);
+        let cause = "client_gone";
+        self.remove(entry);
+        self.counted.prefill_ends.push((entry.0.stream, cause));
+        cause
+    }
+
+    /// `AppState::release_handoff` as before c635127: the hand-off of `id` taken from
+    /// the table, its release to the decode side awaited in the handler; a caller that
+    /// gives up first (`caller_ms`, its timeout) cancels the handler, the release and its
+    /// figures with it. `release_ms`: how long the decode side takes to answer now.
+    /// `None`: no hand-off of `id` is held here.
+    fn release_handoff(
+        &mut self,
+        id: &RequestId,
+        now_ms: u64,
+        caller_ms: u64,
+        release_ms: u64,
+    ) -> Option<(Release, u64)> {
+        let now = self.now(now_ms);
+        self.handoffs.take(id, now)?;
+        let stream = stream_of(id)?;
+        self.counted.taken.push(stream);
+        let rejected = release_ms <= RELEASE_TIMEOUT_MS;
+        let took = release_ms.min(RELEASE_TIMEOUT_MS);
+        let release = if rejected {
+            Release::Released
+        } else {
+            Release::HeldUntilLease
+        };
+        if took <= caller_ms {
+            self.releasing.push(Releasing {
+                stream,
+                at_ms: now_ms + took,
+                rejected,
+            });
+        }
+        Some((release, took))
+    }
+
+    /// The decode side answered the release of stream `stream`'s hand-off: counted
+    /// (`pd::release_handoff`'s task).
+    pub fn released(&mut self, r: Releasing) {
+        let result = if r.rejected { "released" } else { "failed" };
+        self.counted.releases.push((r.stream, result));
+    }
+
     /// `AppState::tombstone`.
     pub fn tombstone(&mut self, id: RequestId, reason: AbortReason, now_ms: u64) {
         let now = self.now(now_ms);
@@ -434,16 +534,12 @@ impl Replica {
         }
     }
 
-    /// `lease::enforce::judge` (enforce mode): an expired instance's requests are ended
-    /// `gateway_lost` unless the expiry is unproven (counted only); a request of it
-    /// admitted since the judgement revives it; the listeners it asks about go to
-    /// [`Replica::probes`]. Returns the expiries and how many were held (nobody else
-    /// heard from, or a listener still answers), for the timeline.
-    pub fn judge_leases(
-        &mut self,
-        now_ms: u64,
-        ended: &mut Vec<Ended>,
-    ) -> (Vec<(InstanceId, Expiry, usize)>, usize) {
+    /// `lease::enforce::judge` (`--lease-mode enforce`): an expired instance's requests
+    /// are ended `gateway_lost` unless the expiry is unproven (counted only); a request
+    /// of it admitted since the judgement revives it; the listeners it asks about go to
+    /// [`Replica::probes`]. Returns the expiries as counted, and how many were held
+    /// (nobody else heard from, or a listener still answers), for the timeline.
+    pub fn judge_leases(&mut self, now_ms: u64, ended: &mut Vec<Ended>) -> (Vec<Expired>, usize) {
         let now = self.now(now_ms);
         let j = self.leases.judge(now);
         self.probes.extend(j.probes.iter().copied());
@@ -460,7 +556,12 @@ impl Replica {
                 continue;
             }
             self.end_lost(&mine, Expiry::VmLost, now_ms, ended);
-            out.push((instance, Expiry::VmLost, mine.len()));
+            out.push(Expired {
+                instance,
+                why: Expiry::VmLost,
+                streams: mine.iter().map(|e| e.0.stream).collect(),
+                mode: "enforce",
+            });
         }
         for (instance, why) in j.expired {
             let (mine, late) = self.of_instance(instance, None, now);
@@ -468,13 +569,34 @@ impl Replica {
                 self.leases.revive(instance, late);
                 continue;
             }
-            if why != Expiry::Unproven {
+            // `end_or_count` as before 8501d1f: the mode label from whether this
+            // expiry ends its requests.
+            let enforce = why != Expiry::Unproven;
+            if enforce {
                 self.end_lost(&mine, why, now_ms, ended);
             }
-            out.push((instance, why, mine.len()));
+            out.push(Expired {
+                instance,
+                why,
+                streams: mine.iter().map(|e| e.0.stream).collect(),
+                mode: if enforce { "enforce" } else { "observe" },
+            });
         }
         (out, j.held)
     }
+}
+
+/// A lease expiry, as `lease::enforce` counts it (`lease_expired_total{mode, why}`).
+#[derive(Debug, Clone)]
+pub struct Expired {
+    /// The gateway instance.
+    pub instance: InstanceId,
+    /// Why.
+    pub why: Expiry,
+    /// Its requests in flight here (the world's streams).
+    pub streams: Vec<usize>,
+    /// The `mode` label it is counted under.
+    pub mode: &'static str,
 }
 
 /// The path that ended a request for lease expiry `why`, for the timeline.
@@ -499,6 +621,8 @@ pub struct Answer {
     pub how: String,
     /// Peers were asked (the answer waits for them).
     pub waited_on_peers: bool,
+    /// How long a release to the decode side kept the handler (its answer is that late).
+    pub late_ms: u64,
 }
 
 /// `endpoint::deferred`: 200 `deferred`, and why, for the timeline.
@@ -536,6 +660,7 @@ fn answer(
         body: serde_json::to_vec(&a).unwrap_or_default(),
         how,
         waited_on_peers: false,
+        late_ms: 0,
     }
 }
 
@@ -581,10 +706,13 @@ pub fn abort_call(
     body: &[u8],
     now_ms: u64,
     peers: PeerPath,
+    waits: Waits,
     ended: &mut Vec<Ended>,
 ) -> Answer {
     let mut asked = false;
-    let mut a = decide_abort(replicas, here, body, now_ms, peers, &mut asked, ended);
+    let mut a = decide_abort(
+        replicas, here, body, now_ms, peers, waits, &mut asked, ended,
+    );
     // `endpoint::abort`: `Decided::held_nowhere` (a 404: not here, every peer said so).
     if a.status == 404 {
         if let Ok((abort, id)) = AbortRequest::parse(body) {
@@ -597,12 +725,14 @@ pub fn abort_call(
     a
 }
 
+#[allow(clippy::too_many_arguments)]
 fn decide_abort(
     replicas: &mut [Replica],
     here: usize,
     body: &[u8],
     now_ms: u64,
     peers_path: PeerPath,
+    waits: Waits,
     asked: &mut bool,
     ended: &mut Vec<Ended>,
 ) -> Answer {
@@ -613,12 +743,13 @@ fn decide_abort(
             body: Vec::new(),
             how: "bad_request".into(),
             waited_on_peers: false,
+            late_ms: 0,
         };
     };
     let reason = abort.reason;
     // `abort::deferrable`: such an ask tombstones nothing it does not find.
     let deferrable = deferrable(reason, abort.recheck_ms.is_some());
-    let every_peer_answered = peers_path != PeerPath::Cut;
+    let mut every_peer_answered = peers_path != PeerPath::Cut;
     if let Some(d) = replicas[here].defers(&id, &abort, now_ms) {
         return deferred_answer(&id, d);
     }
@@ -636,7 +767,7 @@ fn decide_abort(
                                 continue;
                             }
                             replicas[p].received.peer_aborts += 1;
-                            let a = peer_abort(replicas, p, &abort, &id, now_ms, ended);
+                            let (a, _) = peer_abort(replicas, p, &abort, &id, now_ms, waits, ended);
                             if a.status == 200 && first.is_none() {
                                 first = Some((p, a));
                             }
@@ -676,8 +807,12 @@ fn decide_abort(
                 for p in 0..replicas.len() {
                     if p != here {
                         replicas[p].received.pd_fan_out += 1;
-                        let a = peer_abort(replicas, p, &abort, &id, now_ms, ended);
-                        if a.status == 200 {
+                        let (a, took) = peer_abort(replicas, p, &abort, &id, now_ms, waits, ended);
+                        // `Peers::fan_out_abort`: a peer that answers after the peer
+                        // timeout is one that did not answer.
+                        if took > PEER_TIMEOUT_MS {
+                            every_peer_answered = false;
+                        } else if a.status == 200 {
                             if answer_deferred(&a.body) {
                                 deferred = true;
                             } else {
@@ -707,17 +842,41 @@ fn decide_abort(
                 }
                 FannedOut::Legs(f) => f,
             };
-            let mut legs = legs_here(&replicas[here], found);
+            let (mut legs, late_ms) = legs_here(
+                &mut replicas[here],
+                &id,
+                found,
+                now_ms,
+                waits.caller_ms,
+                waits.release_ms,
+            );
             legs.extend(remote);
             if ask_again(Route::EveryLeg, true, every_peer_answered) {
-                return ask_again_answer();
+                return Answer {
+                    late_ms,
+                    ..ask_again_answer()
+                };
             }
-            legs_answer(&id, legs)
+            Answer {
+                late_ms,
+                ..legs_answer(&id, legs)
+            }
         }
         Route::Here => {
             let found = replicas[here].abort_here(&id, reason, now_ms, !deferrable, ended);
             if replicas[here].pd_role.is_some() {
-                return legs_answer(&id, legs_here(&replicas[here], found));
+                let (legs, late_ms) = legs_here(
+                    &mut replicas[here],
+                    &id,
+                    found,
+                    now_ms,
+                    waits.caller_ms,
+                    waits.release_ms,
+                );
+                return Answer {
+                    late_ms,
+                    ..legs_answer(&id, legs)
+                };
             }
             found_answer(&id, found, "here")
         }
@@ -731,19 +890,54 @@ fn ask_again_answer() -> Answer {
         body: Vec::new(),
         how: "ask again: a peer did not answer".into(),
         waited_on_peers: true,
+        late_ms: 0,
     }
 }
 
-/// `AppState::legs_here` (no hand-off held: not modelled).
-fn legs_here(r: &Replica, found: AbortFound) -> Vec<Leg> {
-    leg_result(found)
+/// The decode side's answer time to a release now, and how long a caller waits.
+#[derive(Debug, Clone, Copy)]
+pub struct Waits {
+    /// How long the decode side takes to answer a release sent now (virtual ms).
+    pub release_ms: u64,
+    /// How long the gateway's call waits for this answer.
+    pub caller_ms: u64,
+}
+
+/// `AppState::legs_here`: the request found here, and a held prefill hand-off,
+/// released ([`Replica::release_handoff`]). Also returns how long the release kept the
+/// handler (its answer is that late).
+fn legs_here(
+    r: &mut Replica,
+    id: &RequestId,
+    found: AbortFound,
+    now_ms: u64,
+    caller_ms: u64,
+    release_ms: u64,
+) -> (Vec<Leg>, u64) {
+    let replica = format!("replica{}", r.index);
+    let mut legs: Vec<Leg> = leg_result(found)
         .map(|result| Leg {
-            replica: format!("replica{}", r.index),
+            replica: replica.clone(),
             role: r.pd_role.map(str::to_owned),
             result,
         })
         .into_iter()
-        .collect()
+        .collect();
+    let mut took = 0;
+    if let Some((release, t)) = r.release_handoff(id, now_ms, caller_ms, release_ms) {
+        took = t;
+        legs.push(Leg {
+            replica,
+            role: Some("prefill".to_owned()),
+            result: release_result(release),
+        });
+    }
+    (legs, took)
+}
+
+/// The world's stream of a request id (`req-N`).
+pub fn stream_of(id: &RequestId) -> Option<usize> {
+    id.as_str().strip_prefix("req-")?.parse().ok()
 }
 
 /// `endpoint::legs_answer`.
@@ -774,27 +968,39 @@ fn legs_answer(id: &RequestId, legs: Vec<Leg>) -> Answer {
         body: serde_json::to_vec(&a).unwrap_or_default(),
         how: format!("legs [{how}]"),
         waited_on_peers: false,
+        late_ms: 0,
     }
 }
 
-/// `abort::endpoint::peer_abort` (no P/D): a forwarded abort, decided here only.
+/// `abort::endpoint::peer_abort`: a forwarded abort, decided here only (with P/D, its
+/// legs here, a held hand-off released, the caller waiting [`PEER_TIMEOUT_MS`]). Also
+/// returns how long the answer took.
 fn peer_abort(
     replicas: &mut [Replica],
     at: usize,
     abort: &AbortRequest,
     id: &RequestId,
     now_ms: u64,
+    waits: Waits,
     ended: &mut Vec<Ended>,
-) -> Answer {
+) -> (Answer, u64) {
     if let Some(d) = replicas[at].defers(id, abort, now_ms) {
-        return deferred_answer(id, d);
+        return (deferred_answer(id, d), 0);
     }
     let tomb = !deferrable(abort.reason, abort.recheck_ms.is_some());
     let found = replicas[at].abort_here(id, abort.reason, now_ms, tomb, ended);
     if replicas[at].pd_role.is_some() {
-        return legs_answer(id, legs_here(&replicas[at], found));
+        let (legs, took) = legs_here(
+            &mut replicas[at],
+            id,
+            found,
+            now_ms,
+            PEER_TIMEOUT_MS,
+            waits.release_ms,
+        );
+        return (legs_answer(id, legs), took);
     }
-    found_answer(id, found, "peer")
+    (found_answer(id, found, "peer"), 0)
 }
 
 /// The key a proof's verdict is remembered under (the shell keys it on the header value:

@@ -17,12 +17,19 @@
 //!   ([`HIGH`], [`LOW`]); each read is one `on_chunk` of the filter.
 //! - Calls from the filter (aborts, renewals) reach a replica (the control cluster
 //!   balances them) after 1–20 ms, may be lost, and time out on Envoy's timer.
+//! - With P/D the hop is a P/D proxy: the prefill leg (a content-length answer of one
+//!   frame) runs first, [`PREFILL_MS`]; the prefill engine then holds the prompt's
+//!   blocks until the decode leg reads them, a release reaches the decode side, or its
+//!   lease ends. A proxy whose client went sends no decode leg.
 
 use crate::ablation::{Mechanism, Mutations};
 use crate::fleet::Received;
 use crate::gateway::{self, Gateway};
 use crate::oracles::{Cause, Promise, Violation};
-use crate::replica::{abort_call, Ended, EntryRef, PeerPath, Replica, PEER_TIMEOUT_MS};
+use crate::replica::flags::PD_KV_LEASE_MS;
+use crate::replica::{
+    abort_call, Ended, EntryRef, PeerPath, Releasing, Replica, Waits, PEER_TIMEOUT_MS,
+};
 use crate::rng::Rng;
 use crate::schedule::{Client, Op, Schedule};
 use crate::timeline::Timeline;
@@ -57,6 +64,8 @@ pub const TICK_MS: u64 = 250;
 const FLOW_MS: u64 = 100;
 /// How often kvguard-control's reaper and lease loop look (1 s with the shipped flags).
 const CONTROL_TICK_MS: u64 = 1_000;
+/// How long a prefill leg computes its prompt: drawn per request from this range.
+pub const PREFILL_MS: (u64, u64) = (50, 3_000);
 /// The longest a run goes on after its last operation.
 const TAIL_MS: u64 = 3_600_000;
 
@@ -91,6 +100,31 @@ pub enum EngineEnd {
     NotAdmitted,
     /// Its replica's pod was lost, the engine with it.
     Lost,
+}
+
+/// A P/D request's prefill leg and the blocks its engine holds for the decode side.
+#[derive(Debug, Clone)]
+pub struct Prefill {
+    /// The prefill replica.
+    pub replica: u8,
+    entry: Option<EntryRef>,
+    /// When its answer was handed on: the engine holds the blocks from then.
+    pub held_since: Option<u64>,
+    /// When and how the blocks were let go (`read` by the decode leg, `released` or
+    /// `rejected` through the decode side); `None`: held until the engine's lease.
+    pub freed: Option<(u64, &'static str)>,
+    /// A release of them reached no decode side in time (counted `failed`), or the
+    /// prefill replica restarted and forgot the hand-off: the engine's lease is their
+    /// bound.
+    pub lease_bound: bool,
+}
+
+impl Prefill {
+    /// When the blocks are let go: freed, or at the engine's lease.
+    pub fn blocks_end(&self) -> Option<u64> {
+        let held = self.held_since?;
+        Some(self.freed.map_or(held + PD_KV_LEASE_MS, |(t, _)| t))
+    }
 }
 
 /// One stream, across every actor.
@@ -166,6 +200,11 @@ pub struct Stream {
     /// Its gateway process ran beside a hot restart's parent or child (one host key,
     /// one listener) while it ran.
     pub hot_restart: bool,
+    /// With P/D: its prefill leg.
+    pub prefill: Option<Prefill>,
+    /// A figure about it was counted wrong: what (`prefill_end`, `release`,
+    /// `expiry_mode`), for the findings' classification.
+    pub miscounted: Option<&'static str>,
 }
 
 impl Stream {
@@ -261,6 +300,8 @@ enum Ev {
     Leave(usize),
     GwSeesReset(usize),
     Admit(usize),
+    Prefilled(usize),
+    Released(usize, Releasing),
     Unfreeze(u8),
     Restart(u8),
 }
@@ -277,6 +318,8 @@ struct Call {
     /// A retrying hop's second delivery ([`Op::HopRetries`]): its answer is the one the
     /// gateway gets.
     copy: bool,
+    /// How long the gateway waits for the answer.
+    timeout_ms: u64,
 }
 
 #[derive(Debug)]
@@ -376,6 +419,8 @@ pub struct World {
     wall_steps: Vec<i64>,
     /// Per replica, bytes it hands on do not move until then ([`Op::PartitionData`]).
     data_cut_until: Vec<u64>,
+    /// Releases to a decode side not answered yet.
+    releasing: usize,
 }
 
 impl World {
@@ -443,6 +488,7 @@ impl World {
             slow_admin: (0, 0),
             wall_steps: vec![0; usize::from(w_gateways)],
             data_cut_until: vec![0; replicas_n],
+            releasing: 0,
         };
         for i in 0..w.sched.ops.len() {
             let at = w.sched.ops[i].at();
@@ -479,6 +525,7 @@ impl World {
             }
             self.handle(q.ev);
         }
+        self.check_releases();
         self.check_orphans();
         let stats = Stats {
             received: self
@@ -519,7 +566,7 @@ impl World {
         {
             self.settled_to += 1;
         }
-        if self.settled_to < self.streams.len() {
+        if self.settled_to < self.streams.len() || self.releasing > 0 {
             return false;
         }
         match self.streams.iter().position(|s| !self.stream_settled(s)) {
@@ -532,6 +579,12 @@ impl World {
     }
 
     fn stream_settled(&self, s: &Stream) -> bool {
+        let blocks_held = s.prefill.as_ref().is_some_and(|p| {
+            p.entry.is_some() || p.blocks_end().is_some_and(|end| self.now <= end)
+        });
+        if blocks_held {
+            return false;
+        }
         let client_done = s.state != ClientState::Reading || s.client == Client::Silent;
         let engine_done = s.engine_end.is_some()
             || self
@@ -592,6 +645,8 @@ impl World {
             } => self.answer(gw, generation, token, (status, body), stream),
             Ev::Leave(s) => self.leave(s),
             Ev::Admit(s) => self.admit(s),
+            Ev::Prefilled(s) => self.prefilled(s),
+            Ev::Released(r, rel) => self.released(r, rel),
             Ev::GwSeesReset(s) => self.gw_sees_reset(s),
             Ev::Unfreeze(g) => {
                 self.note(
@@ -845,6 +900,8 @@ impl World {
             gateway_died: None,
             vm_trapped: None,
             hot_restart: g.parent.is_some(),
+            prefill: None,
+            miscounted: None,
         });
         self.note(format!("client{i}"), Some(i), format!("requests via gw{gw} to replica{replica}: {tokens} tokens every {token_ms} ms; client {client}"));
         match self.sched.setup.hop_queue_ms {
@@ -863,24 +920,164 @@ impl World {
     fn admit(&mut self, i: usize) {
         let now = self.now;
         let s = &self.streams[i];
-        let (id, tag, replica) = (s.id.clone(), s.tag.clone(), usize::from(s.replica));
+        let (id, tag) = (s.id.clone(), s.tag.clone());
         if s.gw_done && !self.sched.setup.hop_hides {
             self.streams[i].engine_end = Some((now, EngineEnd::NotAdmitted));
             self.note("hop", Some(i), "drops the queued request: its client left");
             return;
         }
-        if self.sched.setup.pd && self.replicas.len() >= 2 {
+        if self.sched.setup.pd && self.replicas.len() >= 2 && self.streams[i].prefill.is_none() {
             // The prefill leg (`max_tokens: 1`, a non-streaming answer) on a prefill
-            // replica (0 of two): admitted (its proof of life taken), then complete.
+            // replica (0 of two): admitted (its proof of life taken); its answer comes
+            // when the prompt is computed ([`World::prefilled`]), the decode leg then.
             let p = usize::from(self.op_replica(i)) % (self.replicas.len() / 2);
-            let leg =
-                (!self.lost[p]).then(|| self.replicas[p].admit(i, id.clone(), tag.as_deref(), now));
-            if let Some(e) = leg.flatten() {
-                self.replicas[p].remove(&e);
-            }
+            let leg = (!self.lost[p])
+                .then(|| self.replicas[p].admit(i, id.clone(), tag.as_deref(), now))
+                .flatten();
             self.answer_probes(p);
+            if let Some(e) = leg {
+                let ms = self.rng.range(PREFILL_MS.0, PREFILL_MS.1);
+                self.streams[i].prefill = Some(Prefill {
+                    replica: p as u8,
+                    entry: Some(e),
+                    held_since: None,
+                    freed: None,
+                    lease_bound: false,
+                });
+                self.at(now + ms, Ev::Prefilled(i));
+                return;
+            }
         }
+        self.admit_decode(i);
+    }
+
+    /// Stream `i`'s prefill leg computed its prompt: its answer (one frame, its length
+    /// written) is handed on, its engine holds the blocks; the P/D proxy sends the
+    /// decode leg, unless its client went. A prefill leg ended meanwhile (an abort, the
+    /// lease) or whose replica restarted or was lost answers nothing: no decode leg.
+    fn prefilled(&mut self, i: usize) {
+        let now = self.now;
+        let Some(pf) = self.streams[i].prefill.as_mut() else {
+            return;
+        };
+        let p = usize::from(pf.replica);
+        let Some(e) = pf.entry.take() else {
+            return;
+        };
+        if self.lost[p] || !self.replicas[p].holds(&e) {
+            if self.streams[i].engine_end.is_none() {
+                self.note(
+                    "hop",
+                    Some(i),
+                    "the prefill leg failed (its replica restarted or was lost): no decode leg",
+                );
+                self.reset_stream(i, EngineEnd::Disconnected);
+            }
+            return;
+        }
+        let cause = self.replicas[p].prefill_answered(&e, now);
+        if let Some(pf) = self.streams[i].prefill.as_mut() {
+            pf.held_since = Some(now);
+        }
+        self.note(
+            format!("replica{p}"),
+            Some(i),
+            format!("the prefill leg's answer is handed on, its engine holds the blocks; counted {cause}"),
+        );
+        // Figures: the engine finished it and the proxy read all of it.
+        if cause != "complete" {
+            self.streams[i].miscounted = Some("prefill_end");
+            self.violation(
+                Promise::Figures,
+                i,
+                format!("its prefill leg's answer was read to its end at replica{p}, but counted {cause}"),
+            );
+        }
+        if self.streams[i].gw_done {
+            self.note(
+                "hop",
+                Some(i),
+                "its client went: the P/D proxy sends no decode leg, the prefill's blocks stay held",
+            );
+            let s = &mut self.streams[i];
+            if s.engine_end.is_none() {
+                s.engine_end = Some((now, EngineEnd::NotAdmitted));
+            }
+            return;
+        }
+        self.admit_decode(i);
+    }
+
+    /// The decode side answered a release of stream `i`'s prefill hand-off, sent by
+    /// replica `r`: the prefill engine lets the blocks go (if still held), the replica
+    /// counts it.
+    fn released(&mut self, r: usize, rel: Releasing) {
+        self.releasing = self.releasing.saturating_sub(1);
+        let now = self.now;
+        self.replicas[r].released(rel);
+        let Some(pf) = self.streams[rel.stream].prefill.as_mut() else {
+            return;
+        };
+        if !rel.rejected {
+            pf.lease_bound = true;
+            self.note(
+                format!("replica{r}"),
+                Some(rel.stream),
+                "the release reached no decode side in time: the blocks are held until the prefill engine's lease",
+            );
+            return;
+        }
+        if pf.held_since.is_some() && pf.freed.is_none() {
+            pf.freed = Some((now, "released"));
+            self.note(
+                format!("replica{r}"),
+                Some(rel.stream),
+                "the decode side rejected the release: the prefill engine lets the blocks go",
+            );
+        }
+    }
+
+    /// The releases replica `r` sent to the decode side, delivered when it answers.
+    fn take_releases(&mut self, r: usize) {
+        for rel in std::mem::take(&mut self.replicas[r].releasing) {
+            self.releasing += 1;
+            self.at(rel.at_ms, Ev::Released(r, rel));
+        }
+    }
+
+    /// How long the decode side takes to answer a release sent now: at once, unless its
+    /// data path is partitioned (the release waits for it, no connection closes); a
+    /// lost decode replica refuses at once.
+    fn release_ms(&mut self) -> u64 {
+        let d = self.replicas.len() / 2;
+        if !self.sched.setup.pd || self.lost.get(d).copied().unwrap_or(true) {
+            return 1;
+        }
+        self.data_cut_until[d].saturating_sub(self.now) + self.rng.range(1, 20)
+    }
+
+    /// Stream `i`'s (decode) request reaches its replica: admitted, its engine starts;
+    /// or refused (a tombstone).
+    fn admit_decode(&mut self, i: usize) {
+        let now = self.now;
+        let s = &self.streams[i];
+        let (id, tag, replica) = (s.id.clone(), s.tag.clone(), usize::from(s.replica));
         let admitted = self.replicas[replica].admit(i, id, tag.as_deref(), now);
+        // The decode leg reads the prefill's blocks; refused for a tombstoned id, its
+        // parameters go to the decode engine first (`reject_tombstoned_decode`): either
+        // way the prefill engine lets them go.
+        if let Some(pf) = self.streams[i].prefill.as_mut() {
+            if pf.freed.is_none() {
+                pf.freed = Some((
+                    now,
+                    if admitted.is_some() {
+                        "read"
+                    } else {
+                        "rejected"
+                    },
+                ));
+            }
+        }
         self.answer_probes(replica);
         let Some(e) = admitted else {
             self.note(
@@ -954,6 +1151,10 @@ impl World {
             if usize::from(s.replica) == r && s.completed_at.is_some() {
                 s.completion_forgotten = true;
             }
+            // Its hand-offs are forgotten: the prefill engine's lease lets them go.
+            if let Some(p) = s.prefill.as_mut().filter(|p| usize::from(p.replica) == r) {
+                p.lease_bound = true;
+            }
         }
         self.replicas[r] = self.replicas[r].restarted();
     }
@@ -962,45 +1163,54 @@ impl World {
     /// reset at the gateway (whose filter sends its abort). A response the engine had
     /// finished but the replica had not yet handed on whole is cut short too.
     fn reset_streams_of(&mut self, r: usize, how: EngineEnd) {
-        let now = self.now;
         for i in 0..self.streams.len() {
-            let s = &mut self.streams[i];
+            let s = &self.streams[i];
             let cut_short = matches!(s.engine_end, Some((_, EngineEnd::Finished)))
                 && s.upstream_end.is_none_or(|e| s.handed < e);
-            if usize::from(s.replica) != r || (s.engine_end.is_some() && !cut_short) {
+            // A P/D request still in its prefill has no decode leg here yet.
+            let prefilling = s.prefill.as_ref().is_some_and(|p| p.entry.is_some());
+            if usize::from(s.replica) != r || (s.engine_end.is_some() && !cut_short) || prefilling {
                 continue;
             }
-            if let Some(e) = s.entry.take() {
-                self.replicas[r].remove(&e);
-            }
-            if s.engine_end.is_none() {
-                s.engine_end = Some((now, how));
-            }
-            if s.state == ClientState::Reading {
-                s.state = ClientState::Dropped;
-            }
-            let Some(g) = self.gateways[s.gw as usize].process_mut(s.gw_generation) else {
-                continue;
-            };
-            if s.gw_done {
-                continue;
-            }
-            s.gw_done = true;
-            if g.trapped(s.ctx) {
-                continue;
-            }
-            g.host.now = now;
-            let (engine, host) = g.engine_for(s.ctx);
-            let vm = self.solo.get_mut(&s.ctx).unwrap_or(engine);
-            vm.on_log(
-                host,
-                s.ctx,
-                b"upstream_reset_after_response_started{connection_termination}",
-                0,
-            );
-            let gw = s.gw;
-            self.drain_gateway(gw);
+            self.reset_stream(i, how);
         }
+    }
+
+    /// Stream `i` is reset both ways: its engine's request ends `how`, its gateway sees
+    /// an upstream reset (its filter sends its abort).
+    fn reset_stream(&mut self, i: usize, how: EngineEnd) {
+        let now = self.now;
+        let s = &mut self.streams[i];
+        if let Some(e) = s.entry.take() {
+            self.replicas[usize::from(s.replica)].remove(&e);
+        }
+        if s.engine_end.is_none() {
+            s.engine_end = Some((now, how));
+        }
+        if s.state == ClientState::Reading {
+            s.state = ClientState::Dropped;
+        }
+        let Some(g) = self.gateways[s.gw as usize].process_mut(s.gw_generation) else {
+            return;
+        };
+        if s.gw_done {
+            return;
+        }
+        s.gw_done = true;
+        if g.trapped(s.ctx) {
+            return;
+        }
+        g.host.now = now;
+        let (engine, host) = g.engine_for(s.ctx);
+        let vm = self.solo.get_mut(&s.ctx).unwrap_or(engine);
+        vm.on_log(
+            host,
+            s.ctx,
+            b"upstream_reset_after_response_started{connection_termination}",
+            0,
+        );
+        let gw = s.gw;
+        self.drain_gateway(gw);
     }
 
     /// The replica its operation named.
@@ -1289,6 +1499,23 @@ impl World {
         if hides {
             s.hop_drains = true;
             return;
+        }
+        // A passing P/D proxy closes the prefill leg's connection too: its engine
+        // aborts the unfinished prefill (nothing held).
+        if let Some(e) = s.prefill.as_mut().and_then(|p| p.entry.take()) {
+            let p = usize::from(s.prefill.as_ref().map_or(0, |p| p.replica));
+            if self.replicas[p].holds(&e) {
+                self.replicas[p].remove(&e);
+                if s.engine_end.is_none() {
+                    s.engine_end = Some((now, EngineEnd::Disconnected));
+                }
+                self.timeline.push(
+                    now,
+                    format!("replica{p}"),
+                    Some(i),
+                    "the gateway's side went away: the prefill leg's engine connection closed",
+                );
+            }
         }
         if let Some(e) = s.entry.take() {
             let r = &mut self.replicas[s.replica as usize];
@@ -1606,6 +1833,7 @@ impl World {
                 signature: c.signature,
                 stream,
                 copy: false,
+                timeout_ms: c.timeout_ms,
             };
             if stream.is_some() {
                 let body = String::from_utf8_lossy(&call.body).into_owned();
@@ -1682,11 +1910,19 @@ impl World {
             };
             let peers = self.peer_path();
             self.replicas[at].received.aborts += 1;
-            let a = abort_call(&mut self.replicas, at, &body, now, peers, &mut ended);
-            // The shell waits out each unreachable peer's deadline.
+            let waits = Waits {
+                release_ms: self.release_ms(),
+                caller_ms: c.timeout_ms,
+            };
+            let a = abort_call(&mut self.replicas, at, &body, now, peers, waits, &mut ended);
+            for r in 0..self.replicas.len() {
+                self.take_releases(r);
+            }
+            // The shell waits out each unreachable peer's deadline, and a release.
             if a.waited_on_peers && peers == PeerPath::Cut {
                 late = PEER_TIMEOUT_MS;
             }
+            late = late.max(a.late_ms);
             if let Some(i) = c.stream {
                 self.streams[i].peers_cut = a.waited_on_peers && peers == PeerPath::Cut;
                 self.streams[i].last_answer = Some(format!("replica{at}: {}", a.how));
@@ -1862,21 +2098,43 @@ impl World {
                 );
                 self.note(format!("replica{r}"), None, what);
             }
-            for (instance, why, n) in expired {
+            for x in expired {
+                let (n, why) = (x.streams.len(), x.why);
                 self.note(
                     format!("replica{r}"),
                     None,
                     format!(
-                        "lease of {} expired ({}), {n} of its requests in flight here{}",
-                        short(instance),
+                        "lease of {} expired ({}), {n} of its requests in flight here{}; counted mode={}",
+                        short(x.instance),
                         why.as_str(),
                         if why == Expiry::Unproven {
                             ": counted, not ended"
                         } else {
                             ": ended"
-                        }
+                        },
+                        x.mode
                     ),
                 );
+                // Figures: every expiry is counted under the replica's `--lease-mode`.
+                if x.mode != "enforce" {
+                    let on = x.streams.first().copied().or_else(|| {
+                        self.streams
+                            .iter()
+                            .position(|s| s.instance == Some(x.instance))
+                    });
+                    if let Some(i) = on {
+                        self.streams[i].miscounted = Some("expiry_mode");
+                        self.violation(
+                            Promise::Figures,
+                            i,
+                            format!(
+                                "replica{r} counted the {} expiry of its gateway's lease mode={} under --lease-mode enforce",
+                                why.as_str(),
+                                x.mode
+                            ),
+                        );
+                    }
+                }
             }
             for e in ended {
                 self.ended(e, r);
@@ -1979,8 +2237,52 @@ impl World {
         });
     }
 
-    /// Invariant 2 over every stream nobody reads.
+    /// Figures: every hand-off a replica took for a release was counted once released or
+    /// failed.
+    fn check_releases(&mut self) {
+        for r in 0..self.replicas.len() {
+            let c = self.replicas[r].counted.clone();
+            for i in c.taken {
+                let n = c.releases.iter().filter(|(s, _)| *s == i).count();
+                if n != 1 {
+                    self.streams[i].miscounted = Some("release");
+                    self.violation(
+                        Promise::Figures,
+                        i,
+                        format!("replica{r} took its prefill hand-off for a release, and counted {n} releases of it"),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Invariant 2 over every stream nobody reads, and over the prefill blocks held for
+    /// it: let go within its bound, or the prefill engine's lease where kvguard-control
+    /// cannot release them (the decode side unreachable, the hand-off forgotten).
     fn check_orphans(&mut self) {
+        for i in 0..self.streams.len() {
+            let s = &self.streams[i];
+            let (Some((cause, since)), Some(pf)) = (self.orphan_since(s), &s.prefill) else {
+                continue;
+            };
+            let (Some(held), Some(end)) = (pf.held_since, pf.blocks_end()) else {
+                continue;
+            };
+            let mut bound = since + self.orphan_bound(s, cause, since);
+            if pf.lease_bound {
+                bound = bound.max(held + PD_KV_LEASE_MS);
+            }
+            if end > bound {
+                let what = format!(
+                    "nobody reads it since {since} ms ({cause:?}); the prefill's blocks, held since {held} ms, {} — bound {bound} ms",
+                    match pf.freed {
+                        Some((t, how)) => format!("let go at {t} ms ({how})"),
+                        None => format!("held until the engine's lease at {end} ms"),
+                    }
+                );
+                self.violation(Promise::Invariant2, i, what);
+            }
+        }
         for i in 0..self.streams.len() {
             let s = &self.streams[i];
             let Some((cause, since)) = self.orphan_since(s) else {

@@ -115,16 +115,23 @@ fn the_guards_of_the_filter_s_rules_pass() {
     }
 }
 
+/// A fixed finding's schedule runs with no violation but those of a finding still open
+/// (labelled: a fixed one's shape is no label).
 #[test]
 fn every_regression_stays_fixed() {
     for f in regressions() {
         let r = run(&f.schedule, Mutations::default());
+        let back: Vec<_> = r
+            .violations
+            .iter()
+            .filter(|v| v.finding.is_none())
+            .collect();
         assert!(
-            r.violations.is_empty(),
+            back.is_empty(),
             "fixed finding {} ({}) is back: {:?}",
             f.name,
             f.title,
-            r.violations
+            back
         );
     }
 }
