@@ -475,6 +475,16 @@ impl LeaseMode {
             LeaseMode::Enforce => "enforce",
         }
     }
+
+    /// The mode leases are judged in; `None`: `off`, not judged.
+    pub const fn judged(self) -> Option<kvguard_control_core::lease::Mode> {
+        use kvguard_control_core::lease::Mode;
+        match self {
+            LeaseMode::Off => None,
+            LeaseMode::Observe => Some(Mode::Observe),
+            LeaseMode::Enforce => Some(Mode::Enforce),
+        }
+    }
 }
 
 pub use kvguard_control_core::limits::Limits;

@@ -730,7 +730,10 @@ impl HttpBody for TrackedBody {
         entry.record_demand(this.guard.state.clock.now());
         match Pin::new(inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                entry.record_handed(this.guard.state.clock.now());
+                // hyper stops polling a response whose content-length is written, so the
+                // end of such a body is seen here, not as `Ready(None)`.
+                let at_end = this.inner.as_ref().is_some_and(HttpBody::is_end_stream);
+                let complete = entry.record_frame(this.guard.state.clock.now(), at_end);
                 if let Some(data) = frame.data_ref() {
                     if let Some(kept) = this.handoff.as_mut() {
                         if kept.len() + data.len() <= HANDOFF_ANSWER_MAX {
@@ -756,10 +759,7 @@ impl HttpBody for TrackedBody {
                         }
                     }
                 }
-                // hyper stops polling a response whose content-length is written, so
-                // the end of the engine's body is seen here, not as `Ready(None)`: the
-                // response is complete once this last frame is handed on.
-                if this.inner.as_ref().is_some_and(HttpBody::is_end_stream) {
+                if complete {
                     this.complete();
                 }
                 Poll::Ready(Some(Ok(frame)))

@@ -168,6 +168,11 @@ impl Entry {
         self.progress().record_handed(now);
     }
 
+    /// See [`Progress::record_frame`]: whether the request is complete.
+    pub fn record_frame(&self, now: Instant, body_at_end: bool) -> bool {
+        self.progress().record_frame(now, body_at_end)
+    }
+
     /// See [`Progress::credit_stall`].
     pub fn credit_stall(&self, stall: Duration, now: Instant) {
         self.progress().credit_stall(stall, now);

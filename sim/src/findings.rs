@@ -155,40 +155,25 @@ fn tail_reader() -> Op {
 pub fn known() -> Vec<Finding> {
     vec![
         Finding {
-            name: "36.3",
-            title: "a prefill leg's content-length answer read to its end is never completed: counted client_gone, its hand-off never recorded",
+            name: "36.6",
+            title: "a held prefill's release is cancelled with a caller that gives up (the decode side slow to answer): neither sent nor counted, and the retry finds nothing to release",
             schedule: Schedule {
-                seed: 1,
-                setup: Setup {
-                    replicas: 2,
-                    pd: true,
-                    ..Setup::default()
-                },
-                ops: vec![stream(1_000, 0, 1, Client::Fast, 200, 20)],
-            },
-        },
-        Finding {
-            name: "37.5",
-            title: "an unproven lease expiry is counted mode=\"observe\" under --lease-mode enforce",
-            schedule: Schedule {
-                seed: 34,
+                seed: 1164,
                 setup: Setup {
                     gateways: 2,
                     replicas: 2,
-                    hop_routes_lease: false,
-                    net_cap: 64 * 1024,
+                    pd: true,
+                    hop_hides: true,
                     idle_ms: 30_000,
                     ..Setup::default()
                 },
                 ops: vec![
-                    stream(11_698, 1, 1, Client::Fast, 259, 31),
-                    Op::Kill {
-                        at: 21_598,
-                        gw: 1,
-                        restart_ms: None,
+                    Op::PartitionData {
+                        at: 17_455,
+                        replica: 1,
+                        for_ms: 52_538,
                     },
-                    // Keeps the world running past the lease's expiry.
-                    stream(39_112, 0, 1, Client::Fast, 2_685, 55),
+                    stream(24_122, 1, 0, Client::Leaves { after_ms: 4_424 }, 2_864, 16),
                 ],
             },
         },
@@ -367,6 +352,44 @@ pub fn guards() -> Vec<Guard> {
 /// all. A finding of [`known`] whose fix lands moves here, with its schedule.
 pub fn regressions() -> Vec<Finding> {
     vec![
+        Finding {
+            name: "36.3",
+            title: "a prefill leg's content-length answer read to its end is never completed: counted client_gone, its hand-off never recorded",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup {
+                    replicas: 2,
+                    pd: true,
+                    ..Setup::default()
+                },
+                ops: vec![stream(1_000, 0, 1, Client::Fast, 200, 20)],
+            },
+        },
+        Finding {
+            name: "37.5",
+            title: "an unproven lease expiry is counted mode=\"observe\" under --lease-mode enforce",
+            schedule: Schedule {
+                seed: 34,
+                setup: Setup {
+                    gateways: 2,
+                    replicas: 2,
+                    hop_routes_lease: false,
+                    net_cap: 64 * 1024,
+                    idle_ms: 30_000,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(11_698, 1, 1, Client::Fast, 259, 31),
+                    Op::Kill {
+                        at: 21_598,
+                        gw: 1,
+                        restart_ms: None,
+                    },
+                    // Keeps the world running past the lease's expiry.
+                    stream(39_112, 0, 1, Client::Fast, 2_685, 55),
+                ],
+            },
+        },
         Finding {
             name: "sim.20",
             title: "a stall ask sent just before its gateway froze past the abort deadline: its answer lost with the freeze, the ask was given up on resuming and the filter cut a stream its client read",

@@ -21,7 +21,7 @@ use kvguard_control_core::abort::{
 };
 use kvguard_control_core::cut::{may_end, Ask, Cut, Deferral, Here};
 use kvguard_control_core::inflight::{AbortHere, Held, Inflight, InflightConfig};
-use kvguard_control_core::lease::{Expiry, Leases, ProbeAnswer};
+use kvguard_control_core::lease::{Expiry, Leases, Mode, ProbeAnswer};
 use kvguard_control_core::limits::Limits;
 use kvguard_control_core::pd::{Handoffs, Release};
 use kvguard_control_core::replay::{ReplayMemory, Seen};
@@ -155,6 +155,8 @@ pub struct Replica {
     handoffs: Handoffs,
     /// Releases sent to the decode side, for the world to deliver.
     pub releasing: Vec<Releasing>,
+    /// What it did that no answer shows, for the timeline: (stream, line).
+    pub notes: Vec<(usize, String)>,
     /// Its figures.
     pub counted: Counted,
 }
@@ -217,6 +219,7 @@ impl Replica {
             replay: ReplayMemory::new(MAX_REPLAY_ENTRIES),
             handoffs: Handoffs::new(ms(flags::PD_KV_LEASE_MS), 100_000),
             releasing: Vec::new(),
+            notes: Vec::new(),
             counted: Counted::default(),
         }
     }
@@ -412,14 +415,18 @@ impl Replica {
     /// `proxy::TrackedBody` and `Guard::drop` for a prefill leg's answer (`max_tokens:
     /// 1`, a content-length body of one frame) that its engine finished and the P/D proxy
     /// read to its end: hyper stops polling a body whose length is written once it has
-    /// it all, so the shell sees that frame, then never `Ready(None)`. As before 72d78f4:
-    /// only `Ready(None)` completes the request; the guard, dropped when hyper is done
-    /// with the body, counts it `client_gone`, and no hand-off is recorded. Returns the
-    /// cause counted.
+    /// it all, so the shell sees that frame (its body at its end after it), then never
+    /// `Ready(None)` ([`Progress::record_frame`]). Complete, its hand-off is recorded
+    /// (`record_handoff`); else the guard, dropped when hyper is done with the body,
+    /// counts it `client_gone`. Returns the cause counted.
     pub fn prefill_answered(&mut self, entry: &EntryRef, now_ms: u64) -> &'static str {
         let now = self.now(now_ms);
-        entry.0.progress.borrow_mut().record_handed(now);
-        let cause = "client_gone";
+        let complete = entry.0.progress.borrow_mut().record_frame(now, true);
+        if complete {
+            self.handoffs
+                .insert(entry.0.id.clone(), handoff_params(entry.0.stream), now);
+        }
+        let cause = if complete { "complete" } else { "client_gone" };
         self.remove(entry);
         self.counted.prefill_ends.push((entry.0.stream, cause));
         cause
@@ -454,6 +461,9 @@ impl Replica {
                 at_ms: now_ms + took,
                 rejected,
             });
+            self.notes.push((stream, format!("takes the prefill hand-off and releases it through the decode side (its answer in {took} ms)")));
+        } else {
+            self.notes.push((stream, format!("takes the prefill hand-off; the decode side answers in {took} ms, after the caller's {caller_ms} ms: the handler is cancelled, the release with it")));
         }
         Some((release, took))
     }
@@ -555,12 +565,15 @@ impl Replica {
                 self.leases.revive_vm(instance, vm, late);
                 continue;
             }
-            self.end_lost(&mine, Expiry::VmLost, now_ms, ended);
+            let acts = Expiry::VmLost.acts(Mode::Enforce);
+            if acts.ends {
+                self.end_lost(&mine, Expiry::VmLost, now_ms, ended);
+            }
             out.push(Expired {
                 instance,
                 why: Expiry::VmLost,
                 streams: mine.iter().map(|e| e.0.stream).collect(),
-                mode: "enforce",
+                mode: acts.mode.as_str(),
             });
         }
         for (instance, why) in j.expired {
@@ -569,17 +582,16 @@ impl Replica {
                 self.leases.revive(instance, late);
                 continue;
             }
-            // `end_or_count` as before 8501d1f: the mode label from whether this
-            // expiry ends its requests.
-            let enforce = why != Expiry::Unproven;
-            if enforce {
+            // `end_or_count`: what the expiry does, the mode label it is counted under.
+            let acts = why.acts(Mode::Enforce);
+            if acts.ends {
                 self.end_lost(&mine, why, now_ms, ended);
             }
             out.push(Expired {
                 instance,
                 why,
                 streams: mine.iter().map(|e| e.0.stream).collect(),
-                mode: if enforce { "enforce" } else { "observe" },
+                mode: acts.mode.as_str(),
             });
         }
         (out, j.held)
@@ -933,6 +945,17 @@ fn legs_here(
         });
     }
     (legs, took)
+}
+
+/// A hand-off's transfer parameters for stream `stream` (what a prefill answer carries).
+fn handoff_params(stream: usize) -> serde_json::Value {
+    serde_json::json!({
+        "do_remote_prefill": true,
+        "remote_block_ids": [stream],
+        "remote_engine_id": "prefill-0",
+        "remote_host": "10.0.1.0",
+        "remote_port": 5600,
+    })
 }
 
 /// The world's stream of a request id (`req-N`).

@@ -1039,6 +1039,9 @@ impl World {
 
     /// The releases replica `r` sent to the decode side, delivered when it answers.
     fn take_releases(&mut self, r: usize) {
+        for (i, line) in std::mem::take(&mut self.replicas[r].notes) {
+            self.note(format!("replica{r}"), Some(i), line);
+        }
         for rel in std::mem::take(&mut self.replicas[r].releasing) {
             self.releasing += 1;
             self.at(rel.at_ms, Ev::Released(r, rel));

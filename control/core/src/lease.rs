@@ -107,6 +107,45 @@ impl Expiry {
             Expiry::VmLost => "vm_lost",
         }
     }
+
+    /// What this expiry does under `mode`: its requests are ended under `enforce`
+    /// unless it is `unproven` (its silence proves nothing: counted only). Its figures
+    /// carry the configured mode whatever it does (`mode="enforce", why="unproven"`
+    /// ends nothing; `why` says so), so that a dashboard's mode is the flag's.
+    pub const fn acts(self, mode: Mode) -> Acts {
+        Acts {
+            ends: matches!(mode, Mode::Enforce) && !matches!(self, Expiry::Unproven),
+            mode,
+        }
+    }
+}
+
+/// `--lease-mode` where leases are judged (`off` judges none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Judged, logged and counted; nothing ended (the rollout step).
+    Observe,
+    /// An expiry ends the instance's requests in flight (reason `gateway_lost`).
+    Enforce,
+}
+
+impl Mode {
+    /// The flag value and the `mode` label.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Mode::Observe => "observe",
+            Mode::Enforce => "enforce",
+        }
+    }
+}
+
+/// What an expiry does ([`Expiry::acts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Acts {
+    /// Its requests in flight are ended (else counted only).
+    pub ends: bool,
+    /// The `mode` label its figures are counted under.
+    pub mode: Mode,
 }
 
 #[derive(Debug, Clone)]

@@ -151,6 +151,17 @@ impl Progress {
         self.flow = Some(Flow::Reader(now));
     }
 
+    /// A response frame was handed on at `now` ([`Progress::record_handed`]); after it
+    /// the engine's body is at its end or not (`body_at_end`, hyper's `is_end_stream`).
+    /// Returns whether the request is complete: its body ended and all of it was handed
+    /// on. hyper stops polling a body whose length is written once it has all of it, so
+    /// for such a body (a non-streaming answer, a prefill leg's) this frame is the only
+    /// sign of its end: `Ready(None)`, the other, never comes.
+    pub fn record_frame(&mut self, now: Instant, body_at_end: bool) -> bool {
+        self.record_handed(now);
+        body_at_end
+    }
+
     /// kvguard-control did not run for `stall`, which ended by `now` (the process was
     /// stopped or starved): what the engine sent meanwhile waits in socket buffers, not
     /// yet recorded. The idle clock (last data event) moves on by the stall, at most to
@@ -270,6 +281,20 @@ mod tests {
 
     fn s(n: u64) -> Duration {
         Duration::from_secs(n)
+    }
+
+    #[test]
+    fn a_frame_after_which_the_body_is_at_its_end_completes_the_request() {
+        let t0 = Instant::now();
+        let mut p = Progress::new(t0);
+        assert!(
+            !p.record_frame(t0 + s(1), false),
+            "more of the body to come"
+        );
+        assert_eq!(p.times().flow, Some(Flow::Reader(t0 + s(1))));
+        // A content-length body: its last frame is its end (hyper polls no further).
+        assert!(p.record_frame(t0 + s(2), true));
+        assert_eq!(p.times().flow, Some(Flow::Reader(t0 + s(2))));
     }
 
     #[test]

@@ -6,6 +6,7 @@
 use super::{Expiry, LeaseMode, ProbeAnswer};
 use crate::state::AppState;
 use kvguard_contract::AbortReason;
+use kvguard_control_core::lease::{Acts, Mode};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -51,6 +52,9 @@ pub fn lease_tick(ttl: Duration) -> Duration {
 /// of an expired instance admitted after the judgement is evidence of life: the lease is
 /// taken back and nothing of it ended.
 pub fn judge(st: &Arc<AppState>) {
+    let Some(mode) = st.cfg.lease_mode.judged() else {
+        return;
+    };
     let now = st.clock.now();
     let j = {
         let mut leases = st.leases.lock().unwrap_or_else(|p| p.into_inner());
@@ -74,7 +78,7 @@ pub fn judge(st: &Arc<AppState>) {
     }
     let entries = st.entries();
     for (instance, vm) in j.lost {
-        end_vm(st, &entries, now, instance, vm);
+        end_vm(st, &entries, now, instance, vm, mode);
     }
     for (instance, why) in j.expired {
         let mine: Vec<_> = entries
@@ -89,8 +93,7 @@ pub fn judge(st: &Arc<AppState>) {
             tracing::info!(%instance, "gateway lease taken back: a request of it arrived as it expired");
             continue;
         }
-        let enforce = st.cfg.lease_mode == LeaseMode::Enforce && why != Expiry::Unproven;
-        let (mode, ended) = end_or_count(st, &mine, why, enforce);
+        let (mode, ended) = end_or_count(st, &mine, why, why.acts(mode));
         let ttl_ms = st.cfg.lease_ttl.as_millis() as u64;
         match why {
             Expiry::Silent => {
@@ -152,20 +155,19 @@ fn admitted_since(
         .max()
 }
 
-/// Counts the expiry `why`, then ends `mine` (`enforce`, reason `gateway_lost`) or only
-/// counts them: the mode label (the `--lease-mode`; `why` says when an expiry ends
-/// nothing in either) and how many.
+/// Counts the expiry `why`, then ends `mine` (reason `gateway_lost`) or only counts
+/// them, as [`Expiry::acts`] says: the mode label and how many.
 fn end_or_count(
     st: &Arc<AppState>,
     mine: &[&Arc<crate::table::Entry>],
     why: Expiry,
-    enforce: bool,
+    acts: Acts,
 ) -> (&'static str, u64) {
-    let mode = st.cfg.lease_mode.as_str();
+    let mode = acts.mode.as_str();
     st.metrics.lease.expired(mode, why);
     let mut ended = 0u64;
     for e in mine {
-        if !enforce || st.end_request(e, AbortReason::GatewayLost, "lease") {
+        if !acts.ends || st.end_request(e, AbortReason::GatewayLost, "lease") {
             ended += 1;
         }
     }
@@ -182,6 +184,7 @@ fn end_vm(
     now: std::time::Instant,
     instance: kvguard_contract::InstanceId,
     vm: u32,
+    mode: Mode,
 ) {
     let mine: Vec<_> = entries
         .iter()
@@ -198,8 +201,7 @@ fn end_vm(
             .revive_vm(instance, vm, late);
         return;
     }
-    let enforce = st.cfg.lease_mode == LeaseMode::Enforce;
-    let (mode, ended) = end_or_count(st, &mine, Expiry::VmLost, enforce);
+    let (mode, ended) = end_or_count(st, &mine, Expiry::VmLost, Expiry::VmLost.acts(mode));
     let ttl_ms = st.cfg.lease_ttl.as_millis() as u64;
     tracing::warn!(%instance, vm, mode, requests = ended, ttl_ms, "gateway VM lost: its gateway's renewals have left it out for the TTL (a worker VM that trapped or was replaced)");
 }

@@ -1309,3 +1309,40 @@ fn processes_dated_more_than_the_jitter_apart_are_ordered_by_their_counters_clos
     // b dated 2 s after a, though heard first: its successor.
     assert_eq!(heard_first(s(3)), vec![(A, Expiry::Replaced)]);
 }
+
+#[test]
+fn an_expiry_is_counted_under_the_configured_mode_and_ends_only_under_enforce_when_proven() {
+    for why in [
+        Expiry::Silent,
+        Expiry::Replaced,
+        Expiry::Dead,
+        Expiry::VmLost,
+    ] {
+        assert_eq!(
+            why.acts(Mode::Enforce),
+            Acts {
+                ends: true,
+                mode: Mode::Enforce
+            },
+            "{why:?}"
+        );
+        assert_eq!(
+            why.acts(Mode::Observe),
+            Acts {
+                ends: false,
+                mode: Mode::Observe
+            },
+            "{why:?}"
+        );
+    }
+    // An unproven expiry ends nothing, and is still counted under `enforce` (37.5).
+    assert_eq!(
+        Expiry::Unproven.acts(Mode::Enforce),
+        Acts {
+            ends: false,
+            mode: Mode::Enforce
+        }
+    );
+    assert_eq!(Mode::Enforce.as_str(), "enforce");
+    assert_eq!(Mode::Observe.as_str(), "observe");
+}
