@@ -155,29 +155,6 @@ fn tail_reader() -> Op {
 pub fn known() -> Vec<Finding> {
     vec![
         Finding {
-            name: "36.6",
-            title: "a held prefill's release is cancelled with a caller that gives up (the decode side slow to answer): neither sent nor counted, and the retry finds nothing to release",
-            schedule: Schedule {
-                seed: 1164,
-                setup: Setup {
-                    gateways: 2,
-                    replicas: 2,
-                    pd: true,
-                    hop_hides: true,
-                    idle_ms: 30_000,
-                    ..Setup::default()
-                },
-                ops: vec![
-                    Op::PartitionData {
-                        at: 17_455,
-                        replica: 1,
-                        for_ms: 52_538,
-                    },
-                    stream(24_122, 1, 0, Client::Leaves { after_ms: 4_424 }, 2_864, 16),
-                ],
-            },
-        },
-        Finding {
             name: "sim.17",
             title: "a hop queues a request past its gateway's death (killed 0.3 s after sending it): its first proof of life reaches kvguard-control when the listener already refuses, so the lease never trusts it and expires `unproven`; behind a hiding hop the orphan runs to its end",
             schedule: Schedule {
@@ -353,16 +330,53 @@ pub fn guards() -> Vec<Guard> {
 pub fn regressions() -> Vec<Finding> {
     vec![
         Finding {
+            name: "36.6",
+            title: "a held prefill's release is cancelled with a caller that gives up (the decode side slow to answer): neither sent nor counted, and the retry finds nothing to release",
+            schedule: Schedule {
+                seed: 1164,
+                setup: Setup {
+                    gateways: 2,
+                    replicas: 2,
+                    pd: true,
+                    hop_hides: true,
+                    idle_ms: 30_000,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    Op::PartitionData {
+                        at: 17_455,
+                        replica: 1,
+                        for_ms: 52_538,
+                    },
+                    stream(24_122, 1, 0, Client::Leaves { after_ms: 4_424 }, 2_864, 16),
+                ],
+            },
+        },
+        Finding {
             name: "36.3",
             title: "a prefill leg's content-length answer read to its end is never completed: counted client_gone, its hand-off never recorded",
+            // Seed 21280's first stream: its client leaves in the prefill's last
+            // 150 ms, the hiding P/D proxy sends no decode leg, the abort releases the
+            // held blocks through the decode side (without the hand-off: held until the
+            // prefill engine's lease, 30 s).
             schedule: Schedule {
-                seed: 1,
+                seed: 21280,
                 setup: Setup {
                     replicas: 2,
                     pd: true,
+                    hop_hides: true,
+                    net_cap: 1024 * 1024,
+                    pods_deleted: true,
                     ..Setup::default()
                 },
-                ops: vec![stream(1_000, 0, 1, Client::Fast, 200, 20)],
+                ops: vec![stream(
+                    3_336,
+                    0,
+                    1,
+                    Client::Leaves { after_ms: 1_041 },
+                    1_189,
+                    45,
+                )],
             },
         },
         Finding {

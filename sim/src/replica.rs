@@ -432,11 +432,12 @@ impl Replica {
         cause
     }
 
-    /// `AppState::release_handoff` as before c635127: the hand-off of `id` taken from
-    /// the table, its release to the decode side awaited in the handler; a caller that
-    /// gives up first (`caller_ms`, its timeout) cancels the handler, the release and its
-    /// figures with it. `release_ms`: how long the decode side takes to answer now.
-    /// `None`: no hand-off of `id` is held here.
+    /// `AppState::release_handoff`: the hand-off of `id` taken from the table, its
+    /// release to the decode side runs in a task of its own, which the handler awaits: a
+    /// caller that gives up first (`caller_ms`, its timeout) cancels the handler, not the
+    /// release nor its figures. `release_ms`: how long the decode side takes to answer
+    /// now. Returns the leg's result and how long the handler waited. `None`: no
+    /// hand-off of `id` is held here.
     fn release_handoff(
         &mut self,
         id: &RequestId,
@@ -455,16 +456,17 @@ impl Replica {
         } else {
             Release::HeldUntilLease
         };
-        if took <= caller_ms {
-            self.releasing.push(Releasing {
-                stream,
-                at_ms: now_ms + took,
-                rejected,
-            });
-            self.notes.push((stream, format!("takes the prefill hand-off and releases it through the decode side (its answer in {took} ms)")));
+        self.releasing.push(Releasing {
+            stream,
+            at_ms: now_ms + took,
+            rejected,
+        });
+        let caller = if took > caller_ms {
+            format!(", after the caller's {caller_ms} ms: the release runs on without it")
         } else {
-            self.notes.push((stream, format!("takes the prefill hand-off; the decode side answers in {took} ms, after the caller's {caller_ms} ms: the handler is cancelled, the release with it")));
-        }
+            String::new()
+        };
+        self.notes.push((stream, format!("takes the prefill hand-off and releases it through the decode side (its answer in {took} ms{caller})")));
         Some((release, took))
     }
 
