@@ -104,6 +104,10 @@ impl Host for SimHost {
     fn log_enabled(&self, level: Level) -> bool {
         level >= Level::Info
     }
+    /// Every simulated request is routed to the hop (an upstream was reached).
+    fn upstream_reached(&mut self) -> bool {
+        true
+    }
 }
 
 impl SharedData for SimHost {

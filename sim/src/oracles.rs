@@ -6,8 +6,12 @@
 //!   `--reader-timeout`) — is ended by kvguard (the filter's close, or any end at
 //!   kvguard-control).
 //! - **Invariant 2**: every stream nobody reads ends at the engine within its bound per
-//!   cause ([`Cause::bound_ms`]), counted from when nobody reads it.
-//! - **Figures**: an end at kvguard-control is counted under its true cause.
+//!   cause ([`Cause::bound_ms`]), counted from when nobody reads it; so do the blocks a
+//!   prefill engine holds for it, or by the engine's lease where kvguard-control cannot
+//!   release them (`World::check_orphans`).
+//! - **Figures**: an end at kvguard-control is counted under its true cause; a prefill
+//!   leg read to its end `complete`; a hand-off taken for a release once; a lease
+//!   expiry under the configured `--lease-mode`.
 //! - **Mass stall**: a gateway cuts at most `max(8, 20 %)` of its streams for a stall in
 //!   their first idle window; the rest are held one more window.
 
@@ -73,9 +77,9 @@ impl Cause {
 pub enum Promise {
     /// A read stream was ended by kvguard.
     Invariant1,
-    /// An unread stream ran past its bound.
+    /// An unread stream, or the prefill blocks held for it, ran past its bound.
     Invariant2,
-    /// An end counted under another cause.
+    /// Something counted under another cause or label, or not counted once.
     Figures,
     /// More streams cut for a stall in one idle window than the valve lets through.
     MassStall,

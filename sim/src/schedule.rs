@@ -37,6 +37,10 @@ pub struct Setup {
     pub shared_host_key: bool,
     /// Worker VMs per gateway process (Envoy `--concurrency`; 1: one).
     pub vms: u8,
+    /// Clients speak HTTP/2 to the gateways: one that leaves cancels its stream
+    /// (`RST_STREAM`: Envoy's `http2.remote_reset`, flag DR) rather than closing its
+    /// connection (`downstream_remote_disconnect`, DC).
+    pub h2: bool,
 }
 
 impl Default for Setup {
@@ -54,6 +58,7 @@ impl Default for Setup {
             pods_deleted: false,
             shared_host_key: false,
             vms: 1,
+            h2: false,
         }
     }
 }
@@ -311,6 +316,7 @@ impl Schedule {
             pods_deleted: false,
             shared_host_key: false,
             vms: 1,
+            h2: false,
         };
         let mut ops = Vec::new();
         for _ in 0..r.range(1, 6) {
@@ -447,6 +453,8 @@ impl Schedule {
                 vm: r.range(0, u64::from(setup.vms) - 1) as u8,
             });
         }
+        // Drawn last, so that the rest of each seed's schedule is what it was before.
+        setup.h2 = r.chance(300);
         Schedule { seed, setup, ops }
     }
 }
@@ -525,12 +533,13 @@ impl fmt::Display for Schedule {
         let s = &self.setup;
         writeln!(
             f,
-            "seed {}: {} gateway(s){}{}{}, {} replica(s){}, hop {} disconnects{}{}, sockets {} KiB, filter idle {} ms",
+            "seed {}: {} gateway(s){}{}{}{}, {} replica(s){}, hop {} disconnects{}{}, sockets {} KiB, filter idle {} ms",
             self.seed,
             s.gateways,
             if s.vms > 1 { format!(" of {} worker VMs", s.vms) } else { String::new() },
             if s.shared_host_key { " sharing one host key" } else { "" },
             if s.pods_deleted { " (a killed one's address answers nothing)" } else { "" },
+            if s.h2 { " (clients on HTTP/2)" } else { "" },
             s.replicas,
             if s.pd { " (prefill, decode)" } else { "" },
             if s.hop_hides { "hiding" } else { "passing" },

@@ -84,6 +84,11 @@ fn simpler_setups(s: &Schedule) -> Vec<Schedule> {
         c.setup.shared_host_key = false;
         out.push(c);
     }
+    if s.setup.h2 {
+        let mut c = s.clone();
+        c.setup.h2 = false;
+        out.push(c);
+    }
     if s.setup.replicas > 1 {
         let mut c = s.clone();
         c.setup.replicas = 1;

@@ -39,6 +39,7 @@ use kvguard_contract::{AbortReason, InstanceId, RequestId, ABORT_PATH, DATA_LEAS
 use kvguard_control_core::lease::{Expiry, ProbeAnswer};
 use kvguard_control_core::scan::BodyKind;
 use kvguard_filter_core::engine::Action;
+use kvguard_filter_core::request::flags;
 use kvguard_filter_core::Engine;
 use kvguard_filter_core::OutcomeTag;
 use std::cmp::Reverse;
@@ -1572,7 +1573,14 @@ impl World {
             g.host.now = now;
             let (engine, host) = g.engine_for(s.ctx);
             let vm = self.solo.get_mut(&s.ctx).unwrap_or(engine);
-            vm.on_log(host, s.ctx, b"downstream_remote_disconnect", 0);
+            // Envoy 1.40 (`filter_lifecycle.rs`): an h2 client's RST_STREAM is
+            // `http2.remote_reset` with DR; an h1 client's close, DC.
+            let (details, flag): (&[u8], u64) = if self.sched.setup.h2 {
+                (b"http2.remote_reset", flags::DR)
+            } else {
+                (b"downstream_remote_disconnect", flags::DC)
+            };
+            vm.on_log(host, s.ctx, details, flag);
         }
         let gw = s.gw;
         self.upstream_gone(i);

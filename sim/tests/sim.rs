@@ -341,3 +341,36 @@ fn a_hot_restart_s_parent_keeps_a_slow_reader_through_envoy_s_default_drain() {
         r.timeline.story(usize::MAX)
     );
 }
+
+/// An HTTP/2 client's cancel (`RST_STREAM`: `http2.remote_reset`, flag DR) is a
+/// disconnect: behind a hop that hides it, its abort ends the engine within the bound,
+/// counted `downstream_reset`.
+#[test]
+fn an_http2_cancel_ends_its_engine_as_a_disconnect_does() {
+    let setup = kvguard_sim::schedule::Setup {
+        h2: true,
+        hop_hides: true,
+        ..Default::default()
+    };
+    let r = clean_run(
+        setup,
+        vec![Op::stream(
+            0,
+            0,
+            0,
+            Client::Leaves { after_ms: 5_000 },
+            3_000,
+            20,
+        )],
+    );
+    let end = r.stats.ends[0];
+    let Some((Cause::Left, left)) = end.orphan else {
+        panic!("{end:?}");
+    };
+    match end.engine_end {
+        Some((t, EngineEnd::Ended(AbortReason::DownstreamReset))) => {
+            assert!(t - left <= Cause::Left.bound_ms(60_000), "{end:?}")
+        }
+        other => panic!("{other:?}\n{}", r.timeline.story(0)),
+    }
+}
