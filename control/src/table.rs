@@ -458,6 +458,17 @@ mod tests {
     }
 
     #[test]
+    fn a_frame_completes_the_request_when_its_body_is_at_its_end_after_it() {
+        let t0 = Instant::now();
+        let e = completion(t0);
+        let s = Duration::from_secs;
+        assert!(!e.record_frame(t0 + s(1), false));
+        assert_eq!(e.times().flow, Some(Flow::Reader(t0 + s(1))));
+        assert!(e.record_frame(t0 + s(2), true));
+        assert_eq!(e.times().flow, Some(Flow::Reader(t0 + s(2))));
+    }
+
+    #[test]
     fn events_are_counted_and_a_frame_of_another_body_is_progress_without_an_event() {
         let t0 = Instant::now();
         let e = completion(t0);
