@@ -330,6 +330,34 @@ pub fn guards() -> Vec<Guard> {
 pub fn regressions() -> Vec<Finding> {
     vec![
         Finding {
+            name: "sim.21",
+            title: "a hot restart's parent exits and its child dies within a period and a half: the parent's listener is its successor's, not asked for it, and nobody is heard after its silence: held until the child's own expiry, its orphans end past the bound",
+            schedule: Schedule {
+                seed: 43948,
+                setup: Setup {
+                    replicas: 2,
+                    pd: true,
+                    hop_hides: true,
+                    ..Setup::default()
+                },
+                ops: vec![
+                    stream(11_876, 0, 1, Client::Steady { bps: 641 }, 777, 14),
+                    stream(20_022, 0, 1, Client::Fast, 2_341, 29),
+                    Op::HotRestart {
+                        at: 20_277,
+                        gw: 0,
+                        parent_ms: 6_000,
+                    },
+                    stream(23_545, 0, 1, Client::Steady { bps: 742 }, 729, 41),
+                    Op::Kill {
+                        at: 31_973,
+                        gw: 0,
+                        restart_ms: None,
+                    },
+                ],
+            },
+        },
+        Finding {
             name: "36.6",
             title: "a held prefill's release is cancelled with a caller that gives up (the decode side slow to answer): neither sent nor counted, and the retry finds nothing to release",
             schedule: Schedule {

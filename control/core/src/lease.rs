@@ -775,14 +775,17 @@ impl Leases {
                 continue;
             }
             // Its listener speaks for it unless a successor proved its life there since
-            // (a hot restart's child, or a restart in place, on the same address): the
-            // socket is the newest process's.
+            // and is not silent itself (a hot restart's child, or a restart in place, on
+            // the same address): the socket is the newest process's. A successor silent
+            // too may have died after it: the socket then speaks for both, and a refusal
+            // (nothing listens) ends both.
             let trusted = l.trusted().filter(|a| {
                 !self.table.iter().any(|(o, ol)| {
                     *o != id
                         && ol.listener.is_some_and(|(b, _)| b == *a)
                         && ol.last() > last
                         && ol.succeeds(l)
+                        && ol.silent_from() > now
                 })
             });
             // Asked since the silence reached the TTL: the kernel's answer.

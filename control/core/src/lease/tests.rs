@@ -1261,21 +1261,52 @@ fn a_refusal_at_a_successors_socket_ends_the_silent_predecessor_there_too() {
     }
     let last_c = last_b + ms(2 * P - 4_000);
     judge_answering(&mut l, last_c, ProbeAnswer::Alive);
-    // B is past the TTL, held; its listener, which its successor proved, is not asked.
-    let j = judge_answering(&mut l, last_b + TTL + ms(1), ProbeAnswer::Alive);
-    assert!(j.expired.is_empty() && j.probes.is_empty(), "{j:?}");
+    let (l_a, l_b) = (L_A.parse().unwrap(), L_B.parse().unwrap());
+    // While C renews, B's silence does not make its listener, which its successor
+    // proved, B's to answer for.
+    let j = judge_answering(&mut l, last_c + ms(1), ProbeAnswer::Alive);
+    assert!(j.probes.is_empty(), "{j:?}");
+    // C is silent too when B passes the TTL: the socket speaks for both. Held (nobody
+    // heard), and asked: it refuses.
+    let at_b = last_b + TTL + ms(1);
+    let j = l.judge(at_b);
+    assert!(j.expired.is_empty(), "{j:?}");
+    assert_eq!(j.probes, vec![(B, l_a)]);
+    l.probed(B, l_a, ProbeAnswer::Refused, at_b);
+    assert_eq!(l.judge(at_b + ms(1)).expired, vec![(B, Expiry::Dead)]);
     // Then C's and A's listeners are asked: A's answers, C's refuses.
     let at = last_c + TTL + ms(1);
     let j = l.judge(at);
-    let (l_a, l_b) = (L_A.parse().unwrap(), L_B.parse().unwrap());
     assert_eq!(j.probes, vec![(A, l_b), (C, l_a)]);
     l.probed(A, l_b, ProbeAnswer::Alive, at);
     l.probed(C, l_a, ProbeAnswer::Refused, at);
-    // The refusal at the socket is B's answer too, and nobody else's.
-    let mut gone = l.judge(at + ms(1)).expired;
-    gone.sort_unstable_by_key(|(id, _)| *id);
-    assert_eq!(gone, vec![(B, Expiry::Dead), (C, Expiry::Dead)]);
+    assert_eq!(l.judge(at + ms(1)).expired, vec![(C, Expiry::Dead)]);
     assert!(l.holds(&A));
+}
+
+#[test]
+fn a_silent_successors_socket_is_asked_for_its_predecessor_and_a_handshake_holds_it() {
+    // The same, C frozen rather than dead: its socket answers for B, which is held.
+    let t0 = Instant::now() + s(1);
+    let mut l = Leases::new(TTL);
+    prove_on_host(&mut l, B, (1, 100), t0, (7, L_A));
+    let last_b = t0 + ms(P * 99);
+    judge_answering(&mut l, last_b, ProbeAnswer::Alive);
+    let t = last_b + ms(P - 4_000);
+    l.prove(tagged(C, 1), &proof(1, Some(7), Some(L_A)), t)
+        .unwrap();
+    l.prove(tagged(A, 1), &proof(1, Some(8), Some(L_B)), t)
+        .unwrap();
+    let at_b = last_b + TTL + ms(1);
+    let j = l.judge(at_b);
+    let l_a = L_A.parse().unwrap();
+    assert!(j.probes.contains(&(B, l_a)), "{j:?}");
+    for (id, addr) in j.probes {
+        l.probed(id, addr, ProbeAnswer::Alive, at_b);
+    }
+    let j = l.judge(at_b + ms(1));
+    assert!(j.expired.is_empty(), "held: {j:?}");
+    assert!(l.holds(&B) && l.holds(&C));
 }
 
 #[test]
