@@ -367,20 +367,59 @@ fn relay_md(m: &mut String, r: &Value) {
         "ttfb_added_p50_us",
         0,
     );
-    let mem = |p: &str| f(&r["memory"][p]["bytes_per_stream"]);
-    let _ = writeln!(
-        m,
-        "| memory per held stream ({} held), bytes | {:.0} | {:.0} |",
-        r["memory"]["kvguard-control"]["streams_held"],
-        mem("kvguard-control"),
-        mem("envoy")
-    );
+    if let Some(phases) = r["memory"].as_array() {
+        for ph in phases {
+            let mem = |p: &str| f(&ph[p]["bytes_per_stream"]);
+            let _ = writeln!(
+                m,
+                "| memory per held stream ({} held, {}, {} per client connection; fresh process), bytes | {:.0} | {:.0} |",
+                ph["kvguard-control"]["streams_held"],
+                ph["protocol"].as_str().unwrap_or("?"),
+                ph["streams_per_connection"],
+                mem("kvguard-control"),
+                mem("envoy")
+            );
+        }
+    } else {
+        // Runs before the h2c phase: one HTTP/1.1 phase, after the rounds.
+        let mem = |p: &str| f(&r["memory"][p]["bytes_per_stream"]);
+        let _ = writeln!(
+            m,
+            "| memory per held stream ({} held), bytes | {:.0} | {:.0} |",
+            r["memory"]["kvguard-control"]["streams_held"],
+            mem("kvguard-control"),
+            mem("envoy")
+        );
+    }
     let _ = writeln!(
         m,
         "\nCPU per event, kvguard-control ÷ Envoy (per round): {}. Errors: {}.\n",
         spread(&r["cpu_control_over_envoy"], 1.0, 2),
         r["errors"]
     );
+    if let Some(phases) = r["memory"].as_array() {
+        let fds = |ph: &Value, p: &str| {
+            let files = match (ph[p]["fds_before"].as_u64(), ph[p]["fds_held"].as_u64()) {
+                (Some(a), Some(b)) => format!("{a} → {b} open files, "),
+                _ => String::new(),
+            };
+            format!(
+                "{files}RSS {:.1} → {:.1} MiB",
+                f(&ph[p]["rss_before_bytes"]) / 1048576.0,
+                f(&ph[p]["rss_held_bytes"]) / 1048576.0
+            )
+        };
+        for ph in phases {
+            let _ = writeln!(
+                m,
+                "Held over {} (before → held): kvguard-control {}; Envoy {}.",
+                ph["protocol"].as_str().unwrap_or("?"),
+                fds(ph, "kvguard-control"),
+                fds(ph, "envoy")
+            );
+        }
+        let _ = writeln!(m);
+    }
 }
 
 /// The `instructions` section's tables (the headline): Envoy's instructions per request
@@ -738,5 +777,51 @@ mod tests {
         // Results recorded before the quartiles were.
         let old = json!({"median": 2.0, "min": 1.0, "max": 4.0});
         assert_eq!(spread(&old, 1.0, 1), "2.0 (1.0…4.0)");
+    }
+
+    #[test]
+    fn the_relay_table_has_a_memory_row_per_phase_and_reads_runs_from_before_the_phases() {
+        let s = json!({"median": 1.0, "min": 1.0, "max": 1.0});
+        let both = json!({"kvguard-control": s, "envoy": s});
+        let proxy = |b: f64, files: bool| {
+            let mut v = json!({"streams_held": 10000, "bytes_per_stream": b,
+                "rss_before_bytes": 1048576, "rss_held_bytes": 2097152});
+            if files {
+                v["fds_before"] = json!(14);
+                v["fds_held"] = json!(10114);
+            }
+            v
+        };
+        let base = json!({"rounds": 3, "load": {}, "cpu_us_per_event": both,
+            "ttfb_added_p50_us": both, "cpu_control_over_envoy": s, "errors": {}});
+        let mut r = base.clone();
+        r["memory"] = json!([
+            {"protocol": "h2c", "streams_per_connection": 100,
+             "kvguard-control": proxy(20830.2, true), "envoy": proxy(38757.0, true)},
+            {"protocol": "HTTP/1.1", "streams_per_connection": 1,
+             "kvguard-control": proxy(45738.0, false), "envoy": proxy(51613.0, false)},
+        ]);
+        let mut m = String::new();
+        relay_md(&mut m, &r);
+        assert!(m.contains("| memory per held stream (10000 held, h2c, 100 per client connection; fresh process), bytes | 20830 | 38757 |"), "{m}");
+        assert!(m.contains("(10000 held, HTTP/1.1, 1 per client connection; fresh process), bytes | 45738 | 51613 |"), "{m}");
+        assert!(
+            m.contains("kvguard-control 14 → 10114 open files, RSS 1.0 → 2.0 MiB"),
+            "{m}"
+        );
+        assert!(
+            m.contains("Held over HTTP/1.1 (before → held): kvguard-control RSS 1.0 → 2.0 MiB;"),
+            "{m}"
+        );
+        let mut old = base;
+        old["memory"] =
+            json!({"kvguard-control": proxy(44361.0, false), "envoy": proxy(49894.0, false)});
+        let mut m = String::new();
+        relay_md(&mut m, &old);
+        assert!(
+            m.contains("| memory per held stream (10000 held), bytes | 44361 | 49894 |"),
+            "{m}"
+        );
+        assert!(!m.contains("Held over"), "{m}");
     }
 }
