@@ -2581,8 +2581,11 @@ async fn a_vm_its_gateways_renewals_leave_out_for_the_ttl_has_its_requests_ended
     no_vm.set_instance(tag(None));
     clock.advance(Duration::from_secs(5));
     renew(&[1]).await;
-    clock.advance(Duration::from_secs(30));
-    renew(&[1]).await;
+    // Renewals every period (a gap of more than 3 reads as the gateway's stall).
+    for _ in 0..6 {
+        clock.advance(Duration::from_secs(5));
+        renew(&[1]).await;
+    }
     enforce::judge(&st);
     assert_eq!(on_2.ended(), None, "not more than the TTL yet");
     clock.advance(Duration::from_secs(1));
@@ -2606,7 +2609,11 @@ async fn a_vm_its_gateways_renewals_leave_out_for_the_ttl_has_its_requests_ended
     renew(&[1, 3]).await;
     clock.advance(Duration::from_secs(1));
     renew(&[1]).await;
-    clock.advance(Duration::from_secs(31));
+    for _ in 0..6 {
+        clock.advance(Duration::from_secs(5));
+        renew(&[1]).await;
+    }
+    clock.advance(Duration::from_secs(1));
     renew(&[1]).await;
     let late = st.admit(id("late-3"), "POST".into(), "/".into()).unwrap();
     late.set_instance(tag(Some(3)));
@@ -2619,7 +2626,13 @@ async fn a_vm_its_gateways_renewals_leave_out_for_the_ttl_has_its_requests_ended
     renew(&[1]).await;
     enforce::judge(&st);
     assert_eq!(late.ended(), None);
-    clock.advance(Duration::from_secs(31));
+    for _ in 0..6 {
+        clock.advance(Duration::from_secs(5));
+        renew(&[1]).await;
+    }
+    enforce::judge(&st);
+    assert_eq!(late.ended(), None, "not more than the TTL yet");
+    clock.advance(Duration::from_secs(1));
     renew(&[1]).await;
     enforce::judge(&st);
     assert_eq!(late.ended(), Some(AbortReason::GatewayLost));

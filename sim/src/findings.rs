@@ -176,27 +176,6 @@ pub fn known() -> Vec<Finding> {
             },
         },
         Finding {
-            name: "sim.14",
-            title: "a gateway frozen past three periods, then again, a second after it resumed, for the TTL: its worker VM is judged lost and its read stream ended",
-            schedule: Schedule {
-                seed: 1,
-                setup: Setup::default(),
-                ops: vec![
-                    stream(0, 0, 0, Client::Fast, 3_000, 30),
-                    Op::Freeze {
-                        at: 10_000,
-                        gw: 0,
-                        for_ms: 20_000,
-                    },
-                    Op::Freeze {
-                        at: 31_000,
-                        gw: 0,
-                        for_ms: 31_000,
-                    },
-                ],
-            },
-        },
-        Finding {
             name: "sim.19",
             title: "two gateways share a host key and a replica knows the listener of only one: the one that started first, frozen past the TTL, is judged replaced by the other's renewals",
             schedule: Schedule {
@@ -329,6 +308,27 @@ pub fn guards() -> Vec<Guard> {
 /// all. A finding of [`known`] whose fix lands moves here, with its schedule.
 pub fn regressions() -> Vec<Finding> {
     vec![
+        Finding {
+            name: "sim.14",
+            title: "a gateway frozen past three periods, then again, a second after it resumed, for the TTL: its worker VM is judged lost and its read stream ended",
+            schedule: Schedule {
+                seed: 1,
+                setup: Setup::default(),
+                ops: vec![
+                    stream(0, 0, 0, Client::Fast, 3_000, 30),
+                    Op::Freeze {
+                        at: 10_000,
+                        gw: 0,
+                        for_ms: 20_000,
+                    },
+                    Op::Freeze {
+                        at: 31_000,
+                        gw: 0,
+                        for_ms: 31_000,
+                    },
+                ],
+            },
+        },
         Finding {
             name: "sim.21",
             title: "a hot restart's parent exits and its child dies within a period and a half: the parent's listener is its successor's, not asked for it, and nobody is heard after its silence: held until the child's own expiry, its orphans end past the bound",

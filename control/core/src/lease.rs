@@ -185,6 +185,8 @@ struct Lease {
     others_heard: Option<Instant>,
     /// Receipt of the last renewal that listed the live VMs.
     listed: Option<Instant>,
+    /// Listings until then follow a stall and mark no VM absent ([`Lease::listed`]).
+    stale_until: Option<Instant>,
     /// Per worker VM: its last evidence (a renewal listing it or a request tagged with
     /// it), and the first renewal since that left it out.
     vms: HashMap<u32, Vm>,
@@ -218,6 +220,11 @@ impl ProbeAnswer {
         }
     }
 }
+
+/// A gateway's renewing VM lists the VMs that beat within this many lease periods (the
+/// filter's `vms::SILENT_PERIODS`): a listing that comes longer than this after the last
+/// one may leave out VMs that only stalled with their gateway.
+pub const LIST_STALE_PERIODS: u32 = 3;
 
 /// Most probes one judgement asks for.
 pub const MAX_PROBES: usize = 64;
@@ -253,11 +260,22 @@ impl Lease {
     }
 
     /// A renewal received at `at` listed `live`: every other VM known is absent from
-    /// then on (unless it already was).
+    /// then on (unless it already was) — unless this listing follows the last one by
+    /// more than [`LIST_STALE_PERIODS`]: the gateway (or the path) stalled meanwhile, and
+    /// its renewing VM, which renews before it beats, lists only the VMs that beat within
+    /// that many periods: none of its VMs had run either. The next listing says.
     fn listed(&mut self, live: &[u32], at: Instant) {
+        let gap = self.listed.map(|t| at.saturating_duration_since(t));
+        if gap.is_some_and(|g| g > self.period * LIST_STALE_PERIODS) {
+            // Both paths' renewals of that tick carry the same list.
+            self.stale_until = Some(at + self.period);
+        }
         self.listed = Some(self.listed.map_or(at, |t| t.max(at)));
         for v in live {
             self.saw_vm(*v, at);
+        }
+        if self.stale_until.is_some_and(|t| at <= t) {
+            return;
         }
         for (id, v) in &mut self.vms {
             if v.absent.is_none() && v.seen < at && !live.contains(id) {
@@ -286,6 +304,7 @@ impl Lease {
             held: false,
             others_heard: None,
             listed: None,
+            stale_until: None,
             vms: HashMap::new(),
         }
     }
@@ -716,6 +735,10 @@ impl Leases {
             l.others_heard = l.others_heard.map(|t| t + stall);
             l.asked = l.asked.map(|t| t + stall);
             l.answer = l.answer.map(|(t, a)| (t + stall, a));
+            // The renewals kvguard-control could not read meanwhile are no stall of the
+            // gateway's.
+            l.listed = l.listed.map(|t| t + stall);
+            l.stale_until = l.stale_until.map(|t| t + stall);
             // A VM left out before the stall: the renewals that might list it again may
             // not have been read yet.
             for v in l.vms.values_mut() {
