@@ -690,8 +690,40 @@ fn a_listing_after_a_stall_of_its_gateway_marks_no_vm_absent() {
     // A listing within the 3 periods after the last one does mark the VM absent.
     l.renew(&with_vms(A, 5, Via::Data, &[]), again + ms(2 * P))
         .unwrap();
-    let lease = &l.table[&A];
-    assert_eq!(lease.vms[&1].absent, Some(again + ms(2 * P)));
+    assert_eq!(l.table[&A].vms[&1].absent, Some(again + ms(2 * P)));
+    // So does one exactly 3 periods after.
+    l.renew(&with_vms(A, 6, Via::Data, &[1]), again + ms(3 * P))
+        .unwrap();
+    l.renew(&with_vms(A, 7, Via::Data, &[]), again + ms(6 * P))
+        .unwrap();
+    assert_eq!(l.table[&A].vms[&1].absent, Some(again + ms(6 * P)));
+    // A stall of kvguard-control's own after a listing that followed the gateway's
+    // stall: the listings it could not read meanwhile keep their period.
+    let mut l = Leases::new(TTL);
+    l.renew(&with_vms(B, 1, Via::Data, &[1]), t0).unwrap();
+    l.renew(&with_vms(B, 2, Via::Data, &[]), back).unwrap();
+    l.extend(s(10));
+    l.renew(&with_vms(B, 3, Via::Data, &[]), back + s(10) + ms(1))
+        .unwrap();
+    assert_eq!(l.table[&B].vms[&1].absent, None);
+}
+
+#[test]
+fn a_successor_silent_from_the_instant_of_the_judgement_no_longer_takes_the_listener() {
+    // B proved its life on L_A (it answered); C, a later process with another host key,
+    // proves its life there until exactly 1.5 periods before B's TTL passes: silent from
+    // that instant, it no longer takes the socket, which is asked for B.
+    let t0 = Instant::now() + s(1);
+    let mut l = Leases::new(TTL);
+    prove_on_host(&mut l, B, (1, 100), t0, (7, L_A));
+    let last_b = t0 + ms(P * 99);
+    judge_answering(&mut l, last_b, ProbeAnswer::Alive);
+    let at_b = last_b + TTL + ms(1);
+    let last_c = at_b - ms(P * 3 / 2);
+    prove_on_host(&mut l, C, (1, 5), last_c - ms(4 * P), (9, L_A));
+    let j = l.judge(at_b);
+    assert!(j.expired.is_empty(), "{j:?}");
+    assert!(j.probes.contains(&(B, L_A.parse().unwrap())), "{j:?}");
 }
 
 fn proof(counter: u64, host: Option<u8>, listener: Option<&str>) -> Proof {
