@@ -54,10 +54,14 @@ pub enum Mechanism {
     /// what the detection reads (the listener's probes go with it, as before that fix,
     /// which brought both).
     SharedHostKey,
+    /// A prefill replica's hand-off table (`Handoffs`) and the release of its held blocks
+    /// through the decode side on an abort (`pd::release_handoff`). Off: no hand-off is
+    /// held here to release, as without P/D support.
+    HandoffRelease,
 }
 
 /// Every switchable mechanism, in the table's order.
-pub const ALL: [Mechanism; 10] = [
+pub const ALL: [Mechanism; 11] = [
     Mechanism::SecondTick,
     Mechanism::MassStallValve,
     Mechanism::StallAsks,
@@ -68,6 +72,7 @@ pub const ALL: [Mechanism; 10] = [
     Mechanism::ReaperIdle,
     Mechanism::ReaperReader,
     Mechanism::SharedHostKey,
+    Mechanism::HandoffRelease,
 ];
 
 impl Mechanism {
@@ -84,6 +89,7 @@ impl Mechanism {
             Mechanism::ReaperIdle => "reaper-idle",
             Mechanism::ReaperReader => "reaper-reader",
             Mechanism::SharedHostKey => "shared-key",
+            Mechanism::HandoffRelease => "handoff-release",
         }
     }
 
@@ -218,6 +224,16 @@ impl Mechanism {
                     .find(|f| f.name == "37.4")?
                     .schedule,
             ),
+            // A client leaving in the prefill's last moments behind a hiding P/D proxy,
+            // which sends no decode leg: the prefill engine holds the blocks until its
+            // lease, 30 s, unless the abort releases them (36.3's schedule).
+            Mechanism::HandoffRelease => (
+                Promise::Invariant2,
+                crate::findings::regressions()
+                    .into_iter()
+                    .find(|f| f.name == "36.3")?
+                    .schedule,
+            ),
         })
     }
 }
@@ -271,7 +287,7 @@ impl Mutations {
 }
 
 /// Mechanisms of the protocol that have no switch here, and why (the table's last rows).
-pub const UNSWITCHED: [(&str, &str); 5] = [
+pub const UNSWITCHED: [(&str, &str); 4] = [
     (
         "replay memory",
         "modelled (every abort call's signature is verified and remembered), not switched: no simulated actor replays a captured call; it exists against one replayed within its ±30 s window",
@@ -279,10 +295,6 @@ pub const UNSWITCHED: [(&str, &str); 5] = [
     (
         "lease hold",
         "inside the control core's `Leases::judge`, with no hook to switch it; it exists for every gateway's paths cut at once (docs/DESIGN.md \"held\")",
-    ),
-    (
-        "P/D hand-off release",
-        "not modelled (held prefill blocks); it exists for a client gone between prefill and decode (`pd_control.rs`)",
     ),
     (
         "reaper max age",

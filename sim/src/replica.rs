@@ -445,6 +445,9 @@ impl Replica {
         caller_ms: u64,
         release_ms: u64,
     ) -> Option<(Release, u64)> {
+        if self.mutations.off(Mechanism::HandoffRelease) {
+            return None;
+        }
         let now = self.now(now_ms);
         self.handoffs.take(id, now)?;
         let stream = stream_of(id)?;
