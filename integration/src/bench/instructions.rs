@@ -12,9 +12,10 @@
 //! `callgrind_control -z` (zero) and a `-d` (dump): N one-event requests, and M requests of
 //! [`LONG_EVENTS`] events; both sequential over one HTTP/1.1 connection (h2load `-c 1`),
 //! every upstream write [`GAP_US`] apart (`x-bench-spaced`), so that Envoy reads each
-//! event alone and the same inputs give the same counts. Envoy's own timers (stats flush,
-//! the filters' ticks) run by the clock, not by the load: an idle window per round gives
-//! their rate, and each load's count is net of rate × its duration.
+//! event alone and the same inputs give the same counts. Envoy's stats flush runs only on
+//! an admin read (none while counting); the filters' ticks run by the clock, not by the
+//! load: an idle window per round gives their rate, and each load's count is net of rate ×
+//! its duration.
 //!
 //! Figures: instructions per request (one-event load / N), per event ((per request at
 //! [`LONG_EVENTS`] − at 1) / ([`LONG_EVENTS`] − 1)), their differences to `noop`,
@@ -35,8 +36,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// Events per request of the per-event load.
-pub const LONG_EVENTS: u64 = 64;
+/// Events per request of the per-event load. Per event is a difference of two counts over
+/// `n_long` × ([`LONG_EVENTS`] − 1) events: at 64 (60 × 63) the unevenness of the filters'
+/// clock-driven work in a load (a tick more or less: ≈ 130,000 instructions, estimated from
+/// the idle rate) moved it by up to ≈ 1 % from round to round; at 256, four times the
+/// events, by a quarter of that.
+pub const LONG_EVENTS: u64 = 256;
 
 /// Longest wait for one read of the lock-step client.
 const READ_TIMEOUT: Duration = Duration::from_secs(30);
@@ -221,18 +226,23 @@ where
     let named = base.with_file_name(format!("{label}.callgrind"));
     std::fs::rename(&file, &named)?;
     let text = std::fs::read_to_string(&named)?;
-    let ir = totals(&text).with_context(|| format!("no totals in {}", named.display()))?;
+    let ir = window_cost(&text).with_context(|| format!("no summary in {}", named.display()))?;
     Ok((ir, secs, out))
 }
 
-/// The `totals:` (else `summary:`) line of a callgrind dump.
-pub fn totals(text: &str) -> Option<u64> {
+/// The instructions a callgrind dump's window counted: its `summary:` line (else
+/// `totals:`). `summary:` is every thread's executed count since the last zero or dump;
+/// `totals:` is the sum of the cost lines written, which after a `callgrind_control -z`
+/// can hold cost from before the zero (Valgrind 3.19: +2.0 … 3.6 million in the first
+/// window after the warm-up, up to 2.9 million in a load soon after, a few hundred
+/// otherwise), so it is read only where a dump has no summary.
+pub fn window_cost(text: &str) -> Option<u64> {
     let line = |key: &str| {
         text.lines()
             .find_map(|l| l.strip_prefix(key))
             .and_then(|v| v.split_whitespace().next()?.parse().ok())
     };
-    line("totals:").or_else(|| line("summary:"))
+    line("summary:").or_else(|| line("totals:"))
 }
 
 /// Self instructions (Ir) of a callgrind dump by `(object, function)`: every cost line
@@ -411,9 +421,11 @@ pub async fn instructions(opts: &BenchOptions) -> Result<Value> {
             eo.command = Some(command);
             // V8 compiles every module under Valgrind too: minutes.
             eo.ready_timeout = Duration::from_secs(900);
-            // Envoy's stats flush (every 5 s by default) comes in lumps that a few
-            // seconds' load may or may not hold; the filters' ticks are even.
-            eo.extra_yaml = Some("stats_flush_interval: 299s".to_owned());
+            // Envoy's stats flush (every 5 s by default, 5 min at most) is a lump (≈ 1.9
+            // million instructions) that a load may or may not hold: flushed only when the
+            // admin stats are read (the warm-up, the end), never on a timer. The filters'
+            // ticks are even.
+            eo.extra_yaml = Some("stats_flush_on_admin: true".to_owned());
             // The untracked listener, unless a compared build takes its place (four wasm
             // filters fit in Valgrind's address space).
             if !variants
@@ -499,7 +511,7 @@ pub async fn instructions(opts: &BenchOptions) -> Result<Value> {
                 let (raw, secs, done) = counted(pid, &base, &label, load(v, events, n)).await?;
                 let net = raw as f64 - rate * secs;
                 eprintln!(
-                    "instructions round {round} {v:>18} {events:>2} event(s): {:>10.0} per request ({secs:.1} s, idle share {:.1} %)",
+                    "instructions round {round} {v:>18} {events:>3} event(s): {:>10.0} per request ({secs:.1} s, idle share {:.1} %)",
                     net / done as f64,
                     100.0 * rate * secs / raw as f64
                 );
@@ -553,6 +565,7 @@ pub async fn instructions(opts: &BenchOptions) -> Result<Value> {
                 "per_request_long_over_noop": mean(&zip(per_request(v, LONG_EVENTS), per_request("noop", LONG_EVENTS), |x, y| x / y)),
                 "per_event": mean(&ev),
                 "per_event_rounds": ev,
+                "per_event_disagreement": disagreement(&ev),
                 "per_event_minus_noop_read": mean(&ev_minus("noop-read")),
                 "per_event_minus_noop": mean(&ev_minus("noop")),
             }),
@@ -634,7 +647,7 @@ calls=2 0
 ob=(1)
 fn=(1)
 0 10
-totals: 1000
+totals: 1200
 ";
 
     #[test]
@@ -644,7 +657,8 @@ totals: 1000
         assert_eq!(c[&(libc, "memcpy".to_owned())], 110);
         assert_eq!(c[&("???".to_owned(), "0x0000000012345678".to_owned())], 45);
         assert_eq!(c.len(), 2);
-        assert_eq!(totals(DUMP), Some(1000));
+        assert_eq!(window_cost(DUMP), Some(1000));
+        assert_eq!(window_cost("events: Ir\ntotals: 1200\n"), Some(1200));
         assert_eq!(
             object_label("???", "0x000012f7d3ccf450"),
             "V8-generated code (wasm, wrappers)"

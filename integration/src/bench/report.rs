@@ -436,7 +436,7 @@ fn instructions_md(m: &mut String, r: &Value) {
     );
     let _ = writeln!(
         m,
-        "| listener | instructions / request | − noop | − none | ÷ noop | rounds differ by | instructions / event | − noop-read | − noop | ÷ noop at {} events |\n|---|---|---|---|---|---|---|---|---|---|",
+        "| listener | instructions / request | − noop | − none | ÷ noop | rounds differ by | instructions / event | rounds differ by | − noop-read | − noop | ÷ noop at {} events |\n|---|---|---|---|---|---|---|---|---|---|---|",
         r["long_events"]
     );
     let variants: Vec<&str> = r["variants"]
@@ -450,13 +450,14 @@ fn instructions_md(m: &mut String, r: &Value) {
         }
         let _ = writeln!(
             m,
-            "| {v} | {:.0} | {:+.0} | {:+.0} | {:.3} | {:.2} % | {:.0} | {:+.0} | {:+.0} | {:.3} |",
+            "| {v} | {:.0} | {:+.0} | {:+.0} | {:.3} | {:.2} % | {:.0} | {:.2} % | {:+.0} | {:+.0} | {:.3} |",
             f(&x["per_request"]),
             f(&x["per_request_minus_noop"]),
             f(&x["per_request_minus_none"]),
             f(&x["per_request_over_noop"]),
             100.0 * f(&x["per_request_disagreement"]),
             f(&x["per_event"]),
+            100.0 * f(&x["per_event_disagreement"]),
             f(&x["per_event_minus_noop_read"]),
             f(&x["per_event_minus_noop"]),
             f(&x["per_request_long_over_noop"]),
