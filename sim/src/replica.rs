@@ -556,8 +556,12 @@ impl Replica {
     /// (nobody else heard from, or a listener still answers), for the timeline.
     pub fn judge_leases(&mut self, now_ms: u64, ended: &mut Vec<Ended>) -> (Vec<Expired>, usize) {
         let now = self.now(now_ms);
-        let j = self.leases.judge(now);
+        let mut j = self.leases.judge(now);
         self.probes.extend(j.probes.iter().copied());
+        if self.mutations.off(Mechanism::LeaseHold) {
+            j.expired
+                .extend(j.holding.iter().map(|id| (*id, Expiry::Silent)));
+        }
         let mut out = Vec::new();
         // `end_vm`: a lost worker VM's requests (none here: nothing to do; one admitted
         // since the judgement: the VM lives).

@@ -388,6 +388,8 @@ pub struct Judgement {
     /// Expiries held now because nobody else was heard from since, or because the
     /// gateway's listener still answered (counted once per silent spell).
     pub held: usize,
+    /// Every instance past the TTL whose expiry is held at this judgement.
+    pub holding: Vec<InstanceId>,
     /// Listeners to connect to (each from a verified proof), and the instance each
     /// answers for: [`Leases::probed`] takes the answer.
     pub probes: Vec<(InstanceId, SocketAddr)>,
@@ -865,9 +867,12 @@ impl Leases {
                     continue;
                 }
             };
-            if hold && !l.held {
-                l.held = true;
-                j.held += 1;
+            if hold {
+                j.holding.push(id);
+                if !l.held {
+                    l.held = true;
+                    j.held += 1;
+                }
             }
             if let Some(a) = probe {
                 if j.probes.len() < MAX_PROBES {

@@ -62,6 +62,9 @@ pub fn judge(st: &Arc<AppState>) {
         st.metrics.lease.census(leases.census());
         j
     };
+    if !j.holding.is_empty() {
+        tracing::debug!(instances = ?j.holding, "gateway lease expiries held");
+    }
     if j.held > 0 {
         st.metrics.lease.held_expiries.inc_by(j.held as u64);
         tracing::warn!(held = j.held, "gateways went silent past the TTL and no other gateway was heard from since, or their listener still answers (frozen): expiries held");

@@ -169,8 +169,11 @@ fn a_silent_gateway_expires_a_period_and_a_half_after_another_is_heard_after_its
     renew_both(&mut l, A, 3, t0);
     let last_b = renew_both(&mut l, B, 3, t0 + ms(2_500));
     let last_a = t0 + ms(2 * P);
-    // Both silent: held.
-    assert_eq!(l.judge(last_a + TTL + ms(1)).held, 1);
+    // Both silent: held (counted once, named at every judgement).
+    let j = l.judge(last_a + TTL + ms(1));
+    assert_eq!((j.held, j.holding), (1, vec![A]));
+    let j = l.judge(last_a + TTL + ms(2));
+    assert_eq!((j.held, j.holding), (0, vec![A]));
     // B comes back (the paths are back): A's own renewal may be due up to a period
     // later, so A is not ended at B's; still silent a period and a half after, it is.
     let back = last_b + s(29);
