@@ -62,12 +62,10 @@ pub fn judge(st: &Arc<AppState>) {
         st.metrics.lease.census(leases.census());
         j
     };
-    if !j.holding.is_empty() {
-        tracing::debug!(instances = ?j.holding, "gateway lease expiries held");
-    }
     if j.held > 0 {
         st.metrics.lease.held_expiries.inc_by(j.held as u64);
-        tracing::warn!(held = j.held, "gateways went silent past the TTL and no other gateway was heard from since, or their listener still answers (frozen): expiries held");
+        let instances: Vec<String> = j.holding.iter().map(ToString::to_string).collect();
+        tracing::warn!(held = j.held, instances = %instances.join(","), "gateways went silent past the TTL and no other gateway was heard from since, or their listener still answers (frozen): expiries held");
     }
     for (instance, host) in &j.shared {
         st.metrics.lease.shared_host_keys.inc();
