@@ -68,11 +68,10 @@ pub struct Releasing {
     pub rejected: bool,
 }
 
-/// What a replica counted on its `/metrics`, for the figures oracle.
+/// What a replica counted on its `/metrics`, for the figures oracle (a prefill leg's
+/// `request_ends_total` cause is returned where it is counted, [`Replica::prefill_answered`]).
 #[derive(Debug, Default, Clone)]
 pub struct Counted {
-    /// `request_ends_total{cause}` of each prefill leg: (stream, cause).
-    pub prefill_ends: Vec<(usize, &'static str)>,
     /// Hand-offs taken from the table for a release (the streams').
     pub taken: Vec<usize>,
     /// `pd_releases_total{kind="handoff", result}`: (stream, result).
@@ -428,7 +427,6 @@ impl Replica {
         }
         let cause = if complete { "complete" } else { "client_gone" };
         self.remove(entry);
-        self.counted.prefill_ends.push((entry.0.stream, cause));
         cause
     }
 
@@ -442,8 +440,10 @@ impl Replica {
         &mut self,
         id: &RequestId,
         now_ms: u64,
-        caller_ms: u64,
-        release_ms: u64,
+        Waits {
+            release_ms,
+            caller_ms,
+        }: Waits,
     ) -> Option<(Release, u64)> {
         if self.mutations.off(Mechanism::HandoffRelease) {
             return None;
@@ -863,14 +863,7 @@ fn decide_abort(
                 }
                 FannedOut::Legs(f) => f,
             };
-            let (mut legs, late_ms) = legs_here(
-                &mut replicas[here],
-                &id,
-                found,
-                now_ms,
-                waits.caller_ms,
-                waits.release_ms,
-            );
+            let (mut legs, late_ms) = legs_here(&mut replicas[here], &id, found, now_ms, waits);
             legs.extend(remote);
             if ask_again(Route::EveryLeg, true, every_peer_answered) {
                 return Answer {
@@ -886,14 +879,7 @@ fn decide_abort(
         Route::Here => {
             let found = replicas[here].abort_here(&id, reason, now_ms, !deferrable, ended);
             if replicas[here].pd_role.is_some() {
-                let (legs, late_ms) = legs_here(
-                    &mut replicas[here],
-                    &id,
-                    found,
-                    now_ms,
-                    waits.caller_ms,
-                    waits.release_ms,
-                );
+                let (legs, late_ms) = legs_here(&mut replicas[here], &id, found, now_ms, waits);
                 return Answer {
                     late_ms,
                     ..legs_answer(&id, legs)
@@ -920,7 +906,7 @@ fn ask_again_answer() -> Answer {
 pub struct Waits {
     /// How long the decode side takes to answer a release sent now (virtual ms).
     pub release_ms: u64,
-    /// How long the gateway's call waits for this answer.
+    /// How long the caller waits for this answer (the gateway, or a peer fanning out).
     pub caller_ms: u64,
 }
 
@@ -932,8 +918,7 @@ fn legs_here(
     id: &RequestId,
     found: AbortFound,
     now_ms: u64,
-    caller_ms: u64,
-    release_ms: u64,
+    waits: Waits,
 ) -> (Vec<Leg>, u64) {
     let replica = format!("replica{}", r.index);
     let mut legs: Vec<Leg> = leg_result(found)
@@ -945,7 +930,7 @@ fn legs_here(
         .into_iter()
         .collect();
     let mut took = 0;
-    if let Some((release, t)) = r.release_handoff(id, now_ms, caller_ms, release_ms) {
+    if let Some((release, t)) = r.release_handoff(id, now_ms, waits) {
         took = t;
         legs.push(Leg {
             replica,
@@ -1027,8 +1012,10 @@ fn peer_abort(
             id,
             found,
             now_ms,
-            PEER_TIMEOUT_MS,
-            waits.release_ms,
+            Waits {
+                caller_ms: PEER_TIMEOUT_MS,
+                ..waits
+            },
         );
         return (legs_answer(id, legs), took);
     }
